@@ -1,0 +1,223 @@
+"""A small typed NATS/JetStream bus: protobuf in, protobuf out, trace context in headers.
+
+Every handler runs behind one boundary: a message that does not decode, or that a handler rejects
+with a LibraError, is logged, reported on the run's `errors` subject, and dropped; the subscription
+keeps serving. Durable consumers ack only after the handler succeeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import nats
+from google.protobuf.message import DecodeError, Message
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StreamConfig
+from opentelemetry import context as otel_context
+
+from services.common import subjects
+from services.common.contracts import ev
+from services.common.errors import LibraError, MalformedMessage
+from services.common.logging import get_logger
+from services.common.tracing import extract_context, inject_headers
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass
+class Envelope:
+    """What a handler gets besides the message: where it came from and its trace context."""
+
+    subject: str
+    headers: dict[str, str]
+    context: otel_context.Context
+    reply: str | None
+    raw: Msg
+
+
+Handler = Callable[[Any, Envelope], Awaitable[Message | None]]
+
+
+def decode(msg_type: type[M], data: bytes) -> M:
+    try:
+        out = msg_type()
+        out.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as err:
+        raise MalformedMessage(f"not a {msg_type.DESCRIPTOR.full_name}: {err}") from None
+    return out
+
+
+class Bus:
+    def __init__(self, nc: NATS, run_id: str, service: str, worker_id: str):
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.run_id = run_id
+        self.service = service
+        self.worker_id = worker_id
+        self.log = get_logger(component="bus")
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.rejected = 0
+
+    @classmethod
+    async def connect(cls, url: str, run_id: str, service: str, worker_id: str) -> Bus:
+        log = get_logger(component="bus")
+
+        async def on_error(e: Exception) -> None:
+            log.warning("nats_error", error=str(e))
+
+        nc = await nats.connect(
+            url,
+            name=f"{service}:{worker_id}",
+            connect_timeout=5,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=on_error,
+        )
+        return cls(nc, run_id, service, worker_id)
+
+    def subject(self, *parts: str) -> str:
+        return subjects.subject(self.run_id, *parts)
+
+    async def publish(
+        self, suffix: str, msg: Message, *, ctx: otel_context.Context | None = None, reply: str = ""
+    ) -> None:
+        await self.nc.publish(
+            self.subject(suffix), msg.SerializeToString(), reply=reply, headers=inject_headers(ctx)
+        )
+
+    async def request(self, suffix: str, msg: Message, resp_type: type[M], timeout: float = 5.0) -> M:
+        resp = await self.nc.request(
+            self.subject(suffix), msg.SerializeToString(), timeout=timeout, headers=inject_headers()
+        )
+        return decode(resp_type, resp.data)
+
+    async def subscribe(self, suffix: str, msg_type: type[M], handler: Handler, *, queue: str = "") -> Any:
+        """Subscribes a handler; if it returns a message and the sender asked for a reply, it is sent."""
+        subj = self.subject(suffix)
+
+        async def on_msg(raw: Msg) -> None:
+            out = await self._dispatch(raw, msg_type, handler)
+            if raw.reply and out is not None:
+                await self.nc.publish(raw.reply, out.SerializeToString())
+
+        return await self.nc.subscribe(subj, queue=queue, cb=on_msg)
+
+    async def _dispatch(self, raw: Msg, msg_type: type[M], handler: Handler) -> Message | None:
+        headers = dict(raw.headers or {})
+        try:
+            msg = decode(msg_type, raw.data)
+            env = Envelope(raw.subject, headers, extract_context(headers), raw.reply or None, raw)
+            return await handler(msg, env)
+        except LibraError as err:
+            await self.report_error(raw.subject, err.code, str(err))
+            if raw.reply:
+                return ev.ErrorEvent(
+                    service=self.service,
+                    worker_id=self.worker_id,
+                    subject=raw.subject,
+                    error=ev.ErrorInfo(code=err.code, message=str(err)),
+                )
+        except Exception as err:  # the boundary: a handler bug must not kill the subscription
+            self.log.exception("handler_failed", subject=raw.subject)
+            await self.report_error(raw.subject, "internal", f"{type(err).__name__}: {err}")
+        return None
+
+    async def report_error(self, subject: str, code: str, message: str) -> None:
+        self.rejected += 1
+        self.log.warning("message_rejected", subject=subject, code=code, reason=message)
+        with contextlib.suppress(Exception):
+            err = ev.ErrorEvent(
+                service=self.service,
+                worker_id=self.worker_id,
+                subject=subject,
+                error=ev.ErrorInfo(code=code, message=message[:500]),
+            )
+            await self.nc.publish(self.subject(subjects.ERRORS), err.SerializeToString())
+
+    # --- JetStream -------------------------------------------------------------------------
+
+    async def ensure_stream(self, what: str, suffixes: list[str], *, max_msgs_per_subject: int = -1) -> str:
+        name = subjects.stream_name(self.run_id, what)
+        cfg = StreamConfig(
+            name=name,
+            subjects=[self.subject(s) for s in suffixes],
+            retention=RetentionPolicy.LIMITS,
+            max_msgs_per_subject=max_msgs_per_subject,
+            duplicate_window=600.0,
+        )
+        try:
+            await self.js.add_stream(cfg)
+        except nats.js.errors.BadRequestError:
+            await self.js.update_stream(cfg)
+        return name
+
+    async def publish_durable(
+        self, suffix: str, msg: Message, *, msg_id: str, ctx: otel_context.Context | None = None
+    ) -> None:
+        """Publishes to a stream and waits for the server's ack; `msg_id` de-duplicates resends."""
+        headers = inject_headers(ctx)
+        headers["Nats-Msg-Id"] = msg_id
+        await self.js.publish(self.subject(suffix), msg.SerializeToString(), headers=headers, timeout=10)
+
+    async def pull_consumer(
+        self, suffix: str, durable: str, stream: str, *, ack_wait_s: float = 300.0
+    ) -> Any:
+        cfg = ConsumerConfig(
+            durable_name=durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=ack_wait_s,
+            max_ack_pending=10_000,
+        )
+        return await self.js.pull_subscribe(self.subject(suffix), durable=durable, stream=stream, config=cfg)
+
+    async def fetch(self, psub: Any, msg_type: type[M], batch: int, timeout: float) -> list[tuple[M, Msg]]:
+        """Fetches up to `batch` messages; malformed ones are reported and terminated (never redelivered)."""
+        try:
+            raws = await psub.fetch(batch, timeout=timeout)
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        out: list[tuple[M, Msg]] = []
+        for raw in raws:
+            try:
+                out.append((decode(msg_type, raw.data), raw))
+            except MalformedMessage as err:
+                await self.report_error(raw.subject, err.code, str(err))
+                await raw.term()
+        return out
+
+    async def last_message(self, suffix: str, stream: str, msg_type: type[M]) -> M | None:
+        try:
+            raw = await self.js.get_last_msg(stream, self.subject(suffix))
+        except nats.js.errors.NotFoundError:
+            return None
+        return decode(msg_type, raw.data or b"")
+
+    def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        """Runs a background task tied to the bus lifetime; failures are logged, not swallowed."""
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                self.log.error("background_task_failed", error=repr(t.exception()))
+
+        task.add_done_callback(done)
+        return task
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.nc.drain(), timeout=5)
+        if not self.nc.is_closed:
+            await self.nc.close()

@@ -1,0 +1,7 @@
+"""The wire contracts, re-exported from the one generated package."""
+
+from services.common.gen.libra.v1 import events_pb2 as ev
+from services.common.gen.libra.v1 import weightsync_pb2 as ws
+from services.common.gen.libra.v1 import weightsync_pb2_grpc as ws_grpc
+
+__all__ = ["ev", "ws", "ws_grpc"]

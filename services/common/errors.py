@@ -1,0 +1,35 @@
+"""Typed errors that a boundary turns into an ErrorInfo reply or event."""
+
+from __future__ import annotations
+
+
+class LibraError(Exception):
+    code = "internal"
+
+
+class MalformedMessage(LibraError):
+    """The bytes are not the protobuf message the subject carries."""
+
+    code = "malformed"
+
+
+class InvalidMessage(LibraError):
+    """The message decoded but breaks a contract rule (missing id, bad value)."""
+
+    code = "invalid"
+
+
+class StaleToken(LibraError):
+    """The sender's fencing token is no longer current."""
+
+    code = "stale_token"
+
+
+class Unavailable(LibraError):
+    code = "unavailable"
+
+
+def require(condition: bool, message: str) -> None:
+    """Raises InvalidMessage unless `condition` holds; used to validate decoded messages."""
+    if not condition:
+        raise InvalidMessage(message)

@@ -1,0 +1,331 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TurnRequest(_message.Message):
+    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "bucket", "context_token_ids", "max_new_tokens", "temperature", "min_policy_version", "stop")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    trajectory_id: str
+    turn_index: int
+    engine_id: str
+    bucket: str
+    context_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    temperature: float
+    min_policy_version: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., min_policy_version: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TurnResult(_message.Message):
+    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "token_ids", "logprobs", "policy_version", "finish_reason", "context_tokens", "queue_s", "generate_s", "text", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_S_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    trajectory_id: str
+    turn_index: int
+    engine_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    policy_version: int
+    finish_reason: str
+    context_tokens: int
+    queue_s: float
+    generate_s: float
+    text: str
+    error: ErrorInfo
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., context_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., text: _Optional[str] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("call_id", "trajectory_id", "tool", "args_json", "timeout_s")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    trajectory_id: str
+    tool: str
+    args_json: str
+    timeout_s: float
+    def __init__(self, call_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., tool: _Optional[str] = ..., args_json: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ToolReturn(_message.Message):
+    __slots__ = ("call_id", "trajectory_id", "tool", "status", "payload", "payload_bytes", "size_class", "wall_s", "cpu_s", "peak_rss_bytes", "truncated", "exit_code", "error")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    CPU_S_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    trajectory_id: str
+    tool: str
+    status: str
+    payload: str
+    payload_bytes: int
+    size_class: str
+    wall_s: float
+    cpu_s: float
+    peak_rss_bytes: int
+    truncated: bool
+    exit_code: int
+    error: str
+    def __init__(self, call_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., tool: _Optional[str] = ..., status: _Optional[str] = ..., payload: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., size_class: _Optional[str] = ..., wall_s: _Optional[float] = ..., cpu_s: _Optional[float] = ..., peak_rss_bytes: _Optional[int] = ..., truncated: _Optional[bool] = ..., exit_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "generated", "policy_version")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    generated: bool
+    policy_version: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., generated: _Optional[bool] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class CompletedTrajectory(_message.Message):
+    __slots__ = ("trajectory_id", "group_id", "sample_index", "group_size", "prompt_id", "segments", "reward", "num_turns", "min_policy_version", "max_policy_version", "tool_statuses", "finish", "latency_s", "final_text")
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOOL_STATUSES_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    FINAL_TEXT_FIELD_NUMBER: _ClassVar[int]
+    trajectory_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    prompt_id: str
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    reward: float
+    num_turns: int
+    min_policy_version: int
+    max_policy_version: int
+    tool_statuses: _containers.RepeatedScalarFieldContainer[str]
+    finish: str
+    latency_s: float
+    final_text: str
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., reward: _Optional[float] = ..., num_turns: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., tool_statuses: _Optional[_Iterable[str]] = ..., finish: _Optional[str] = ..., latency_s: _Optional[float] = ..., final_text: _Optional[str] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("engine_id", "bucket", "running", "waiting", "tokens_per_s", "weight_version", "weight_sync_addr")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SYNC_ADDR_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    bucket: str
+    running: int
+    waiting: int
+    tokens_per_s: float
+    weight_version: int
+    weight_sync_addr: str
+    def __init__(self, engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ...) -> None: ...
+
+class WorkerHello(_message.Message):
+    __slots__ = ("worker_id", "kind", "weight_sync_addr", "tensor_parallel", "preferred_bucket")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SYNC_ADDR_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    kind: str
+    weight_sync_addr: str
+    tensor_parallel: int
+    preferred_bucket: str
+    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[str] = ..., weight_sync_addr: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., preferred_bucket: _Optional[str] = ...) -> None: ...
+
+class Assignment(_message.Message):
+    __slots__ = ("worker_id", "role", "bucket", "fencing_token", "weight_sync_addr", "tensor_parallel")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SYNC_ADDR_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    bucket: str
+    fencing_token: int
+    weight_sync_addr: str
+    tensor_parallel: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., bucket: _Optional[str] = ..., fencing_token: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("plan_version", "assignments", "reason")
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    plan_version: int
+    assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
+    reason: str
+    def __init__(self, plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RoleChange(_message.Message):
+    __slots__ = ("worker_id", "from_role", "to_role", "bucket", "fencing_token")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
+    TO_ROLE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    from_role: str
+    to_role: str
+    bucket: str
+    fencing_token: int
+    def __init__(self, worker_id: _Optional[str] = ..., from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., bucket: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
+
+class WeightsUpdated(_message.Message):
+    __slots__ = ("version", "checksum", "size_bytes", "push_s", "engines", "train_step")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    checksum: str
+    size_bytes: int
+    push_s: float
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    train_step: int
+    def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., size_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., engines: _Optional[_Iterable[str]] = ..., train_step: _Optional[int] = ...) -> None: ...
+
+class TrainMetrics(_message.Message):
+    __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    REWARD_STD_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    KL_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    PUSH_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    weight_version: int
+    loss: float
+    reward_mean: float
+    reward_std: float
+    trajectories: int
+    tokens: int
+    step_s: float
+    kl: float
+    clip_fraction: float
+    push_s: float
+    push_bytes: int
+    done: bool
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class MetricSample(_message.Message):
+    __slots__ = ("service", "worker_id", "values")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    worker_id: str
+    values: _containers.ScalarMap[str, float]
+    def __init__(self, service: _Optional[str] = ..., worker_id: _Optional[str] = ..., values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ErrorInfo(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ErrorEvent(_message.Message):
+    __slots__ = ("service", "worker_id", "subject", "error")
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    worker_id: str
+    subject: str
+    error: ErrorInfo
+    def __init__(self, service: _Optional[str] = ..., worker_id: _Optional[str] = ..., subject: _Optional[str] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SchedulerStats(_message.Message):
+    __slots__ = ("trajectories_completed", "trajectories_in_flight", "tool_calls_by_status", "turns", "dropped_stale", "reward_mean")
+    class ToolCallsByStatusEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TRAJECTORIES_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_BY_STATUS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    trajectories_completed: int
+    trajectories_in_flight: int
+    tool_calls_by_status: _containers.ScalarMap[str, int]
+    turns: int
+    dropped_stale: int
+    reward_mean: float
+    def __init__(self, trajectories_completed: _Optional[int] = ..., trajectories_in_flight: _Optional[int] = ..., tool_calls_by_status: _Optional[_Mapping[str, int]] = ..., turns: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., reward_mean: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,59 @@
+"""Process lifecycle: parse settings, set up logging and tracing, run until a signal, drain, exit.
+
+A service provides `serve(stop: asyncio.Event, stack: AsyncExitStack)`; resources it enters into
+the stack are closed in reverse order after `stop` is set, within `grace_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Awaitable, Callable
+
+from services.common.config import CommonSettings, load_settings
+from services.common.logging import configure_logging, get_logger
+from services.common.tracing import configure_tracing, shutdown_tracing
+
+Serve = Callable[[CommonSettings, asyncio.Event, contextlib.AsyncExitStack], Awaitable[None]]
+
+
+def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
+    common = load_settings(CommonSettings)
+    worker_id = common.worker_id or f"{service}-{os.getpid()}"
+    common = common.model_copy(update={"worker_id": worker_id})
+    configure_logging(
+        service, fmt=common.log_format, level=common.log_level, run_id=common.run_id, worker_id=worker_id
+    )
+    configure_tracing(service, run_id=common.run_id, worker_id=worker_id, otlp_endpoint=common.otlp_endpoint)
+    log = get_logger()
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with contextlib.AsyncExitStack() as stack:
+            task = asyncio.create_task(serve(common, stop, stack))
+            stopper = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done and task.exception() is not None:
+                log.error("service_failed", error=repr(task.exception()))
+                stopper.cancel()
+                raise task.exception()  # type: ignore[misc]
+            stop.set()
+            log.info("service_stopping")
+            try:
+                await asyncio.wait_for(task, timeout=grace_s)
+            except (TimeoutError, asyncio.CancelledError):
+                log.warning("service_stop_timeout", grace_s=grace_s)
+            stopper.cancel()
+        log.info("service_stopped")
+        return 0
+
+    log.info("service_starting", nats_url=common.nats_url, redis_url=common.redis_url)
+    try:
+        return asyncio.run(main())
+    finally:
+        shutdown_tracing()

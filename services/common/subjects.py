@@ -1,0 +1,27 @@
+"""Versioned, run-scoped NATS subjects: libra.v1.<run>.<domain>.<event>."""
+
+from __future__ import annotations
+
+TURN_REQUEST = "turn.request"  # .<engine_id>
+TURN_RESULT = "turn.result"
+TOOL_CALL = "tool.call"
+TOOL_RETURN = "tool.return"
+TRAJ_COMPLETED = "traj.completed"
+ENGINE_LOAD = "engine.load"
+WORKER_HELLO = "worker.hello"
+PLAN = "plan.current"
+ROLE_CHANGE = "plan.role_change"
+WEIGHTS_UPDATED = "weights.updated"
+TRAIN_METRICS = "train.metrics"
+METRICS = "metrics"  # .<service>
+ERRORS = "errors"
+SCHEDULER_STATS = "scheduler.stats"
+
+
+def subject(run_id: str, *parts: str) -> str:
+    return ".".join(("libra", "v1", run_id, *parts))
+
+
+def stream_name(run_id: str, what: str) -> str:
+    """JetStream stream names cannot contain dots; one stream per durable event kind and run."""
+    return f"LIBRA_{run_id}_{what}".replace("-", "_").upper()
