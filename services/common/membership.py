@@ -22,8 +22,9 @@ LEASE_TTL_S = 10.0
 TRAINER_ROLE = "role:trainer"
 
 
-def worker_resource(worker_id: str) -> str:
-    return f"worker:{worker_id}"
+def lease_resource(role: str, worker_id: str) -> str:
+    """The trainer's lease is the role itself (one trainer owner at a time); others lease themselves."""
+    return TRAINER_ROLE if role == "train" else f"worker:{worker_id}"
 
 
 class Membership:
@@ -99,7 +100,7 @@ class Membership:
             a = self.assignment
             if a is None:
                 continue
-            lease = Lease(worker_resource(a.worker_id), a.worker_id, a.fencing_token)
+            lease = Lease(lease_resource(a.role, a.worker_id), a.worker_id, a.fencing_token)
             try:
                 ok = await self.store.renew(lease, LEASE_TTL_S)
             except Exception as err:  # Redis down: keep trying, the lease may still be live
