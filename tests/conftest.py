@@ -1,0 +1,48 @@
+"""Real infrastructure for integration and e2e tests: one nats-server and one Redis-compatible
+server per test session, on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from services.common.localstack import Server, start_nats, start_redis  # noqa: E402
+from services.common.runconfig import ModelConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_nats(tmp_path_factory.mktemp("nats"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_redis(tmp_path_factory.mktemp("redis"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A fresh run scope per test, so subjects, streams and keys never collide."""
+    return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> ModelConfig:
+    """A 2-layer random Llama with SmolLM2's tokenizer, built once and cached under .libra/models."""
+    from services.common.models import resolve_model_dir
+
+    cfg = ModelConfig(source="tiny-random", cache_dir=str(ROOT / ".libra" / "models"))
+    resolve_model_dir(cfg)
+    return cfg
