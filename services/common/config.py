@@ -14,9 +14,9 @@ S = TypeVar("S", bound=BaseSettings)
 class CommonSettings(BaseSettings):
     """Where the stack is and how to report; read from LIBRA_* variables."""
 
-    model_config = SettingsConfigDict(env_prefix="LIBRA_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="LIBRA_", extra="ignore", use_attribute_docstrings=True)
 
-    run_id: str = Field("local", pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Run scope for every subject.")
+    run_id: str = Field("local", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     """Run scope of every NATS subject and Redis key (letters, digits, '-', '_')."""
     nats_url: str = "nats://127.0.0.1:4222"
     """NATS server URL."""

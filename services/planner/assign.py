@@ -1,0 +1,61 @@
+"""The static assignment policy: which role and bucket a newly seen worker gets.
+
+Pure: the planner shell feeds worker hellos and expired leases, and publishes what this returns.
+The search over allocations (cost model, hybrid pool) replaces it in its own issue.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+ROLE_BY_KIND = {
+    "rollout-engine": "rollout",
+    "trainer": "train",
+    "tool-sandbox": "tool",
+    "scheduler": "schedule",
+}
+
+
+@dataclass
+class Slot:
+    worker_id: str
+    kind: str
+    role: str
+    bucket: str
+    weight_sync_addr: str = ""
+    tensor_parallel: int = 1
+    fencing_token: int = 0
+
+
+class StaticAssigner:
+    def __init__(self, buckets: list[str]):
+        if not buckets:
+            raise ValueError("at least one rollout bucket is needed")
+        self.buckets = buckets
+
+    def assign(
+        self,
+        worker_id: str,
+        kind: str,
+        preferred_bucket: str,
+        current: dict[str, Slot],
+        *,
+        addr: str = "",
+        tp: int = 1,
+    ) -> Slot | None:
+        """A slot for a new worker, or None for an unknown kind. One trainer holds the train role;
+        further trainers stand by. Engines take their preferred bucket, else the emptiest one."""
+        role = ROLE_BY_KIND.get(kind)
+        if role is None:
+            return None
+        bucket = ""
+        if role == "train" and any(s.role == "train" for s in current.values() if s.worker_id != worker_id):
+            role = "standby"
+        if role == "rollout":
+            if preferred_bucket in self.buckets:
+                bucket = preferred_bucket
+            else:
+                counts = Counter(s.bucket for s in current.values() if s.role == "rollout")
+                bucket = min(self.buckets, key=lambda b: (counts[b], self.buckets.index(b)))
+        return Slot(worker_id, kind, role, bucket, addr, tp)

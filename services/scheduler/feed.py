@@ -1,0 +1,48 @@
+"""The task feed: dataset → GRPO groups, released under a staleness budget.
+
+Asynchronous RL lets rollout run ahead of training, but a trajectory sampled by a policy more than
+`max_staleness` versions old is useless to the trainer. The feed therefore releases a new group only
+while the groups launched stay within (max_staleness + 1) training steps of what has been trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.task import Task
+
+
+@dataclass
+class GroupTicket:
+    group_id: str
+    task: Task
+    index: int
+
+
+class TaskFeed:
+    def __init__(self, tasks: list[Task], *, groups_per_step: int, max_staleness: int, total_steps: int):
+        if not tasks:
+            raise ValueError("the task feed needs at least one task")
+        self.tasks = tasks
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+        self.total_groups = groups_per_step * total_steps
+        self.launched = 0
+
+    def budget(self, trained_version: int) -> int:
+        """Groups that may be in flight or waiting for the trainer at policy version `trained_version`."""
+        limit = (trained_version + self.max_staleness + 1) * self.groups_per_step
+        return max(0, min(limit, self.total_groups) - self.launched)
+
+    def take(self, trained_version: int) -> list[GroupTicket]:
+        out = []
+        for _ in range(self.budget(trained_version)):
+            i = self.launched
+            task = self.tasks[i % len(self.tasks)]
+            out.append(GroupTicket(group_id=f"g{i:05d}-{task.prompt_id}", task=task, index=i))
+            self.launched += 1
+        return out
+
+    @property
+    def exhausted(self) -> bool:
+        return self.launched >= self.total_groups

@@ -1,0 +1,37 @@
+"""Tokenisation of the agent's conversation so that the trained sequence is exactly what was sampled.
+
+Generated tokens are kept as sampled; only the text the environment adds (the prompt and each tool
+observation) is tokenised here. Observations are appended in the model's chat format (ChatML for
+SmolLM2), closing the assistant turn first if the model did not end it itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.scheduler.task import EXAMPLE, SYSTEM_PROMPT, Task
+
+
+class Prompter:
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        self.chatml = "<|im_start|>" in tokenizer.get_vocab()
+        self.eos_id = tokenizer.eos_token_id
+
+    def prompt_ids(self, task: Task) -> list[int]:
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            *EXAMPLE,
+            {"role": "user", "content": task.question},
+        ]
+        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return [int(t) for t in ids]
+
+    def observation_ids(self, text: str, ended_with_eos: bool) -> list[int]:
+        if self.chatml:
+            closing = "" if ended_with_eos else "<|im_end|>"
+            rendered = f"{closing}\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        else:
+            rendered = f"\nUser: {text}\nAssistant:"
+        return [int(t) for t in self.tok(rendered, add_special_tokens=False)["input_ids"]]

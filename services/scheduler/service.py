@@ -1,0 +1,375 @@
+"""The scheduler's service shell: feeds tasks, drives each trajectory's state machine over the bus,
+routes turns to engines and publishes completed trajectories durably for the trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from services.common import subjects
+from services.common.bus import Bus, Envelope
+from services.common.config import CommonSettings
+from services.common.contracts import ev
+from services.common.errors import require
+from services.common.logging import get_logger
+from services.common.membership import Membership
+from services.common.ownership import OwnershipStore
+from services.common.runconfig import RunConfig
+from services.common.tracing import tracer
+from services.scheduler.agent import STOP_STRINGS, observation
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.feed import GroupTicket, TaskFeed
+from services.scheduler.prompting import Prompter
+from services.scheduler.router import EngineView, pick_least_loaded
+from services.scheduler.task import arithmetic_tasks
+from services.scheduler.trajectory import Action, CallTool, Finish, Generate, Trajectory
+
+
+@dataclass
+class Live:
+    """A trajectory in flight, with the span that is its trace."""
+
+    traj: Trajectory
+    span: trace.Span
+    bucket: str
+    step_span: trace.Span | None = None
+    request_id: str = ""
+    call_id: str = ""
+    engine_id: str = ""
+    deadline: float = 0.0
+    retries: int = 0
+    pending_action: Generate | None = None
+    history: list[str] = field(default_factory=list)
+
+
+class SchedulerService:
+    def __init__(
+        self,
+        common: CommonSettings,
+        settings: SchedulerSettings,
+        cfg: RunConfig,
+        bus: Bus,
+        store: OwnershipStore,
+        prompter: Prompter,
+    ):
+        self.common, self.settings, self.cfg = common, settings, cfg
+        self.bus, self.store, self.prompter = bus, store, prompter
+        self.log = get_logger(component="scheduler")
+        tasks = arithmetic_tasks(cfg.task.num_prompts, cfg.task.seed)
+        self.feed = TaskFeed(
+            tasks,
+            groups_per_step=cfg.training.groups_per_step,
+            max_staleness=cfg.training.max_staleness,
+            total_steps=cfg.training.steps,
+        )
+        self.engines: dict[str, EngineView] = {}
+        self.live: dict[str, Live] = {}
+        self.by_request: dict[str, str] = {}
+        self.by_call: dict[str, str] = {}
+        self.trained_version = 0
+        self.completed = 0
+        self.turns = 0
+        self.rewards: list[float] = []
+        self.tool_statuses: Counter[str] = Counter()
+        self.started = time.monotonic()
+        self.membership = Membership(
+            bus,
+            store,
+            ev.WorkerHello(worker_id=bus.worker_id, kind="scheduler"),
+            on_plan=self._on_plan,
+        )
+
+    async def start(self) -> None:
+        self.traj_stream = await self.bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
+        await self.bus.subscribe(subjects.TURN_RESULT, ev.TurnResult, self._on_turn_result)
+        await self.bus.subscribe(subjects.TOOL_RETURN, ev.ToolReturn, self._on_tool_return)
+        await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_engine_load)
+        await self.bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self._on_weights)
+        await self.bus.subscribe(subjects.SCHEDULER_STATS, ev.StatsRequest, self._on_stats)
+        await self.membership.start()
+        self.bus.spawn(self._loop())
+
+    async def _on_plan(self, plan: ev.Plan) -> None:
+        current = {a.worker_id: a for a in plan.assignments if a.role in ("rollout", "hybrid")}
+        for wid in list(self.engines):
+            if wid not in current:
+                self.engines.pop(wid)
+        for wid, a in current.items():
+            view = self.engines.setdefault(wid, EngineView(wid, a.bucket))
+            view.bucket = a.bucket
+        self.log.info("engines_updated", engines=sorted(self.engines))
+
+    async def _on_engine_load(self, load: ev.EngineLoad, _: Envelope) -> None:
+        view = self.engines.get(load.engine_id)
+        if view is not None:
+            view.reported_waiting = load.waiting
+
+    async def _on_weights(self, msg: ev.WeightsUpdated, _: Envelope) -> None:
+        if msg.version > self.trained_version:
+            self.trained_version = msg.version
+            self.log.info("policy_version", version=msg.version)
+
+    async def _on_stats(self, _: ev.StatsRequest, __: Envelope) -> ev.SchedulerStats:
+        return ev.SchedulerStats(
+            trajectories_completed=self.completed,
+            trajectories_in_flight=len(self.live),
+            tool_calls_by_status=dict(self.tool_statuses),
+            turns=self.turns,
+            reward_mean=sum(self.rewards) / len(self.rewards) if self.rewards else 0.0,
+        )
+
+    async def _loop(self) -> None:
+        waited_since = time.monotonic()
+        while True:
+            await asyncio.sleep(self.settings.tick_s)
+            enough = len(self.engines) >= self.cfg.rollout.engines
+            if not self.engines or (
+                not enough and time.monotonic() - waited_since < self.settings.engine_wait_s
+            ):
+                continue
+            for ticket in self.feed.take(self.trained_version):
+                self._launch_group(ticket)
+            await self._watchdog()
+
+    def _launch_group(self, ticket: GroupTicket) -> None:
+        prompt_ids = self.prompter.prompt_ids(ticket.task)
+        size = self.cfg.task.group_size
+        for i in range(size):
+            traj = Trajectory(
+                trajectory_id=f"{ticket.group_id}-s{i}",
+                group_id=ticket.group_id,
+                sample_index=i,
+                group_size=size,
+                task=ticket.task,
+                prompt_ids=prompt_ids,
+                max_turns=self.cfg.task.max_turns,
+                max_new_tokens=self.cfg.task.max_new_tokens,
+                max_context_tokens=self.cfg.task.max_context_tokens,
+                started_at=time.monotonic(),
+            )
+            span = tracer().start_span(
+                "trajectory",
+                attributes={
+                    "libra.trajectory_id": traj.trajectory_id,
+                    "libra.group_id": traj.group_id,
+                    "libra.prompt_id": ticket.task.prompt_id,
+                    "libra.run_id": self.common.run_id,
+                },
+            )
+            bucket = self.cfg.rollout.buckets[0].name
+            self.live[traj.trajectory_id] = Live(traj, span, bucket)
+            self.bus.spawn(self._execute(self.live[traj.trajectory_id], traj.first_action()))
+
+    async def _execute(self, live: Live, action: Action) -> None:
+        if isinstance(action, Generate):
+            await self._send_turn(live, action)
+        elif isinstance(action, CallTool):
+            await self._send_tool(live, action)
+        elif isinstance(action, Finish):
+            await self._finish(live, action)
+
+    async def _send_turn(self, live: Live, action: Generate) -> None:
+        traj = live.traj
+        engine = pick_least_loaded(list(self.engines.values()), live.bucket)
+        if engine is None:
+            live.pending_action, live.deadline = action, time.monotonic() + 1.0
+            return
+        live.request_id = uuid.uuid4().hex
+        live.engine_id = engine.engine_id
+        live.pending_action = action
+        live.deadline = time.monotonic() + self.settings.turn_timeout_s
+        engine.in_flight += 1
+        self.by_request[live.request_id] = traj.trajectory_id
+        ctx = trace.set_span_in_context(live.span)
+        live.step_span = tracer().start_span(
+            "turn.generate",
+            context=ctx,
+            attributes={
+                "libra.turn": traj.turns,
+                "libra.engine_id": engine.engine_id,
+                "libra.bucket": live.bucket,
+            },
+        )
+        req = ev.TurnRequest(
+            request_id=live.request_id,
+            trajectory_id=traj.trajectory_id,
+            turn_index=traj.turns,
+            engine_id=engine.engine_id,
+            bucket=live.bucket,
+            context_token_ids=action.context,
+            max_new_tokens=action.max_new_tokens,
+            temperature=self.cfg.task.temperature,
+            min_policy_version=max(traj.versions, default=0),
+            stop=STOP_STRINGS,
+        )
+        await self.bus.publish(
+            f"{subjects.TURN_REQUEST}.{engine.engine_id}", req, ctx=trace.set_span_in_context(live.step_span)
+        )
+
+    async def _on_turn_result(self, res: ev.TurnResult, _: Envelope) -> None:
+        traj_id = self.by_request.pop(res.request_id, None)
+        if traj_id is None:
+            return  # a late answer to a request we already re-sent, or another run's
+        live = self.live[traj_id]
+        engine = self.engines.get(res.engine_id)
+        if engine is not None:
+            engine.in_flight = max(0, engine.in_flight - 1)
+        if live.step_span is not None:
+            live.step_span.set_attribute("libra.tokens", len(res.token_ids))
+            live.step_span.set_attribute("libra.policy_version", res.policy_version)
+            live.step_span.end()
+        if res.HasField("error") and res.error.code:
+            self.log.warning(
+                "turn_failed", trajectory_id=traj_id, code=res.error.code, reason=res.error.message
+            )
+            await self._retry_or_fail(live)
+            return
+        self.turns += 1
+        eos = (
+            res.finish_reason == "stop" and bool(res.token_ids) and res.token_ids[-1] == self.prompter.eos_id
+        )
+        action = live.traj.on_turn(list(res.token_ids), list(res.logprobs), res.text, res.policy_version, eos)
+        await self._execute(live, action)
+
+    async def _retry_or_fail(self, live: Live) -> None:
+        live.retries += 1
+        if live.retries > self.settings.max_turn_retries or live.pending_action is None:
+            await self._finish(live, live.traj.fail())
+            return
+        if live.engine_id in self.engines:
+            self.engines[live.engine_id].in_flight = max(0, self.engines[live.engine_id].in_flight - 1)
+        await self._send_turn(live, live.pending_action)
+
+    async def _send_tool(self, live: Live, action: CallTool) -> None:
+        live.call_id = uuid.uuid4().hex
+        live.deadline = time.monotonic() + self.cfg.task.tool_timeout_s + self.settings.tool_grace_s
+        self.by_call[live.call_id] = live.traj.trajectory_id
+        live.step_span = tracer().start_span(
+            "tool.call",
+            context=trace.set_span_in_context(live.span),
+            attributes={"libra.tool": action.request.tool},
+        )
+        call = ev.ToolCall(
+            call_id=live.call_id,
+            trajectory_id=live.traj.trajectory_id,
+            tool=action.request.tool,
+            args_json=action.request.args_json,
+            timeout_s=self.cfg.task.tool_timeout_s,
+        )
+        await self.bus.publish(subjects.TOOL_CALL, call, ctx=trace.set_span_in_context(live.step_span))
+
+    async def _on_tool_return(self, ret: ev.ToolReturn, _: Envelope) -> None:
+        require(bool(ret.call_id), "tool return without call_id")
+        traj_id = self.by_call.pop(ret.call_id, None)
+        if traj_id is None:
+            return
+        await self._tool_returned(self.live[traj_id], ret.status or "error", ret.payload)
+
+    async def _tool_returned(self, live: Live, status: str, payload: str) -> None:
+        self.tool_statuses[status] += 1
+        if live.step_span is not None:
+            live.step_span.set_attribute("libra.tool_status", status)
+            live.step_span.end()
+        obs = self.prompter.observation_ids(observation(status, payload), live.traj.ended_with_eos)
+        await self._execute(live, live.traj.on_tool_return(status, obs))
+
+    async def _watchdog(self) -> None:
+        now = time.monotonic()
+        for live in list(self.live.values()):
+            if now < live.deadline:
+                continue
+            if live.call_id and live.call_id in self.by_call:
+                self.by_call.pop(live.call_id)
+                self.log.warning("tool_timeout_no_return", trajectory_id=live.traj.trajectory_id)
+                await self._tool_returned(live, "timeout", "no tool-sandbox answered in time")
+            elif live.request_id in self.by_request or (live.pending_action and not live.request_id):
+                self.by_request.pop(live.request_id, None)
+                self.log.warning(
+                    "turn_timeout", trajectory_id=live.traj.trajectory_id, engine_id=live.engine_id
+                )
+                await self._retry_or_fail(live)
+
+    async def _finish(self, live: Live, fin: Finish) -> None:
+        traj = live.traj
+        self.live.pop(traj.trajectory_id, None)
+        latency = time.monotonic() - traj.started_at
+        versions = traj.versions or [0]
+        msg = ev.CompletedTrajectory(
+            trajectory_id=traj.trajectory_id,
+            group_id=traj.group_id,
+            sample_index=traj.sample_index,
+            group_size=traj.group_size,
+            prompt_id=traj.task.prompt_id,
+            segments=[
+                ev.Segment(
+                    token_ids=s.token_ids,
+                    logprobs=s.logprobs,
+                    generated=s.generated,
+                    policy_version=s.policy_version,
+                )
+                for s in traj.segments
+            ],
+            reward=fin.reward,
+            num_turns=traj.turns,
+            min_policy_version=min(versions),
+            max_policy_version=max(versions),
+            tool_statuses=traj.tool_statuses,
+            finish=fin.reason,
+            latency_s=latency,
+            final_text=traj.texts[-1] if traj.texts else "",
+        )
+        with tracer().start_as_current_span("score", context=trace.set_span_in_context(live.span)) as s:
+            s.set_attribute("libra.reward", fin.reward)
+        live.span.set_attribute("libra.finish", fin.reason)
+        live.span.set_attribute("libra.reward", fin.reward)
+        live.span.set_attribute("libra.turns", traj.turns)
+        for attempt in range(5):
+            try:
+                await self.bus.publish_durable(
+                    subjects.TRAJ_COMPLETED,
+                    msg,
+                    msg_id=traj.trajectory_id,
+                    ctx=trace.set_span_in_context(live.span),
+                )
+                break
+            except Exception as err:  # JetStream briefly unavailable: the msg id makes resends safe
+                self.log.warning(
+                    "publish_retry", trajectory_id=traj.trajectory_id, error=str(err), attempt=attempt
+                )
+                await asyncio.sleep(0.5 * (attempt + 1))
+        live.span.end()
+        self.completed += 1
+        self.rewards.append(fin.reward)
+        self.log.info(
+            "trajectory_completed",
+            trajectory_id=traj.trajectory_id,
+            finish=fin.reason,
+            reward=fin.reward,
+            turns=traj.turns,
+            latency_s=round(latency, 3),
+        )
+
+
+async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:
+    from services.common.config import load_settings
+    from services.common.models import load_tokenizer
+    from services.common.runconfig import load_run_config
+
+    settings = load_settings(SchedulerSettings)
+    cfg = load_run_config(common.config)
+    assert common.worker_id is not None
+    prompter = Prompter(load_tokenizer(cfg.model))
+    bus = await Bus.connect(common.nats_url, common.run_id, "scheduler", common.worker_id)
+    stack.push_async_callback(bus.close)
+    store = OwnershipStore.from_url(common.redis_url, common.run_id)
+    stack.push_async_callback(store.close)
+    svc = SchedulerService(common, settings, cfg, bus, store, prompter)
+    await svc.start()
+    get_logger().info("scheduler_ready", prompts=cfg.task.num_prompts, group_size=cfg.task.group_size)
+    await stop.wait()

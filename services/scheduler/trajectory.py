@@ -1,0 +1,133 @@
+"""One trajectory's agent loop as an explicit state machine: generate → tool → generate … → reward.
+
+Pure: token ids come in (already tokenised by the caller), actions go out. The caller carries them
+out over the bus and feeds the results back.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from services.scheduler.agent import ToolRequest, parse_action
+from services.scheduler.task import Task, score
+
+
+class State(enum.Enum):
+    GENERATING = "generating"
+    TOOL_PENDING = "tool_pending"
+    DONE = "done"
+
+
+class IllegalTransition(Exception):
+    pass
+
+
+@dataclass
+class Segment:
+    token_ids: list[int]
+    logprobs: list[float]
+    generated: bool
+    policy_version: int = -1
+
+
+@dataclass(frozen=True)
+class Generate:
+    context: list[int]
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class CallTool:
+    request: ToolRequest
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str  # answer | max_turns | length | error
+    reward: float
+
+
+Action = Generate | CallTool | Finish
+
+
+@dataclass
+class Trajectory:
+    trajectory_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    task: Task
+    prompt_ids: list[int]
+    max_turns: int
+    max_new_tokens: int
+    max_context_tokens: int
+    started_at: float
+    state: State = State.GENERATING
+    segments: list[Segment] = field(default_factory=list)
+    turns: int = 0
+    texts: list[str] = field(default_factory=list)
+    tool_statuses: list[str] = field(default_factory=list)
+    finish: Finish | None = None
+    ended_with_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.segments.append(Segment(list(self.prompt_ids), [], generated=False))
+
+    @property
+    def context(self) -> list[int]:
+        return [t for s in self.segments for t in s.token_ids]
+
+    @property
+    def versions(self) -> list[int]:
+        return [s.policy_version for s in self.segments if s.generated]
+
+    def first_action(self) -> Action:
+        return self._next_generation()
+
+    def on_turn(
+        self, token_ids: list[int], logprobs: list[float], text: str, version: int, eos: bool
+    ) -> Action:
+        """A generation turn finished: decide whether to call a tool or finish."""
+        if self.state is not State.GENERATING:
+            raise IllegalTransition(f"turn result in state {self.state.value}")
+        if len(token_ids) != len(logprobs):
+            raise ValueError("token_ids and logprobs differ in length")
+        self.turns += 1
+        self.segments.append(Segment(list(token_ids), list(logprobs), generated=True, policy_version=version))
+        self.texts.append(text)
+        self.ended_with_eos = eos
+        request = parse_action(text)
+        if request is None:
+            return self._finish("answer")
+        if self.turns >= self.max_turns:
+            return self._finish("max_turns")
+        self.state = State.TOOL_PENDING
+        return CallTool(request)
+
+    def on_tool_return(self, status: str, observation_ids: list[int]) -> Action:
+        """A tool returned; its observation (tokenised by the caller) becomes part of the context."""
+        if self.state is not State.TOOL_PENDING:
+            raise IllegalTransition(f"tool return in state {self.state.value}")
+        self.tool_statuses.append(status)
+        self.segments.append(Segment(list(observation_ids), [], generated=False))
+        self.state = State.GENERATING
+        return self._next_generation()
+
+    def fail(self) -> Finish:
+        return self._finish("error")
+
+    def _next_generation(self) -> Action:
+        ctx = self.context
+        if len(ctx) + 1 > self.max_context_tokens:
+            return self._finish("length")
+        budget = min(self.max_new_tokens, self.max_context_tokens - len(ctx))
+        return Generate(ctx, budget)
+
+    def _finish(self, reason: str) -> Finish:
+        final_text = self.texts[-1] if self.texts else ""
+        ok_tools = sum(1 for s in self.tool_statuses if s == "ok")
+        reward = 0.0 if reason == "error" else score(final_text, self.task.answer, ok_tools)
+        self.finish = Finish(reason, reward)
+        self.state = State.DONE
+        return self.finish

@@ -1,0 +1,121 @@
+"""The tool-sandbox's service shell: tool calls in over a NATS queue group (so replicas share the
+load), tool returns out with the outcome features C-MLFQ routes by."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from opentelemetry import trace
+
+from services.common import subjects
+from services.common.bus import Bus, Envelope
+from services.common.config import CommonSettings, load_settings
+from services.common.contracts import ev
+from services.common.logging import get_logger
+from services.common.membership import Membership
+from services.common.ownership import OwnershipStore
+from services.common.tracing import tracer
+from services.tool_sandbox.config import SandboxSettings
+from services.tool_sandbox.executor import SandboxExecutor, ToolOutcome
+
+QUEUE_GROUP = "tool-sandbox"
+METRICS_PERIOD_S = 5.0
+
+
+def to_proto(call: ev.ToolCall, out: ToolOutcome) -> ev.ToolReturn:
+    return ev.ToolReturn(
+        call_id=call.call_id,
+        trajectory_id=call.trajectory_id,
+        tool=out.tool,
+        status=out.status,
+        payload=out.payload,
+        payload_bytes=out.payload_bytes,
+        size_class=out.size_class,
+        wall_s=out.wall_s,
+        cpu_s=out.cpu_s,
+        peak_rss_bytes=out.peak_rss_bytes,
+        truncated=out.truncated,
+        exit_code=out.exit_code,
+        error=out.error,
+    )
+
+
+class ToolSandboxService:
+    def __init__(self, bus: Bus, executor: SandboxExecutor):
+        self.bus = bus
+        self.executor = executor
+        self.log = get_logger(component="tool_sandbox")
+
+    async def start(self) -> None:
+        await self.bus.subscribe(subjects.TOOL_CALL, ev.ToolCall, self._on_call, queue=QUEUE_GROUP)
+        self.bus.spawn(self._report_metrics())
+
+    async def _on_call(self, call: ev.ToolCall, env: Envelope) -> None:
+        # Each call runs on its own task so one slow tool does not hold up the subscription.
+        self.bus.spawn(self._run(call, env))
+
+    async def _run(self, call: ev.ToolCall, env: Envelope) -> None:
+        with tracer().start_as_current_span(
+            "tool.execute",
+            context=env.context,
+            attributes={"libra.tool": call.tool, "libra.call_id": call.call_id},
+        ) as span:
+            try:
+                args = json.loads(call.args_json or "{}")
+            except json.JSONDecodeError:
+                args = None  # the executor rejects anything that is not an object, with a typed error
+            timeout = call.timeout_s if call.timeout_s > 0 else None
+            out = await self.executor.execute(tool=call.tool, args=args, timeout_s=timeout)
+            span.set_attribute("libra.tool_status", out.status)
+            span.set_attribute("libra.size_class", out.size_class)
+            self.log.info(
+                "tool_returned",
+                trajectory_id=call.trajectory_id,
+                tool=call.tool,
+                status=out.status,
+                wall_s=round(out.wall_s, 4),
+                payload_bytes=out.payload_bytes,
+            )
+            await self.bus.publish(
+                subjects.TOOL_RETURN, to_proto(call, out), ctx=trace.set_span_in_context(span)
+            )
+
+    async def _report_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_PERIOD_S)
+            values = {
+                k: float(v)
+                for k, v in _flatten(self.executor.metrics()).items()
+                if isinstance(v, int | float)
+            }
+            sample = ev.MetricSample(service="tool-sandbox", worker_id=self.bus.worker_id, values=values)
+            await self.bus.publish(f"{subjects.METRICS}.tool-sandbox", sample)
+
+
+def _flatten(d: dict[str, object], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:
+    settings = load_settings(SandboxSettings)
+    assert common.worker_id is not None
+    executor = SandboxExecutor(settings)
+    await executor.start()
+    stack.push_async_callback(executor.close)
+    bus = await Bus.connect(common.nats_url, common.run_id, "tool-sandbox", common.worker_id)
+    stack.push_async_callback(bus.close)
+    store = OwnershipStore.from_url(common.redis_url, common.run_id)
+    stack.push_async_callback(store.close)
+    await Membership(bus, store, ev.WorkerHello(worker_id=common.worker_id, kind="tool-sandbox")).start()
+    await ToolSandboxService(bus, executor).start()
+    get_logger().info("tool_sandbox_ready", tools=sorted(executor.tool_schemas()))
+    await stop.wait()
