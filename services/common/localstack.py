@@ -13,6 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def die_with_parent() -> None:
+    """preexec_fn: the kernel sends SIGTERM to the child if its parent dies, so no orphans are left."""
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,6 +85,7 @@ def start_nats(data_dir: Path, log_file: Path | None = None, port: int | None = 
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     wait_port(port)
     return Server("nats", f"nats://127.0.0.1:{port}", port, proc)
@@ -102,6 +112,7 @@ def start_redis(data_dir: Path, log_file: Path | None = None, port: int | None =
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     wait_port(port)
     return Server("redis", f"redis://127.0.0.1:{port}/0", port, proc)

@@ -1,0 +1,157 @@
+"""The `libra` command: up, down, status, run, sim, sandbox."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from tools.stack import ROOT, STACK_FILE, Stack, pid_alive, read_stack_file
+
+DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
+
+
+def _load(config: str) -> tuple[Path, object]:
+    from services.common.runconfig import load_run_config
+
+    path = Path(config)
+    return path, load_run_config(path)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.common.runconfig import RunConfig
+
+    if read_stack_file():
+        print(f"a stack is already up (see {STACK_FILE}); `libra down` first", file=sys.stderr)
+        return 1
+    path, cfg = _load(args.config)
+    assert isinstance(cfg, RunConfig)
+    from services.common.models import resolve_model_dir
+
+    resolve_model_dir(cfg.model)
+    run_id = args.run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stack = Stack(run_id, path, ROOT / "runs" / run_id / "logs", args.otlp_endpoint)
+    stopping = {"flag": False}
+
+    def on_signal(signum: int, _: object) -> None:
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack.start_infra()
+        stack.start_services(cfg.rollout.engines)
+        STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
+        STACK_FILE.write_text(json.dumps(stack.state(), indent=2))
+        print(f"Libra stack up (run {run_id})")
+        print(f"  nats   {stack.nats_url}\n  redis  {stack.redis_url}\n  logs   {stack.log_dir}")
+        for name, p in stack.procs.items():
+            print(f"  {name:<18} pid {p.pid}")
+        print(f"state in {STACK_FILE}; Ctrl-C or `libra down` stops everything.", flush=True)
+        while not stopping["flag"]:
+            time.sleep(0.5)
+            for name, code in stack.dead().items():
+                print(f"service {name} exited with code {code}; stopping the stack", file=sys.stderr)
+                stopping["flag"] = True
+                break
+    finally:
+        print("stopping the stack…", file=sys.stderr)
+        stack.stop()
+        STACK_FILE.unlink(missing_ok=True)
+    return 0
+
+
+def cmd_down(_: argparse.Namespace) -> int:
+    data = json.loads(STACK_FILE.read_text()) if STACK_FILE.exists() else None
+    if not data:
+        print("no stack is up")
+        return 0
+    sup = int(data.get("supervisor_pid", 0))
+    if sup and pid_alive(sup):
+        os.kill(sup, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while pid_alive(sup) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    for pid in [*data.get("services", {}).values(), *data.get("infra", {}).values()]:
+        if pid_alive(int(pid)):  # the supervisor was killed hard: clean up after it
+            os.kill(int(pid), signal.SIGKILL)
+    STACK_FILE.unlink(missing_ok=True)
+    print("stack stopped")
+    return 0
+
+
+def cmd_status(_: argparse.Namespace) -> int:
+    data = read_stack_file()
+    if not data:
+        print("no stack is up")
+        return 1
+    print(f"run {data['run_id']}  nats {data['nats_url']}  redis {data['redis_url']}")
+    for name, pid in {**data["services"], **data["infra"]}.items():  # type: ignore[dict-item]
+        print(f"  {name:<18} pid {pid:<8} {'running' if pid_alive(int(pid)) else 'exited'}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from services.common.runconfig import RunConfig
+    from tools.runner import JobFailed, run_job
+
+    path, cfg = _load(args.config)
+    assert isinstance(cfg, RunConfig)
+    try:
+        report = run_job(
+            path, cfg, run_id=args.run_id, timeout_s=args.timeout, otlp_endpoint=args.otlp_endpoint
+        )
+    except JobFailed as err:
+        print(f"job failed: {err}", file=sys.stderr)
+        return 1
+    keys = ["wall_s", "trajectories_completed", "trajectories_per_s", "train_steps", "final_weight_version"]
+    print("\n".join(f"{k:<24} {report[k]}" for k in keys))
+    print(f"{'reward_mean_per_step':<24} {report['reward_mean_per_step']}")
+    print(f"{'tool_calls':<24} {report['tool_calls']}")
+    for e in report["engines"]:
+        print(f"engine {e['id']:<18} weight_version {e.get('weight_version')}")
+    print(f"report: {report['report_path']}")
+    return 0 if report["all_engines_on_final_version"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sim"]:
+        from tools.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
+    if argv[:1] == ["sandbox"]:
+        from services.tool_sandbox.cli import main as sandbox_main
+
+        return sandbox_main(argv[1:])
+    p = argparse.ArgumentParser(
+        prog="libra", description="Libra: resource management for agentic RL post-training"
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser(
+        "up", help="start nats-server, redis and the five services (foreground; Ctrl-C stops)"
+    )
+    up.add_argument("--config", default=str(DEFAULT_CONFIG))
+    up.add_argument("--run-id")
+    up.add_argument("--otlp-endpoint", help="send traces to this OTLP gRPC endpoint (e.g. Jaeger's :4317)")
+    up.set_defaults(fn=cmd_up)
+    sub.add_parser("down", help="stop the stack started by `libra up`").set_defaults(fn=cmd_down)
+    sub.add_parser("status", help="show the stack's processes").set_defaults(fn=cmd_status)
+    run = sub.add_parser("run", help="run a job and write runs/<run-id>/report.json")
+    run.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG))
+    run.add_argument("--run-id")
+    run.add_argument("--timeout", type=float, default=1800.0, help="fail if the job takes longer (seconds)")
+    run.add_argument("--otlp-endpoint")
+    run.set_defaults(fn=cmd_run)
+    sub.add_parser("sim", help="discrete-event simulator (see `libra sim --help`)")
+    sub.add_parser("sandbox", help="run one tool call in the sandbox (see `libra sandbox --help`)")
+    args = p.parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

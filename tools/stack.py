@@ -1,0 +1,148 @@
+"""Supervises a local Libra stack: the embedded nats-server and Redis-compatible server, and the
+five services as separate OS processes. `libra up`, `libra run` and the e2e tests all use it, and
+the container images run the very same `python -m services.<name>` commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.localstack import Server, die_with_parent, start_nats, start_redis
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE_DIR = ROOT / ".libra"
+STACK_FILE = STATE_DIR / "stack.json"
+
+
+def service_commands(n_engines: int) -> list[tuple[str, str]]:
+    """(worker id, module) for every process of a stack, in start order."""
+    cmds = [("planner", "services.planner"), ("tool-sandbox", "services.tool_sandbox")]
+    cmds += [(f"rollout-engine-{i}", "services.rollout_engine") for i in range(n_engines)]
+    cmds += [("trainer", "services.trainer"), ("scheduler", "services.scheduler")]
+    return cmds
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Stack:
+    run_id: str
+    config: Path
+    log_dir: Path
+    otlp_endpoint: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    nats: Server | None = None
+    redis: Server | None = None
+    nats_url: str = ""
+    redis_url: str = ""
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start_infra(self, reuse: dict[str, str] | None = None) -> None:
+        """Starts nats-server and Redis on free loopback ports, or adopts the URLs of a running stack."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if reuse:
+            self.nats_url, self.redis_url = reuse["nats_url"], reuse["redis_url"]
+            return
+        data = STATE_DIR / "data" / self.run_id
+        self.nats = start_nats(data / "nats", self.log_dir / "nats-server.log")
+        self.redis = start_redis(data / "redis", self.log_dir / "redis-server.log")
+        self.nats_url, self.redis_url = self.nats.url, self.redis.url
+
+    def env(self, worker_id: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "LIBRA_RUN_ID": self.run_id,
+                "LIBRA_NATS_URL": self.nats_url,
+                "LIBRA_REDIS_URL": self.redis_url,
+                "LIBRA_CONFIG": str(self.config.resolve()),
+                "LIBRA_WORKER_ID": worker_id,
+                "LIBRA_LOG_FORMAT": "json",
+                "PYTHONUNBUFFERED": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": str(ROOT),
+            }
+        )
+        if self.otlp_endpoint:
+            env["LIBRA_OTLP_ENDPOINT"] = self.otlp_endpoint
+        env.update(self.extra_env)
+        return env
+
+    def start_services(self, n_engines: int) -> None:
+        for worker_id, module in service_commands(n_engines):
+            log = open(self.log_dir / f"{worker_id}.log", "ab")
+            self.procs[worker_id] = subprocess.Popen(
+                [sys.executable, "-m", module],
+                cwd=ROOT,
+                env=self.env(worker_id),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+
+    def dead(self) -> dict[str, int]:
+        """Services that exited, with their exit codes."""
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+
+    def log_tail(self, worker_id: str, lines: int = 20) -> str:
+        path = self.log_dir / f"{worker_id}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every service (they drain), SIGKILL what is left after `grace_s`, then the infra."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for srv in (self.nats, self.redis):
+            if srv is not None:
+                srv.stop()
+
+    def state(self) -> dict[str, object]:
+        infra = {s.name: s.proc.pid for s in (self.nats, self.redis) if s is not None}
+        return {
+            "run_id": self.run_id,
+            "config": str(self.config),
+            "nats_url": self.nats_url,
+            "redis_url": self.redis_url,
+            "supervisor_pid": os.getpid(),
+            "services": {n: p.pid for n, p in self.procs.items()},
+            "infra": infra,
+            "logs": str(self.log_dir),
+            "started_at": time.time(),
+        }
+
+
+def read_stack_file() -> dict[str, object] | None:
+    if not STACK_FILE.exists():
+        return None
+    try:
+        data = json.loads(STACK_FILE.read_text())
+    except json.JSONDecodeError:
+        return None
+    pid = data.get("supervisor_pid")
+    return data if isinstance(pid, int) and pid_alive(pid) else None
