@@ -1,0 +1,39 @@
+import asyncio
+
+import pytest
+
+from services.common.ownership import OwnershipStore
+
+pytestmark = pytest.mark.integration
+
+
+async def test_leases_are_exclusive_fenced_and_expire(redis_server, run_id) -> None:
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    try:
+        a = await store.acquire("role:trainer", "w1", ttl_s=0.3)
+        assert a is not None and a.token == 1
+        assert await store.acquire("role:trainer", "w2", ttl_s=5) is None  # held by w1
+        assert await store.is_current("role:trainer", a.token)
+        assert await store.renew(a, ttl_s=0.3)
+        await asyncio.sleep(0.5)  # w1 stops renewing: its lease expires
+        assert not await store.is_current("role:trainer", a.token)
+        assert not await store.renew(a, ttl_s=5)  # too late: the lease is gone
+        b = await store.acquire("role:trainer", "w2", ttl_s=5)
+        assert b is not None and b.token > a.token  # fencing tokens only grow
+        assert not await store.is_current("role:trainer", a.token)
+        assert not await store.release(a)  # a stale holder cannot release the new lease
+        assert await store.release(b)
+        assert await store.holder("role:trainer") is None
+    finally:
+        await store.close()
+
+
+async def test_reacquire_by_same_owner_issues_new_token(redis_server, run_id) -> None:
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    try:
+        first = await store.acquire("worker:e0", "e0", ttl_s=5)
+        again = await store.acquire("worker:e0", "e0", ttl_s=5)
+        assert first is not None and again is not None and again.token == first.token + 1
+        assert not await store.is_current("worker:e0", first.token)
+    finally:
+        await store.close()

@@ -1,0 +1,53 @@
+import pytest
+
+from services.planner.assign import Slot, StaticAssigner
+from services.scheduler.feed import TaskFeed
+from services.scheduler.router import EngineView, pick_least_loaded
+from services.scheduler.task import arithmetic_tasks
+
+
+def test_feed_respects_staleness_budget() -> None:
+    feed = TaskFeed(arithmetic_tasks(3, 0), groups_per_step=2, max_staleness=1, total_steps=3)
+    first = feed.take(trained_version=0)
+    assert len(first) == 4  # (0 + 1 + 1) steps x 2 groups
+    assert feed.take(trained_version=0) == []
+    assert len(feed.take(trained_version=1)) == 2
+    assert len(feed.take(trained_version=5)) == 0  # capped by the job's total groups
+    assert feed.exhausted
+    assert [t.index for t in first] == [0, 1, 2, 3]
+    assert first[3].task == first[0].task  # the feed cycles through the dataset
+
+
+def test_feed_needs_tasks() -> None:
+    with pytest.raises(ValueError):
+        TaskFeed([], groups_per_step=1, max_staleness=0, total_steps=1)
+
+
+def test_least_loaded_prefers_bucket_and_skips_unhealthy() -> None:
+    engines = [
+        EngineView("a", "short", in_flight=3),
+        EngineView("b", "short", in_flight=1, reported_waiting=1),
+        EngineView("c", "long", in_flight=0),
+        EngineView("d", "short", in_flight=0, healthy=False),
+    ]
+    pick = pick_least_loaded(engines, "short")
+    assert pick is not None and pick.engine_id == "b"
+    pick = pick_least_loaded(engines, "medium")  # no engine in that bucket: any healthy one
+    assert pick is not None and pick.engine_id == "c"
+    assert pick_least_loaded([EngineView("x", "short", healthy=False)]) is None
+
+
+def test_static_assigner_roles_and_buckets() -> None:
+    a = StaticAssigner(["short", "long"])
+    slots: dict[str, Slot] = {}
+    for wid, kind, pref in [("e0", "rollout-engine", ""), ("e1", "rollout-engine", ""), ("e2", "rollout-engine", "long")]:
+        s = a.assign(wid, kind, pref, slots)
+        assert s is not None
+        slots[wid] = s
+    assert [slots[w].bucket for w in ("e0", "e1", "e2")] == ["short", "long", "long"]
+    t1 = a.assign("t1", "trainer", "", slots)
+    assert t1 is not None and t1.role == "train"
+    slots["t1"] = t1
+    t2 = a.assign("t2", "trainer", "", slots)
+    assert t2 is not None and t2.role == "standby"
+    assert a.assign("x", "mystery", "", slots) is None

@@ -1,0 +1,80 @@
+import pytest
+
+from services.scheduler.agent import observation, parse_action
+from services.scheduler.task import Task, arithmetic_tasks, extract_answer, score
+from services.scheduler.trajectory import CallTool, Finish, Generate, IllegalTransition, State, Trajectory
+
+TASK = Task("p0", "What is 2+3?", 5)
+
+
+def make(max_turns: int = 3, max_ctx: int = 100) -> Trajectory:
+    return Trajectory("t0", "g0", 0, 2, TASK, [1, 2, 3], max_turns, 8, max_ctx, started_at=0.0)
+
+
+def test_tool_loop_then_answer() -> None:
+    t = make()
+    first = t.first_action()
+    assert isinstance(first, Generate) and first.context == [1, 2, 3] and first.max_new_tokens == 8
+    act = t.on_turn([10, 11], [-0.1, -0.2], "<calc>2+3</calc>", version=0, eos=False)
+    assert isinstance(act, CallTool) and act.request.tool == "calculator"
+    assert act.request.args == {"expression": "2+3"}
+    assert t.state is State.TOOL_PENDING
+    nxt = t.on_tool_return("ok", [20, 21, 22])
+    assert isinstance(nxt, Generate) and nxt.context == [1, 2, 3, 10, 11, 20, 21, 22]
+    fin = t.on_turn([12], [-0.3], "<answer>5</answer>", version=1, eos=True)
+    assert isinstance(fin, Finish) and fin.reason == "answer"
+    assert fin.reward == pytest.approx(1.1)  # correct + tool shaping
+    assert t.versions == [0, 1]
+    assert [s.generated for s in t.segments] == [False, True, False, True]
+
+
+def test_max_turns_ends_even_with_tool_call() -> None:
+    t = make(max_turns=1)
+    t.first_action()
+    fin = t.on_turn([10], [-0.1], "<calc>1+1</calc>", version=0, eos=False)
+    assert isinstance(fin, Finish) and fin.reason == "max_turns" and fin.reward == 0.0
+
+
+def test_context_budget_ends_with_length() -> None:
+    t = make(max_ctx=6)
+    t.first_action()
+    assert isinstance(t.on_turn([10, 11], [-1.0, -1.0], "<calc>1</calc>", 0, False), CallTool)
+    assert isinstance(t.on_tool_return("ok", [5, 5]), Finish)
+    assert t.finish is not None and t.finish.reason == "length"
+
+
+def test_illegal_transitions_are_refused() -> None:
+    t = make()
+    t.first_action()
+    with pytest.raises(IllegalTransition):
+        t.on_tool_return("ok", [1])
+    with pytest.raises(ValueError):
+        t.on_turn([1, 2], [-0.1], "x", 0, False)
+
+
+def test_parse_action_kinds() -> None:
+    assert parse_action("I think <answer>3</answer> <calc>1</calc>") is None
+    py = parse_action("Let me compute.\n```python\nprint(2*3)\n```")
+    assert py is not None and py.tool == "python" and py.args["code"] == "print(2*3)"
+    assert parse_action("just words") is None
+    assert parse_action("<calc>   </calc>") is None
+
+
+def test_scoring_and_answers() -> None:
+    assert extract_answer("so <answer>1,024</answer>") == 1024
+    assert extract_answer("it is 7 then 9") == 9
+    assert extract_answer("no number") is None
+    assert score("<answer>5</answer>", 5, tool_ok=0) == 1.0
+    assert score("<answer>6</answer>", 5, tool_ok=2) == pytest.approx(0.1)
+
+
+def test_observation_text() -> None:
+    assert observation("ok", '{"stdout": "42\\n", "stderr": "", "exit_code": 0}') == "Result: 42"
+    assert observation("timeout", "took too long").startswith("Tool timeout:")
+
+
+def test_tasks_are_reproducible_and_correct() -> None:
+    a, b = arithmetic_tasks(20, 3), arithmetic_tasks(20, 3)
+    assert a == b
+    assert len({t.prompt_id for t in a}) == 20
+    assert all(t.answer >= 0 for t in a)
