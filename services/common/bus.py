@@ -197,7 +197,11 @@ class Bus:
             raw = await self.js.get_last_msg(stream, self.subject(suffix))
         except nats.js.errors.NotFoundError:
             return None
-        return decode(msg_type, raw.data or b"")
+        try:
+            return decode(msg_type, raw.data or b"")
+        except MalformedMessage as err:  # a garbage "last message" must not stop a service from starting
+            await self.report_error(raw.subject, err.code, str(err))
+            return None
 
     def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         """Runs a background task tied to the bus lifetime; failures are logged, not swallowed."""

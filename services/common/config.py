@@ -31,7 +31,7 @@ class CommonSettings(BaseSettings):
     otlp_endpoint: str | None = None
     """OTLP gRPC endpoint (e.g. http://jaeger:4317); unset keeps spans in-process only."""
     worker_id: str | None = None
-    """Stable id of this process; defaults to <service>-<pid>."""
+    """Stable id of this process; defaults to <service>-<hostname>-<pid>."""
 
 
 class SettingsError(SystemExit):

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 
 from services.common.config import CommonSettings, load_settings
@@ -21,7 +22,7 @@ Serve = Callable[[CommonSettings, asyncio.Event, contextlib.AsyncExitStack], Awa
 
 def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
     common = load_settings(CommonSettings)
-    worker_id = common.worker_id or f"{service}-{os.getpid()}"
+    worker_id = common.worker_id or f"{service}-{socket.gethostname()}-{os.getpid()}"
     common = common.model_copy(update={"worker_id": worker_id})
     configure_logging(
         service, fmt=common.log_format, level=common.log_level, run_id=common.run_id, worker_id=worker_id
