@@ -1,0 +1,72 @@
+"""The interface every rollout backend implements, and the plain types it speaks.
+
+The batching engine hands a backend whole batches and swaps weights only between them, so a
+backend never needs its own locking: `generate` and `swap_weights` are never called concurrently.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenRequest:
+    """One sequence to continue. `temperature <= 0` means greedy decoding."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GenOutput:
+    """Generated tokens and, per token, its logprob under the sampling distribution.
+
+    The contract shared with the trainer: for a sampled token t at temperature T > 0,
+    `logprob = log_softmax(logits / T)[t]`, with top-k/top-p off, computed in float32 from the same
+    weights (`policy_version`) that sampled it. For greedy requests (T <= 0) it is
+    `log_softmax(logits)[t]`. Stop strings stay in the output (the tokens completing them were
+    sampled and are trained on).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+class Backend(abc.ABC):
+    """A model replica: generates batches and takes new weights between them."""
+
+    name: str = "base"
+    emulated: bool = False
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def max_positions(self) -> int:
+        """Longest context + generation the model supports."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Loads the model (may take long: call once, before serving)."""
+
+    @abc.abstractmethod
+    async def generate(self, batch: list[GenRequest]) -> list[GenOutput]:
+        """Generates every request of the batch to completion; outputs are in request order."""
+
+    @abc.abstractmethod
+    async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        """Replaces (a subset of) the weights; raises ValueError when names or shapes do not fit."""
+
+    @abc.abstractmethod
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of generated tokens, special tokens skipped."""
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,41 @@
+"""Settings of one rollout-engine process (env prefix LIBRA_ROLLOUT_ENGINE_).
+
+The model, backend and batch size are job-wide and come from the YAML run config (LIBRA_CONFIG);
+what is here is per process: where the weight-sync server listens and how this replica behaves.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EngineSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="LIBRA_ROLLOUT_ENGINE_", extra="ignore", use_attribute_docstrings=True
+    )
+
+    grpc_host: str = "127.0.0.1"
+    """Interface the WeightSync gRPC server binds; 0.0.0.0 advertises this host's name instead."""
+    grpc_port: int = Field(0, ge=0, le=65535)
+    """WeightSync gRPC port; 0 picks a free one (the address is announced in WorkerHello)."""
+    bucket: str = Field("short", pattern=r"^[a-z0-9_-]{1,32}$")
+    """Rollout bucket this replica prefers; the planner's assignment has the final say."""
+    tensor_parallel: int = Field(1, ge=1, le=64)
+    """GPUs this replica spans (vllm backend); reported to the planner."""
+    load_report_interval_s: float = Field(1.0, gt=0.0, le=60.0)
+    """Period of EngineLoad reports the scheduler routes by."""
+    max_wait_for_weights_s: float = Field(60.0, ge=0.0, le=3600.0)
+    """How long a request whose min_policy_version is ahead of the engine waits for newer weights."""
+    max_new_tokens_cap: int = Field(4096, ge=1)
+    """Upper bound on a request's max_new_tokens; larger requests are refused as invalid."""
+    assignment_timeout_s: float = Field(0.0, ge=0.0)
+    """Give up when no plan assigns this worker within this time; 0 waits until stopped."""
+    seed: int | None = None
+    """Sampling seed (hf, emulated); unset draws fresh randomness per process."""
+    emulated_prefill_s_per_token: float = Field(0.0001, ge=0.0)
+    """Emulated backend: seconds per context token of a batch's prefill."""
+    emulated_decode_s_per_step: float = Field(0.01, ge=0.0)
+    """Emulated backend: fixed seconds of one decode step of a batch (weight reads)."""
+    emulated_decode_s_per_seq: float = Field(0.0005, ge=0.0)
+    """Emulated backend: extra seconds per running sequence in one decode step (KV reads)."""

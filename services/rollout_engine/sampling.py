@@ -1,0 +1,60 @@
+"""Pure pieces of batched decoding: left padding, temperature sampling with logprobs, stop checks.
+
+Kept free of models and I/O so the unit tests pin down exactly what the engine reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (input_ids, attention_mask, position_ids), left-padded so every row ends at the same
+    column and positions count real tokens only (a padded row sees exactly what it would alone)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+def sample_next(
+    logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples one token per row from softmax(logits / T) and returns (tokens, their logprobs).
+
+    Rows with T <= 0 take the argmax and report log_softmax(logits) of it. No top-k/top-p, so the
+    reported logprob is exactly what the trainer recomputes from the same weights.
+    """
+    logits = logits.float()
+    greedy = temperatures <= 0
+    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures).float().unsqueeze(-1)
+    logp = torch.log_softmax(logits / scale, dim=-1)
+    sampled = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    tokens = torch.where(greedy, logits.argmax(-1), sampled)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+class StopMatcher:
+    """Finds a stop string in the tail of generated text without re-decoding the whole output.
+
+    A stop string of n characters is completed by at most the last n tokens (every token decodes to
+    at least one character), so decoding the last `max(len(stop)) + 1` tokens is enough.
+    """
+
+    def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str]):
+        self.stops = [s for s in stops if s]
+        self.decode = decode
+        self.window = max((len(s) for s in self.stops), default=0) + 1
+
+    def matches(self, generated: list[int]) -> bool:
+        if not self.stops:
+            return False
+        tail = self.decode(generated[-self.window :])
+        return any(s in tail for s in self.stops)
