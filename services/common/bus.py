@@ -106,7 +106,9 @@ class Bus:
             if raw.reply and out is not None:
                 await self.nc.publish(raw.reply, out.SerializeToString())
 
-        return await self.nc.subscribe(subj, queue=queue, cb=on_msg)
+        sub = await self.nc.subscribe(subj, queue=queue, cb=on_msg)
+        await self.nc.flush()  # the server knows the subscription before we report it ready
+        return sub
 
     async def _dispatch(self, raw: Msg, msg_type: type[M], handler: Handler) -> Message | None:
         headers = dict(raw.headers or {})
