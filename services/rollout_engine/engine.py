@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.logging import get_logger
-from services.rollout_engine.backends.base import Backend, GenOutput, GenRequest
+from services.rollout_engine.backends.base import Backend, GenerationAborted, GenOutput, GenRequest
 
 
 class EngineClosed(Exception):
@@ -109,11 +109,20 @@ class BatchingEngine:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout)
             except TimeoutError:
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
+                self.log.warning("batch_aborted", running=self.running)
+                self.backend.abort()
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._task), timeout)
+                except TimeoutError:
+                    self._task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._task
 
     async def _loop(self) -> None:
+        with contextlib.suppress(GenerationAborted):
+            await self._serve_batches()
+
+    async def _serve_batches(self) -> None:
         while not self._closed:
             if not self._queue:
                 self._wake.clear()
@@ -128,6 +137,11 @@ class BatchingEngine:
             self.running = len(batch)
             try:
                 outputs = await self.backend.generate([b.req for b in batch])
+            except (GenerationAborted, asyncio.CancelledError) as err:
+                for b in batch:
+                    if not b.future.done():
+                        b.future.set_exception(EngineClosed(f"engine is shutting down: {err}"))
+                raise
             except Exception as err:
                 self.log.exception("batch_failed", batch=len(batch))
                 for b in batch:

@@ -37,6 +37,10 @@ class GenOutput:
     finish_reason: str  # "stop" | "length"
 
 
+class GenerationAborted(Exception):
+    """A batch stopped early because the engine is shutting down."""
+
+
 class Backend(abc.ABC):
     """A model replica: generates batches and takes new weights between them."""
 
@@ -67,6 +71,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def decode(self, token_ids: list[int]) -> str:
         """Text of generated tokens, special tokens skipped."""
+
+    def abort(self) -> None:
+        """Asks a running `generate` to give up soon (shutdown past its grace); it then raises
+        GenerationAborted. Called from the event loop while generate may run in a thread."""
+        return None
 
     async def close(self) -> None:
         return None

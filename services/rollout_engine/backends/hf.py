@@ -15,7 +15,7 @@ import torch
 from services.common.logging import get_logger
 from services.common.models import load_model, load_tokenizer
 from services.common.runconfig import ModelConfig, RunConfig
-from services.rollout_engine.backends.base import Backend, GenOutput, GenRequest
+from services.rollout_engine.backends.base import Backend, GenerationAborted, GenOutput, GenRequest
 from services.rollout_engine.config import EngineSettings
 from services.rollout_engine.sampling import StopMatcher, left_pad, sample_next
 
@@ -41,6 +41,7 @@ class HFBackend(Backend):
         self.tok: Any = None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.generator: torch.Generator | None = None
+        self._abort = False
         self.log = get_logger(component="hf_backend")
 
     @property
@@ -105,6 +106,8 @@ class HFBackend(Backend):
                     finish[i] = "length"
             if all(f is not None for f in finish):
                 break
+            if self._abort:
+                raise GenerationAborted(f"aborted after {len(out_ids[0])} decode steps")
             mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
             pos = pos[:, -1:] + 1
             out = self.model(
@@ -115,6 +118,9 @@ class HFBackend(Backend):
                 use_cache=True,
             )
         return [GenOutput(out_ids[i], out_lp[i], finish[i] or "length") for i in range(n)]
+
+    def abort(self) -> None:
+        self._abort = True
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
         await asyncio.to_thread(self._copy_weights, state_dict)

@@ -1,0 +1,293 @@
+"""The rollout-engine service shell: NATS turn requests in, turn results and load reports out.
+
+It loads the backend, starts the WeightSync server, announces itself to the planner and, once a
+plan gives it the rollout (or hybrid) role, serves `turn.request.<worker_id>`. Every accepted
+request gets exactly one TurnResult, an error result included, so a scheduler never hangs on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import socket
+import time
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from services.common import subjects
+from services.common.bus import Bus, Envelope
+from services.common.config import CommonSettings, load_settings
+from services.common.contracts import ev
+from services.common.errors import InvalidMessage, require
+from services.common.logging import get_logger
+from services.common.membership import Membership, lease_resource
+from services.common.ownership import Lease, OwnershipStore
+from services.common.runconfig import RunConfig, load_run_config
+from services.common.tracing import tracer
+from services.rollout_engine.backends import create_backend
+from services.rollout_engine.backends.base import Backend, GenRequest
+from services.rollout_engine.config import EngineSettings
+from services.rollout_engine.engine import BatchingEngine, EngineClosed
+from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
+
+SERVICE = "rollout-engine"
+SERVING_ROLES = ("rollout", "hybrid")
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_TEMPERATURE = 10.0
+
+
+def validate_turn(req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int) -> GenRequest:
+    """Checks a turn request against the contract and the model; raises InvalidMessage if it breaks
+    either. Generation is clipped so context plus output fits the model's positions."""
+    require(bool(req.request_id), "request_id is empty")
+    require(bool(req.trajectory_id), "trajectory_id is empty")
+    ctx = list(req.context_token_ids)
+    require(len(ctx) > 0, "context_token_ids is empty")
+    require(
+        0 < req.max_new_tokens <= max_new_tokens_cap,
+        f"max_new_tokens must be in 1..{max_new_tokens_cap}, got {req.max_new_tokens}",
+    )
+    require(
+        math.isfinite(req.temperature) and 0.0 <= req.temperature <= MAX_TEMPERATURE,
+        f"temperature must be in 0..{MAX_TEMPERATURE}, got {req.temperature}",
+    )
+    vocab = backend.vocab_size
+    require(all(0 <= t < vocab for t in ctx), f"context token ids must be in 0..{vocab - 1}")
+    require(
+        len(ctx) < backend.max_positions,
+        f"context of {len(ctx)} tokens does not fit the model's {backend.max_positions} positions",
+    )
+    require(
+        len(req.stop) <= MAX_STOPS and all(len(s) <= MAX_STOP_CHARS for s in req.stop),
+        f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters",
+    )
+    budget = min(req.max_new_tokens, backend.max_positions - len(ctx))
+    return GenRequest(ctx, budget, float(req.temperature), list(req.stop))
+
+
+class RolloutEngineService:
+    def __init__(self, common: CommonSettings, settings: EngineSettings, run: RunConfig):
+        assert common.worker_id, "run_service sets the worker id"
+        self.common = common
+        self.settings = settings
+        self.run = run
+        self.worker_id = common.worker_id
+        self.log = get_logger(component="service")
+        self.backend = create_backend(run, settings)
+        self.engine = BatchingEngine(self.backend, run.rollout.max_batch)
+        self.held = 0
+        self.stopping = False
+        self._turns: set[asyncio.Task[None]] = set()
+        self._serving_role = asyncio.Event()
+        self._sub: Any = None
+        self._closed = False
+
+    async def start(self, stop: asyncio.Event) -> None:
+        """Loads the model, opens the servers and waits for an assignment (or `stop`)."""
+        await self.backend.start()
+        if self.backend.emulated:
+            self.log.warning("emulated_backend", detail="outputs are random tokens; control-plane tests only")
+        self.engine.start()
+        self.store = OwnershipStore.from_url(self.common.redis_url, self.common.run_id)
+        self.servicer = WeightSyncServicer(self.engine, self.store, self.worker_id)
+        self.server, port = await start_server(
+            self.servicer, self.settings.grpc_host, self.settings.grpc_port
+        )
+        host = self.settings.grpc_host
+        self.weight_sync_addr = f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{port}"
+        self.bus = await Bus.connect(self.common.nats_url, self.common.run_id, SERVICE, self.worker_id)
+        hello = ev.WorkerHello(
+            worker_id=self.worker_id,
+            kind=SERVICE,
+            weight_sync_addr=self.weight_sync_addr,
+            tensor_parallel=self.settings.tensor_parallel,
+            preferred_bucket=self.settings.bucket,
+        )
+        self.membership = Membership(self.bus, self.store, hello, on_plan=self._on_plan)
+        await self.membership.start()
+        self.log.info(
+            "engine_ready",
+            backend=self.backend.name,
+            emulated=self.backend.emulated,
+            weight_sync_addr=self.weight_sync_addr,
+            max_batch=self.engine.max_batch,
+        )
+        await self._wait_for_role(stop)
+        if stop.is_set():
+            return
+        self._sub = await self.bus.subscribe(
+            f"{subjects.TURN_REQUEST}.{self.worker_id}", ev.TurnRequest, self._on_turn
+        )
+        self.bus.spawn(self._load_loop())
+        self.log.info("serving", subject=f"{subjects.TURN_REQUEST}.{self.worker_id}", bucket=self.bucket)
+
+    @property
+    def bucket(self) -> str:
+        a = self.membership.assignment
+        return a.bucket if a is not None and a.bucket else self.settings.bucket
+
+    async def _on_plan(self, plan: ev.Plan) -> None:
+        a = self.membership.assignment
+        if a is not None and a.role in SERVING_ROLES:
+            self._serving_role.set()
+        elif a is not None:
+            self.log.warning("not_a_rollout_role", role=a.role)
+
+    async def _wait_for_role(self, stop: asyncio.Event) -> None:
+        waits = [asyncio.ensure_future(self._serving_role.wait()), asyncio.ensure_future(stop.wait())]
+        timeout = self.settings.assignment_timeout_s or None
+        done, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for t in pending:
+            t.cancel()
+        if not done:
+            raise SystemExit(f"no plan assigned {self.worker_id} a rollout role within {timeout}s")
+
+    async def _on_turn(self, req: ev.TurnRequest, env: Envelope) -> None:
+        """Validates and queues; generation runs in its own task so this subscription stays free."""
+        received = time.monotonic()
+        try:
+            if self.stopping:
+                raise InvalidMessage("engine is shutting down")
+            gen = validate_turn(req, self.backend, self.settings.max_new_tokens_cap)
+        except InvalidMessage as err:
+            if req.request_id:
+                code = "unavailable" if self.stopping else err.code
+                await self._publish_error(req, code, str(err), env.context)
+            raise
+        task = asyncio.create_task(self._serve_turn(req, gen, env.context, received))
+        self._turns.add(task)
+        task.add_done_callback(self._turns.discard)
+
+    async def _serve_turn(
+        self, req: ev.TurnRequest, gen: GenRequest, parent: otel_context.Context, received: float
+    ) -> None:
+        log = self.log.bind(trajectory_id=req.trajectory_id, request_id=req.request_id)
+        with tracer().start_as_current_span("engine.generate", context=parent) as span:
+            span.set_attribute("libra.trajectory_id", req.trajectory_id)
+            span.set_attribute("libra.context_tokens", len(gen.prompt_ids))
+            ctx = otel_context.get_current()
+            try:
+                if self.engine.version < req.min_policy_version:
+                    self.held += 1
+                    try:
+                        ok = await self.engine.wait_for_version(
+                            req.min_policy_version, self.settings.max_wait_for_weights_s
+                        )
+                    finally:
+                        self.held -= 1
+                    if not ok:
+                        reason = (
+                            "shutdown"
+                            if self.stopping
+                            else (
+                                f"weights v{self.engine.version} older than min_policy_version {req.min_policy_version}"
+                            )
+                        )
+                        await self._publish_error(req, "unavailable", reason, ctx)
+                        return
+                done = await self.engine.submit(gen)
+            except EngineClosed:
+                await self._publish_error(req, "unavailable", "shutdown", ctx)
+                return
+            except Exception as err:
+                log.exception("generate_failed")
+                span.set_status(trace.StatusCode.ERROR, str(err))
+                await self._publish_error(req, "internal", f"{type(err).__name__}: {err}", ctx)
+                return
+            out = done.output
+            span.set_attribute("libra.policy_version", done.policy_version)
+            span.set_attribute("libra.new_tokens", len(out.token_ids))
+            result = ev.TurnResult(
+                request_id=req.request_id,
+                trajectory_id=req.trajectory_id,
+                turn_index=req.turn_index,
+                engine_id=self.worker_id,
+                token_ids=out.token_ids,
+                logprobs=out.logprobs,
+                policy_version=done.policy_version,
+                finish_reason=out.finish_reason,
+                context_tokens=len(gen.prompt_ids),
+                queue_s=max(0.0, time.monotonic() - received - done.generate_s),
+                generate_s=done.generate_s,
+                text=self.backend.decode(out.token_ids),
+            )
+            await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
+            log.debug("turn_done", tokens=len(out.token_ids), policy_version=done.policy_version)
+
+    async def _publish_error(
+        self, req: ev.TurnRequest, code: str, message: str, ctx: otel_context.Context | None
+    ) -> None:
+        result = ev.TurnResult(
+            request_id=req.request_id,
+            trajectory_id=req.trajectory_id,
+            turn_index=req.turn_index,
+            engine_id=self.worker_id,
+            policy_version=self.engine.version,
+            finish_reason="error",
+            context_tokens=len(req.context_token_ids),
+            error=ev.ErrorInfo(code=code, message=message[:500]),
+        )
+        with contextlib.suppress(Exception):
+            await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
+
+    def load_report(self, tokens_per_s: float) -> ev.EngineLoad:
+        return ev.EngineLoad(
+            engine_id=self.worker_id,
+            bucket=self.bucket,
+            running=self.engine.running,
+            waiting=self.engine.waiting + self.held,
+            tokens_per_s=tokens_per_s,
+            weight_version=self.engine.version,
+            weight_sync_addr=self.weight_sync_addr,
+        )
+
+    async def _load_loop(self) -> None:
+        last_t, last_tokens = time.monotonic(), self.engine.tokens_generated
+        while True:
+            await asyncio.sleep(self.settings.load_report_interval_s)
+            now, tokens = time.monotonic(), self.engine.tokens_generated
+            rate = (tokens - last_tokens) / max(now - last_t, 1e-9)
+            last_t, last_tokens = now, tokens
+            with contextlib.suppress(Exception):
+                await self.bus.publish(subjects.ENGINE_LOAD, self.load_report(rate))
+
+    async def shutdown(self, grace_s: float = 8.0) -> None:
+        """Stops intake, finishes the running batch, hands queued requests back, then closes."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stopping = True
+        self.log.info("engine_draining", waiting=self.engine.waiting, held=self.held)
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        await self.engine.close(timeout=grace_s / 3)
+        if self._turns:
+            await asyncio.wait(set(self._turns), timeout=grace_s / 4)
+        if hasattr(self, "server"):
+            await self.server.stop(grace=1.0)
+        if hasattr(self, "membership") and (a := self.membership.assignment) is not None:
+            with contextlib.suppress(Exception):
+                await self.store.release(
+                    Lease(lease_resource(a.role, a.worker_id), a.worker_id, a.fencing_token)
+                )
+        if hasattr(self, "bus"):
+            await self.bus.close()
+        if hasattr(self, "store"):
+            with contextlib.suppress(Exception):
+                await self.store.close()
+        await self.backend.close()
+
+
+async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:
+    settings = load_settings(EngineSettings)
+    run = load_run_config(common.config)
+    svc = RolloutEngineService(common, settings, run)
+    stack.push_async_callback(svc.shutdown)
+    await svc.start(stop)
+    await stop.wait()
+    await svc.shutdown()

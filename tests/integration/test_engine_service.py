@@ -1,0 +1,203 @@
+"""`python -m services.rollout_engine` as a real process, on real NATS and Redis, with the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from services.common import subjects
+from services.common.bus import Bus, Envelope
+from services.common.contracts import ev
+from services.common.localstack import Server
+from services.common.membership import lease_resource
+from services.common.ownership import OwnershipStore
+from services.common.runconfig import ModelConfig
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = "engine-t1"
+TRACE_ID = 0x1234567890ABCDEF1234567890ABCDEF
+
+
+class Harness:
+    """Plays scheduler and planner for one engine process: collects what it publishes."""
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+        self.results: dict[str, tuple[ev.TurnResult, dict[str, str]]] = {}
+        self.loads: list[ev.EngineLoad] = []
+        self.errors: list[ev.ErrorEvent] = []
+        self.hello: asyncio.Future[ev.WorkerHello] = asyncio.get_running_loop().create_future()
+
+    async def start(self) -> None:
+        async def on_result(m: ev.TurnResult, env: Envelope) -> None:
+            self.results[m.request_id] = (m, env.headers)
+
+        async def on_load(m: ev.EngineLoad, _: Envelope) -> None:
+            self.loads.append(m)
+
+        async def on_error(m: ev.ErrorEvent, _: Envelope) -> None:
+            self.errors.append(m)
+
+        async def on_hello(m: ev.WorkerHello, _: Envelope) -> None:
+            if m.worker_id == WORKER and not self.hello.done():
+                self.hello.set_result(m)
+
+        await self.bus.subscribe(subjects.TURN_RESULT, ev.TurnResult, on_result)
+        await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, on_load)
+        await self.bus.subscribe(subjects.ERRORS, ev.ErrorEvent, on_error)
+        await self.bus.subscribe(subjects.WORKER_HELLO, ev.WorkerHello, on_hello)
+
+    async def send(self, req: ev.TurnRequest, ctx: Any = None) -> None:
+        await self.bus.publish(f"{subjects.TURN_REQUEST}.{WORKER}", req, ctx=ctx)
+
+    async def result(self, request_id: str, timeout: float = 60) -> tuple[ev.TurnResult, dict[str, str]]:
+        async with asyncio.timeout(timeout):
+            while request_id not in self.results:
+                await asyncio.sleep(0.05)
+        return self.results[request_id]
+
+
+def turn(request_id: str, **kw: Any) -> ev.TurnRequest:
+    base: dict[str, Any] = dict(
+        request_id=request_id,
+        trajectory_id=f"traj-{request_id}",
+        engine_id=WORKER,
+        bucket="short",
+        context_token_ids=list(range(100, 140)),
+        max_new_tokens=16,
+        temperature=1.0,
+    )
+    base.update(kw)
+    return ev.TurnRequest(**base)
+
+
+@pytest.fixture
+async def engine(
+    tmp_path: Path, nats_server: Server, redis_server: Server, run_id: str, tiny_model: ModelConfig
+) -> AsyncIterator[tuple[subprocess.Popen[bytes], Harness]]:
+    cfg = tmp_path / "run.yaml"
+    run = {
+        "model": {"source": "tiny-random", "cache_dir": tiny_model.cache_dir},
+        "rollout": {"backend": "hf", "max_batch": 4},
+    }
+    cfg.write_text(yaml.safe_dump(run))
+    env = dict(
+        os.environ,
+        LIBRA_NATS_URL=nats_server.url,
+        LIBRA_REDIS_URL=redis_server.url,
+        LIBRA_RUN_ID=run_id,
+        LIBRA_CONFIG=str(cfg),
+        LIBRA_WORKER_ID=WORKER,
+        LIBRA_ROLLOUT_ENGINE_LOAD_REPORT_INTERVAL_S="0.2",
+        LIBRA_ROLLOUT_ENGINE_MAX_WAIT_FOR_WEIGHTS_S="1",
+        LIBRA_ROLLOUT_ENGINE_SEED="0",
+        HF_HUB_OFFLINE="1",
+    )
+    log = open(tmp_path / "engine.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.rollout_engine"], cwd=ROOT, env=env, stdout=log, stderr=log
+    )
+    bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    harness = Harness(bus)
+    await harness.start()
+    try:
+        hello = await asyncio.wait_for(harness.hello, 90)
+        assert hello.kind == "rollout-engine" and hello.weight_sync_addr.startswith("127.0.0.1:")
+        lease = await store.acquire(lease_resource("rollout", WORKER), WORKER, 10)
+        assert lease is not None
+        await bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
+        plan = ev.Plan(
+            plan_version=1,
+            assignments=[
+                ev.Assignment(worker_id=WORKER, role="rollout", bucket="short", fencing_token=lease.token)
+            ],
+        )
+        await bus.publish_durable(subjects.PLAN, plan, msg_id=f"{run_id}-plan-1")
+        async with asyncio.timeout(30):
+            while not harness.loads:
+                await asyncio.sleep(0.05)
+        yield proc, harness
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        await bus.close()
+        await store.close()
+        log.close()
+        if proc.returncode not in (0, -signal.SIGTERM):
+            print((tmp_path / "engine.log").read_text()[-4000:])
+
+
+async def test_serves_turns_refuses_bad_input_and_keeps_serving(engine: Any) -> None:
+    proc, h = engine
+    load = h.loads[-1]
+    assert (load.engine_id, load.bucket, load.weight_version) == (WORKER, "short", 0)
+
+    parent = trace.set_span_in_context(
+        NonRecordingSpan(SpanContext(TRACE_ID, 0xABCDEF, is_remote=True, trace_flags=TraceFlags(1)))
+    )
+    ids = [f"ok-{i}" for i in range(5)]
+    for i, rid in enumerate(ids):
+        await h.send(turn(rid, max_new_tokens=8 + i, stop=["\n\n"]), ctx=parent)
+    for i, rid in enumerate(ids):
+        res, headers = await h.result(rid)
+        assert not res.HasField("error"), res.error
+        assert res.trajectory_id == f"traj-{rid}" and res.engine_id == WORKER
+        assert 0 < len(res.token_ids) <= 8 + i and len(res.logprobs) == len(res.token_ids)
+        assert all(lp <= 0 for lp in res.logprobs)
+        assert res.finish_reason in ("stop", "length") and res.policy_version == 0
+        assert res.context_tokens == 40 and isinstance(res.text, str)
+        assert f"{TRACE_ID:032x}" in headers.get("traceparent", "")
+
+    proc_errors = len(h.errors)
+    await h.bus.nc.publish(h.bus.subject(f"{subjects.TURN_REQUEST}.{WORKER}"), b"\xff\x00garbage")
+    await h.send(turn("bad-tokens", max_new_tokens=0))
+    await h.send(turn("bad-vocab", context_token_ids=[1, 10**9]))
+    await h.send(turn("too-new", min_policy_version=3))
+    for rid, code in (("bad-tokens", "invalid"), ("bad-vocab", "invalid"), ("too-new", "unavailable")):
+        res, _ = await h.result(rid)
+        assert (res.finish_reason, res.error.code) == ("error", code), res.error.message
+        assert not res.token_ids
+    async with asyncio.timeout(10):
+        while not any(e.error.code == "malformed" for e in h.errors[proc_errors:]):
+            await asyncio.sleep(0.05)
+
+    await h.send(turn("after"))
+    res, _ = await h.result("after")
+    assert not res.HasField("error") and len(res.token_ids) > 0
+    assert proc.poll() is None
+
+
+async def test_shutdown_answers_every_accepted_request(engine: Any) -> None:
+    proc, h = engine
+    ids = [f"drain-{i}" for i in range(12)]
+    for rid in ids:
+        await h.send(turn(rid, max_new_tokens=200, stop=[]))
+    async with asyncio.timeout(30):
+        while not any(load.running or load.waiting for load in h.loads[-3:]):
+            await asyncio.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(proc.wait, 30) == 0
+    await asyncio.sleep(0.3)
+    got = {rid: h.results[rid][0] for rid in ids if rid in h.results}
+    assert set(got) == set(ids), f"unanswered: {set(ids) - set(got)}"
+    handed_back = [r for r in got.values() if r.finish_reason == "error"]
+    assert all(r.error.code == "unavailable" and "shutdown" in r.error.message for r in handed_back)
+    assert handed_back, "queued requests are handed back, not run to completion"
