@@ -34,29 +34,33 @@ SCRATCH = "/scratch"
 _PR_SET_CHILD_SUBREAPER = 36
 
 RUNNER = f"""
-import atexit, errno, json, os, resource, sys, traceback
-for _n, _v in json.loads(sys.argv[1]).items():
-    resource.setrlimit(getattr(resource, _n), tuple(_v))
-_req = json.loads(sys.stdin.buffer.read() or b"null")
-if _req is None:
-    os._exit(0)
+import atexit, os, resource, sys
+for _spec in sys.argv[1].split():
+    _n, _soft, _hard = _spec.split(":")
+    resource.setrlimit(getattr(resource, _n), (int(_soft), int(_hard)))
 _ufd = int(sys.argv[2])
 os.set_inheritable(_ufd, False)
+_kind, _, _cpu = sys.stdin.buffer.readline().decode().partition(" ")
+if not _kind:
+    os._exit(0)
+_body = sys.stdin.buffer.read()
 _u0 = resource.getrusage(resource.RUSAGE_SELF)
 def _usage():
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime - _u0.ru_utime - _u0.ru_stime
     try:
-        os.write(_ufd, json.dumps([cpu, max(s.ru_maxrss, c.ru_maxrss) * 1024]).encode())
+        os.write(_ufd, f"{{cpu}} {{max(s.ru_maxrss, c.ru_maxrss) * 1024}}".encode())
     except OSError:
         pass
 atexit.register(_usage)
 _fd = os.open(os.devnull, os.O_RDONLY)
 os.dup2(_fd, 0)
 os.close(_fd)
-_cpu = min(_req.get("cpu_s") or 1 << 30, resource.getrlimit(resource.RLIMIT_CPU)[0])
+_cpu = min(int(_cpu), resource.getrlimit(resource.RLIMIT_CPU)[0])
 resource.setrlimit(resource.RLIMIT_CPU, (_cpu, _cpu + 1))
-if _req["kind"] == "exec":
+if _kind == "exec":
+    import json
+    _req = json.loads(_body)
     if _req.get("stdin"):
         with open("{SCRATCH}/.stdin", "w") as _f:
             _f.write(_req["stdin"])
@@ -70,7 +74,7 @@ if _req["kind"] == "exec":
 sys.argv = ["-c"]
 _g = {{"__name__": "__main__", "__builtins__": __builtins__}}
 try:
-    exec(compile(_req["code"], "<snippet>", "exec"), _g)
+    exec(compile(_body, "<snippet>", "exec"), _g)
 except SystemExit:
     raise
 except MemoryError:
@@ -83,6 +87,7 @@ except MemoryError:
     _usage()
     os._exit({EXIT_MEMORY_LIMIT})
 except BaseException as _e:
+    import errno, traceback
     _limit = isinstance(_e, OSError) and _e.errno in (errno.EFBIG, errno.ENOSPC, errno.EDQUOT)
     traceback.print_exception(type(_e), _e, _e.__traceback__.tb_next)
     sys.stdout.flush()
@@ -195,7 +200,7 @@ def bwrap_argv(settings: SandboxSettings, bwrap: str) -> list[str]:
         *settings.python_flags,
         "-c",
         RUNNER,
-        json.dumps(rlimits(settings)),
+        " ".join(f"{name}:{soft}:{hard}" for name, (soft, hard) in rlimits(settings).items()),
     ]
     return argv
 
@@ -392,7 +397,7 @@ class SandboxProcess:
     def _read_usage(self) -> None:
         """Usage the runner reported at exit: CPU since the request arrived, and peak RSS."""
         try:
-            cpu, rss = json.loads(os.read(self._usage_fd, 4096))
+            cpu, rss = os.read(self._usage_fd, 4096).split()
             self.cpu_s, self.peak_rss_bytes = max(self.cpu_s, float(cpu)), max(self.peak_rss_bytes, int(rss))
         except (OSError, ValueError, TypeError):
             pass
@@ -542,7 +547,11 @@ class SandboxProcess:
     ) -> ProcessResult:
         """Send the request, capture output up to the cap, and kill the tree on timeout or overflow."""
         assert self._popen.stdout is not None and self._popen.stderr is not None
-        request = {**request, "cpu_s": max(1, min(cpu_s, math.ceil(timeout_s) + 1))}
+        cpu_limit = max(1, min(cpu_s, math.ceil(timeout_s) + 1))
+        if request["kind"] == "python":
+            message = f"python {cpu_limit}\n".encode() + request["code"].encode()
+        else:
+            message = f"exec {cpu_limit}\n".encode() + json.dumps(request).encode()
         start = time.perf_counter()
         capture = _Capture(
             {"stdout": self._popen.stdout.fileno(), "stderr": self._popen.stderr.fileno()},
@@ -553,7 +562,7 @@ class SandboxProcess:
         wall = 0.0
         try:
             await self._watch_init()
-            await self._send(json.dumps(request).encode())
+            await self._send(message)
             try:
                 await asyncio.wait_for(self._exited(), max(timeout_s - (time.perf_counter() - start), 0.001))
             except TimeoutError:
