@@ -90,7 +90,8 @@ def cmd_status(_: argparse.Namespace) -> int:
         print("no stack is up")
         return 1
     print(f"run {data['run_id']}  nats {data['nats_url']}  redis {data['redis_url']}")
-    for name, pid in {**data["services"], **data["infra"]}.items():  # type: ignore[dict-item]
+    procs: dict[str, int] = {**data["services"], **data["infra"]}  # type: ignore[dict-item]
+    for name, pid in procs.items():
         print(f"  {name:<18} pid {pid:<8} {'running' if pid_alive(int(pid)) else 'exited'}")
     return 0
 

@@ -104,7 +104,7 @@ async def watch_job(stack: Stack, cfg: RunConfig, timeout_s: float, progress: bo
     finally:
         bar.close()
         await bus.close()
-    steps = [m for m in metrics if not m.done]
+    trained = [m for m in metrics if not m.done]
     final = max((m.weight_version for m in metrics), default=0)
     return {
         "run_id": stack.run_id,
@@ -114,14 +114,14 @@ async def watch_job(stack: Stack, cfg: RunConfig, timeout_s: float, progress: bo
         "trajectories_completed": stats.trajectories_completed,
         "trajectories_per_s": round(stats.trajectories_completed / wall, 4) if wall > 0 else 0.0,
         "turns": stats.turns,
-        "train_steps": len(steps),
+        "train_steps": len(trained),
         "final_weight_version": final,
         "engines": engines,
         "all_engines_on_final_version": bool(engines)
         and all(e.get("weight_version") == final for e in engines),
-        "reward_mean_per_step": [round(m.reward_mean, 4) for m in steps],
-        "loss_per_step": [round(m.loss, 5) for m in steps],
-        "step_s": [round(m.step_s, 2) for m in steps],
+        "reward_mean_per_step": [round(m.reward_mean, 4) for m in trained],
+        "loss_per_step": [round(m.loss, 5) for m in trained],
+        "step_s": [round(m.step_s, 2) for m in trained],
         "weight_push": [
             {
                 "version": w.version,

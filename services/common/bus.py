@@ -202,7 +202,7 @@ class Bus:
         try:
             return decode(msg_type, raw.data or b"")
         except MalformedMessage as err:  # a garbage "last message" must not stop a service from starting
-            await self.report_error(raw.subject, err.code, str(err))
+            await self.report_error(raw.subject or "", err.code, str(err))
             return None
 
     def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -46,7 +46,7 @@ class SettingsError(SystemExit):
         super().__init__(2)
 
 
-def load_settings(cls: type[S], **overrides: object) -> S:
+def load_settings(cls: type[S], **overrides: Any) -> S:
     """Builds `cls` from the environment; a bad value exits with a clear message, never a traceback."""
     try:
         return cls(**overrides)

@@ -36,13 +36,14 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         async with contextlib.AsyncExitStack() as stack:
-            task = asyncio.create_task(serve(common, stop, stack))
-            stopper = asyncio.create_task(stop.wait())
+            task: asyncio.Future[None] = asyncio.ensure_future(serve(common, stop, stack))
+            stopper: asyncio.Future[None] = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            if task in done and task.exception() is not None:
-                log.error("service_failed", error=repr(task.exception()))
+            failure = task.exception() if task in done else None
+            if failure is not None:
+                log.error("service_failed", error=repr(failure))
                 stopper.cancel()
-                raise task.exception()  # type: ignore[misc]
+                raise failure
             stop.set()
             log.info("service_stopping")
             try:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
 
 
-def _add_trace_id(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+def _add_trace_id(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     from opentelemetry import trace
 
     ctx = trace.get_current_span().get_span_context()

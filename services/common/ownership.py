@@ -84,7 +84,7 @@ class OwnershipStore:
         data = await self.r.hgetall(self._key(resource))
         if not data:
             return None
-        return Lease(resource, data["owner"], int(data["token"]))
+        return Lease(resource, str(data["owner"]), int(data["token"]))
 
     async def is_current(self, resource: str, token: int) -> bool:
         """True when `token` is the live lease's token: the check every receiver makes."""
