@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from services.common.config import CommonSettings, load_settings
 from services.common.logging import configure_logging, get_logger
@@ -36,8 +37,8 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         async with contextlib.AsyncExitStack() as stack:
-            task: asyncio.Future[None] = asyncio.ensure_future(serve(common, stop, stack))
-            stopper: asyncio.Future[None] = asyncio.ensure_future(stop.wait())
+            task: asyncio.Future[Any] = asyncio.ensure_future(serve(common, stop, stack))
+            stopper: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
             failure = task.exception() if task in done else None
             if failure is not None:
