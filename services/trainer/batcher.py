@@ -1,0 +1,93 @@
+"""Collects completed trajectories into complete GRPO groups and applies the staleness budget.
+
+Pure bookkeeping: the service decides what a handle is (a JetStream message) and when to ack it.
+A group is trained whole or not at all, so a stale member drops its entire group: the advantages
+of the remaining members would be normalised against an incomplete group otherwise.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+from services.common.contracts import ev
+
+H = TypeVar("H")
+
+Outcome = Literal["buffered", "redelivered", "stale"]
+
+
+@dataclass
+class Pending(Generic[H]):
+    """A buffered trajectory and every delivery of it still waiting for an ack."""
+
+    traj: ev.CompletedTrajectory
+    handles: list[H]
+    context: Any = None
+
+
+@dataclass
+class Admission(Generic[H]):
+    outcome: Outcome
+    released: list[Pending[H]] = field(default_factory=list)
+    """Trajectories leaving the buffer without training (a dropped stale group): ack them."""
+
+
+class GroupBuffer(Generic[H]):
+    def __init__(self, max_staleness: int, remember_dropped: int = 10_000):
+        self.max_staleness = max_staleness
+        self.groups: OrderedDict[str, dict[str, Pending[H]]] = OrderedDict()
+        self._dropped: OrderedDict[str, None] = OrderedDict()
+        self._remember = remember_dropped
+
+    def is_stale(self, traj: ev.CompletedTrajectory, version: int) -> bool:
+        return traj.min_policy_version < version - self.max_staleness
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self.groups.values())
+
+    def __contains__(self, trajectory_id: str) -> bool:
+        return any(trajectory_id in g for g in self.groups.values())
+
+    def add(self, traj: ev.CompletedTrajectory, handle: H, version: int, context: Any = None) -> Admission[H]:
+        group = self.groups.get(traj.group_id)
+        if group is not None and traj.trajectory_id in group:
+            group[traj.trajectory_id].handles.append(handle)
+            return Admission("redelivered")
+        pending = Pending(traj, [handle], context)
+        if traj.group_id in self._dropped or self.is_stale(traj, version):
+            return Admission("stale", [pending, *self._drop(traj.group_id)])
+        self.groups.setdefault(traj.group_id, {})[traj.trajectory_id] = pending
+        return Admission("buffered")
+
+    def take(self, n: int, version: int) -> tuple[list[list[Pending[H]]], list[Pending[H]]]:
+        """Removes and returns `n` complete fresh groups (oldest first), or none if fewer are ready.
+
+        Complete groups that went stale while waiting are dropped and returned second either way.
+        """
+        ready: list[str] = []
+        stale: list[Pending[H]] = []
+        for gid, members in list(self.groups.items()):
+            first = next(iter(members.values())).traj
+            if len(members) < first.group_size:
+                continue
+            if any(self.is_stale(p.traj, version) for p in members.values()):
+                stale.extend(self._drop(gid))
+                continue
+            ready.append(gid)
+        if len(ready) < n:
+            return [], stale
+        return [list(self.groups.pop(gid).values()) for gid in ready[:n]], stale
+
+    def drain(self) -> list[Pending[H]]:
+        """Empties the buffer, e.g. to hand un-trained deliveries back on shutdown."""
+        out = [p for g in self.groups.values() for p in g.values()]
+        self.groups.clear()
+        return out
+
+    def _drop(self, group_id: str) -> list[Pending[H]]:
+        self._dropped[group_id] = None
+        while len(self._dropped) > self._remember:
+            self._dropped.popitem(last=False)
+        return list(self.groups.pop(group_id, {}).values())

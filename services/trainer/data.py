@@ -1,0 +1,125 @@
+"""Completed trajectories to training tensors.
+
+A trajectory is its segments in order: the prompt, then generated turns and tool returns. The model
+sees their concatenation; only generated tokens carry loss. Everything is kept shifted by one, the
+way the logits are used: column j of the mask and of the old logprobs describes token j+1, which the
+logits at position j predict (see `grpo.token_logprobs`). torch is imported only when collating, so
+the service shell can validate trajectories without it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.common.contracts import ev
+from services.common.errors import require
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One trajectory, flattened: per-position token, loss flag and old logprob (0 where no loss)."""
+
+    trajectory_id: str
+    group_id: str
+    reward: float
+    input_ids: list[int]
+    loss_mask: list[bool]
+    old_logprobs: list[float]
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Right-padded tensors: input_ids/attention_mask [B, T]; loss_mask/old_logprobs [B, T-1]; advantages [B]."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+
+def validate(traj: ev.CompletedTrajectory, vocab_size: int | None = None) -> None:
+    """Raises InvalidMessage when a trajectory cannot be trained on as sent."""
+    require(bool(traj.trajectory_id), "trajectory_id is empty")
+    require(bool(traj.group_id), "group_id is empty")
+    require(traj.group_size >= 2, f"group_size must be >= 2, got {traj.group_size}")
+    require(0 <= traj.sample_index < traj.group_size, f"sample_index {traj.sample_index} out of range")
+    require(len(traj.segments) > 0, "no segments")
+    require(math.isfinite(traj.reward), "reward is not finite")
+    require(not traj.segments[0].generated, "the first segment must be the prompt (generated=false)")
+    generated = 0
+    for i, seg in enumerate(traj.segments):
+        if seg.generated:
+            require(
+                len(seg.logprobs) == len(seg.token_ids),
+                f"segment {i}: {len(seg.logprobs)} logprobs for {len(seg.token_ids)} generated tokens",
+            )
+            require(all(math.isfinite(x) and x <= 1e-4 for x in seg.logprobs), f"segment {i}: bad logprob")
+            generated += len(seg.token_ids)
+        if vocab_size is not None:
+            require(all(0 <= t < vocab_size for t in seg.token_ids), f"segment {i}: token id outside vocab")
+        else:
+            require(all(t >= 0 for t in seg.token_ids), f"segment {i}: negative token id")
+    require(generated > 0, "no generated tokens")
+
+
+def to_sample(traj: ev.CompletedTrajectory) -> Sample:
+    ids: list[int] = []
+    mask: list[bool] = []
+    old: list[float] = []
+    for seg in traj.segments:
+        ids.extend(seg.token_ids)
+        mask.extend([seg.generated] * len(seg.token_ids))
+        old.extend(seg.logprobs if seg.generated else [0.0] * len(seg.token_ids))
+    return Sample(traj.trajectory_id, traj.group_id, traj.reward, ids, mask, old)
+
+
+def collate(samples: Sequence[Sample], advantages: Sequence[float], pad_id: int) -> MicroBatch:
+    """Right-pads to the longest sample and shifts mask and old logprobs to the logits' positions."""
+    import torch
+
+    width = max(len(s.input_ids) for s in samples)
+    b = len(samples)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, width), dtype=torch.long)
+    loss_mask = torch.zeros((b, width), dtype=torch.bool)
+    old = torch.zeros((b, width), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        n = len(s.input_ids)
+        input_ids[i, :n] = torch.tensor(s.input_ids, dtype=torch.long)
+        attention[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+        old[i, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        loss_mask=loss_mask[:, 1:],
+        old_logprobs=old[:, 1:],
+        advantages=torch.tensor(list(advantages), dtype=torch.float32),
+    )
+
+
+def micro_batches(
+    samples: Sequence[Sample], advantages: Sequence[float], size: int, pad_id: int
+) -> list[MicroBatch]:
+    """Splits a step's samples into micro-batches of at most `size`, sorted by length to cut padding."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
+    out = []
+    for k in range(0, len(order), size):
+        idx = order[k : k + size]
+        out.append(collate([samples[i] for i in idx], [advantages[i] for i in idx], pad_id))
+    return out

@@ -1,0 +1,104 @@
+"""Trajectories to tensors: concatenation, loss mask on generated tokens, logprobs shifted to logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.contracts import ev
+from services.common.errors import InvalidMessage
+from services.trainer.data import collate, micro_batches, to_sample, validate
+
+
+def traj(tid: str = "t0", **kw) -> ev.CompletedTrajectory:
+    base = dict(
+        trajectory_id=tid,
+        group_id="g0",
+        sample_index=0,
+        group_size=2,
+        reward=1.0,
+        segments=[
+            ev.Segment(token_ids=[10, 11, 12], generated=False),
+            ev.Segment(token_ids=[20, 21], logprobs=[-0.5, -1.5], generated=True, policy_version=3),
+            ev.Segment(token_ids=[30], generated=False),
+            ev.Segment(token_ids=[40], logprobs=[-2.0], generated=True, policy_version=3),
+        ],
+    )
+    base.update(kw)
+    return ev.CompletedTrajectory(**base)
+
+
+def test_segments_concatenate_with_mask_and_logprobs() -> None:
+    s = to_sample(traj())
+    assert s.input_ids == [10, 11, 12, 20, 21, 30, 40]
+    assert s.loss_mask == [False, False, False, True, True, False, True]
+    assert s.old_logprobs == [0.0, 0.0, 0.0, -0.5, -1.5, 0.0, -2.0]
+    assert s.num_generated == 3
+
+
+def test_collate_shifts_to_the_predicting_position_and_right_pads() -> None:
+    short = to_sample(
+        traj(
+            "t1",
+            segments=[
+                ev.Segment(token_ids=[5], generated=False),
+                ev.Segment(token_ids=[6], logprobs=[-0.25], generated=True),
+            ],
+        )
+    )
+    mb = collate([to_sample(traj()), short], [0.5, -0.5], pad_id=0)
+    assert mb.input_ids.tolist() == [[10, 11, 12, 20, 21, 30, 40], [5, 6, 0, 0, 0, 0, 0]]
+    assert mb.attention_mask.tolist() == [[1] * 7, [1, 1, 0, 0, 0, 0, 0]]
+    # column j describes token j+1, predicted by the logits at position j
+    assert mb.loss_mask.tolist()[0] == [False, False, True, True, False, True]
+    assert mb.old_logprobs[0].tolist() == [0.0, 0.0, -0.5, -1.5, 0.0, -2.0]
+    assert mb.loss_mask.tolist()[1] == [True, False, False, False, False, False]
+    assert mb.old_logprobs[1, 0].item() == pytest.approx(-0.25)
+    assert mb.num_tokens == 4
+    assert torch.equal(mb.advantages, torch.tensor([0.5, -0.5]))
+
+
+def test_micro_batches_keep_advantages_with_their_samples() -> None:
+    samples = [to_sample(traj(f"t{i}")) for i in range(5)]
+    batches = micro_batches(samples, [0.1, 0.2, 0.3, 0.4, 0.5], size=2, pad_id=0)
+    assert [mb.input_ids.shape[0] for mb in batches] == [2, 2, 1]
+    assert sorted(a for mb in batches for a in mb.advantages.tolist()) == pytest.approx(
+        [0.1, 0.2, 0.3, 0.4, 0.5]
+    )
+
+
+def test_valid_trajectory_passes() -> None:
+    validate(traj(), vocab_size=100)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"trajectory_id": ""}, "trajectory_id"),
+        ({"group_id": ""}, "group_id"),
+        ({"group_size": 1}, "group_size"),
+        ({"segments": []}, "no segments"),
+        ({"segments": [ev.Segment(token_ids=[1], generated=False)]}, "no generated"),
+        (
+            {
+                "segments": [
+                    ev.Segment(token_ids=[1]),
+                    ev.Segment(token_ids=[2, 3], logprobs=[-1.0], generated=True),
+                ]
+            },
+            "logprobs",
+        ),
+        (
+            {
+                "segments": [
+                    ev.Segment(token_ids=[1]),
+                    ev.Segment(token_ids=[999], logprobs=[-1.0], generated=True),
+                ]
+            },
+            "vocab",
+        ),
+    ],
+)
+def test_invalid_trajectories_are_refused(change: dict, reason: str) -> None:
+    with pytest.raises(InvalidMessage, match=reason):
+        validate(traj(**change), vocab_size=100)
