@@ -1,0 +1,65 @@
+"""The trainer's torch side: model, optimizer and bookkeeping, stepped and checkpointed as one unit.
+
+Everything here is blocking and runs in a worker thread; the service shell owns all I/O with NATS,
+Redis and the engines. Keeping the two apart is what lets `python -m services.trainer --help` (and
+the shell's start-up) avoid importing torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from services.common.models import load_model, load_tokenizer
+from services.common.runconfig import RunConfig
+from services.trainer import checkpoint
+from services.trainer.data import Sample
+from services.trainer.step import StepStats, train_step
+from services.trainer.weight_push import PackedWeights, pack
+
+
+class Learner:
+    def __init__(self, run: RunConfig, ckpt_dir: Path, keep_checkpoints: int = 2):
+        torch.set_num_threads(run.training.torch_threads)
+        self.run = run
+        self.ckpt_dir = ckpt_dir
+        self.keep = keep_checkpoints
+        self.tokenizer = load_tokenizer(run.model)
+        self.model = load_model(run.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=run.training.lr)
+        self.state = checkpoint.TrainerState()
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+
+    def resume(self) -> Path | None:
+        path = checkpoint.latest(self.ckpt_dir)
+        if path is not None:
+            self.state = checkpoint.restore(path, self.model, self.optimizer)
+        return path
+
+    def step(self, samples: Sequence[Sample], should_abort: Callable[[], bool] = lambda: False) -> StepStats:
+        """Updates the weights in memory; nothing is durable until `commit`."""
+        t = self.run.training
+        return train_step(
+            self.model,
+            self.optimizer,
+            samples,
+            temperature=self.run.task.temperature,
+            clip_eps=t.clip_eps,
+            micro_batch=t.micro_batch,
+            pad_id=self.pad_id,
+            should_abort=should_abort,
+        )
+
+    def commit(self, trajectory_ids: set[str]) -> Path:
+        """Advances version and step, records the ids that produced them and writes the checkpoint."""
+        s = self.state
+        new = checkpoint.TrainerState(s.step + 1, s.version + 1, s.trained_ids | trajectory_ids)
+        path = checkpoint.save(self.ckpt_dir, new, self.model, self.optimizer, keep=self.keep)
+        self.state = new
+        return path
+
+    def pack(self) -> PackedWeights:
+        return pack(self.model.state_dict(), self.state.version)

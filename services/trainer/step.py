@@ -1,0 +1,90 @@
+"""One GRPO optimizer step over complete groups: micro-batches, gradient accumulation, grad clipping.
+
+Runs in a worker thread (the event loop keeps renewing the lease meanwhile); `should_abort` is
+checked between micro-batches so a shutdown abandons the step before the optimizer touches weights.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.trainer.data import Sample, micro_batches
+from services.trainer.grpo import LossMetrics, group_advantages, policy_loss, token_logprobs
+
+
+class StepAborted(Exception):
+    """The step was abandoned before the optimizer ran; the weights are unchanged."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    tokens: int
+    trajectories: int
+    reward_mean: float
+    reward_std: float
+    kl: float
+    clip_fraction: float
+    ratio_mean: float
+    grad_norm: float
+    seconds: float
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[Sample],
+    *,
+    temperature: float,
+    clip_eps: float,
+    micro_batch: int,
+    pad_id: int,
+    max_grad_norm: float = 1.0,
+    should_abort: Callable[[], bool] = lambda: False,
+) -> StepStats:
+    start = time.perf_counter()
+    rewards = [s.reward for s in samples]
+    advantages = group_advantages(rewards, [s.group_id for s in samples])
+    batches = micro_batches(samples, advantages, micro_batch, pad_id)
+    total_tokens = sum(mb.num_tokens for mb in batches)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    metrics = LossMetrics(0.0, 0.0, 0.0, 0.0)
+    for mb in batches:
+        if should_abort():
+            optimizer.zero_grad(set_to_none=True)
+            raise StepAborted()
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        new_lp = token_logprobs(logits, mb.input_ids, temperature)
+        loss, m = policy_loss(new_lp, mb.old_logprobs, mb.advantages, mb.loss_mask, clip_eps, total_tokens)
+        loss.backward()
+        loss_sum += float(loss.item())
+        metrics = metrics + m
+        del logits, new_lp, loss
+    if should_abort():
+        optimizer.zero_grad(set_to_none=True)
+        raise StepAborted()
+    params: list[Any] = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if params else 0.0
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    means = metrics.means()
+    return StepStats(
+        loss=loss_sum,
+        tokens=total_tokens,
+        trajectories=len(samples),
+        reward_mean=statistics.fmean(rewards),
+        reward_std=statistics.pstdev(rewards),
+        kl=means["kl"],
+        clip_fraction=means["clip_fraction"],
+        ratio_mean=means["ratio_mean"],
+        grad_norm=grad_norm,
+        seconds=time.perf_counter() - start,
+    )
