@@ -1,0 +1,387 @@
+"""The trainer service shell: trajectories from JetStream in, GRPO steps, weights out to every engine.
+
+Exactly once by trajectory id: a step's trajectories are acked only after its checkpoint (which lists
+their ids) is written and the ids are in the Redis set `libra:{run}:trained`; any delivery of an id
+already in either is acked and skipped. A crash before the commit loses nothing (the deliveries come
+back); a crash after it trains nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+from nats.aio.msg import Msg
+from opentelemetry import trace
+
+from services.common import subjects
+from services.common.bus import Bus
+from services.common.config import CommonSettings, load_settings
+from services.common.contracts import ev
+from services.common.errors import InvalidMessage
+from services.common.logging import get_logger
+from services.common.membership import TRAINER_ROLE, Membership
+from services.common.ownership import OwnershipStore
+from services.common.runconfig import RunConfig, load_run_config
+from services.common.tracing import extract_context, tracer
+from services.trainer.batcher import GroupBuffer, Pending
+from services.trainer.config import TrainerSettings
+from services.trainer.data import to_sample, validate
+from services.trainer.weight_push import PackedWeights, PushResult, WeightPusher
+
+if TYPE_CHECKING:
+    from services.trainer.learner import Learner
+    from services.trainer.step import StepStats
+
+ENGINE_ROLES = ("rollout", "hybrid")
+
+
+def trained_key(run_id: str) -> str:
+    return f"libra:{run_id}:trained"
+
+
+class TrainerService:
+    def __init__(
+        self,
+        common: CommonSettings,
+        settings: TrainerSettings,
+        run: RunConfig,
+        learner: Learner,
+        bus: Bus,
+        store: OwnershipStore,
+        membership: Membership,
+        pusher: WeightPusher,
+    ):
+        self.common = common
+        self.settings = settings
+        self.run = run
+        self.learner = learner
+        self.bus = bus
+        self.store = store
+        self.membership = membership
+        self.pusher = pusher
+        self.buffer: GroupBuffer[Msg] = GroupBuffer(run.training.max_staleness)
+        self.log = get_logger(component="trainer")
+        self.psub: Any = None
+        self.packed: PackedWeights | None = None
+        self.synced: dict[str, int] = {}
+        self.last_metrics: ev.TrainMetrics | None = None
+        self.done_published = False
+        self._last_resync = float("-inf")
+        self._leader: bool | None = None
+        self.counts = {"trained": 0, "duplicate": 0, "stale": 0, "invalid": 0}
+
+    @property
+    def version(self) -> int:
+        return self.learner.state.version
+
+    @property
+    def finished(self) -> bool:
+        return self.learner.state.step >= self.run.training.steps
+
+    async def open_consumer(self) -> None:
+        stream = await self.bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
+        self.psub = await self.bus.pull_consumer(
+            subjects.TRAJ_COMPLETED, durable="trainer", stream=stream, ack_wait_s=self.settings.ack_wait_s
+        )
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        if not await self._await_assignment(stop):
+            return
+        try:
+            while not stop.is_set():
+                if not self.finished:
+                    await self._train_once(stop)
+                else:
+                    await self._hand_back(self.buffer.drain())
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.settings.idle_poll_s)
+                if not stop.is_set():
+                    await self._resync()
+        finally:
+            await self._hand_back(self.buffer.drain())
+
+    async def _await_assignment(self, stop: asyncio.Event) -> bool:
+        waited = 0.0
+        while not stop.is_set():
+            a = self.membership.assignment
+            if a is not None and a.role == "train":
+                self.log.info("trainer_assigned", fencing_token=a.fencing_token)
+                return True
+            await asyncio.sleep(0.2)
+            waited += 0.2
+            if waited >= self.settings.assignment_timeout_s:
+                self.log.warning("waiting_for_assignment", waited_s=round(waited, 1))
+                waited = 0.0
+        return False
+
+    def _fencing_token(self) -> int:
+        a = self.membership.assignment
+        return a.fencing_token if a is not None else 0
+
+    async def _train_once(self, stop: asyncio.Event) -> None:
+        if not await self._lease_current():
+            await self._hand_back(self.buffer.drain())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.idle_poll_s)
+            return
+        fetched = await self.bus.fetch(
+            self.psub, ev.CompletedTrajectory, self.settings.fetch_batch, self.settings.idle_poll_s
+        )
+        await self._admit(fetched)
+        groups, stale = self.buffer.take(self.run.training.groups_per_step, self.version)
+        await self._drop_stale(stale)
+        if groups:
+            await self._step(groups, stop)
+
+    async def _lease_current(self) -> bool:
+        try:
+            ok = await self.store.is_current(TRAINER_ROLE, self._fencing_token())
+        except Exception as err:  # Redis unreachable: keep the loop alive, try again next round
+            self.log.warning("lease_check_failed", error=str(err))
+            return False
+        if ok != self._leader:
+            self.log.log(
+                20 if ok else 30,
+                "lease_current" if ok else "lease_not_current",
+                fencing_token=self._fencing_token(),
+            )
+            self._leader = ok
+        return ok
+
+    async def _admit(self, fetched: list[tuple[ev.CompletedTrajectory, Msg]]) -> None:
+        if not fetched:
+            return
+        in_redis = await self._known_in_redis([t.trajectory_id for t, _ in fetched])
+        for (traj, raw), known in zip(fetched, in_redis, strict=True):
+            tid = traj.trajectory_id
+            try:
+                validate(traj, self.learner.vocab_size)
+            except InvalidMessage as err:
+                self.counts["invalid"] += 1
+                await self.bus.report_error(raw.subject, err.code, f"trajectory {tid!r}: {err}")
+                await _settle(raw.term())
+                continue
+            if known or tid in self.learner.state.trained_ids:
+                self.counts["duplicate"] += 1
+                self.log.info("trajectory_duplicate", trajectory_id=tid)
+                await _settle(raw.ack())
+                continue
+            adm = self.buffer.add(traj, raw, self.version, extract_context(raw.headers))
+            if adm.outcome == "stale":
+                await self._drop_stale(adm.released)
+
+    async def _known_in_redis(self, ids: list[str]) -> list[bool]:
+        try:
+            found = await self.store.r.smismember(trained_key(self.common.run_id), ids)
+            return [bool(x) for x in found]
+        except Exception as err:  # the checkpoint's ids still guard against retraining
+            self.log.warning("trained_set_unavailable", error=str(err))
+            return [False] * len(ids)
+
+    async def _drop_stale(self, pendings: list[Pending[Msg]]) -> None:
+        for p in pendings:
+            self.counts["stale"] += 1
+            self.log.info(
+                "trajectory_stale",
+                trajectory_id=p.traj.trajectory_id,
+                policy_version=p.traj.min_policy_version,
+                weight_version=self.version,
+            )
+            for h in p.handles:
+                await _settle(h.ack())
+
+    async def _hand_back(self, pendings: list[Pending[Msg]]) -> None:
+        """Naks un-trained deliveries so JetStream redelivers them now rather than after ack_wait."""
+        for p in pendings:
+            for h in p.handles:
+                await _settle(h.nak())
+
+    async def _step(self, groups: list[list[Pending[Msg]]], stop: asyncio.Event) -> None:
+        from services.trainer.step import StepAborted  # torch: loaded by now, with the learner
+
+        pendings = [p for g in groups for p in g]
+        links = []
+        for p in pendings:
+            sc = trace.get_current_span(p.context).get_span_context()
+            if sc.is_valid:
+                links.append(trace.Link(sc, {"libra.trajectory_id": p.traj.trajectory_id}))
+        ids = {p.traj.trajectory_id for p in pendings}
+        attrs = {"libra.train_step": self.learner.state.step + 1, "libra.trajectories": len(pendings)}
+        with tracer().start_as_current_span("train.step", links=links, attributes=attrs) as span:
+            samples = [to_sample(p.traj) for p in pendings]
+            try:
+                stats = await asyncio.to_thread(self.learner.step, samples, stop.is_set)
+            except StepAborted:
+                self.log.info("train_step_abandoned", trajectories=len(pendings))
+                await self._hand_back(pendings)
+                return
+            await asyncio.to_thread(self.learner.commit, ids)
+            await self._record_trained(ids)
+            for p in pendings:
+                for h in p.handles:
+                    await _settle(h.ack())
+            self.counts["trained"] += len(pendings)
+            span.set_attribute("libra.weight_version", self.version)
+            self.log.info(
+                "train_step",
+                step=self.learner.state.step,
+                policy_version=self.version,
+                loss=round(stats.loss, 6),
+                tokens=stats.tokens,
+                step_s=round(stats.seconds, 3),
+                kl=round(stats.kl, 6),
+                clip_fraction=round(stats.clip_fraction, 4),
+                grad_norm=round(stats.grad_norm, 4),
+            )
+            push_s, push_bytes = 0.0, 0
+            if not stop.is_set():
+                push_s, push_bytes, _ = await self._push_current()
+        await self._publish_step(stats, push_s, push_bytes)
+
+    async def _record_trained(self, ids: set[str]) -> None:
+        try:
+            await self.store.r.sadd(trained_key(self.common.run_id), *sorted(ids))
+        except Exception as err:  # the checkpoint already holds them; Redis is the cross-node copy
+            self.log.warning("trained_set_write_failed", error=str(err))
+
+    async def _push_current(self, only_missing: bool = False) -> tuple[float, int, dict[str, PushResult]]:
+        """Pushes the current version to the plan's engines (or those lacking it) under `weights.push`."""
+        addrs = [a.weight_sync_addr for a in self.membership.peers(*ENGINE_ROLES) if a.weight_sync_addr]
+        if only_missing:
+            addrs = [a for a in addrs if self.synced.get(a) != self.version]
+        if not addrs:
+            return 0.0, 0, {}
+        with tracer().start_as_current_span("weights.push") as span:
+            start = time.perf_counter()
+            if self.packed is None or self.packed.version != self.version:
+                self.packed = await asyncio.to_thread(self.learner.pack)
+            results = await self.pusher.push(self.packed, self._fencing_token(), addrs)
+            seconds = time.perf_counter() - start
+            for addr, r in results.items():
+                if r.in_sync:
+                    self.synced[addr] = self.packed.version
+            sent = sum(r.bytes for r in results.values())
+            span.set_attribute("libra.weight_version", self.packed.version)
+            span.set_attribute("libra.push_bytes", sent)
+            span.set_attribute("libra.engines_in_sync", sum(r.in_sync for r in results.values()))
+        self.log.info(
+            "weights_pushed",
+            policy_version=self.packed.version,
+            engines=len(addrs),
+            in_sync=sum(r.in_sync for r in results.values()),
+            size_bytes=self.packed.size,
+            push_s=round(seconds, 3),
+        )
+        applied = sorted(a for a, r in results.items() if r.in_sync and r.code != "stale_version")
+        if applied:
+            await self.bus.publish(
+                subjects.WEIGHTS_UPDATED,
+                ev.WeightsUpdated(
+                    version=self.packed.version,
+                    checksum=self.packed.checksum,
+                    size_bytes=self.packed.size,
+                    push_s=seconds,
+                    engines=applied,
+                    train_step=self.learner.state.step,
+                ),
+            )
+        return seconds, sent, results
+
+    def _all_engines_synced(self) -> bool:
+        addrs = [a.weight_sync_addr for a in self.membership.peers(*ENGINE_ROLES) if a.weight_sync_addr]
+        return all(self.synced.get(a) == self.version for a in addrs)
+
+    async def _publish_step(self, stats: StepStats, push_s: float, push_bytes: int) -> None:
+        done = self.finished and self._all_engines_synced()
+        self.last_metrics = ev.TrainMetrics(
+            step=self.learner.state.step,
+            weight_version=self.version,
+            loss=stats.loss,
+            reward_mean=stats.reward_mean,
+            reward_std=stats.reward_std,
+            trajectories=stats.trajectories,
+            tokens=stats.tokens,
+            step_s=stats.seconds,
+            kl=stats.kl,
+            clip_fraction=stats.clip_fraction,
+            push_s=push_s,
+            push_bytes=push_bytes,
+            done=done,
+        )
+        await self.bus.publish(subjects.TRAIN_METRICS, self.last_metrics)
+        if done:
+            self._announce_done()
+
+    async def _resync(self) -> None:
+        """Brings engines that lack the current weights up to date; then, if finished, announces done."""
+        now = time.monotonic()
+        if now - self._last_resync < self.settings.resync_interval_s:
+            return
+        self._last_resync = now
+        if self.version > 0 and not self._all_engines_synced():
+            await self._push_current(only_missing=True)
+        if self.finished and not self.done_published and self._all_engines_synced():
+            final = ev.TrainMetrics()
+            if self.last_metrics is not None:
+                final.CopyFrom(self.last_metrics)
+            final.step, final.weight_version, final.done = self.learner.state.step, self.version, True
+            await self.bus.publish(subjects.TRAIN_METRICS, final)
+            self._announce_done()
+
+    def _announce_done(self) -> None:
+        self.done_published = True
+        self.log.info(
+            "training_done", step=self.learner.state.step, policy_version=self.version, **self.counts
+        )
+
+
+async def _settle(op: Any) -> None:
+    """Acks/naks/terms a delivery; a failure only means JetStream redelivers it, which dedupe absorbs."""
+    with contextlib.suppress(Exception):
+        await op
+
+
+async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:
+    settings = load_settings(TrainerSettings)
+    run = load_run_config(common.config)
+    log = get_logger(component="trainer")
+    worker_id = common.worker_id or "trainer"
+
+    from services.trainer.checkpoint import checkpoint_dir
+    from services.trainer.learner import Learner
+
+    ckpt_dir = checkpoint_dir(run.training.checkpoint_dir, common.run_id)
+    learner = await asyncio.to_thread(Learner, run, ckpt_dir, settings.keep_checkpoints)
+    if settings.resume:
+        path = await asyncio.to_thread(learner.resume)
+        if path is not None:
+            log.info(
+                "checkpoint_resumed",
+                path=str(path),
+                step=learner.state.step,
+                policy_version=learner.state.version,
+                trained=len(learner.state.trained_ids),
+            )
+
+    store = OwnershipStore.from_url(common.redis_url, common.run_id)
+    stack.push_async_callback(store.close)
+    pusher = WeightPusher(
+        worker_id,
+        run.training.push_chunk_bytes,
+        retries=settings.push_retries,
+        backoff_s=settings.push_backoff_s,
+        timeout_s=settings.push_timeout_s,
+    )
+    stack.push_async_callback(pusher.close)
+    bus = await Bus.connect(common.nats_url, common.run_id, "trainer", worker_id)
+    stack.push_async_callback(bus.close)
+    membership = Membership(bus, store, ev.WorkerHello(worker_id=worker_id, kind="trainer"))
+    await membership.start()
+
+    service = TrainerService(common, settings, run, learner, bus, store, membership, pusher)
+    await service.open_consumer()
+    log.info("trainer_ready", step=learner.state.step, policy_version=learner.state.version)
+    await service.run_until(stop)

@@ -1,0 +1,334 @@
+"""The trainer against real nats-server, Redis and a gRPC WeightSync server, with the tiny model.
+
+One test walks a run: a plan assigns the trainer role; two complete groups, a duplicate, a malformed
+and an invalid message arrive; one step trains, version 1 reaches the engine intact, everything is
+acked. Then the trainer restarts: it resumes from the checkpoint, skips re-sent trained ids, and the
+next two groups give the final step, after which `done` is published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+import yaml
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.common import subjects
+from services.common.bus import Bus
+from services.common.config import CommonSettings
+from services.common.contracts import ev, ws, ws_grpc
+from services.common.membership import TRAINER_ROLE
+from services.common.models import load_model
+from services.common.ownership import OwnershipStore
+from services.common.runconfig import ModelConfig
+from services.common.tracing import tracer
+from services.common.weights import checksum, unpack_state_dict
+from services.trainer.checkpoint import latest
+from services.trainer.grpo import token_logprobs
+from services.trainer.service import serve, trained_key
+
+pytestmark = pytest.mark.integration
+
+TRAINER_ID = "trainer-it"
+
+
+@dataclass
+class Push:
+    header: ws.WeightHeader
+    blob: bytes
+    metadata: dict[str, Any]
+    accepted: bool
+
+
+class RecordingEngine(ws_grpc.WeightSyncServicer):
+    """Stands in for a rollout engine: checks each push like one would, and records it."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.pushes: list[Push] = []
+
+    async def PushWeights(self, request_iterator: Any, context: Any) -> ws.PushAck:
+        header: ws.WeightHeader | None = None
+        parts: list[bytes] = []
+        async for chunk in request_iterator:
+            if chunk.HasField("header"):
+                header = chunk.header
+            parts.append(chunk.data)
+        assert header is not None
+        blob = b"".join(parts)
+        ok = header.version > self.version and checksum(blob) == header.checksum
+        self.pushes.append(Push(header, blob, dict(context.invocation_metadata()), ok))
+        if header.version <= self.version:
+            return ws.PushAck(accepted=False, version=self.version, code="stale_version")
+        if not ok:
+            return ws.PushAck(accepted=False, version=self.version, code="checksum_mismatch")
+        self.version = header.version
+        return ws.PushAck(accepted=True, version=header.version, code="ok")
+
+    async def GetVersion(self, request: Any, context: Any) -> ws.VersionInfo:
+        return ws.VersionInfo(engine_id="engine-it", version=self.version)
+
+
+def span_exporter() -> InMemorySpanExporter:
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+def make_group(model: Any, group: str, size: int, seed: int) -> list[ev.CompletedTrajectory]:
+    """Well-formed trajectories whose logprobs come from the model itself (temperature 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(size):
+        prompt = torch.randint(100, 40_000, (6,), generator=gen).tolist()
+        turn = torch.randint(100, 40_000, (5,), generator=gen).tolist()
+        tool = torch.randint(100, 40_000, (3,), generator=gen).tolist()
+        answer = torch.randint(100, 40_000, (4,), generator=gen).tolist()
+        ids = torch.tensor([prompt + turn + tool + answer])
+        with torch.no_grad():
+            lp = token_logprobs(model(input_ids=ids).logits, ids, 1.0)[0].tolist()
+        a, b = len(prompt) - 1, len(prompt) + len(turn) + len(tool) - 1
+        out.append(
+            ev.CompletedTrajectory(
+                trajectory_id=f"{group}-{i}",
+                group_id=group,
+                sample_index=i,
+                group_size=size,
+                prompt_id=group,
+                reward=float(i % 2),
+                num_turns=2,
+                segments=[
+                    ev.Segment(token_ids=prompt),
+                    ev.Segment(token_ids=turn, logprobs=lp[a : a + len(turn)], generated=True),
+                    ev.Segment(token_ids=tool),
+                    ev.Segment(token_ids=answer, logprobs=lp[b : b + len(answer)], generated=True),
+                ],
+            )
+        )
+    return out
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 60.0, what: str = "") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def test_trainer_trains_once_pushes_and_resumes(
+    nats_server, redis_server, run_id: str, tiny_model: ModelConfig, tmp_path: Path, monkeypatch
+) -> None:
+    spans = span_exporter()
+    monkeypatch.setenv("LIBRA_TRAINER_IDLE_POLL_S", "0.2")
+    monkeypatch.setenv("LIBRA_TRAINER_RESYNC_INTERVAL_S", "0.3")
+    monkeypatch.setenv("LIBRA_TRAINER_PUSH_BACKOFF_S", "0.05")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model": tiny_model.model_dump(),
+                "task": {"group_size": 2, "temperature": 1.0},
+                "rollout": {"engines": 1},
+                "training": {
+                    "steps": 2,
+                    "groups_per_step": 2,
+                    "micro_batch": 2,
+                    "lr": 1e-3,
+                    "torch_threads": 1,
+                    "checkpoint_dir": str(tmp_path / "ckpt" / "{run_id}"),
+                    "push_chunk_bytes": 1 << 20,
+                },
+            }
+        )
+    )
+    common = CommonSettings(
+        run_id=run_id,
+        nats_url=nats_server.url,
+        redis_url=redis_server.url,
+        config=str(cfg),
+        worker_id=TRAINER_ID,
+    )
+
+    engine = RecordingEngine()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+    ws_grpc.add_WeightSyncServicer_to_server(engine, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "test", "test-0")
+    received: dict[str, list[Any]] = {"metrics": [], "weights": [], "errors": []}
+
+    async def collect(kind: str, msg_type: type) -> None:
+        async def cb(raw: Any) -> None:
+            m = msg_type()
+            m.ParseFromString(raw.data)
+            received[kind].append(m)
+
+        await bus.nc.subscribe(bus.subject(subj[kind]), cb=cb)
+
+    subj = {"metrics": subjects.TRAIN_METRICS, "weights": subjects.WEIGHTS_UPDATED, "errors": subjects.ERRORS}
+    await collect("metrics", ev.TrainMetrics)
+    await collect("weights", ev.WeightsUpdated)
+    await collect("errors", ev.ErrorEvent)
+
+    traj_stream = await bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
+
+    async def publish(t: ev.CompletedTrajectory) -> None:
+        with tracer("test").start_as_current_span("trajectory"):
+            await bus.publish_durable(subjects.TRAJ_COMPLETED, t, msg_id=uuid.uuid4().hex)
+
+    model = load_model(tiny_model)
+    first = make_group(model, "g0", 2, seed=1) + make_group(model, "g1", 2, seed=2)
+    second = make_group(model, "g2", 2, seed=3) + make_group(model, "g3", 2, seed=4)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    del model
+
+    for t in first:
+        await publish(t)
+    await publish(first[0])  # a duplicate delivery of a trajectory id
+    await bus.js.publish(bus.subject(subjects.TRAJ_COMPLETED), b"\xff\x00 not protobuf")
+    bad = ev.CompletedTrajectory()
+    bad.CopyFrom(first[1])
+    bad.trajectory_id = "bad-0"
+    bad.segments[1].logprobs.pop()
+    await publish(bad)
+
+    # the planner's part: lease the trainer role (the trainer renews it) and publish the plan
+    lease = await store.acquire(TRAINER_ROLE, TRAINER_ID, 30)
+    assert lease is not None
+    await bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
+    plan = ev.Plan(
+        plan_version=1,
+        assignments=[
+            ev.Assignment(worker_id=TRAINER_ID, role="train", fencing_token=lease.token),
+            ev.Assignment(
+                worker_id="engine-it", role="rollout", bucket="short", weight_sync_addr=f"127.0.0.1:{port}"
+            ),
+        ],
+    )
+    await bus.publish_durable(subjects.PLAN, plan, msg_id=f"plan-{run_id}")
+
+    async def consumer_settled() -> bool:
+        info = await bus.js.consumer_info(traj_stream, "trainer")
+        return info.num_ack_pending == 0 and info.num_pending == 0
+
+    async def trained_ids() -> set[str]:
+        return set(await store.r.smembers(trained_key(run_id)))
+
+    async def start_trainer() -> tuple[asyncio.Event, asyncio.Task[None], contextlib.AsyncExitStack]:
+        stop = asyncio.Event()
+        stack = contextlib.AsyncExitStack()
+        await stack.__aenter__()
+        return stop, asyncio.create_task(serve(common, stop, stack)), stack
+
+    async def stop_trainer(
+        stop: asyncio.Event, task: asyncio.Task[None], stack: contextlib.AsyncExitStack
+    ) -> None:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await stack.aclose()
+
+    try:
+        stop, task, stack = await start_trainer()
+
+        async def step_one() -> bool:
+            assert not task.done() or task.exception() is None, task.exception()
+            return any(m.step == 1 for m in received["metrics"])
+
+        await eventually(step_one, what="step 1 metrics")
+        await eventually(consumer_settled, what="all deliveries settled")
+        assert await trained_ids() == {t.trajectory_id for t in first}
+
+        m1 = next(m for m in received["metrics"] if m.step == 1)
+        assert m1.weight_version == 1 and m1.trajectories == 4 and not m1.done
+        assert m1.tokens == 4 * 9
+        assert m1.kl == pytest.approx(0.0, abs=1e-4)  # engine logprobs == trainer's at step start
+        assert m1.clip_fraction == 0.0
+        assert m1.push_bytes > 0
+
+        accepted = [p for p in engine.pushes if p.accepted]
+        assert [p.header.version for p in accepted] == [1]
+        push = accepted[0]
+        assert push.header.checksum == checksum(push.blob)
+        assert push.header.fencing_token == lease.token and push.header.sender_id == TRAINER_ID
+        assert push.header.num_chunks >= 1 and push.header.total_bytes == len(push.blob)
+        weights = unpack_state_dict(push.blob)
+        assert set(weights) <= set(initial) and "model.embed_tokens.weight" in weights
+        assert not torch.equal(weights["model.norm.weight"], initial["model.norm.weight"])
+        assert "traceparent" in push.metadata
+
+        await eventually(lambda: _true(received["weights"]), what="WeightsUpdated")
+        wu = received["weights"][0]
+        assert wu.version == 1 and wu.checksum == push.header.checksum and wu.engines == [f"127.0.0.1:{port}"]
+
+        await eventually(lambda: _true(len(received["errors"]) >= 2), what="two error events")
+        assert {e.error.code for e in received["errors"]} >= {"malformed", "invalid"}
+        assert any("bad-0" in e.error.message for e in received["errors"])
+
+        step_spans = [s for s in spans.get_finished_spans() if s.name == "train.step"]
+        assert len(step_spans) == 1 and len(step_spans[0].links) == 4
+        assert _child(spans.get_finished_spans(), step_spans[0], "weights.push")
+
+        await publish(first[2])  # a duplicate of an id trained in step 1
+        await eventually(consumer_settled, what="duplicate acked")
+        await stop_trainer(stop, task, stack)
+
+        ckpt = latest(tmp_path / "ckpt" / run_id)
+        assert ckpt is not None and ckpt.name == "step_00000001.pt"
+
+        assert await store.renew(lease, 30)  # the planner keeps the lease while the trainer restarts
+        stop, task, stack = await start_trainer()
+        for t in first:  # every trained id again, as after a scheduler replay
+            await publish(t)
+        await eventually(consumer_settled, what="replayed ids acked")
+        for t in second:
+            await publish(t)
+
+        async def finished() -> bool:
+            assert not task.done() or task.exception() is None, task.exception()
+            return any(m.done for m in received["metrics"])
+
+        await eventually(finished, what="done metrics")
+        await eventually(consumer_settled, what="second step acked")
+        steps = sorted(m.step for m in received["metrics"] if not m.done or m.step == 2)
+        assert steps.count(1) == 1 and 2 in steps
+        final = [m for m in received["metrics"] if m.done]
+        assert len(final) == 1 and final[0].weight_version == 2
+        assert [p.header.version for p in engine.pushes if p.accepted] == [1, 2]
+        assert await trained_ids() == {t.trajectory_id for t in first + second}
+        step_spans = [s for s in spans.get_finished_spans() if s.name == "train.step"]
+        assert len(step_spans) == 2
+        await stop_trainer(stop, task, stack)
+        assert latest(tmp_path / "ckpt" / run_id).name == "step_00000002.pt"  # type: ignore[union-attr]
+    finally:
+        await bus.close()
+        await store.close()
+        await server.stop(None)
+
+
+async def _true(value: Any) -> bool:
+    return bool(value)
+
+
+def _child(spans: Any, parent: ReadableSpan, name: str) -> bool:
+    return any(
+        s.name == name and s.parent is not None and s.parent.span_id == parent.context.span_id for s in spans
+    )
