@@ -17,6 +17,9 @@ class EngineSettings(BaseSettings):
 
     grpc_host: str = "127.0.0.1"
     """Interface the WeightSync gRPC server binds; 0.0.0.0 advertises this host's name instead."""
+    advertise_host: str | None = None
+    """Host put in the announced WeightSync address (e.g. a pod IP); unset uses grpc_host, or this
+    machine's hostname when grpc_host is a wildcard."""
     grpc_port: int = Field(0, ge=0, le=65535)
     """WeightSync gRPC port; 0 picks a free one (the address is announced in WorkerHello)."""
     bucket: str = Field("short", pattern=r"^[a-z0-9_-]{1,32}$")

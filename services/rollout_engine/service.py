@@ -97,8 +97,10 @@ class RolloutEngineService:
         self.server, port = await start_server(
             self.servicer, self.settings.grpc_host, self.settings.grpc_port
         )
-        host = self.settings.grpc_host
-        self.weight_sync_addr = f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{port}"
+        host = self.settings.advertise_host or self.settings.grpc_host
+        if host in ("0.0.0.0", "::"):
+            host = socket.gethostname()
+        self.weight_sync_addr = f"{host}:{port}"
         self.bus = await Bus.connect(self.common.nats_url, self.common.run_id, SERVICE, self.worker_id)
         hello = ev.WorkerHello(
             worker_id=self.worker_id,
@@ -254,6 +256,20 @@ class RolloutEngineService:
             last_t, last_tokens = now, tokens
             with contextlib.suppress(Exception):
                 await self.bus.publish(subjects.ENGINE_LOAD, self.load_report(rate))
+                await self.bus.publish(f"{subjects.METRICS}.{SERVICE}", self.metrics(rate))
+
+    def metrics(self, tokens_per_s: float) -> ev.MetricSample:
+        """The load report plus what EngineLoad has no field for, above all whether it is emulated."""
+        values = {
+            "emulated": float(self.backend.emulated),
+            "running": float(self.engine.running),
+            "waiting": float(self.engine.waiting + self.held),
+            "tokens_per_s": tokens_per_s,
+            "tokens_total": float(self.engine.tokens_generated),
+            "weight_version": float(self.engine.version),
+            "rejected": float(self.bus.rejected),
+        }
+        return ev.MetricSample(service=SERVICE, worker_id=self.worker_id, values=values)
 
     async def shutdown(self, grace_s: float = 8.0) -> None:
         """Stops intake, finishes the running batch, hands queued requests back, then closes."""

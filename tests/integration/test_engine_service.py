@@ -34,8 +34,10 @@ TRACE_ID = 0x1234567890ABCDEF1234567890ABCDEF
 class Harness:
     """Plays scheduler and planner for one engine process: collects what it publishes."""
 
-    def __init__(self, bus: Bus):
+    def __init__(self, bus: Bus, worker: str = WORKER):
         self.bus = bus
+        self.worker = worker
+        self.metrics: list[ev.MetricSample] = []
         self.results: dict[str, tuple[ev.TurnResult, dict[str, str]]] = {}
         self.loads: list[ev.EngineLoad] = []
         self.errors: list[ev.ErrorEvent] = []
@@ -52,16 +54,35 @@ class Harness:
             self.errors.append(m)
 
         async def on_hello(m: ev.WorkerHello, _: Envelope) -> None:
-            if m.worker_id == WORKER and not self.hello.done():
+            if m.worker_id == self.worker and not self.hello.done():
                 self.hello.set_result(m)
 
         await self.bus.subscribe(subjects.TURN_RESULT, ev.TurnResult, on_result)
         await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, on_load)
         await self.bus.subscribe(subjects.ERRORS, ev.ErrorEvent, on_error)
+
+        async def on_metrics(m: ev.MetricSample, _: Envelope) -> None:
+            self.metrics.append(m)
+
         await self.bus.subscribe(subjects.WORKER_HELLO, ev.WorkerHello, on_hello)
+        await self.bus.subscribe(f"{subjects.METRICS}.rollout-engine", ev.MetricSample, on_metrics)
+
+    async def assign(self, store: OwnershipStore) -> ev.WorkerHello:
+        """Answers the engine's hello the way the planner does: a lease and a plan naming it."""
+        hello = await asyncio.wait_for(self.hello, 90)
+        lease = await store.acquire(lease_resource("rollout", self.worker), self.worker, 10)
+        assert lease is not None
+        await self.bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
+        a = ev.Assignment(worker_id=self.worker, role="rollout", bucket="short", fencing_token=lease.token)
+        plan = ev.Plan(plan_version=1, assignments=[a])
+        await self.bus.publish_durable(subjects.PLAN, plan, msg_id=f"{self.bus.run_id}-plan-1")
+        async with asyncio.timeout(30):
+            while not self.loads:
+                await asyncio.sleep(0.05)
+        return hello
 
     async def send(self, req: ev.TurnRequest, ctx: Any = None) -> None:
-        await self.bus.publish(f"{subjects.TURN_REQUEST}.{WORKER}", req, ctx=ctx)
+        await self.bus.publish(f"{subjects.TURN_REQUEST}.{self.worker}", req, ctx=ctx)
 
     async def result(self, request_id: str, timeout: float = 60) -> tuple[ev.TurnResult, dict[str, str]]:
         async with asyncio.timeout(timeout):
@@ -201,3 +222,69 @@ async def test_shutdown_answers_every_accepted_request(engine: Any) -> None:
     handed_back = [r for r in got.values() if r.finish_reason == "error"]
     assert all(r.error.code == "unavailable" and "shutdown" in r.error.message for r in handed_back)
     assert handed_back, "queued requests are handed back, not run to completion"
+
+
+async def test_emulated_engine_is_labelled_and_holds_requests_until_weights_arrive(
+    nats_server: Server, redis_server: Server, run_id: str
+) -> None:
+    """In-process, with the emulated backend: no model, so this checks the control plane alone."""
+    from services.common.config import CommonSettings
+    from services.common.membership import TRAINER_ROLE
+    from services.common.runconfig import RunConfig
+    from services.common.weights import checksum, pack_state_dict
+    from services.rollout_engine.config import EngineSettings
+    from services.rollout_engine.service import RolloutEngineService
+
+    worker = "engine-emu"
+    common = CommonSettings(
+        nats_url=nats_server.url, redis_url=redis_server.url, run_id=run_id, worker_id=worker
+    )
+    settings = EngineSettings(load_report_interval_s=0.1, max_wait_for_weights_s=30, seed=1)
+    run = RunConfig.model_validate({"rollout": {"backend": "emulated", "max_batch": 4}})
+    svc = RolloutEngineService(common, settings, run)
+    stop = asyncio.Event()
+    bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    h = Harness(bus, worker)
+    await h.start()
+    starting = asyncio.create_task(svc.start(stop))
+    try:
+        hello = await h.assign(store)
+        await starting
+        await h.send(turn("e1", engine_id=worker, max_new_tokens=5))
+        res, _ = await h.result("e1")
+        assert res.text.startswith("<emulated") and 1 <= len(res.token_ids) <= 5
+        assert len(res.logprobs) == len(res.token_ids) and res.policy_version == 0
+        assert any(m.values["emulated"] == 1.0 for m in h.metrics)
+
+        await h.send(turn("e2", engine_id=worker, min_policy_version=1))
+        async with asyncio.timeout(10):
+            while not h.loads or h.loads[-1].waiting < 1:
+                await asyncio.sleep(0.05)
+        assert "e2" not in h.results
+
+        import grpc
+        import torch
+
+        from services.common.contracts import ws, ws_grpc
+
+        lease = await store.acquire(TRAINER_ROLE, "trainer-x", 30)
+        assert lease is not None
+        blob = pack_state_dict({"w": torch.ones(4)})
+        header = ws.WeightHeader(
+            version=1, total_bytes=len(blob), num_chunks=1, checksum=checksum(blob), fencing_token=lease.token
+        )
+        async with grpc.aio.insecure_channel(hello.weight_sync_addr) as ch:
+            ack = await ws_grpc.WeightSyncStub(ch).PushWeights(
+                iter([ws.WeightChunk(header=header, data=blob)])
+            )
+        assert ack.accepted, ack.message
+        res, _ = await h.result("e2")
+        assert not res.HasField("error") and res.policy_version == 1
+    finally:
+        stop.set()
+        if not starting.done():
+            starting.cancel()
+        await svc.shutdown()
+        await bus.close()
+        await store.close()
