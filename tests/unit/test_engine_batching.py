@@ -221,3 +221,18 @@ def test_hf_stops_at_eos(hf_backend: Any) -> None:
     finally:
         head.bias = saved
     assert out.token_ids == [eos] and out.finish_reason == "stop"
+
+
+def test_help_lists_settings_without_importing_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import runpy, sys; sys.argv = ['rollout-engine', '--help']\n"
+        "try:\n    runpy.run_module('services.rollout_engine', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch imported by --help'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "LIBRA_ROLLOUT_ENGINE_MAX_WAIT_FOR_WEIGHTS_S" in out.stdout and "LIBRA_CONFIG" in out.stdout
