@@ -14,6 +14,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 def group_advantages(rewards: Sequence[float], groups: Sequence[Hashable], eps: float = 1e-6) -> list[float]:
@@ -39,13 +40,15 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[Hashable], eps: 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """Logprob of token t+1 under the logits at position t: shape [B, T-1] for inputs of shape [B, T].
 
-    Computed as gather(logits) - logsumexp(logits) in float32, which needs no second vocab-sized
-    tensor beyond the scaled logits.
+    Computed in float32 as a fused cross-entropy, whose backward is markedly cheaper on CPU than
+    gather + logsumexp over a 49k vocabulary.
     """
-    scaled = logits[:, :-1, :].float() / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    picked = torch.gather(scaled, -1, targets).squeeze(-1)
-    return picked - torch.logsumexp(scaled, dim=-1)
+    scaled = logits[:, :-1, :].float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    b, t, v = scaled.shape
+    nll = F.cross_entropy(scaled.reshape(b * t, v), input_ids[:, 1:].reshape(b * t), reduction="none")
+    return -nll.view(b, t)
 
 
 @dataclass(frozen=True)

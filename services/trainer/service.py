@@ -127,13 +127,21 @@ class TrainerService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.settings.idle_poll_s)
             return
-        fetched = await self.bus.fetch(
-            self.psub, ev.CompletedTrajectory, self.settings.fetch_batch, self.settings.idle_poll_s
-        )
+        try:
+            fetched = await self.bus.fetch(
+                self.psub, ev.CompletedTrajectory, self.settings.fetch_batch, self.settings.idle_poll_s
+            )
+        except Exception as err:  # NATS reconnecting: what is buffered stays, deliveries come back
+            self.log.warning("fetch_failed", error=f"{type(err).__name__}: {err}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.idle_poll_s)
+            return
         await self._admit(fetched)
-        groups, stale = self.buffer.take(self.run.training.groups_per_step, self.version)
-        await self._drop_stale(stale)
-        if groups:
+        while not self.finished and not stop.is_set():
+            groups, stale = self.buffer.take(self.run.training.groups_per_step, self.version)
+            await self._drop_stale(stale)
+            if not groups:
+                break
             await self._step(groups, stop)
 
     async def _lease_current(self) -> bool:
@@ -214,11 +222,14 @@ class TrainerService:
             samples = [to_sample(p.traj) for p in pendings]
             try:
                 stats = await asyncio.to_thread(self.learner.step, samples, stop.is_set)
+                await asyncio.to_thread(self.learner.commit, ids)
             except StepAborted:
                 self.log.info("train_step_abandoned", trajectories=len(pendings))
                 await self._hand_back(pendings)
                 return
-            await asyncio.to_thread(self.learner.commit, ids)
+            except BaseException:
+                await self._hand_back(pendings)
+                raise
             await self._record_trained(ids)
             for p in pendings:
                 for h in p.handles:
