@@ -21,7 +21,7 @@ from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
-from services.common.errors import InvalidMessage, require
+from services.common.errors import LibraError, Unavailable, require
 from services.common.logging import get_logger
 from services.common.membership import Membership, lease_resource
 from services.common.ownership import Lease, OwnershipStore
@@ -153,12 +153,11 @@ class RolloutEngineService:
         received = time.monotonic()
         try:
             if self.stopping:
-                raise InvalidMessage("engine is shutting down")
+                raise Unavailable("shutdown")
             gen = validate_turn(req, self.backend, self.settings.max_new_tokens_cap)
-        except InvalidMessage as err:
+        except LibraError as err:
             if req.request_id:
-                code = "unavailable" if self.stopping else err.code
-                await self._publish_error(req, code, str(err), env.context)
+                await self._publish_error(req, err.code, str(err), env.context)
             raise
         task = asyncio.create_task(self._serve_turn(req, gen, env.context, received))
         self._turns.add(task)
@@ -182,14 +181,12 @@ class RolloutEngineService:
                     finally:
                         self.held -= 1
                     if not ok:
-                        reason = (
-                            "shutdown"
-                            if self.stopping
-                            else (
-                                f"weights v{self.engine.version} older than min_policy_version {req.min_policy_version}"
-                            )
+                        stale = (
+                            f"weights v{self.engine.version} < min_policy_version {req.min_policy_version}"
                         )
-                        await self._publish_error(req, "unavailable", reason, ctx)
+                        await self._publish_error(
+                            req, "unavailable", "shutdown" if self.stopping else stale, ctx
+                        )
                         return
                 done = await self.engine.submit(gen)
             except EngineClosed:
