@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_generated_code_is_current() -> None:
     """Fails when proto/ changed without `make proto`."""
-    out = subprocess.run([sys.executable, "-m", "tools.gen_proto", "--check"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.gen_proto", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
 
 

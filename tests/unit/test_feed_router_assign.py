@@ -40,7 +40,11 @@ def test_least_loaded_prefers_bucket_and_skips_unhealthy() -> None:
 def test_static_assigner_roles_and_buckets() -> None:
     a = StaticAssigner(["short", "long"])
     slots: dict[str, Slot] = {}
-    for wid, kind, pref in [("e0", "rollout-engine", ""), ("e1", "rollout-engine", ""), ("e2", "rollout-engine", "long")]:
+    for wid, kind, pref in [
+        ("e0", "rollout-engine", ""),
+        ("e1", "rollout-engine", ""),
+        ("e2", "rollout-engine", "long"),
+    ]:
         s = a.assign(wid, kind, pref, slots)
         assert s is not None
         slots[wid] = s
