@@ -89,7 +89,7 @@ async def watch_job(stack: Stack, cfg: RunConfig, timeout_s: float, progress: bo
                 stats = await bus.request(
                     subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, timeout=2
                 )
-            steps = max((m.step for m in metrics if not m.done), default=0)
+            steps = max((m.step for m in metrics), default=0)
             bar.n = steps
             reward = f"{metrics[-1].reward_mean:.3f}" if metrics else "-"
             bar.set_postfix_str(
@@ -104,7 +104,7 @@ async def watch_job(stack: Stack, cfg: RunConfig, timeout_s: float, progress: bo
     finally:
         bar.close()
         await bus.close()
-    trained = [m for m in metrics if not m.done]
+    trained = per_step(metrics)
     final = max((m.weight_version for m in metrics), default=0)
     return {
         "run_id": stack.run_id,
@@ -136,6 +136,19 @@ async def watch_job(stack: Stack, cfg: RunConfig, timeout_s: float, progress: bo
         "nats_url": stack.nats_url,
         "redis_url": stack.redis_url,
     }
+
+
+def per_step(metrics: list[ev.TrainMetrics]) -> list[ev.TrainMetrics]:
+    """One metrics message per train step, in step order.
+
+    The last step's metrics may carry ``done`` themselves or be repeated in a separate ``done`` message
+    once every engine has the final weights; both count as that one step.
+    """
+    first: dict[int, ev.TrainMetrics] = {}
+    for m in metrics:
+        if m.step > 0:
+            first.setdefault(m.step, m)
+    return [first[s] for s in sorted(first)]
 
 
 def write_report(report: dict[str, Any], runs_dir: Path) -> Path:
