@@ -1,0 +1,203 @@
+"""Analytical cost model for rollout (prefill, decode) and training, calibratable from profiles.
+
+Decode is priced as the slower of compute and memory traffic (weights plus KV cache read per step)
+plus a per-layer tensor-parallel all-reduce latency; prefill and training as FLOPs at an achieved
+MFU. `calibrate()` fits one multiplier per kind from measured samples, so the same formulas serve
+the planner on real hardware and the simulator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class GPUSpec:
+    name: str
+    flops: float
+    """Dense BF16 FLOP/s."""
+    mem_bw: float
+    """HBM bytes/s."""
+    mem_bytes: float
+    nvlink_bw: float = 200e9
+    """Per-GPU intra-node bytes/s (all-reduce, weight sync inside a node)."""
+    net_bw: float = 25e9
+    """Per-GPU inter-node bytes/s (weight sync, state fetch across nodes)."""
+    allreduce_latency_s: float = 8e-6
+    gpus_per_node: int = 8
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GPUSpec:
+        return cls(**_coerce(cls, data))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    params: float
+    """Total parameters (memory)."""
+    active_params: float
+    """Parameters touched per token (FLOPs); equals `params` for dense models."""
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    bytes_per_param: int = 2
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+        return cls(**_coerce(cls, data))
+
+
+_INT_FIELDS = {"layers", "hidden", "kv_heads", "head_dim", "bytes_per_param", "gpus_per_node"}
+
+
+def _coerce(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """Keep known fields; YAML may give `1.2e14` as a string, so cast numbers explicitly."""
+    names = {f.name for f in fields(cls)}
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if k in names:
+            out[k] = v if k == "name" else (int(float(v)) if k in _INT_FIELDS else float(v))
+    return out
+
+
+@dataclass(slots=True)
+class Calibration:
+    """Multipliers on the analytical times, fitted from measured profiles (1.0 = trust the formulas)."""
+
+    decode: float = 1.0
+    prefill: float = 1.0
+    train: float = 1.0
+    mem_efficiency: float = 0.8
+    prefill_mfu: float = 0.5
+    train_mfu: float = 0.4
+    tp_mfu_decay: float = 0.93
+    """Training MFU is multiplied by this per doubling of TP (communication overhead)."""
+    tp_decode_efficiency: float = 0.88
+    """Achieved bandwidth per doubling of decode TP: smaller shards, more sync points
+    (TP4 decodes about 2.8x faster than TP1, not 4x)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """One measured sample: kind in {decode, prefill, train}, its inputs and the seconds it took."""
+
+    kind: str
+    seconds: float
+    batch: int = 1
+    context: int = 0
+    tokens: int = 0
+    tp: int = 1
+    gpus: int = 1
+
+
+@dataclass(slots=True)
+class CostModel:
+    gpu: GPUSpec
+    model: ModelSpec
+    calib: Calibration = field(default_factory=Calibration)
+    train_state_bytes_per_param: float = 16.0
+    """Mixed-precision Adam: weights, gradients, master weights and two moments."""
+    reserved_fraction: float = 0.1
+    """HBM kept back for activations and the runtime on rollout engines."""
+
+    def _allreduce_s(self, tp: int, batch: int) -> float:
+        if tp == 1:
+            return 0.0
+        msg = batch * self.model.hidden * self.model.bytes_per_param * 2 * (tp - 1) / tp
+        per_layer = 2 * (self.gpu.allreduce_latency_s + msg / self.gpu.nvlink_bw)
+        return self.model.layers * per_layer
+
+    def decode_step_s(self, batch: int, avg_context: float, tp: int) -> float:
+        """One continuous-batching decode iteration for `batch` sequences of `avg_context` tokens."""
+        if batch <= 0:
+            return 0.0
+        c = self.calib
+        kv = batch * avg_context * self.model.kv_bytes_per_token
+        eff = c.mem_efficiency * c.tp_decode_efficiency ** math.log2(tp)
+        mem = (self.model.weight_bytes + kv) / (tp * self.gpu.mem_bw * eff)
+        flops = (
+            2 * self.model.active_params * batch
+            + 4 * self.model.layers * self.model.hidden * batch * avg_context
+        )
+        compute = flops / (tp * self.gpu.flops * c.prefill_mfu)
+        return c.decode * (max(mem, compute) + self._allreduce_s(tp, batch))
+
+    def prefill_s(self, tokens: int, context_before: int, tp: int) -> float:
+        """Prefill `tokens` new tokens after `context_before` cached ones."""
+        if tokens <= 0:
+            return 0.0
+        c = self.calib
+        attn = 4 * self.model.layers * self.model.hidden * tokens * (context_before + tokens / 2)
+        flops = 2 * self.model.active_params * tokens + attn
+        return c.prefill * flops / (tp * self.gpu.flops * c.prefill_mfu) + self._allreduce_s(tp, 1)
+
+    def kv_capacity_tokens(self, tp: int) -> int:
+        free = tp * self.gpu.mem_bytes * (1 - self.reserved_fraction) - self.model.weight_bytes
+        return max(0, int(free / self.model.kv_bytes_per_token))
+
+    def train_mfu(self, tp: int) -> float:
+        return self.calib.train_mfu * self.calib.tp_mfu_decay ** math.log2(max(1, tp))
+
+    def train_flops(self, tokens: float, avg_seq: float) -> float:
+        """Forward + backward + one forward for old log-probs (GRPO), with causal attention."""
+        per_token = 8 * self.model.active_params + 8 * self.model.layers * self.model.hidden * avg_seq
+        return per_token * tokens
+
+    def train_step_s(self, tokens: float, avg_seq: float, gpus: int, tp: int = 1) -> float:
+        if gpus <= 0:
+            return math.inf
+        return (
+            self.calib.train
+            * self.train_flops(tokens, avg_seq)
+            / (gpus * self.gpu.flops * self.train_mfu(tp))
+        )
+
+    def min_train_gpus(self) -> int:
+        """GPUs needed to hold sharded training state with half of each GPU left for activations."""
+        return max(
+            1, math.ceil(self.model.params * self.train_state_bytes_per_param / (0.5 * self.gpu.mem_bytes))
+        )
+
+    def weight_sync_s(self, cross_node: bool = True) -> float:
+        bw = self.gpu.net_bw if cross_node else self.gpu.nvlink_bw
+        return self.model.weight_bytes / bw + 0.5
+
+    def state_fetch_s(self, train_gpus: int) -> float:
+        """A joining data-parallel replica fetches weights plus its optimizer shard."""
+        shard = self.model.params * (self.train_state_bytes_per_param - 2) / max(1, train_gpus)
+        return (self.model.weight_bytes + shard) / self.gpu.net_bw + 1.0
+
+    def calibrate(self, profiles: Iterable[Profile]) -> Calibration:
+        """Fit per-kind multipliers as the mean ratio measured/predicted; returns the new calibration."""
+        ratios: dict[str, list[float]] = {"decode": [], "prefill": [], "train": []}
+        base = Calibration(**{**asdict(self.calib), "decode": 1.0, "prefill": 1.0, "train": 1.0})
+        raw = CostModel(self.gpu, self.model, base, self.train_state_bytes_per_param, self.reserved_fraction)
+        for p in profiles:
+            if p.kind == "decode":
+                pred = raw.decode_step_s(p.batch, p.context, p.tp)
+            elif p.kind == "prefill":
+                pred = raw.prefill_s(p.tokens, p.context, p.tp)
+            elif p.kind == "train":
+                pred = raw.train_step_s(p.tokens, p.context, p.gpus, p.tp)
+            else:
+                raise ValueError(f"unknown profile kind {p.kind!r}")
+            if pred > 0:
+                ratios[p.kind].append(p.seconds / pred)
+        for kind, rs in ratios.items():
+            if rs:
+                setattr(base, kind, sum(rs) / len(rs))
+        self.calib = base
+        return base

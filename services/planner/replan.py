@@ -1,0 +1,56 @@
+"""When to replan, and whether a new plan is worth its reconfiguration cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ReplanSignals:
+    """Metrics a planner sees: queued turns per rollout slot, rejected requests since the last
+    plan, and the measured rollout/train time ratio of recent steps."""
+
+    queue_pressure: float = 0.0
+    rejected: int = 0
+    rollout_train_ratio: float = 1.0
+
+
+@dataclass(slots=True)
+class ReplanPolicy:
+    interval_s: float = 600.0
+    cooldown_s: float = 120.0
+    queue_pressure_high: float = 2.0
+    rejected_high: int = 1
+    ratio_band: tuple[float, float] = (0.8, 1.25)
+    horizon_steps: int = 5
+    """A new plan must repay its reconfiguration cost within this many steps."""
+    min_gain: float = 0.03
+    """...and predict at least this fractional step-time reduction."""
+    last_replan: float | None = None
+
+    def should_replan(self, now: float, signals: ReplanSignals) -> tuple[bool, str]:
+        """A trigger fires (interval, queue pressure, rejections, stage imbalance) outside the cooldown."""
+        if self.last_replan is not None and now - self.last_replan < self.cooldown_s:
+            return False, "cooldown"
+        if self.last_replan is None or now - self.last_replan >= self.interval_s:
+            return True, "interval"
+        if signals.queue_pressure >= self.queue_pressure_high:
+            return True, "queue_pressure"
+        if signals.rejected >= self.rejected_high:
+            return True, "rejected"
+        lo, hi = self.ratio_band
+        if not lo <= signals.rollout_train_ratio <= hi:
+            return True, "imbalance"
+        return False, "steady"
+
+    def accept(self, now: float, current_step_s: float, new_step_s: float, reconfig_s: float) -> bool:
+        """Apply only if the predicted gain over the horizon beats the reconfiguration cost.
+
+        Evaluating a candidate starts the cooldown whether or not it is applied, so a planner that
+        keeps finding marginal plans does not thrash.
+        """
+        self.last_replan = now
+        gain = current_step_s - new_step_s
+        if gain <= self.min_gain * current_step_s:
+            return False
+        return gain * self.horizon_steps > reconfig_s

@@ -1,0 +1,3 @@
+from tools.sim.cli import main
+
+raise SystemExit(main())

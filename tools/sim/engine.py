@@ -1,0 +1,155 @@
+"""One rollout replica under continuous batching, simulated without an event per token.
+
+Every running sequence advances one token per decode iteration, so the engine keeps a virtual
+token clock `v`: a sequence that joins at `v0` needing `n` tokens finishes at `v0 + n`. Between
+membership changes the iteration time is constant, so an engine only wakes when a sequence
+finishes or another joins. Prefill and weight loading stall decoding (`resume`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from services.planner.cost_model import CostModel
+
+
+@dataclass(slots=True)
+class Request:
+    traj_id: str
+    tokens: int
+    context: int
+    """Context at the start of decoding (after prefill)."""
+    start_v: float = 0.0
+
+
+class Engine:
+    __slots__ = (
+        "accepting",
+        "bucket",
+        "busy_s",
+        "cm",
+        "engine_id",
+        "gen",
+        "heap",
+        "hybrid",
+        "kv_capacity",
+        "kv_used",
+        "max_seqs",
+        "n",
+        "open_since",
+        "opened_s",
+        "prompts",
+        "resume",
+        "s",
+        "seq",
+        "step",
+        "sync_s",
+        "t",
+        "tp",
+        "v",
+    )
+
+    def __init__(
+        self, engine_id: str, bucket: str, tp: int, cm: CostModel, max_seqs: int, hybrid: bool = False
+    ):
+        self.engine_id = engine_id
+        self.bucket = bucket
+        self.tp = tp
+        self.cm = cm
+        self.max_seqs = max_seqs
+        self.kv_capacity = cm.kv_capacity_tokens(tp)
+        self.kv_used = 0
+        self.hybrid = hybrid
+        self.accepting = True
+        self.heap: list[tuple[float, int, Request]] = []
+        self.n = 0
+        self.s = 0.0
+        self.v = 0.0
+        self.t = 0.0
+        self.resume = 0.0
+        self.step = 0.0
+        self.seq = 0
+        self.gen = 0
+        self.busy_s = 0.0
+        self.sync_s = 0.0
+        self.opened_s = 0.0
+        self.open_since: float | None = None
+        self.prompts: dict[str, None] = {}
+
+    def open(self, now: float) -> None:
+        self.t = max(self.t, now)
+        self.resume = max(self.resume, now)
+        self.open_since = now
+
+    def close(self, now: float) -> None:
+        self.advance(now)
+        if self.open_since is not None:
+            self.opened_s += now - self.open_since
+        self.open_since = None
+
+    def load(self) -> int:
+        return self.n
+
+    def fits(self, context: int, reserve: int) -> bool:
+        return self.n < self.max_seqs and self.kv_used + context + reserve <= self.kv_capacity
+
+    def advance(self, now: float) -> None:
+        if now <= self.t:
+            return
+        stall_end = min(now, self.resume)
+        if stall_end > self.t:
+            self.busy_s += stall_end - self.t
+        start = max(self.t, self.resume)
+        if now > start and self.n:
+            self.busy_s += now - start
+            self.v += (now - start) / self.step
+        self.t = now
+
+    def stall(self, now: float, seconds: float, sync: bool = False) -> None:
+        self.advance(now)
+        self.resume = max(self.resume, now) + seconds
+        if sync:
+            self.sync_s += seconds
+
+    def join(self, req: Request, now: float, prefill_tokens: int, prompt_id: str) -> None:
+        self.advance(now)
+        self.resume = max(self.resume, now) + self.cm.prefill_s(
+            prefill_tokens, req.context - prefill_tokens, self.tp
+        )
+        req.start_v = self.v
+        self.seq += 1
+        heapq.heappush(self.heap, (self.v + req.tokens, self.seq, req))
+        self.n += 1
+        self.s += req.context - self.v
+        self.kv_used += req.context + req.tokens
+        self.prompts[prompt_id] = None
+        if len(self.prompts) > 64:
+            self.prompts.pop(next(iter(self.prompts)))
+        self._retime()
+
+    def _retime(self) -> None:
+        if self.n:
+            avg_ctx = self.s / self.n + self.v
+            self.step = self.cm.decode_step_s(self.n, avg_ctx, self.tp)
+        self.gen += 1
+
+    def next_event(self) -> float | None:
+        """Simulated time when the next sequence finishes its turn, or None when idle."""
+        if not self.n:
+            return None
+        return max(self.resume, self.t) + max(0.0, self.heap[0][0] - self.v) * self.step
+
+    def pop_done(self, now: float) -> list[Request]:
+        self.advance(now)
+        done = []
+        while self.heap and self.heap[0][0] <= self.v + 1e-6:
+            _, _, req = heapq.heappop(self.heap)
+            self.n -= 1
+            self.s -= req.context - req.start_v
+            self.kv_used -= req.context + req.tokens
+            done.append(req)
+        if not self.n:
+            self.s = 0.0
+        self._retime()
+        return done

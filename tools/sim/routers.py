@@ -1,0 +1,121 @@
+"""Routing policies the simulator can drive: C-MLFQ itself and the baselines' routers.
+
+All expose the C-MLFQ call shapes (admit / on_tool_return / finish / pick_engine / enqueue /
+dequeue), so the simulator treats Libra and the baselines the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+
+from services.scheduler.cmlfq import CMLFQ, EngineView, RouteDecision
+from services.scheduler.prefix_tree import ToolSignal
+
+
+class CMLFQRouter:
+    def __init__(self, core: CMLFQ) -> None:
+        self.core = core
+
+    def admit(self, traj_id: str, prompt_id: str, now: float, true_tokens: int) -> str:
+        return self.core.admit(traj_id, prompt_id, now)
+
+    def on_tool_return(
+        self, traj_id: str, signal: ToolSignal, tokens: int, context: int, now: float
+    ) -> RouteDecision:
+        return self.core.on_tool_return(traj_id, signal, tokens, context, now)
+
+    def finish(self, traj_id: str, total: int, now: float) -> None:
+        self.core.finish(traj_id, total, now)
+
+    def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None:
+        return self.core.pick_engine(bucket, engines, traj_id)
+
+    def enqueue(self, traj_id: str, now: float) -> None:
+        self.core.enqueue(traj_id, now)
+
+    def dequeue(self, bucket: str, now: float) -> str | None:
+        return self.core.dequeue(bucket, now)
+
+    def bucket_of(self, traj_id: str) -> str:
+        return self.core.bucket_of(traj_id)
+
+    def queued(self, bucket: str | None = None) -> int:
+        return self.core.queued(bucket)
+
+
+class StaticRouter:
+    """A bucket fixed at admission, FIFO queues, and least-connections or round-robin engines.
+
+    With one bucket this is the homogeneous baseline. With `predictor_sigma` set, the bucket comes
+    from a length predictor whose estimate is the true length times lognormal noise (the
+    length-aware baseline); with `sticky` engines a trajectory returns to the engine holding its
+    context when that engine has room (least-connections with prefix affinity).
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[tuple[str, float]],
+        mode: str = "least",
+        predictor_sigma: float | None = None,
+        seed: int = 0,
+        sticky: bool = True,
+    ) -> None:
+        self.buckets = list(buckets)
+        self.mode = mode
+        self.sigma = predictor_sigma
+        self.rng = random.Random(seed)
+        self.sticky = sticky
+        self.where: dict[str, str] = {}
+        self.last: dict[str, str] = {}
+        self.queues: dict[str, deque[str]] = {name: deque() for name, _ in self.buckets}
+        self._rr = itertools.count()
+
+    def admit(self, traj_id: str, prompt_id: str, now: float, true_tokens: int) -> str:
+        bucket = self.buckets[0][0]
+        if self.sigma is not None:
+            guess = true_tokens * math.exp(self.rng.gauss(0.0, self.sigma))
+            bucket = next((name for name, hi in self.buckets if guess <= hi), self.buckets[-1][0])
+        self.where[traj_id] = bucket
+        return bucket
+
+    def on_tool_return(
+        self, traj_id: str, signal: ToolSignal, tokens: int, context: int, now: float
+    ) -> RouteDecision:
+        return RouteDecision(self.where[traj_id], False, "static")
+
+    def finish(self, traj_id: str, total: int, now: float) -> None:
+        self.where.pop(traj_id, None)
+        self.last.pop(traj_id, None)
+
+    def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None:
+        free = [e for e in engines if e.load < e.capacity]
+        if not free:
+            return None
+        if self.mode == "rr":
+            choice = free[next(self._rr) % len(free)].engine_id
+        else:
+            last = self.last.get(traj_id) if self.sticky else None
+            choice = min(
+                free, key=lambda e: e.load / e.capacity - (0.3 if e.engine_id == last else 0.0)
+            ).engine_id
+        self.last[traj_id] = choice
+        return choice
+
+    def enqueue(self, traj_id: str, now: float) -> None:
+        self.queues[self.where[traj_id]].append(traj_id)
+
+    def dequeue(self, bucket: str, now: float) -> str | None:
+        q = self.queues[bucket]
+        return q.popleft() if q else None
+
+    def bucket_of(self, traj_id: str) -> str:
+        return self.where[traj_id]
+
+    def queued(self, bucket: str | None = None) -> int:
+        if bucket is None:
+            return sum(len(q) for q in self.queues.values())
+        return len(self.queues[bucket])

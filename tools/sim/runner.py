@@ -1,0 +1,104 @@
+"""Run one system on one workload and summarise what a user compares: throughput and where GPU time went."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.planner.cost_model import CostModel, GPUSpec, ModelSpec
+from tools.sim.ledger import CATEGORIES
+from tools.sim.simulator import Simulator, SystemConfig
+from tools.sim.workload import Workload
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+def load_presets(gpu: str, model: str) -> CostModel:
+    with open(PRESET_DIR / "hardware.yaml") as f:
+        gpus = yaml.safe_load(f)
+    with open(PRESET_DIR / "models.yaml") as f:
+        models = yaml.safe_load(f)
+    if gpu not in gpus:
+        raise KeyError(f"unknown GPU preset {gpu!r}; known: {', '.join(gpus)}")
+    if model not in models:
+        raise KeyError(f"unknown model preset {model!r}; known: {', '.join(models)}")
+    return CostModel(GPUSpec.from_dict(gpus[gpu]), ModelSpec.from_dict(models[model]))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def run_system(
+    system: SystemConfig,
+    workload: Workload,
+    cm: CostModel,
+    n_gpus: int,
+    steps: int,
+    seed: int,
+    tick_s: float = 2.0,
+    progress: Any = None,
+) -> tuple[dict[str, Any], Simulator]:
+    sim = Simulator(system, workload, cm, n_gpus, steps, seed, tick_s, progress)
+    t0 = time.perf_counter()
+    sim.run()
+    wall = time.perf_counter() - t0
+    return summarize(sim, wall), sim
+
+
+def summarize(sim: Simulator, wall_s: float) -> dict[str, Any]:
+    end = sim.now
+    ends = sim.step_ends
+    trained = sum(sim.step_trajs)
+    tokens = sum(sim.step_tokens)
+    if len(ends) > 1:
+        span = ends[-1] - ends[0]
+        steady_traj = sum(sim.step_trajs[1:]) / span
+        steady_tok = sum(sim.step_tokens[1:]) / span
+    else:
+        steady_traj, steady_tok = trained / end, tokens / end
+    gpu_s = sim.n_gpus * end
+    busy = {c: sim.ledger.totals.get(c, 0.0) / gpu_s for c in CATEGORIES}
+    s = sim.sys
+    return {
+        "system": s.name,
+        "trajectories_per_s": steady_traj,
+        "trained_tokens_per_s": steady_tok,
+        "trajectories_per_s_incl_warmup": trained / end,
+        "trained_tokens_per_s_incl_warmup": tokens / end,
+        "step_times_s": [b - a for a, b in zip([0.0, *ends[:-1]], ends, strict=True)],
+        "step_end_s": ends,
+        "gpu_fraction": busy,
+        "gpu_seconds_accounted": sim.ledger.total(),
+        "gpu_seconds_total": gpu_s,
+        "rollout_latency_p50_s": _pct(sim.latencies, 0.5),
+        "rollout_latency_p99_s": _pct(sim.latencies, 0.99),
+        "trajectories_finished": sim.finished,
+        "trajectories_trained": trained,
+        "dropped_stale_groups": sim.dropped_groups,
+        "bucket_migrations": sim.migrations,
+        "reprefill_tokens": sim.reprefill_tokens,
+        "replans": sim.replans,
+        "allocation": {
+            "mode": s.mode,
+            "train_gpus": s.train_gpus if s.mode == "async" else sim.n_gpus,
+            "train_tp": s.train_tp,
+            "buckets": [
+                {"name": b.name, "tp": b.tp, "replicas": b.replicas, "max_tokens": b.max_tokens}
+                for b in s.buckets
+            ],
+            "hybrid_gpus": s.hybrid_gpus,
+            "staleness": s.staleness if s.mode == "async" else 0,
+            **{k: v for k, v in s.notes.items() if k != "profile"},
+        },
+        "sim_time_s": end,
+        "wall_s": wall_s,
+        "events": sim.n_events,
+        "events_per_s": sim.n_events / wall_s if wall_s > 0 else 0.0,
+    }

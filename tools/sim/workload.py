@@ -1,0 +1,157 @@
+"""Agentic workloads as data: trajectories are sampled from a YAML description.
+
+A prompt has a latent difficulty d ~ Beta(a, b) shared by its GRPO samples. Each turn emits
+lognormal output tokens; then either the trajectory answers (probability `stop[previous status]`)
+or it calls a tool whose outcome (success / failure / timeout, payload size class) is drawn from
+per-tool probabilities that get worse with d. Outcomes multiply later turns' tokens (`effects`),
+so the tool-return history carries real information about the remaining work, which is what
+C-MLFQ's prefix tree learns. `drift` moves the distribution with the RL step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.scheduler.prefix_tree import ToolSignal
+
+WORKLOAD_DIR = Path(__file__).parent / "workloads"
+STATUSES = ("success", "failure", "timeout")
+SIZES = ("small", "medium", "large")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    signal: ToolSignal
+    latency_s: float
+    payload_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    output_tokens: int
+    tool: ToolCall | None
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectorySpec:
+    prompt_id: str
+    prompt_tokens: int
+    turns: tuple[Turn, ...]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(t.output_tokens for t in self.turns)
+
+    @property
+    def context_tokens(self) -> int:
+        """Final context length: what the trainer sees."""
+        tools = sum(t.tool.payload_tokens for t in self.turns if t.tool)
+        return self.prompt_tokens + self.output_tokens + tools
+
+    @property
+    def tool_time_s(self) -> float:
+        return sum(t.tool.latency_s for t in self.turns if t.tool)
+
+
+class Workload:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.name: str = spec["name"]
+        self.group_size = int(spec.get("group_size", 8))
+        self.prompts_per_step = int(spec.get("prompts_per_step", 32))
+        self.max_turns = int(spec["max_turns"])
+        self.max_new = int(spec["max_new_tokens"])
+        self.tools = spec["tools"]
+        self._tool_names = list(self.tools)
+        self._tool_cum = list(itertools.accumulate(float(self.tools[t]["weight"]) for t in self._tool_names))
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> Workload:
+        p = Path(name_or_path)
+        if not p.exists():
+            p = WORKLOAD_DIR / f"{name_or_path}.yaml"
+        with open(p) as f:
+            return cls(yaml.safe_load(f))
+
+    def sample_group(self, rng: random.Random, prompt_id: str, step: int) -> list[TrajectorySpec]:
+        s = self.spec
+        d = rng.betavariate(float(s["difficulty"]["a"]), float(s["difficulty"]["b"]))
+        pt = s["prompt_tokens"]
+        prompt = int(float(pt["median"]) * math.exp(rng.gauss(0, float(pt["sigma"]))))
+        tools = self._tools_for(d)
+        return [self._sample(rng, prompt_id, prompt, d, step, tools) for _ in range(self.group_size)]
+
+    def _tools_for(self, d: float) -> list[tuple[str, list[float], list[float], float, float, float]]:
+        """Per tool, for difficulty d: cumulative status and size weights, latency median and sigma, timeout."""
+        out = []
+        for name in self._tool_names:
+            t = self.tools[name]
+            probs = {k: float(v) for k, v in t["outcomes"].items()}
+            extra = float(t.get("difficulty_failure", 0.0)) * d
+            probs["failure"] = probs.get("failure", 0.0) + extra
+            probs["success"] = max(0.0, probs.get("success", 0.0) - extra)
+            status_cum = list(itertools.accumulate(probs.get(k, 0.0) for k in STATUSES))
+            size_cum = list(itertools.accumulate(float(t["payload"].get(k, 0.0)) for k in SIZES))
+            lat = t["latency"]
+            out.append(
+                (
+                    name,
+                    status_cum,
+                    size_cum,
+                    float(lat["median_s"]),
+                    float(lat["sigma"]),
+                    float(t["timeout_s"]),
+                )
+            )
+        return out
+
+    def _sample(
+        self,
+        rng: random.Random,
+        prompt_id: str,
+        prompt: int,
+        d: float,
+        step: int,
+        tools: list[tuple[str, list[float], list[float], float, float, float]],
+    ) -> TrajectorySpec:
+        s = self.spec
+        tt, stop, eff = s["turn_tokens"], s["stop"], s["effects"]
+        drift = s.get("drift", {})
+        median = float(tt["median"]) * float(drift.get("turn_tokens_mult", 1.0)) ** step
+        median *= 1 + float(tt.get("difficulty_gain", 0.0)) * d
+        sigma = float(tt["sigma"])
+        shift = float(drift.get("stop_shift", 0.0)) * step
+        cut = 1 - float(stop.get("difficulty_stop_cut", 0.0)) * d
+        large = float(eff.get("large_payload", 1.0))
+        payload_tokens = self.spec["payload_tokens"]
+        tool_cum = self._tool_cum
+        turns: list[Turn] = []
+        used, mult, last = 0, 1.0, "first"
+        for i in range(self.max_turns):
+            n = max(1, int(median * mult * math.exp(rng.gauss(0, sigma))))
+            n = min(n, self.max_new - used)
+            used += n
+            p_stop = max(0.0, min(1.0, (float(stop[last]) + shift) * cut))
+            if used >= self.max_new or i == self.max_turns - 1 or rng.random() < p_stop:
+                turns.append(Turn(n, None))
+                break
+            name, status_cum, size_cum, med, sig, timeout = tools[
+                bisect.bisect(tool_cum, rng.random() * tool_cum[-1])
+            ]
+            status = STATUSES[min(2, bisect.bisect(status_cum, rng.random() * status_cum[-1]))]
+            size = SIZES[min(2, bisect.bisect(size_cum, rng.random() * size_cum[-1]))]
+            latency = timeout if status == "timeout" else min(timeout, med * math.exp(rng.gauss(0, sig)))
+            call = ToolCall(ToolSignal(name, size, status), latency, int(payload_tokens[size]))
+            turns.append(Turn(n, call))
+            last = status
+            mult *= float(eff[last]) * (large if size == "large" else 1.0)
+            mult = min(4.0, max(0.25, mult))
+        return TrajectorySpec(prompt_id, prompt, tuple(turns))
