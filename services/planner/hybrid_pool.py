@@ -109,6 +109,7 @@ class HybridPool:
         self.workers = {w: HybridWorker(w) for w in worker_ids}
         self._low_since: float | None = None
         self._high_since: float | None = None
+        self._train_idle_since: float | None = None
         self.target = len(worker_ids)
         """How many workers the planner allows in training (its hybrid pool size)."""
 
@@ -123,6 +124,9 @@ class HybridPool:
 
         `rollout_demand` is (running + queued turns) / slots of the rollout pool excluding workers
         that left it; `train_waiting` says the trainer has a batch and would use more GPUs.
+        Joins need low demand and a waiting trainer; pending joins are cancelled and active
+        workers released (after `min_active_s`) when demand stays high or the trainer stays
+        without work, each for `hold_s`.
         """
         p = self.policy
         self._low_since = (
@@ -135,8 +139,12 @@ class HybridPool:
             if rollout_demand > p.release_above
             else None
         )
+        self._train_idle_since = (
+            None if train_waiting else (self._train_idle_since if self._train_idle_since is not None else now)
+        )
+        train_idle = self._train_idle_since is not None and now - self._train_idle_since >= p.hold_s
         actions: list[PoolAction] = []
-        if self._high_since is not None and now - self._high_since >= p.hold_s:
+        if (self._high_since is not None and now - self._high_since >= p.hold_s) or train_idle:
             for w in self.in_role(Role.REQUESTED, Role.FETCHING_STATE, Role.CATCHING_UP):
                 actions.append(PoolAction(w.worker_id, "cancel"))
             for w in self.in_role(Role.ACTIVE):

@@ -7,7 +7,7 @@ another bucket (both beyond the current bucket's budget, or both below it; the m
 only as far as the more conservative of the two) and the move pays for re-prefilling its context there. Without enough tree data,
 classic MLFQ demotion by attained service applies. Within a bucket, waiting turns are ordered by
 attained service with an aging credit; a turn that waited longer than `aging_s` may be served by
-a neighbouring bucket that has nothing else to do.
+the nearest bucket that has nothing else to do.
 
 Pure: callers pass `now` (wall clock in a service, simulated time in the simulator).
 """
@@ -50,7 +50,7 @@ class CMLFQConfig:
     allow_promote: bool = True
     """Let confident estimates move a trajectory back to a shorter bucket."""
     aging_s: float = 10.0
-    """A turn queued this long may be served by a neighbouring idle bucket."""
+    """A turn queued this long may be served by another idle bucket (the nearest first)."""
     aging_tokens_per_s: float = 20.0
     """Within-bucket priority credit per second of waiting (attained-service tokens)."""
     affinity_weight: float = 0.3
@@ -234,20 +234,24 @@ class CMLFQ:
         return None
 
     def dequeue(self, bucket: str, now: float) -> str | None:
-        """Next turn for a free slot in `bucket`: its own queue first, else an aged neighbour's."""
+        """Next turn for a free slot in `bucket`: its own queue first, else the oldest aged turn of the
+        nearest bucket that has one (an idle bucket steals rather than idles while others queue)."""
         level = self.index[bucket]
         head = self._head(level)
         if head is None:
             aged = None
-            for nb in (level - 1, level + 1):
-                if 0 <= nb < len(self.buckets):
-                    h = self._head(nb)
-                    if (
-                        h is not None
-                        and now - h[3] >= self.config.aging_s
-                        and (aged is None or h[3] < aged[1][3])
-                    ):
-                        aged = (nb, h)
+            for nb in sorted(range(len(self.buckets)), key=lambda i: (abs(i - level), i)):
+                if nb == level:
+                    continue
+                if aged is not None and abs(nb - level) > abs(aged[0] - level):
+                    break
+                h = self._head(nb)
+                if (
+                    h is not None
+                    and now - h[3] >= self.config.aging_s
+                    and (aged is None or h[3] < aged[1][3])
+                ):
+                    aged = (nb, h)
             if aged is None:
                 return None
             nb, head = aged

@@ -90,9 +90,6 @@ def run(
     sweeps: dict[str, Any] = {}
     for name in names:
         settings, rows = best_settings(name, env, scenario.sweep_steps)
-        if name == "libra-no-grp" and "homogeneous-lb" in sweeps:
-            settings = {"split": sweeps["homogeneous-lb"]["best"]["split"]}
-            rows = []
         sweeps[name] = {"best": settings, "grid": rows}
         if progress is not None:
             progress.set_postfix_str(name)

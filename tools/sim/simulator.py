@@ -90,6 +90,7 @@ class Simulator:
         self.cm = cm
         self.n_gpus = n_gpus
         self.steps = steps
+        self.seed = seed
         self.rng = random.Random(seed)
         self.tick_s = tick_s
         self.progress = progress
@@ -122,6 +123,11 @@ class Simulator:
         self.recent_lengths: deque[int] = deque(maxlen=4 * self.B * workload.group_size)
         self._last_train_s = 0.0
         self.train_durations: list[float] = []
+        self.train_gen = 0
+        self._train_gpus = 0
+        self._train_work = 0.0
+        self._train_t = 0.0
+        self.mid_step_joins = 0
         self._build()
 
     def _push(self, t: float, kind: int, payload: Any, gen: int = 0) -> None:
@@ -164,7 +170,8 @@ class Simulator:
             gid = self.admitted_groups
             self.admitted_groups += 1
             pid = f"p{gid}"
-            specs = self.wl.sample_group(self.rng, pid, self.version)
+            # Common random numbers: group k is the same draw in every system, whatever the timing.
+            specs = self.wl.sample_group(random.Random(f"{self.seed}:{gid}"), pid, self.version)
             g = _Group(self.version, len(specs), [])
             self.groups[gid] = g
             for k, spec in enumerate(specs):
@@ -321,15 +328,32 @@ class Simulator:
         self.train_durations.append(dur)
         self.training = True
         self._pending = (n_traj, tokens)
+        # Training progress as GPU-seconds of work, so a replica joining mid-step shortens the rest.
+        self._train_gpus = gpus + extra
+        self._train_work = dur * self._train_gpus
+        self._train_t = start
         if self.sys.mode == "sync":
             self._push(start, SYNC_DONE, "to_train")
-        self._push(start + dur, TRAIN_DONE, None)
+        self.train_gen += 1
+        self._push(start + dur, TRAIN_DONE, None, self.train_gen)
 
     def _switch_s(self) -> float:
         """Colocated role switch: reshard weights between trainer and engines, wake/sleep engines."""
         return self.cm.weight_sync_s(cross_node=False)
 
-    def _on_train_done(self) -> None:
+    def _add_train_replica(self) -> None:
+        """A hybrid worker enters the data-parallel group mid-step: the remaining work is re-split."""
+        now = max(self.now, self._train_t)
+        self._train_work -= (now - self._train_t) * self._train_gpus
+        self._train_t = now
+        self._train_gpus += 1
+        self.train_gen += 1
+        self.mid_step_joins += 1
+        self._push(now + max(0.0, self._train_work) / self._train_gpus, TRAIN_DONE, None, self.train_gen)
+
+    def _on_train_done(self, gen: int) -> None:
+        if gen != self.train_gen:
+            return
         self.training = False
         self.version += 1
         self.step_ends.append(self.now)
@@ -382,6 +406,11 @@ class Simulator:
 
     def _on_tick(self) -> None:
         self._sample_timeline()
+        if self.router.queued():
+            # Engines with nothing running get no events of their own; let them pull aged turns.
+            for e in self.engines.values():
+                if e.n == 0 and e.accepting and e.open_since is not None:
+                    self._fill(e)
         if self.pool is not None and self.sys.mode == "async":
             self._pool_tick()
         if self.sys.replan is not None:
@@ -437,7 +466,12 @@ class Simulator:
         if w.role != Role.FETCHING_STATE:
             return
         w.fetched(self.now)
-        self.worker_meters[wid].set("train_idle", self.now)
+        if self.training and self.sys.mode == "async":
+            w.activate(self.now)
+            self.worker_meters[wid].set("train_busy", self.now)
+            self._add_train_replica()
+        else:
+            self.worker_meters[wid].set("train_idle", self.now)
 
     def _released(self, wid: str) -> None:
         assert self.pool is not None
@@ -541,7 +575,7 @@ class Simulator:
             elif kind == TOOL:
                 self._on_tool(payload)
             elif kind == TRAIN_DONE:
-                self._on_train_done()
+                self._on_train_done(gen)
             elif kind == SYNC_DONE:
                 self._on_sync_done(payload)
             elif kind == FETCHED:

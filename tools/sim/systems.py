@@ -71,7 +71,7 @@ def cmlfq_buckets(env: Env, buckets: list[BucketPlan]) -> list[Bucket]:
     return [Bucket(b.name, b.tp, b.max_tokens, env.cm.decode_step_s(16, ctx, b.tp) / base) for b in buckets]
 
 
-def plan_for(env: Env, hybrid: bool = True, steps: int = 4) -> Plan:
+def plan_for(env: Env, hybrid: bool = True, steps: int = 4, routing: str = "cmlfq") -> Plan:
     """The planner's allocation, with the simulator as the final judge (Frontier-style what-if).
 
     The analytical search proposes allocations; a few are simulated for `steps` steps on the same
@@ -80,7 +80,8 @@ def plan_for(env: Env, hybrid: bool = True, steps: int = 4) -> Plan:
     pool (none, or an eighth of the rollout GPUs; or a node moved from training into the pool).
     The analytical model alone mis-ranks allocations when rollout is latency-bound (a long tail,
     not throughput, sets the step time); measuring proposals is what a live planner does with its
-    first steps, and the same budget the baselines' sweeps get.
+    first steps, and the same budget the baselines' sweeps get. Proposals are measured with the
+    routing the system will run (`routing`), so an ablation gets the allocation that suits it.
     """
     base = SearchOptions(
         max_seqs=env.max_seqs, hybrid=False, sync_s=env.cm.weight_sync_s(), staleness=env.staleness
@@ -89,26 +90,46 @@ def plan_for(env: Env, hybrid: bool = True, steps: int = 4) -> Plan:
     for tg in default_splits(env):
         plan = _propose(env, base, tg, 0, (1, 2, 4))
         if plan is not None:
-            scored.append((measure(env, plan, steps), plan))
+            scored.append((measure(env, plan, steps, routing), plan))
     if not scored:
         raise ValueError(f"no feasible plan for {env.n_gpus} GPUs")
     best_score, best = max(scored, key=lambda x: x[0])
     tg = best.train_gpus
-    rest = env.n_gpus - tg
-    unit = env.cm.gpu.gpus_per_node
-    variants: list[tuple[int, int, tuple[int, ...]]] = [(tg, 0, tps) for tps in ((1, 4), (2, 4), (4,))]
-    if hybrid and rest >= 16:
-        variants += [(tg, rest // 8, (1, 2, 4)), (tg, rest // 8, (1, 4))]
-        if tg - unit >= env.cm.min_train_gpus():
-            variants.append((tg - unit, unit, (1, 2, 4)))
-    for vtg, h, tps in variants:
-        plan = _propose(env, base, vtg, h, tps)
-        if plan is None:
-            continue
-        score = measure(env, plan, steps)
-        if score > best_score:
-            best_score, best = score, plan
+    for tps in ((1, 4), (2, 4), (4,)):
+        plan = _propose(env, base, tg, 0, tps)
+        if plan is not None:
+            score = measure(env, plan, steps, routing)
+            if score > best_score:
+                best_score, best = score, plan
+    if hybrid:
+        for plan in _hybrid_variants(env, best):
+            score = measure(env, plan, steps, routing)
+            if score > best_score:
+                best_score, best = score, plan
     return best
+
+
+def _hybrid_variants(env: Env, plan: Plan) -> list[Plan]:
+    """The best static plan plus a hybrid pool of TP1 workers taken from training (half a node or a
+    node: training shrinks, the pool lends the GPUs back during steps) or from the first bucket's
+    TP1 replicas (they serve rollout and train during steps)."""
+    out = []
+    half = env.cm.gpu.gpus_per_node // 2
+    for h in (half, 2 * half):
+        if plan.train_gpus - h >= env.cm.min_train_gpus():
+            tg = plan.train_gpus - h
+            out.append(Plan(tg, env.best_train_tp(tg), _copy(plan.buckets), h))
+    first = plan.buckets[0]
+    if first.tp == 1 and first.replicas >= 2:
+        buckets = _copy(plan.buckets)
+        h = buckets[0].replicas // 2
+        buckets[0].replicas -= h
+        out.append(Plan(plan.train_gpus, plan.train_tp, buckets, h))
+    return out
+
+
+def _copy(buckets: list[BucketPlan]) -> list[BucketPlan]:
+    return [BucketPlan(b.name, b.tp, b.replicas, b.max_tokens) for b in buckets]
 
 
 def _propose(env: Env, opts: SearchOptions, tg: int, h: int, tps: tuple[int, ...]) -> Plan | None:
@@ -141,9 +162,9 @@ def default_splits(env: Env) -> list[int]:
     return sorted({cands[round(i * (len(cands) - 1) / 4)] for i in range(5)})
 
 
-def measure(env: Env, plan: Plan, steps: int = 4) -> float:
+def measure(env: Env, plan: Plan, steps: int = 4, routing: str = "cmlfq") -> float:
     """Steady-state trajectories per second of a plan, simulated for a few steps."""
-    system = _libra(env, "proposal", plan, replan=False)
+    system = _libra(env, "proposal", plan, routing=routing, replan=False)
     sim = Simulator(system, env.workload, env.cm, env.n_gpus, steps, env.seed)
     sim.run()
     ends = sim.step_ends
@@ -183,7 +204,7 @@ def build(name: str, env: Env, split: int | None = None, tp: int | None = None) 
     if name == "libra-no-ehp":
         return _libra(env, name, plan_for(env, hybrid=False))
     if name == "libra-no-cmlfq":
-        return _libra(env, name, plan_for(env), routing="pooled")
+        return _libra(env, name, plan_for(env, routing="pooled"), routing="pooled")
     if name == "libra-no-grp":
         return _libra(env, name, _unplanned(env, split or n // 2), replan=False)
     if name == "colocated-sync":
@@ -238,17 +259,20 @@ def build(name: str, env: Env, split: int | None = None, tp: int | None = None) 
 
 
 def _unplanned(env: Env, train_gpus: int) -> Plan:
-    """Libra's mechanisms on a hand-made allocation: equal GPUs per bucket, thresholds from the
-    token budget, an eighth of the rollout GPUs hybrid; what an operator would write without the planner."""
+    """Libra's mechanisms on an allocation made without the planner: the training split is swept
+    like a baseline's (see :func:`tools.sim.scenarios.best_settings`), the rollout GPUs are shared
+    equally by the TP1/TP2/TP4 buckets with thresholds at the median and P85 of a profiled
+    length histogram, and an eighth of the rollout GPUs form the hybrid pool; no replanning."""
     rollout = env.n_gpus - train_gpus
-    hybrid = rollout // 8
-    per = (rollout - hybrid) // 3
-    cap = env.workload.max_new
+    hybrid = rollout // 8 if rollout >= 16 else 0
+    rest = rollout - hybrid
+    per = rest // 3
     buckets = [
-        BucketPlan("short", 1, per + (rollout - hybrid - 3 * per), cap / 8),
-        BucketPlan("medium", 2, per // 2, cap / 3),
-        BucketPlan("long", 4, per // 4, math.inf),
+        BucketPlan("short", 1, per, env.profile.quantile(0.5)),
+        BucketPlan("medium", 2, per // 2, env.profile.quantile(0.85)),
+        BucketPlan("long", 4, max(1, per // 4), math.inf),
     ]
-    spare = (rollout - hybrid) - sum(b.gpus for b in buckets)
-    buckets[0].replicas += spare
+    buckets[0].replicas += rest - sum(b.gpus for b in buckets)
+    if buckets[0].replicas < 1:
+        raise ValueError(f"{rollout} rollout GPUs cannot hold three buckets")
     return Plan(train_gpus, env.best_train_tp(train_gpus), buckets, hybrid)
