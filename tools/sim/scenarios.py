@@ -22,15 +22,25 @@ class Scenario:
     steps: int
     systems: tuple[str, ...]
     sweep_steps: int = 4
-    scale_batch: bool = False
-    """Scale prompts per step with the cluster (48 GPUs = the workload file's batch)."""
+    """Steps each simulated what-if (baseline sweeps, planner proposals) runs; 0 = analytical only."""
+    prompts_per_step: int | None = None
+    """Override the workload file's prompts per RL step (GRPO groups per batch)."""
     tick_s: float = 2.0
 
 
 SCENARIOS = {
     "paper-48gpu": Scenario("paper-48gpu", "A800", "qwen3-14b", "r2e_gym", 48, 10, SYSTEMS),
     "scale-1024": Scenario(
-        "scale-1024", "A800", "qwen3-14b", "r2e_gym", 1024, 20, ("libra",), scale_batch=True, tick_s=10.0
+        "scale-1024",
+        "A800",
+        "qwen3-14b",
+        "r2e_gym",
+        1024,
+        20,
+        ("libra",),
+        sweep_steps=0,
+        prompts_per_step=256,
+        tick_s=10.0,
     ),
 }
 
@@ -44,6 +54,8 @@ def best_settings(
 ) -> tuple[dict[str, int], list[dict[str, Any]]]:
     """Sweep a baseline's fixed split and rollout TP in the simulator; return the best and the sweep."""
     grid: list[dict[str, int]]
+    if steps <= 0:
+        return {}, []
     if name == "colocated-sync":
         grid = [{"tp": tp} for tp in (1, 2, 4)]
     elif name in ("disaggregated-static", "homogeneous-lb"):
@@ -76,11 +88,9 @@ def run(
 ) -> dict[str, Any]:
     cm = load_presets(scenario.gpu, scenario.model)
     wl = workload or Workload.load(scenario.workload)
-    if scenario.scale_batch:
-        spec = dict(wl.spec)
-        spec["prompts_per_step"] = max(1, round(wl.prompts_per_step * scenario.n_gpus / 48))
-        wl = Workload(spec)
-    env = Env(cm, wl, scenario.n_gpus, seed=seed)
+    if scenario.prompts_per_step:
+        wl = Workload({**wl.spec, "prompts_per_step": scenario.prompts_per_step})
+    env = Env(cm, wl, scenario.n_gpus, seed=seed, plan_steps=scenario.sweep_steps)
     steps = steps or scenario.steps
     names = list(systems or scenario.systems)
     unknown = [s for s in names if s not in SYSTEMS]

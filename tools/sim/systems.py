@@ -44,6 +44,8 @@ class Env:
     seed: int = 0
     staleness: int = 1
     max_seqs: int = 128
+    plan_steps: int = 4
+    """Steps each planner proposal is simulated for; 0 trusts the analytical search alone."""
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed + 7919)
@@ -71,13 +73,13 @@ def cmlfq_buckets(env: Env, buckets: list[BucketPlan]) -> list[Bucket]:
     return [Bucket(b.name, b.tp, b.max_tokens, env.cm.decode_step_s(16, ctx, b.tp) / base) for b in buckets]
 
 
-def plan_for(env: Env, hybrid: bool = True, steps: int = 4, routing: str = "cmlfq") -> Plan:
+def plan_for(env: Env, hybrid: bool = True, steps: int | None = None, routing: str = "cmlfq") -> Plan:
     """The planner's allocation, with the simulator as the final judge (Frontier-style what-if).
 
     The analytical search proposes allocations; a few are simulated for `steps` steps on the same
     workload and the fastest wins: first the training size (each with its best three-bucket
-    layout), then, at that size, the bucket TP mix (TP1/2/4, 1/4, 2/4 or 4 alone) and the hybrid
-    pool (none, or an eighth of the rollout GPUs; or a node moved from training into the pool).
+    layout), then, at that size, the bucket TP mix (TP1/2/4, 1/4, 2/4 or 4 alone), then a hybrid
+    pool on top of the winner (see :func:`_hybrid_variants`).
     The analytical model alone mis-ranks allocations when rollout is latency-bound (a long tail,
     not throughput, sets the step time); measuring proposals is what a live planner does with its
     first steps, and the same budget the baselines' sweeps get. Proposals are measured with the
@@ -86,6 +88,12 @@ def plan_for(env: Env, hybrid: bool = True, steps: int = 4, routing: str = "cmlf
     base = SearchOptions(
         max_seqs=env.max_seqs, hybrid=False, sync_s=env.cm.weight_sync_s(), staleness=env.staleness
     )
+    steps = env.plan_steps if steps is None else steps
+    if steps <= 0:
+        opts = SearchOptions(
+            max_seqs=env.max_seqs, hybrid=hybrid, sync_s=base.sync_s, staleness=env.staleness
+        )
+        return search(env.cluster, env.cm.model, env.profile, env.cm, opts)
     scored: list[tuple[float, Plan]] = []
     for tg in default_splits(env):
         plan = _propose(env, base, tg, 0, (1, 2, 4))
