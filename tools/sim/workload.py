@@ -61,8 +61,59 @@ class TrajectorySpec:
         return sum(t.tool.latency_s for t in self.turns if t.tool)
 
 
+_REQUIRED: dict[str, tuple[str, ...] | None] = {
+    "name": None,
+    "max_turns": None,
+    "max_new_tokens": None,
+    "prompt_tokens": ("median", "sigma"),
+    "difficulty": ("a", "b"),
+    "turn_tokens": ("median", "sigma"),
+    "stop": ("first", "success", "failure", "timeout"),
+    "tools": None,
+    "payload_tokens": SIZES,
+    "effects": STATUSES,
+}
+_TOOL_REQUIRED: dict[str, tuple[str, ...] | None] = {
+    "weight": None,
+    "latency": ("median_s", "sigma"),
+    "timeout_s": None,
+    "outcomes": None,
+}
+
+
+def _check(where: str, data: Any, required: dict[str, tuple[str, ...] | None]) -> None:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    for key, sub in required.items():
+        if key not in data:
+            raise ValueError(f"{where}: missing field {key!r}")
+        if sub is not None:
+            if not isinstance(data[key], dict):
+                raise ValueError(f"{where}: field {key!r} must be a mapping with {', '.join(sub)}")
+            missing = [k for k in sub if k not in data[key]]
+            if missing:
+                raise ValueError(f"{where}: field {key!r} is missing {', '.join(missing)}")
+
+
+def validate(spec: Any, where: str = "workload") -> None:
+    """Raise ValueError naming the first missing or malformed field of a workload description."""
+    _check(where, spec, _REQUIRED)
+    if not spec["tools"] or not isinstance(spec["tools"], dict):
+        raise ValueError(f"{where}: 'tools' must map at least one tool name to its description")
+    for name, tool in spec["tools"].items():
+        _check(f"{where}: tool {name!r}", tool, _TOOL_REQUIRED)
+        if "payload" not in tool or not isinstance(tool["payload"], dict):
+            raise ValueError(f"{where}: tool {name!r}: missing field 'payload'")
+        if float(tool["weight"]) < 0 or not any(float(v) > 0 for v in tool["outcomes"].values()):
+            raise ValueError(f"{where}: tool {name!r}: weight must be >= 0 and some outcome > 0")
+    for key in ("max_turns", "max_new_tokens"):
+        if int(spec[key]) < 1:
+            raise ValueError(f"{where}: {key} must be at least 1")
+
+
 class Workload:
     def __init__(self, spec: dict[str, Any]) -> None:
+        validate(spec)
         self.spec = spec
         self.name: str = spec["name"]
         self.group_size = int(spec.get("group_size", 8))
@@ -79,7 +130,15 @@ class Workload:
         if not p.exists():
             p = WORKLOAD_DIR / f"{name_or_path}.yaml"
         with open(p) as f:
-            return cls(yaml.safe_load(f))
+            try:
+                spec = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                raise ValueError(f"{p}: not valid YAML ({e})") from e
+        try:
+            validate(spec, str(p))
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e)) from e
+        return cls(spec)
 
     def sample_group(self, rng: random.Random, prompt_id: str, step: int) -> list[TrajectorySpec]:
         s = self.spec

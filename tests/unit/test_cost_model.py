@@ -1,0 +1,65 @@
+import pytest
+
+from services.planner.cost_model import CostModel, GPUSpec, ModelSpec, Profile
+
+GPU = GPUSpec("A800", flops=312e12, mem_bw=2.039e12, mem_bytes=80e9)
+MODEL = ModelSpec("14b", 14.8e9, 14.8e9, layers=40, hidden=5120, kv_heads=8, head_dim=128)
+
+
+def cm() -> CostModel:
+    return CostModel(GPU, MODEL)
+
+
+def test_decode_step_grows_with_context_and_batch():
+    c = cm()
+    assert c.decode_step_s(8, 1000, 1) < c.decode_step_s(8, 20_000, 1)
+    assert c.decode_step_s(8, 4000, 1) < c.decode_step_s(64, 4000, 1)
+    assert c.decode_step_s(0, 4000, 1) == 0.0
+
+
+def test_tensor_parallel_decodes_faster_but_sublinearly():
+    c = cm()
+    t1, t2, t4 = (c.decode_step_s(16, 8000, tp) for tp in (1, 2, 4))
+    assert t1 > t2 > t4
+    assert t1 / t4 < 4.0
+
+
+def test_batching_raises_throughput():
+    c = cm()
+    assert 64 / c.decode_step_s(64, 4000, 1) > 8 / c.decode_step_s(8, 4000, 1)
+
+
+def test_prefill_grows_with_tokens_and_cached_context_and_shrinks_with_tp():
+    c = cm()
+    assert c.prefill_s(1000, 0, 1) < c.prefill_s(4000, 0, 1)
+    assert c.prefill_s(1000, 0, 1) < c.prefill_s(1000, 30_000, 1)
+    assert c.prefill_s(8000, 0, 4) < c.prefill_s(8000, 0, 1)
+    assert c.prefill_s(0, 100, 1) == 0.0
+
+
+def test_training_time_scales_with_tokens_and_gpus():
+    c = cm()
+    assert c.train_step_s(1e6, 8000, 16) < c.train_step_s(2e6, 8000, 16)
+    assert c.train_step_s(1e6, 8000, 32) == pytest.approx(c.train_step_s(1e6, 8000, 16) / 2)
+    assert c.train_step_s(1e6, 8000, 16, tp=4) > c.train_step_s(1e6, 8000, 16, tp=1)
+    assert c.train_step_s(1e6, 8000, 0) == float("inf")
+
+
+def test_kv_capacity_grows_with_tp_and_training_needs_sharded_state():
+    c = cm()
+    assert 0 < c.kv_capacity_tokens(1) < c.kv_capacity_tokens(4)
+    assert c.min_train_gpus() * GPU.mem_bytes * 0.5 >= MODEL.params * c.train_state_bytes_per_param
+
+
+def test_calibration_recovers_a_constant_factor():
+    c = cm()
+    samples = [
+        Profile("decode", 1.5 * c.decode_step_s(b, ctx, 1), batch=b, context=ctx)
+        for b, ctx in ((4, 1000), (32, 8000))
+    ] + [Profile("train", 0.5 * c.train_step_s(1e6, 4000, 8), tokens=1_000_000, context=4000, gpus=8)]
+    cal = c.calibrate(samples)
+    assert cal.decode == pytest.approx(1.5)
+    assert cal.train == pytest.approx(0.5)
+    assert cal.prefill == 1.0
+    with pytest.raises(ValueError):
+        c.calibrate([Profile("bogus", 1.0)])

@@ -1,0 +1,36 @@
+from services.planner.replan import ReplanPolicy, ReplanSignals
+
+STEADY = ReplanSignals(queue_pressure=0.5, rejected=0, rollout_train_ratio=1.0)
+
+
+def test_first_call_fires_on_interval_then_cooldown_blocks_every_trigger():
+    p = ReplanPolicy(interval_s=600, cooldown_s=120)
+    assert p.should_replan(0.0, STEADY) == (True, "interval")
+    p.accept(0.0, 100.0, 100.0, 0.0)
+    hot = ReplanSignals(queue_pressure=10.0, rejected=5, rollout_train_ratio=3.0)
+    assert p.should_replan(60.0, hot) == (False, "cooldown")
+    assert p.should_replan(130.0, hot)[0]
+
+
+def test_each_trigger_fires_after_cooldown():
+    p = ReplanPolicy(interval_s=600, cooldown_s=120, last_replan=0.0)
+    assert p.should_replan(200.0, STEADY) == (False, "steady")
+    assert p.should_replan(200.0, ReplanSignals(queue_pressure=2.5)) == (True, "queue_pressure")
+    assert p.should_replan(200.0, ReplanSignals(rejected=1)) == (True, "rejected")
+    assert p.should_replan(200.0, ReplanSignals(rollout_train_ratio=1.5)) == (True, "imbalance")
+    assert p.should_replan(200.0, ReplanSignals(rollout_train_ratio=0.5)) == (True, "imbalance")
+    assert p.should_replan(700.0, STEADY) == (True, "interval")
+
+
+def test_accept_requires_gain_over_horizon_to_beat_reconfiguration_cost():
+    p = ReplanPolicy(horizon_steps=5, min_gain=0.03)
+    assert p.accept(0.0, current_step_s=100.0, new_step_s=90.0, reconfig_s=40.0)  # 10 s x 5 > 40 s
+    assert not p.accept(0.0, current_step_s=100.0, new_step_s=90.0, reconfig_s=60.0)  # 50 s < 60 s
+
+
+def test_marginal_or_negative_gains_are_rejected_but_still_start_the_cooldown():
+    p = ReplanPolicy(min_gain=0.03, cooldown_s=120)
+    assert not p.accept(50.0, current_step_s=100.0, new_step_s=98.0, reconfig_s=0.0)
+    assert not p.accept(50.0, current_step_s=100.0, new_step_s=120.0, reconfig_s=0.0)
+    assert p.last_replan == 50.0
+    assert p.should_replan(100.0, ReplanSignals(queue_pressure=99.0)) == (False, "cooldown")
