@@ -159,3 +159,12 @@ def test_persisted_trees_reload():
 def test_needs_buckets():
     with pytest.raises(ValueError):
         CMLFQ(CMLFQConfig([]))
+
+
+def test_aged_turn_is_stolen_by_an_idle_bucket_that_is_not_adjacent():
+    q = make(aging_s=30.0)
+    q.admit("t", "p", 0.0)
+    q.enqueue("t", 0.0)
+    assert q.dequeue("long", 10.0) is None
+    assert q.dequeue("long", 40.0) == "t"
+    assert q.bucket_of("t") == "long" and q.queued() == 0
