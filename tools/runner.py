@@ -70,6 +70,7 @@ async def watch_job(stack: Stack, cfg: RunConfig, timeout_s: float, progress: bo
         unit="step",
         disable=not progress,
         file=sys.stderr,
+        mininterval=1.0 if sys.stderr.isatty() else 30.0,  # a log file gets a line every 30 s
         bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}] {postfix}",
     )
     start = time.monotonic()
@@ -93,9 +94,10 @@ async def watch_job(stack: Stack, cfg: RunConfig, timeout_s: float, progress: bo
             bar.n = steps
             reward = f"{metrics[-1].reward_mean:.3f}" if metrics else "-"
             bar.set_postfix_str(
-                f"trajectories={stats.trajectories_completed} in_flight={stats.trajectories_in_flight} reward={reward}"
+                f"trajectories={stats.trajectories_completed} in_flight={stats.trajectories_in_flight} reward={reward}",
+                refresh=False,
             )
-            bar.refresh()
+            bar.update(0)
         wall = time.monotonic() - start
         stats = await bus.request(subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, timeout=5)
         plan_stream = await bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)

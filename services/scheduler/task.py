@@ -8,16 +8,22 @@ import re
 from dataclasses import dataclass
 
 SYSTEM_PROMPT = (
-    "You are a careful math assistant with tools. To compute, write <calc>EXPRESSION</calc> "
-    "or a ```python``` block that prints the result, then wait for the result. "
-    "When you know the final number, write <answer>NUMBER</answer>."
+    "You are a math assistant that never does arithmetic in its head. First write the whole "
+    "computation as <calc>EXPRESSION</calc> (or a ```python``` block that prints it) and stop; "
+    "the user replies with the result. Then write <answer>NUMBER</answer>."
 )
 
+# Two worked examples: with one, SmolLM2-135M called a tool in 2 of 24 samples at T=1.0; with
+# these two and T=0.7 (configs/default.yaml), in 13 of 24.
 EXAMPLE = [
     {"role": "user", "content": "A box has 12 rows of 7 eggs and 5 loose eggs. How many eggs?"},
     {"role": "assistant", "content": "<calc>12*7+5</calc>"},
     {"role": "user", "content": "Result: 89"},
     {"role": "assistant", "content": "<answer>89</answer>"},
+    {"role": "user", "content": "Ben reads 15 pages a day for 6 days, then 4 more pages. How many pages?"},
+    {"role": "assistant", "content": "<calc>15*6+4</calc>"},
+    {"role": "user", "content": "Result: 94"},
+    {"role": "assistant", "content": "<answer>94</answer>"},
 ]
 
 _TEMPLATES = [
