@@ -112,6 +112,12 @@ async def watch_job(stack: Stack, cfg: RunConfig, timeout_s: float, progress: bo
         "run_id": stack.run_id,
         "config": str(stack.config),
         "model": cfg.model.source,
+        "rollout_backend": cfg.rollout.backend
+        + (
+            " (emulated: timings from the cost model, no real generation)"
+            if cfg.rollout.backend == "emulated"
+            else ""
+        ),
         "wall_s": round(wall, 2),
         "trajectories_completed": stats.trajectories_completed,
         "trajectories_per_s": round(stats.trajectories_completed / wall, 4) if wall > 0 else 0.0,
