@@ -46,6 +46,14 @@ class SettingsError(SystemExit):
         super().__init__(2)
 
 
+class ConfigFileError(SystemExit):
+    """A config file that is missing or not readable as a mapping: one message, exit code 2."""
+
+    def __init__(self, message: str):
+        print(message, file=sys.stderr)
+        super().__init__(2)
+
+
 def load_settings(cls: type[S], **overrides: Any) -> S:
     """Builds `cls` from the environment; a bad value exits with a clear message, never a traceback."""
     try:

@@ -16,6 +16,7 @@ from typing import Any
 
 from services.common.config import CommonSettings, load_settings
 from services.common.logging import configure_logging, get_logger
+from services.common.runconfig import load_run_config
 from services.common.tracing import configure_tracing, shutdown_tracing
 
 Serve = Callable[[CommonSettings, asyncio.Event, contextlib.AsyncExitStack], Awaitable[None]]
@@ -23,6 +24,8 @@ Serve = Callable[[CommonSettings, asyncio.Event, contextlib.AsyncExitStack], Awa
 
 def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
     common = load_settings(CommonSettings)
+    if common.config:  # every service checks the run config up front, used or not: one clear error
+        load_run_config(common.config)
     worker_id = common.worker_id or f"{service}-{socket.gethostname()}-{os.getpid()}"
     common = common.model_copy(update={"worker_id": worker_id})
     configure_logging(

@@ -8,7 +8,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.common.config import SettingsError
+from services.common.config import ConfigFileError, SettingsError
 
 
 class _Strict(BaseModel):
@@ -101,13 +101,13 @@ def load_run_config(path: str | Path | None) -> RunConfig:
         return RunConfig()
     p = Path(path)
     if not p.is_file():
-        raise SystemExit(f"run config not found: {p}")
+        raise ConfigFileError(f"run config not found: {p}")
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as err:
-        raise SystemExit(f"run config {p} is not valid YAML: {err}") from None
+        raise ConfigFileError(f"run config {p} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
-        raise SystemExit(f"run config {p} must be a mapping at top level")
+        raise ConfigFileError(f"run config {p} must be a mapping at top level")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

@@ -1,0 +1,69 @@
+"""A bad config value gives one clear message and exit code 2 — from every service and from
+`libra run` — never a traceback, and nothing is started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ["planner", "scheduler", "rollout_engine", "trainer", "tool_sandbox"]
+
+pytestmark = pytest.mark.integration
+
+
+def _run(args: list[str], env: dict[str, str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")} | env
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_bad_environment_value_exits_2_with_the_field_named(service: str) -> None:
+    out = _run(["-m", f"services.{service}"], {"LIBRA_LOG_LEVEL": "loud"})
+    assert out.returncode == 2, out.stderr
+    assert "invalid configuration" in out.stderr and "log_level" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_bad_run_config_exits_2_with_the_field_named(service: str, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training:\n  steps: -3\n")
+    out = _run(["-m", f"services.{service}"], {"LIBRA_CONFIG": str(bad)})
+    assert out.returncode == 2, out.stderr
+    assert "invalid configuration" in out.stderr and "training.steps" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("rollout:\n  backend: tpu\n", "rollout.backend"),
+        ("task: [1, 2\n", "not valid YAML"),
+        ("- just\n- a list\n", "mapping"),
+        ("training:\n  lr: fast\n", "training.lr"),
+    ],
+)
+def test_libra_run_rejects_a_bad_config_before_starting_anything(
+    text: str, expected: str, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    runs = tmp_path / "runs"
+    out = _run(["-m", "tools.cli", "run", str(bad)], {}, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not runs.exists()
+
+
+def test_libra_run_missing_config_is_a_clear_error(tmp_path: Path) -> None:
+    out = _run(["-m", "tools.cli", "run", str(tmp_path / "nope.yaml")], {})
+    assert out.returncode == 2
+    assert "not found" in out.stderr and "Traceback" not in out.stderr
