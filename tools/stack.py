@@ -145,4 +145,7 @@ def read_stack_file() -> dict[str, object] | None:
     except json.JSONDecodeError:
         return None
     pid = data.get("supervisor_pid")
-    return data if isinstance(pid, int) and pid_alive(pid) else None
+    if isinstance(pid, int) and pid_alive(pid):
+        return data
+    STACK_FILE.unlink(missing_ok=True)  # left by a supervisor that was killed (-9): its children are gone
+    return None
