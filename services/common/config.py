@@ -34,7 +34,15 @@ class CommonSettings(BaseSettings):
     """Stable id of this process; defaults to <service>-<hostname>-<pid>."""
 
 
-class SettingsError(SystemExit):
+class ConfigFileError(SystemExit):
+    """A configuration problem reported as one message on stderr, exit code 2, no traceback."""
+
+    def __init__(self, message: str):
+        print(message, file=sys.stderr)
+        super().__init__(2)
+
+
+class SettingsError(ConfigFileError):
     """Exit with a readable list of what is wrong in the settings (exit code 2)."""
 
     def __init__(self, where: str, err: ValidationError):
@@ -42,16 +50,7 @@ class SettingsError(SystemExit):
         for e in err.errors():
             loc = ".".join(str(p) for p in e["loc"]) or "(root)"
             lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
-        print("\n".join(lines), file=sys.stderr)
-        super().__init__(2)
-
-
-class ConfigFileError(SystemExit):
-    """A config file that is missing or not readable as a mapping: one message, exit code 2."""
-
-    def __init__(self, message: str):
-        print(message, file=sys.stderr)
-        super().__init__(2)
+        super().__init__("\n".join(lines))
 
 
 def load_settings(cls: type[S], **overrides: Any) -> S:
