@@ -28,6 +28,8 @@ class GPUSpec:
     """Per-GPU inter-node bytes/s (weight sync, state fetch across nodes)."""
     allreduce_latency_s: float = 8e-6
     gpus_per_node: int = 8
+    pcie_bw: float = 25e9
+    """Per-GPU host<->device bytes/s achieved for offload and onload (PCIe Gen4 x16: ~25 GB/s)."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GPUSpec:
@@ -46,6 +48,8 @@ class ModelSpec:
     kv_heads: int
     head_dim: int
     bytes_per_param: int = 2
+    max_context: int = 0
+    """Position window (max_position_embeddings); 0 = unbounded."""
 
     @property
     def weight_bytes(self) -> float:
@@ -60,7 +64,7 @@ class ModelSpec:
         return cls(**_coerce(cls, data))
 
 
-_INT_FIELDS = {"layers", "hidden", "kv_heads", "head_dim", "bytes_per_param", "gpus_per_node"}
+_INT_FIELDS = {"layers", "hidden", "kv_heads", "head_dim", "bytes_per_param", "gpus_per_node", "max_context"}
 
 
 def _coerce(cls: type, data: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +91,21 @@ class Calibration:
     """Training MFU is multiplied by this per doubling of TP (communication overhead)."""
     tp_decode_efficiency: float = 0.88
     """Achieved bandwidth per doubling of decode TP: smaller shards, more sync points
-    (TP4 decodes about 2.8x faster than TP1, not 4x)."""
+    (TP4 decodes about 2.8x faster than TP1, TP8 about 4.3x, not 8x)."""
+    decode_overhead_s: float = 0.002
+    """Per decode iteration: scheduling, sampling, detokenisation and launch gaps of the serving
+    engine that do not shrink with TP (see docs/simulator.md for the source)."""
+    train_tokens_per_gpu: int = 16384
+    """Longest sequence one GPU trains without sequence parallelism (verl's default
+    ppo_max_token_len_per_gpu); longer sequences need Ulysses SP, which costs MFU like TP."""
+    colocate_fixed_s: float = 10.0
+    """Fixed part of a colocated role switch (engine sleep/wake, memory release, process sync),
+    on top of the byte moves (see docs/simulator.md for the source)."""
+    join_fixed_s: float = 20.0
+    """Fixed part of a hybrid worker joining the data-parallel group at a step boundary
+    (communicator rebuild and regrouping), on top of its state fetch."""
+    sync_fixed_s: float = 2.0
+    """Fixed part of a weight push to rollout engines (coordination, engine pause/resume)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +151,7 @@ class CostModel:
             + 4 * self.model.layers * self.model.hidden * batch * avg_context
         )
         compute = flops / (tp * self.gpu.flops * c.prefill_mfu)
-        return c.decode * (max(mem, compute) + self._allreduce_s(tp, batch))
+        return c.decode * (max(mem, compute) + self._allreduce_s(tp, batch)) + c.decode_overhead_s
 
     def prefill_s(self, tokens: int, context_before: int, tp: int) -> float:
         """Prefill `tokens` new tokens after `context_before` cached ones."""
@@ -151,19 +169,29 @@ class CostModel:
     def train_mfu(self, tp: int) -> float:
         return self.calib.train_mfu * self.calib.tp_mfu_decay ** math.log2(max(1, tp))
 
+    def train_parallel(self, tp: int, max_seq: float) -> int:
+        """Model-parallel degree a step really runs at: TP, or more when the longest sequence needs
+        sequence parallelism to fit `train_tokens_per_gpu`."""
+        need = max(1, math.ceil(max_seq / self.calib.train_tokens_per_gpu))
+        return max(tp, 1 << (need - 1).bit_length())
+
     def train_flops(self, tokens: float, avg_seq: float) -> float:
         """Forward + backward + one forward for old log-probs (GRPO), with causal attention."""
         per_token = 8 * self.model.active_params + 8 * self.model.layers * self.model.hidden * avg_seq
         return per_token * tokens
 
-    def train_step_s(self, tokens: float, avg_seq: float, gpus: int, tp: int = 1) -> float:
+    def train_step_s(
+        self, tokens: float, avg_seq: float, gpus: int, tp: int = 1, max_seq: float = 0.0
+    ) -> float:
+        """Compute at the MFU of the real model-parallel degree, plus the data-parallel gradient
+        all-reduce (ring: 2 (dp-1)/dp of the gradient shard over the inter-node network)."""
         if gpus <= 0:
             return math.inf
-        return (
-            self.calib.train
-            * self.train_flops(tokens, avg_seq)
-            / (gpus * self.gpu.flops * self.train_mfu(tp))
-        )
+        mp = min(gpus, self.train_parallel(tp, max_seq))
+        compute = self.train_flops(tokens, avg_seq) / (gpus * self.gpu.flops * self.train_mfu(mp))
+        dp = max(1, gpus // mp)
+        grads = 2 * (dp - 1) / dp * self.model.weight_bytes / mp / self.gpu.net_bw
+        return self.calib.train * compute + grads
 
     def min_train_gpus(self) -> int:
         """GPUs needed to hold sharded training state with half of each GPU left for activations."""
@@ -172,13 +200,30 @@ class CostModel:
         )
 
     def weight_sync_s(self, cross_node: bool = True) -> float:
+        """Trainer -> rollout engines push of the full bf16 weights (broadcast pipelined over the
+        network), plus the fixed coordination cost."""
         bw = self.gpu.net_bw if cross_node else self.gpu.nvlink_bw
-        return self.model.weight_bytes / bw + 0.5
+        return self.model.weight_bytes / bw + self.calib.sync_fixed_s
+
+    def engine_load_s(self, tp: int) -> float:
+        """An engine of `tp` GPUs receiving its weights: each GPU takes its shard in parallel."""
+        return self.model.weight_bytes / tp / self.gpu.net_bw + self.calib.sync_fixed_s
+
+    def colocated_switch_s(self, gpus: int, rollout_tp: int) -> float:
+        """One verl-style role switch on colocated GPUs: offload or onload the training state that
+        does not fit beside the engine (gradients and optimizer moments, sharded over `gpus`),
+        reshard the weights into the engine's TP layout over NVLink, sleep or wake the engine's
+        weights over PCIe, plus the fixed cost."""
+        state = self.model.params * (self.train_state_bytes_per_param - self.model.bytes_per_param) / gpus
+        reshard = self.model.weight_bytes / rollout_tp / self.gpu.nvlink_bw
+        engine_weights = self.model.weight_bytes / rollout_tp
+        return (state + engine_weights) / self.gpu.pcie_bw + reshard + self.calib.colocate_fixed_s
 
     def state_fetch_s(self, train_gpus: int) -> float:
-        """A joining data-parallel replica fetches weights plus its optimizer shard."""
+        """A joining data-parallel replica fetches weights plus its optimizer shard, then the
+        data-parallel communicators are rebuilt."""
         shard = self.model.params * (self.train_state_bytes_per_param - 2) / max(1, train_gpus)
-        return (self.model.weight_bytes + shard) / self.gpu.net_bw + 1.0
+        return (self.model.weight_bytes + shard) / self.gpu.net_bw + self.calib.join_fixed_s
 
     def calibrate(self, profiles: Iterable[Profile]) -> Calibration:
         """Fit per-kind multipliers as the mean ratio measured/predicted; returns the new calibration."""

@@ -144,8 +144,13 @@ class HybridPool:
         )
         train_idle = self._train_idle_since is not None and now - self._train_idle_since >= p.hold_s
         actions: list[PoolAction] = []
-        if (self._high_since is not None and now - self._high_since >= p.hold_s) or train_idle:
-            for w in self.in_role(Role.REQUESTED, Role.FETCHING_STATE, Role.CATCHING_UP):
+        high = self._high_since is not None and now - self._high_since >= p.hold_s
+        if high or train_idle:
+            # Rollout needs the workers back: every pending join is cancelled. A trainer between
+            # steps only cancels joins that have not paid for their state fetch yet; fetched
+            # workers wait for the next step boundary, where they enter the data-parallel group.
+            pending = (Role.REQUESTED, Role.FETCHING_STATE, Role.CATCHING_UP) if high else (Role.REQUESTED,)
+            for w in self.in_role(*pending):
                 actions.append(PoolAction(w.worker_id, "cancel"))
             for w in self.in_role(Role.ACTIVE):
                 if now - w.since >= p.min_active_s:

@@ -171,7 +171,9 @@ def bucket_time(cm: CostModel, stats: WorkloadStats, b: BucketPlan, lo: float, o
     tail_t = tail * cm.decode_step_s(int(min(batch, 8)), tail_ctx, b.tp)
     tail_t += stats.mean_turns * (tail / max(1.0, mean_out)) ** 0.5 * stats.mean_tool_s
     tail_t /= 1 + opts.staleness
-    prefill = n / b.replicas * cm.prefill_s(int(ctx_final), 0, b.tp) / max(1.0, batch) * 0.5
+    # Each replica prefills every context it serves once (the prompt and the tool returns; about
+    # half the final context), one sequence after another: prefill does not shrink with batch.
+    prefill = n / b.replicas * cm.prefill_s(int(ctx_final), 0, b.tp) * 0.5
     return max(thr + prefill, tail_t)
 
 

@@ -99,7 +99,6 @@ class CMLFQ:
         self._queues: list[list[tuple[float, int, str, float]]] = [[] for _ in self.buckets]
         self._qlen = [0] * len(self.buckets)
         self._seq = itertools.count()
-        self._prompt_engine: dict[str, str] = {}
 
     def level_for(self, total_tokens: float) -> int:
         for i, b in enumerate(self.buckets):
@@ -189,10 +188,13 @@ class CMLFQ:
             t.queued = 0
 
     def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None:
-        """Least-loaded engine with a free slot, biased towards engines holding the context or prompt."""
+        """Least-loaded engine with a free slot, biased towards the engine holding the context.
+
+        GRPO siblings of one prompt share its difficulty and so its tail; they get no pull
+        towards each other's engine (packing them made one engine carry a whole group's tail).
+        """
         t = self.trajs.get(traj_id)
         last = t.last_engine if t else None
-        sibling = self._prompt_engine.get(t.prompt_id) if t else None
         best, best_score = None, math.inf
         w = self.config.affinity_weight
         for e in engines:
@@ -201,13 +203,10 @@ class CMLFQ:
             score = e.load / e.capacity
             if e.engine_id == last:
                 score -= w
-            elif e.engine_id == sibling:
-                score -= w / 3
             if score < best_score:
                 best, best_score = e.engine_id, score
         if best is not None and t is not None:
             t.last_engine = best
-            self._prompt_engine[t.prompt_id] = best
         return best
 
     def enqueue(self, traj_id: str, now: float) -> None:

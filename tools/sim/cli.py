@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -10,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.sim.scenarios import SCENARIOS, Scenario, run
-from tools.sim.systems import SYSTEMS
+from tools.sim.scenarios import SCENARIOS, Runner, Scenario, default_jobs, resolve, run, sweep_size
+from tools.sim.systems import ALIASES, SYSTEMS
 from tools.sim.workload import Workload
 
 
@@ -22,9 +23,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=48, help="cluster size for --workload")
     p.add_argument("--gpu", default="A800", help="hardware preset for --workload (A800, H100, H200)")
     p.add_argument("--model", default="qwen3-14b", help="model preset for --workload")
-    p.add_argument("--systems", help=f"comma-separated subset of: {','.join(SYSTEMS)}")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, help="RL steps to simulate (default: the scenario's)")
+    p.add_argument(
+        "--systems",
+        help=f"comma-separated subset of: {','.join(SYSTEMS)} ({', '.join(f'{a}={b}' for a, b in ALIASES.items())})",
+    )
+    p.add_argument("--seeds", type=int, help="reported seeds 0..K-1 (default: the scenario's; workloads: 5)")
+    p.add_argument("--steps", type=int, help="RL steps to simulate per seed (default: the scenario's)")
+    p.add_argument("--staleness", type=int, help="staleness bound of every async system (default 1)")
+    p.add_argument("--jobs", type=int, default=default_jobs(), help="parallel simulations (default: up to 2)")
     p.add_argument("--out", type=Path, default=Path("sim-out"), help="directory for results.json and plots")
     p.add_argument("--no-plots", action="store_true")
     return p
@@ -45,7 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.scenario) == bool(args.workload):
         print("libra sim: give exactly one of --scenario or --workload", file=sys.stderr)
         return 2
-    systems = [s.strip() for s in args.systems.split(",")] if args.systems else None
+    for flag in ("seeds", "steps", "gpus", "jobs"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            print(f"libra sim: --{flag} must be at least 1", file=sys.stderr)
+            return 2
+    if args.staleness is not None and args.staleness < 0:
+        print("libra sim: --staleness must be at least 0", file=sys.stderr)
+        return 2
     try:
         if args.scenario:
             scenario = SCENARIOS[args.scenario]
@@ -53,18 +66,21 @@ def main(argv: list[str] | None = None) -> int:
         else:
             workload = Workload.load(args.workload)
             scenario = Scenario(
-                f"custom-{workload.name}", args.gpu, args.model, args.workload, args.gpus, 10, SYSTEMS
+                f"custom-{workload.name}", args.gpu, args.model, args.workload, args.gpus, 20, SYSTEMS
             )
-        steps = args.steps or scenario.steps
-        names = systems or list(scenario.systems)
+        if args.staleness is not None:
+            scenario = dataclasses.replace(scenario, staleness=args.staleness)
+        names = resolve([s.strip() for s in args.systems.split(",")] if args.systems else scenario.systems)
+        seeds = args.seeds or scenario.seeds
         from tqdm import tqdm
 
         t0 = time.perf_counter()
-        with tqdm(total=steps * len(names), desc=scenario.name, unit="step", file=sys.stderr) as bar:
-            results = run(scenario, args.seed, steps, names, workload, bar)
+        total = sweep_size(Runner(scenario, workload), names) + seeds * len(names)
+        with tqdm(total=total, desc=scenario.name, unit="sim", file=sys.stderr) as bar:
+            results = run(scenario, seeds, args.steps, names, workload, bar, args.jobs)
         wall = time.perf_counter() - t0
     except (KeyError, ValueError, FileNotFoundError) as e:
-        print(f"libra sim: {e}", file=sys.stderr)
+        print(f"libra sim: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         return 2
     events = sum(r["events"] for r in results["systems"].values())
     results["wall_s"] = wall
@@ -83,14 +99,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_table(results: dict[str, Any]) -> None:
     systems = results["systems"]
-    ref = systems.get("libra", {}).get("trajectories_per_s")
-    print(f"{'system':24s} {'traj/s':>8s} {'tok/s':>9s} {'libra x':>8s} {'p50 s':>7s} {'p99 s':>7s}")
+    ratios = results.get("ratios_vs_libra", {})
+    print(f"{'system':22s} {'traj/s':>7s} {'95% CI':>15s} {'libra x':>7s} {'95% CI':>13s}  settings")
     for name, r in systems.items():
-        ratio = f"{ref / r['trajectories_per_s']:.2f}" if ref else "-"
-        print(
-            f"{name:24s} {r['trajectories_per_s']:8.3f} {r['trained_tokens_per_s']:9.0f} {ratio:>8s} "
-            f"{r['rollout_latency_p50_s']:7.0f} {r['rollout_latency_p99_s']:7.0f}"
+        lo, hi = r["ci95"]
+        rat = ratios.get(name)
+        rtxt = (
+            f"{rat['mean']:7.3f} [{rat['ci95'][0]:.3f}, {rat['ci95'][1]:.3f}]"
+            if rat
+            else f"{'-':>7s} {'':13s}"
         )
+        print(f"{name:22s} {r['trajectories_per_s']:7.3f} [{lo:6.3f}, {hi:6.3f}] {rtxt}  {r['settings']}")
     print(
         f"wall_s={results['wall_s']:.1f} events={results['events']} events_per_s={results['events_per_s']:.0f}"
     )

@@ -31,6 +31,9 @@ class CMLFQRouter:
     def finish(self, traj_id: str, total: int, now: float) -> None:
         self.core.finish(traj_id, total, now)
 
+    def drop(self, traj_id: str) -> None:
+        self.core.drop(traj_id)
+
     def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None:
         return self.core.pick_engine(bucket, engines, traj_id)
 
@@ -52,8 +55,9 @@ class StaticRouter:
 
     With one bucket this is the homogeneous baseline. With `predictor_sigma` set, the bucket comes
     from a length predictor whose estimate is the true length times lognormal noise (the
-    length-aware baseline); with `sticky` engines a trajectory returns to the engine holding its
-    context when that engine has room (least-connections with prefix affinity).
+    length-aware baseline). A trajectory's first turn goes to the least-loaded engine ('least') or
+    the next one in turn ('rr'); with `sticky` sessions its later turns return to the engine that
+    holds its context when that engine has room, as AReaL, slime and verl's agent loop route.
     """
 
     def __init__(
@@ -91,14 +95,20 @@ class StaticRouter:
         self.where.pop(traj_id, None)
         self.last.pop(traj_id, None)
 
+    def drop(self, traj_id: str) -> None:
+        bucket = self.where.pop(traj_id, None)
+        self.last.pop(traj_id, None)
+        if bucket is not None and traj_id in self.queues[bucket]:
+            self.queues[bucket].remove(traj_id)
+
     def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None:
         free = [e for e in engines if e.load < e.capacity]
         if not free:
             return None
-        if self.mode == "rr":
+        last = self.last.get(traj_id) if self.sticky else None
+        if self.mode == "rr" and last is None:
             choice = free[next(self._rr) % len(free)].engine_id
         else:
-            last = self.last.get(traj_id) if self.sticky else None
             choice = min(
                 free, key=lambda e: e.load / e.capacity - (0.3 if e.engine_id == last else 0.0)
             ).engine_id

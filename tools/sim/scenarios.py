@@ -1,15 +1,42 @@
-"""Named scenarios and the baseline sweeps that give each baseline its best settings."""
+"""Named scenarios, the settings sweeps, Libra's planner proposals, and the multi-seed runs.
+
+Settings are chosen on seeds from :data:`tools.sim.systems.PLAN_SEED` on; results are reported
+on seeds 0..K-1, so no system is tuned on the trajectories it is judged on. Every simulation is
+an independent job, run over a small process pool.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from services.planner.search import Plan, SearchOptions, search
 from tools.sim.runner import load_presets, run_system
-from tools.sim.systems import SYSTEMS, Env, build, default_splits
+from tools.sim.simulator import SystemConfig
+from tools.sim.stats import mean_ci, paired_ratio
+from tools.sim.systems import (
+    ALIASES,
+    MIXES,
+    PLAN_SEED,
+    SYSTEMS,
+    TPS,
+    Env,
+    baseline_system,
+    default_splits,
+    hybrid_variants,
+    layout_plan,
+    libra_system,
+    plan_key,
+    sweep_grid,
+)
 from tools.sim.workload import Workload
+
+LIBRA_FAMILY = ("libra", "libra-no-ehp", "libra-no-cmlfq")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,98 +48,300 @@ class Scenario:
     n_gpus: int
     steps: int
     systems: tuple[str, ...]
-    sweep_steps: int = 4
-    """Steps each simulated what-if (baseline sweeps, planner proposals) runs; 0 = analytical only."""
+    seeds: int = 5
+    sweep_steps: int = 8
+    """Steps each what-if (baseline sweeps, planner proposals) runs; 0 = analytical planning only."""
     prompts_per_step: int | None = None
     """Override the workload file's prompts per RL step (GRPO groups per batch)."""
+    staleness: int = 1
     tick_s: float = 2.0
 
 
 SCENARIOS = {
-    "paper-48gpu": Scenario("paper-48gpu", "A800", "qwen3-14b", "r2e_gym", 48, 10, SYSTEMS),
+    "paper-48gpu": Scenario("paper-48gpu", "A800", "qwen3-14b", "r2e_gym", 48, 20, SYSTEMS),
     "scale-1024": Scenario(
         "scale-1024",
         "A800",
         "qwen3-14b",
         "r2e_gym",
         1024,
-        20,
+        6,
         ("libra",),
+        seeds=1,
         sweep_steps=0,
-        prompts_per_step=256,
+        prompts_per_step=683,
         tick_s=10.0,
     ),
 }
 
 
-def sweep_splits(env: Env) -> list[int]:
-    return default_splits(env)
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One simulation: a system at pinned settings on one seed."""
+
+    name: str
+    settings: dict[str, Any]
+    seed: int
+    steps: int
+    timeline: bool = False
 
 
-def best_settings(
-    name: str, env: Env, steps: int, tick: Callable[[], None] | None = None
-) -> tuple[dict[str, int], list[dict[str, Any]]]:
-    """Sweep a baseline's fixed split and rollout TP in the simulator; return the best and the sweep."""
-    grid: list[dict[str, int]]
+class Runner:
+    """Builds environments once per process and runs jobs, in parallel when `jobs` > 1."""
+
+    def __init__(self, scenario: Scenario, workload: Workload | None, jobs: int = 1) -> None:
+        self.scenario = scenario
+        self.cm = load_presets(scenario.gpu, scenario.model)
+        wl = workload or Workload.load(scenario.workload)
+        over = {"prompts_per_step": scenario.prompts_per_step} if scenario.prompts_per_step else {}
+        self.workload = wl.with_overrides(self.cm.model.max_context, **over)
+        self.env = Env(self.cm, self.workload, scenario.n_gpus, PLAN_SEED, scenario.staleness)
+        self.jobs = max(1, jobs)
+
+    def env_for(self, seed: int) -> Env:
+        env = dataclasses.replace(self.env, seed=seed)
+        return env
+
+    def build(self, job: Job) -> SystemConfig:
+        env = self.env_for(job.seed)
+        s = job.settings
+        if "plan" in s:
+            return libra_system(
+                env, job.name, Plan.from_dict(s["plan"]), s.get("routing", "cmlfq"), s.get("replan", True)
+            )
+        return baseline_system(
+            env, job.name, int(s.get("split", 0)), int(s.get("tp", 1)), tuple(s.get("mix", ()))
+        )
+
+    def run_one(self, job: Job) -> dict[str, Any]:
+        system = self.build(job)
+        r, sim = run_system(
+            system, self.workload, self.cm, self.scenario.n_gpus, job.steps, job.seed, self.scenario.tick_s
+        )
+        if job.timeline:
+            r["timeline"] = sim.timeline
+        r["max_staleness_trained"] = max(sim.trained_staleness, default=0)
+        return r
+
+    def run_all(self, jobs: Sequence[Job], tick: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+        if self.jobs == 1 or len(jobs) == 1:
+            out = []
+            for j in jobs:
+                out.append(self.run_one(j))
+                if tick:
+                    tick()
+            return out
+        global _RUNNER
+        _RUNNER = self
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(min(self.jobs, len(jobs)), mp_context=ctx) as pool:
+            futures = [pool.submit(_run_in_child, j) for j in jobs]
+            results = []
+            for f in futures:
+                results.append(f.result())
+                if tick:
+                    tick()
+        return results
+
+
+_RUNNER: Runner | None = None
+
+
+def _run_in_child(job: Job) -> dict[str, Any]:
+    assert _RUNNER is not None
+    return _RUNNER.run_one(job)
+
+
+def _score(r: dict[str, Any]) -> float:
+    return float(r["trajectories_per_s"])
+
+
+def choose_settings(
+    runner: Runner, names: Sequence[str], tick: Callable[[], None] | None = None
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Each system's settings, chosen by simulation on the planning seed. Returns the settings per
+    system and the sweeps (every candidate with its score) for results.json."""
+    env = runner.env
+    steps = runner.scenario.sweep_steps
+    settings: dict[str, dict[str, Any]] = {}
+    sweeps: dict[str, Any] = {}
     if steps <= 0:
-        return {}, []
-    if name == "colocated-sync":
-        grid = [{"tp": tp} for tp in (1, 2, 4)]
-    elif name in ("disaggregated-static", "homogeneous-lb"):
-        grid = [{"split": s, "tp": tp} for s in sweep_splits(env) for tp in (1, 2, 4)]
-    elif name in ("length-aware", "libra-no-grp"):
-        grid = [{"split": s} for s in sweep_splits(env)]
-    else:
-        return {}, []
-    rows = []
-    for g in grid:
-        try:
-            system = build(name, env, **g)
-        except ValueError:
+        for name in names:
+            if name not in LIBRA_FAMILY:
+                raise ValueError(f"{name}: a scenario without sweeps can only run Libra")
+            plan = analytical_plan(env, hybrid=name != "libra-no-ehp")
+            settings[name] = {
+                "plan": plan.to_dict(),
+                "routing": "pooled" if name == "libra-no-cmlfq" else "cmlfq",
+            }
+            sweeps[name] = {"best": plan_key(plan), "grid": []}
+        return settings, sweeps
+
+    def measure(cands: list[tuple[str, dict[str, Any]]]) -> list[float]:
+        jobs = [Job(n, s, PLAN_SEED, steps) for n, s in cands]
+        return [_score(r) for r in runner.run_all(jobs, tick)]
+
+    for name in names:
+        if name in LIBRA_FAMILY:
             continue
-        r, _ = run_system(system, env.workload, env.cm, env.n_gpus, steps, env.seed)
-        rows.append({**g, "trajectories_per_s": r["trajectories_per_s"]})
-        if tick:
-            tick()
-    best = max(rows, key=lambda row: row["trajectories_per_s"])
-    return {k: v for k, v in best.items() if k in ("split", "tp")}, rows
+        grid = [g for g in sweep_grid(name, env) if _feasible(runner, name, g)]
+        scores = measure([(name, g) for g in grid])
+        best = max(range(len(grid)), key=lambda i: scores[i])
+        settings[name] = grid[best]
+        sweeps[name] = {
+            "best": grid[best],
+            "grid": [{**g, "trajectories_per_s": sc} for g, sc in zip(grid, scores, strict=True)],
+        }
+    for routing, family in (("cmlfq", ("libra", "libra-no-ehp")), ("pooled", ("libra-no-cmlfq",))):
+        wanted = [n for n in family if n in names]
+        if not wanted:
+            continue
+        static, with_pool = plan_for(
+            runner, routing, measure, hybrid=any(n != "libra-no-ehp" for n in wanted)
+        )
+        for n in wanted:
+            rows = static if n == "libra-no-ehp" else static + with_pool
+            best_score, best_plan = max(rows, key=lambda x: x[0])
+            settings[n] = {"plan": best_plan.to_dict(), "routing": routing}
+            sweeps[n] = {
+                "best": plan_key(best_plan),
+                "grid": [{"plan": plan_key(p), "trajectories_per_s": sc} for sc, p in rows],
+            }
+    return settings, sweeps
+
+
+def _feasible(runner: Runner, name: str, settings: dict[str, Any]) -> bool:
+    try:
+        runner.build(Job(name, settings, PLAN_SEED, 1))
+    except ValueError:
+        return False
+    return True
+
+
+def plan_for(
+    runner: Runner,
+    routing: str,
+    measure: Callable[[list[tuple[str, dict[str, Any]]]], list[float]],
+    hybrid: bool = True,
+) -> tuple[list[tuple[float, Plan]], list[tuple[float, Plan]]]:
+    """Libra's planner with the simulator as its judge (Frontier-style what-if).
+
+    Proposals: every training split with every homogeneous TP (the whole menu of the homogeneous
+    baselines) and the analytical best layout of each heterogeneous TP mix; then hybrid-pool
+    variants of the two best. Returns the scored static proposals and the scored hybrid ones.
+    """
+    env = runner.env
+    cands: list[Plan] = []
+    for split in default_splits(env):
+        for tps in [(tp,) for tp in TPS] + list(MIXES):
+            plan = layout_plan(env, split, tps)
+            if plan is not None and all(b.replicas > 0 for b in plan.buckets):
+                cands.append(plan)
+    name = "proposal"
+    static_scores = measure(
+        [(name, {"plan": p.to_dict(), "routing": routing, "replan": False}) for p in cands]
+    )
+    static = list(zip(static_scores, cands, strict=True))
+    if not hybrid:
+        return static, []
+    top = sorted(static, key=lambda x: -x[0])[:2]
+    variants = [v for _, p in top for v in hybrid_variants(env, p)]
+    scores = measure([(name, {"plan": p.to_dict(), "routing": routing, "replan": False}) for p in variants])
+    return static, list(zip(scores, variants, strict=True))
+
+
+def analytical_plan(env: Env, hybrid: bool = True) -> Plan:
+    """The planner's analytical search alone (for clusters too large to simulate proposals)."""
+    opts = SearchOptions(
+        bucket_tps=(2, 4, 8),
+        max_seqs=env.max_seqs,
+        hybrid=False,
+        sync_s=env.cm.weight_sync_s(),
+        staleness=env.staleness,
+    )
+    return search(env.cluster, env.cm.model, env.profile, env.cm, opts)
+
+
+def resolve(names: Sequence[str]) -> list[str]:
+    out = [ALIASES.get(n, n) for n in names]
+    unknown = [n for n in out if n not in SYSTEMS]
+    if unknown:
+        raise KeyError(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
+    return list(dict.fromkeys(out))
 
 
 def run(
     scenario: Scenario,
-    seed: int = 0,
+    seeds: int | None = None,
     steps: int | None = None,
     systems: Sequence[str] | None = None,
     workload: Workload | None = None,
     progress: Any = None,
+    jobs: int | None = None,
 ) -> dict[str, Any]:
-    cm = load_presets(scenario.gpu, scenario.model)
-    wl = workload or Workload.load(scenario.workload)
-    if scenario.prompts_per_step:
-        wl = Workload({**wl.spec, "prompts_per_step": scenario.prompts_per_step})
-    env = Env(cm, wl, scenario.n_gpus, seed=seed, plan_steps=scenario.sweep_steps)
+    names = resolve(systems or scenario.systems)
+    seeds = seeds or scenario.seeds
     steps = steps or scenario.steps
-    names = list(systems or scenario.systems)
-    unknown = [s for s in names if s not in SYSTEMS]
-    if unknown:
-        raise KeyError(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
+    runner = Runner(scenario, workload, jobs or default_jobs())
+    tick = progress.update if progress is not None else None
+    settings, sweeps = choose_settings(runner, names, tick)
+    final = [Job(n, settings[n], seed, steps, timeline=seed == 0) for n in names for seed in range(seeds)]
+    if progress is not None:
+        progress.set_postfix_str("reported seeds")
+    outs = runner.run_all(final, tick)
+    per: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for job, r in zip(final, outs, strict=True):
+        per[job.name].append(r)
     results: dict[str, Any] = {}
-    sweeps: dict[str, Any] = {}
-    for name in names:
-        settings, rows = best_settings(name, env, scenario.sweep_steps)
-        sweeps[name] = {"best": settings, "grid": rows}
-        if progress is not None:
-            progress.set_postfix_str(name)
-        r, sim = run_system(
-            build(name, env, **settings), wl, cm, env.n_gpus, steps, seed, scenario.tick_s, progress
-        )
-        r["timeline"] = sim.timeline
-        results[name] = r
+    for n, runs in per.items():
+        tps = [r["trajectories_per_s"] for r in runs]
+        mean, ci = mean_ci(tps)
+        first = runs[0]
+        results[n] = {
+            **{k: v for k, v in first.items() if k not in ("trajectories_per_s", "trained_tokens_per_s")},
+            "trajectories_per_s": mean,
+            "ci95": list(ci),
+            "trajectories_per_s_by_seed": tps,
+            "trained_tokens_per_s": mean_ci([r["trained_tokens_per_s"] for r in runs])[0],
+            "trajectories_per_step": first["trajectories_trained"] / max(1, len(first["step_times_s"])),
+            "max_staleness_trained": max(r["max_staleness_trained"] for r in runs),
+            "dropped_stale_groups": [r["dropped_stale_groups"] for r in runs],
+            "settings": sweeps[n]["best"],
+        }
+    ratios: dict[str, Any] = {}
+    if "libra" in per:
+        lib = [r["trajectories_per_s"] for r in per["libra"]]
+        for n in names:
+            if n != "libra":
+                m, ci = paired_ratio(lib, [r["trajectories_per_s"] for r in per[n]])
+                ratios[n] = {"mean": m, "ci95": list(ci)}
     return {
-        "scenario": dataclasses.asdict(scenario) | {"steps": steps, "seed": seed, "systems": names},
-        "workload": wl.name,
-        "prompts_per_step": wl.prompts_per_step,
-        "group_size": wl.group_size,
+        "scenario": dataclasses.asdict(scenario) | {"steps": steps, "seeds": seeds, "systems": names},
+        "reported_seeds": list(range(seeds)),
+        "planning_seed": PLAN_SEED,
+        "workload": runner.workload.name,
+        "prompts_per_step": runner.workload.prompts_per_step,
+        "group_size": runner.workload.group_size,
         "systems": results,
+        "ratios_vs_libra": ratios,
         "sweeps": sweeps,
     }
+
+
+def default_jobs() -> int:
+    return max(1, min(2, len(os.sched_getaffinity(0))))
+
+
+def sweep_size(runner_or_env: Any, names: Sequence[str]) -> int:
+    """Jobs `choose_settings` will run (for a progress bar; the hybrid variants are estimated)."""
+    env = runner_or_env.env if isinstance(runner_or_env, Runner) else runner_or_env
+    if isinstance(runner_or_env, Runner) and runner_or_env.scenario.sweep_steps <= 0:
+        return 0
+    n = 0
+    for name in names:
+        if name in LIBRA_FAMILY:
+            continue
+        n += len(sweep_grid(name, env))
+    per_libra = len(default_splits(env)) * (len(TPS) + len(MIXES)) + 4
+    n += per_libra * (("libra" in names or "libra-no-ehp" in names) + ("libra-no-cmlfq" in names))
+    return n

@@ -43,12 +43,18 @@ class SystemConfig:
     buckets: list[BucketPlan]
     router: Any
     hybrid_gpus: int = 0
+    hybrid_tp: int = 1
+    """GPUs per hybrid worker: one rollout engine of this TP, or one data-parallel training replica."""
     staleness: int = 1
     max_seqs: int = 128
     pool_policy: PoolPolicy | None = None
     replan: ReplanPolicy | None = None
     pooled_routing: bool = False
     """Route across all engines as one bucket (the no-C-MLFQ ablation)."""
+    update_mode: str = "recompute"
+    """How engines take new weights: 'recompute' interrupts running turns, loads, and re-prefills
+    their context under the new weights (AReaL's interruptible generation); 'drain' stops starting
+    turns, lets running turns finish on the old weights, then loads."""
     notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -58,6 +64,7 @@ class _Traj:
     group: int
     admitted: float
     bucket: str
+    version: int = 0
     turn: int = 0
     tokens: int = 0
     context: int = 0
@@ -71,6 +78,7 @@ class _Group:
     left: int
     trajs: list[str]
     tokens: int = 0
+    max_context: int = 0
 
 
 class Simulator:
@@ -116,6 +124,10 @@ class Simulator:
         self.latencies: list[float] = []
         self.finished = 0
         self.dropped_groups = 0
+        self.aborted_trajectories = 0
+        self.trained_staleness: list[int] = []
+        """Per trained group: the trainer's version minus the version that admitted the group."""
+        self.draining: set[str] = set()
         self.migrations = 0
         self.reprefill_tokens = 0
         self.timeline: list[tuple[float, int, int, int]] = []
@@ -124,10 +136,7 @@ class Simulator:
         self._last_train_s = 0.0
         self.train_durations: list[float] = []
         self.train_gen = 0
-        self._train_gpus = 0
-        self._train_work = 0.0
-        self._train_t = 0.0
-        self.mid_step_joins = 0
+        self.hybrid_joins = 0
         self._build()
 
     def _push(self, t: float, kind: int, payload: Any, gen: int = 0) -> None:
@@ -141,14 +150,20 @@ class Simulator:
             for _ in range(b.replicas):
                 self._add_engine(f"e{i}", b.name, b.tp, hybrid=False)
                 i += 1
-        first = s.buckets[0].name if s.buckets else "short"
+        self.hybrid_bucket = (
+            min(s.buckets, key=lambda b: (abs(math.log2(b.tp) - math.log2(s.hybrid_tp)), b.tp)).name
+            if s.buckets
+            else "all"
+        )
+        if s.hybrid_gpus % s.hybrid_tp:
+            raise ValueError(f"{s.name}: {s.hybrid_gpus} hybrid GPUs are not a multiple of TP {s.hybrid_tp}")
         hybrid_ids = []
-        for _ in range(s.hybrid_gpus):
-            self._add_engine(f"e{i}", first, 1, hybrid=True)
+        for _ in range(s.hybrid_gpus // s.hybrid_tp):
+            self._add_engine(f"e{i}", self.hybrid_bucket, s.hybrid_tp, hybrid=True)
             hybrid_ids.append(f"e{i}")
             i += 1
         self.pool = HybridPool(hybrid_ids, s.pool_policy) if hybrid_ids else None
-        self.worker_meters = {w: Meter(self.ledger, 1) for w in hybrid_ids}
+        self.worker_meters = {w: Meter(self.ledger, s.hybrid_tp) for w in hybrid_ids}
         self.trainer = Meter(self.ledger, s.train_gpus if s.mode == "async" else self.n_gpus)
         used = s.train_gpus + sum(b.gpus for b in s.buckets) + s.hybrid_gpus if s.mode == "async" else None
         if s.mode == "async" and used != self.n_gpus:
@@ -177,7 +192,7 @@ class Simulator:
             for k, spec in enumerate(specs):
                 tid = f"{pid}s{k}"
                 bucket = self.router.admit(tid, pid, self.now, spec.output_tokens)
-                tr = _Traj(spec, gid, self.now, bucket, context=spec.prompt_tokens)
+                tr = _Traj(spec, gid, self.now, bucket, self.version, context=spec.prompt_tokens)
                 self.trajs[tid] = tr
                 g.trajs.append(tid)
                 self._start_turn(tid)
@@ -204,7 +219,7 @@ class Simulator:
         views = [
             EngineView(e.engine_id, e.n if e.fits(tr.context, reserve) else e.max_seqs, e.max_seqs)
             for e in self._candidates(key, tr)
-            if e.accepting and e.open_since is not None
+            if self._serving(e)
         ]
         eid = self.router.pick_engine(key, views, tid) if views else None
         if eid is None:
@@ -212,17 +227,24 @@ class Simulator:
             return
         self._run_turn(tid, self.engines[eid])
 
+    def _serving(self, e: Engine) -> bool:
+        return e.accepting and e.open_since is not None and e.engine_id not in self.draining
+
     def _run_turn(self, tid: str, e: Engine) -> None:
         tr = self.trajs[tid]
         turn = tr.spec.turns[tr.turn]
-        if tr.engine == e.engine_id:
-            prefill = turn_payload(tr)
+        new = turn_payload(tr)
+        if tr.engine == e.engine_id and e.take_cached(tid):
+            prefill = new
         else:
+            if tr.engine is not None and tr.engine != e.engine_id:
+                old = self.engines[tr.engine]
+                old.forget(tid)
+                self.migrations += old.bucket != e.bucket
             cached = tr.spec.prompt_tokens if tr.spec.prompt_id in e.prompts else 0
             prefill = tr.context - cached
-            if tr.engine is not None:
-                self.migrations += self.engines[tr.engine].bucket != e.bucket
-                self.reprefill_tokens += prefill
+            if tr.turn > 0:
+                self.reprefill_tokens += prefill - new
         tr.engine = e.engine_id
         e.join(Request(tid, turn.output_tokens, tr.context), self.now, max(1, prefill), tr.spec.prompt_id)
         self._wake(e)
@@ -239,6 +261,8 @@ class Simulator:
             return
         for req in e.pop_done(self.now):
             self._turn_done(req)
+        if e.n == 0 and eid in self.draining:
+            self._load(e)
         self._fill(e)
         self._wake(e)
         if not e.accepting and e.n == 0 and self.pool is not None:
@@ -247,7 +271,7 @@ class Simulator:
                 self._start_fetch(eid)
 
     def _fill(self, e: Engine) -> None:
-        if not e.accepting or e.open_since is None:
+        if not self._serving(e):
             return
         key = self._key(e.bucket)
         while e.n < e.max_seqs:
@@ -268,13 +292,17 @@ class Simulator:
         tr.context += turn.output_tokens
         tr.turn += 1
         if turn.tool is None:
+            if tr.engine is not None:
+                self.engines[tr.engine].forget(req.traj_id)
             self._finish(req.traj_id)
             return
         tr.in_tool = True
         self._push(self.now + turn.tool.latency_s, TOOL, req.traj_id)
 
     def _on_tool(self, tid: str) -> None:
-        tr = self.trajs[tid]
+        tr = self.trajs.get(tid)
+        if tr is None:
+            return  # aborted while in its tool: its group can no longer be trained
         tr.in_tool = False
         call = tr.spec.turns[tr.turn - 1].tool
         assert call is not None
@@ -292,6 +320,7 @@ class Simulator:
         g = self.groups[tr.group]
         g.left -= 1
         g.tokens += tr.spec.context_tokens
+        g.max_context = max(g.max_context, tr.spec.context_tokens)
         if g.left == 0:
             self.ready.append(tr.group)
             self._maybe_train()
@@ -302,14 +331,22 @@ class Simulator:
         if self.training or self.syncing or self.version >= self.steps:
             return
         if self.sys.mode == "async":
-            while self.ready and self.groups[self.ready[0]].version < self.version - self.sys.staleness:
-                self.groups.pop(self.ready.popleft())
+            # Every ready group is checked, not only the head: none older than the bound trains.
+            floor = self.version - self.sys.staleness
+            fresh = deque(g for g in self.ready if self.groups[g].version >= floor)
+            for gid in set(self.ready) - set(fresh):
+                self.groups.pop(gid)
                 self.dropped_groups += 1
+            self.ready = fresh
         if len(self.ready) < self.B:
+            if self.sys.mode == "async":
+                self._admit_async()  # replace dropped groups so the trainer is never starved
             return
         batch = [self.groups.pop(self.ready.popleft()) for _ in range(self.B)]
+        self.trained_staleness.extend(self.version - g.version for g in batch)
         tokens = sum(g.tokens for g in batch)
         n_traj = sum(len(g.trajs) for g in batch)
+        max_seq = max(g.max_context for g in batch)
         gpus = self.sys.train_gpus if self.sys.mode == "async" else self.n_gpus
         if self.sys.mode == "sync":
             for e in self.engines.values():
@@ -317,43 +354,30 @@ class Simulator:
             switch = self._switch_s()
             self.trainer.set("switch", self.now)
             start = self.now + switch
+            self._push(start, SYNC_DONE, "to_train")
         else:
             start = self.now
             self.trainer.set("train_busy", self.now)
         extra = 0
         if self.pool is not None:
+            # Hybrid workers enter the data-parallel group only at a step boundary.
             for w in self.pool.in_role(Role.CATCHING_UP):
                 w.activate(self.now)
+                self.hybrid_joins += 1
             for w in self.pool.in_role(Role.ACTIVE):
-                extra += 1
+                extra += self.sys.hybrid_tp
                 self.worker_meters[w.worker_id].set("train_busy", self.now)
-        dur = self.cm.train_step_s(tokens, tokens / max(1, n_traj), gpus + extra, self.sys.train_tp)
+        dur = self.cm.train_step_s(tokens, tokens / max(1, n_traj), gpus + extra, self.sys.train_tp, max_seq)
         self._last_train_s = dur
         self.train_durations.append(dur)
         self.training = True
         self._pending = (n_traj, tokens)
-        # Training progress as GPU-seconds of work, so a replica joining mid-step shortens the rest.
-        self._train_gpus = gpus + extra
-        self._train_work = dur * self._train_gpus
-        self._train_t = start
-        if self.sys.mode == "sync":
-            self._push(start, SYNC_DONE, "to_train")
         self.train_gen += 1
         self._push(start + dur, TRAIN_DONE, None, self.train_gen)
 
     def _switch_s(self) -> float:
-        """Colocated role switch: reshard weights between trainer and engines, wake/sleep engines."""
-        return self.cm.weight_sync_s(cross_node=False)
-
-    def _add_train_replica(self) -> None:
-        """A hybrid worker enters the data-parallel group mid-step: the remaining work is re-split."""
-        now = max(self.now, self._train_t)
-        self._train_work -= (now - self._train_t) * self._train_gpus
-        self._train_t = now
-        self._train_gpus += 1
-        self.train_gen += 1
-        self.mid_step_joins += 1
-        self._push(now + max(0.0, self._train_work) / self._train_gpus, TRAIN_DONE, None, self.train_gen)
+        """Colocated role switch: offload/onload training state, reshard, sleep/wake the engines."""
+        return self.cm.colocated_switch_s(self.n_gpus, self.sys.buckets[0].tp)
 
     def _on_train_done(self, gen: int) -> None:
         if gen != self.train_gen:
@@ -376,15 +400,48 @@ class Simulator:
             self.trainer.set("switch", self.now)
             self._push(self.now + self._switch_s(), SYNC_DONE, "to_rollout")
             return
-        sync = self.cm.weight_sync_s(cross_node=True)
+        self._abort_hopeless()
         self.trainer.set("train_sync", self.now)
         self.syncing = True
-        load = self.cm.model.weight_bytes / self.cm.gpu.net_bw
         for e in self.engines.values():
-            if e.open_since is not None:
-                e.stall(self.now, load / e.tp, sync=True)
+            if e.open_since is None:
+                continue
+            if self.sys.update_mode == "drain" and e.n > 0:
+                self.draining.add(e.engine_id)
+            else:
+                self._load(e)
+            self._wake(e)
+        self._push(self.now + self.cm.weight_sync_s(cross_node=True), SYNC_DONE, "async")
+
+    def _load(self, e: Engine) -> None:
+        """The engine takes the newest weights (see :meth:`Engine.load_weights`)."""
+        self.draining.discard(e.engine_id)
+        self.reprefill_tokens += e.reprefill_tokens()
+        e.load_weights(self.now, self.cm.engine_load_s(e.tp), self.version)
+
+    def _abort_hopeless(self) -> None:
+        """Cancel in-flight groups that are already older than the staleness bound: they could never
+        be trained, and every system here frees their engine slots (AReaL bounds staleness at
+        admission; the rest drop such groups, which is the same once they are replaced)."""
+        floor = self.version - self.sys.staleness
+        ready = set(self.ready)
+        doomed = [gid for gid, g in self.groups.items() if g.version < floor and gid not in ready]
+        for gid in doomed:
+            g = self.groups.pop(gid)
+            self.dropped_groups += 1
+            by_engine: dict[str, set[str]] = {}
+            for tid in g.trajs:
+                tr = self.trajs.pop(tid, None)
+                if tr is None:
+                    continue
+                self.aborted_trajectories += 1
+                self.router.drop(tid)
+                if tr.engine is not None:
+                    by_engine.setdefault(tr.engine, set()).add(tid)
+            for eid, tids in by_engine.items():
+                e = self.engines[eid]
+                e.abort(self.now, tids)
                 self._wake(e)
-        self._push(self.now + sync, SYNC_DONE, "async")
 
     def _on_sync_done(self, what: str) -> None:
         if what == "to_train":
@@ -393,6 +450,7 @@ class Simulator:
         if what == "to_rollout":
             self.trainer.set(None, self.now)
             for e in self.engines.values():
+                e.load_weights(self.now, 0.0, self.version)
                 e.open(self.now)
             self._admit(self.B)
             return
@@ -402,7 +460,9 @@ class Simulator:
         self._maybe_train()
 
     def _admit_async(self) -> None:
-        allowed = (self.version + self.sys.staleness + 1) * self.B
+        """Bounded staleness at admission (AReaL's rule): at most (version + staleness + 1) batches
+        admitted, not counting groups that were dropped as too stale."""
+        allowed = (self.version + self.sys.staleness + 1) * self.B + self.dropped_groups
         if self.admitted_groups < allowed:
             self._admit(allowed - self.admitted_groups)
 
@@ -413,8 +473,9 @@ class Simulator:
         if self.router.queued():
             # Engines with nothing running get no events of their own; let them pull aged turns.
             for e in self.engines.values():
-                if e.n == 0 and e.accepting and e.open_since is not None:
+                if e.n == 0 and self._serving(e):
                     self._fill(e)
+                    self._wake(e)
         if self.pool is not None and self.sys.mode == "async":
             self._pool_tick()
         if self.sys.replan is not None:
@@ -422,19 +483,18 @@ class Simulator:
         if self.version < self.steps:
             self._push(self.now + self.tick_s, TICK, None)
 
-    def _bucket0_demand(self) -> float:
-        b0 = self.sys.buckets[0].name
-        engines = [
-            e for e in self.by_bucket.get(self._key(b0), []) if e.accepting and e.open_since is not None
-        ]
-        running = sum(e.n for e in engines if e.bucket == b0)
-        waiting = self.router.queued(self._key(b0))
-        return (running + waiting) / max(1, 16 * sum(1 for e in engines if e.bucket == b0))
+    def _hybrid_demand(self) -> float:
+        """(running + queued turns) over the turn slots of the hybrid workers' bucket."""
+        key = self._key(self.hybrid_bucket)
+        engines = [e for e in self.by_bucket.get(key, []) if e.accepting and e.open_since is not None]
+        running = sum(e.n for e in engines)
+        waiting = self.router.queued(key)
+        return (running + waiting) / max(1, 16 * len(engines))
 
     def _pool_tick(self) -> None:
         assert self.pool is not None
         waiting = self.training or len(self.ready) >= self.B
-        for a in self.pool.decide(self.now, self._bucket0_demand(), waiting):
+        for a in self.pool.decide(self.now, self._hybrid_demand(), waiting):
             w = self.pool.workers[a.worker_id]
             e = self.engines[a.worker_id]
             if a.action == "join":
@@ -445,7 +505,7 @@ class Simulator:
             elif a.action == "cancel":
                 if w.role != Role.REQUESTED:
                     self.worker_meters[w.worker_id].set(None, self.now)
-                    e.open(self.now)
+                    self._reopen(e)
                 w.cancel(self.now)
                 e.accepting = True
                 self._fill(e)
@@ -460,6 +520,8 @@ class Simulator:
         w = self.pool.workers[wid]
         e = self.engines[wid]
         e.close(self.now)
+        e.cache.clear()
+        e.cached_tokens = 0
         w.start_fetch(self.now)
         self.worker_meters[wid].set("switch", self.now)
         self._push(self.now + self.cm.state_fetch_s(self.sys.train_gpus), FETCHED, wid)
@@ -470,12 +532,14 @@ class Simulator:
         if w.role != Role.FETCHING_STATE:
             return
         w.fetched(self.now)
-        if self.training and self.sys.mode == "async":
-            w.activate(self.now)
-            self.worker_meters[wid].set("train_busy", self.now)
-            self._add_train_replica()
-        else:
-            self.worker_meters[wid].set("train_idle", self.now)
+        self.worker_meters[wid].set("train_idle", self.now)
+        if not self.training:
+            self._maybe_train()
+
+    def _reopen(self, e: Engine) -> None:
+        """A hybrid worker serves rollout again: it reloads the engine with the current weights."""
+        e.open(self.now)
+        e.load_weights(self.now, self.cm.engine_load_s(e.tp), self.version)
 
     def _released(self, wid: str) -> None:
         assert self.pool is not None
@@ -484,8 +548,7 @@ class Simulator:
         self.worker_meters[wid].set(None, self.now)
         e = self.engines[wid]
         e.accepting = True
-        e.open(self.now)
-        e.stall(self.now, 0.5)
+        self._reopen(e)
         self._fill(e)
         self._wake(e)
 
@@ -559,8 +622,7 @@ class Simulator:
             self._admit(self.B)
         else:
             for e in self.engines.values():
-                if not e.hybrid or self.pool is not None:
-                    e.open(0.0)
+                e.open(0.0)
             self.trainer.set("train_idle", 0.0)
             self._admit_async()
         self._push(0.0, TICK, None)

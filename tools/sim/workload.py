@@ -79,6 +79,24 @@ _TOOL_REQUIRED: dict[str, tuple[str, ...] | None] = {
     "timeout_s": None,
     "outcomes": None,
 }
+_OPTIONAL: dict[str, tuple[str, ...] | None] = {
+    "group_size": None,
+    "prompts_per_step": None,
+    "max_context_tokens": None,
+    "drift": ("turn_tokens_mult", "stop_shift"),
+}
+_EXTRA_SUBFIELDS = {
+    "turn_tokens": ("difficulty_gain",),
+    "stop": ("difficulty_stop_cut",),
+    "effects": ("large_payload",),
+}
+_TOOL_OPTIONAL = ("difficulty_failure", "payload")
+
+
+def _no_unknown(where: str, data: dict[str, Any], known: Any) -> None:
+    unknown = sorted(str(k) for k in data if k not in known)
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
 
 
 def _check(where: str, data: Any, required: dict[str, tuple[str, ...] | None]) -> None:
@@ -98,23 +116,38 @@ def _check(where: str, data: Any, required: dict[str, tuple[str, ...] | None]) -
 def validate(spec: Any, where: str = "workload") -> None:
     """Raise ValueError naming the first missing or malformed field of a workload description."""
     _check(where, spec, _REQUIRED)
+    _no_unknown(where, spec, {**_REQUIRED, **_OPTIONAL})
+    for key, sub in {**_REQUIRED, **_OPTIONAL}.items():
+        if sub is not None and key in spec:
+            if not isinstance(spec[key], dict):
+                raise ValueError(f"{where}: field {key!r} must be a mapping")
+            _no_unknown(f"{where}: {key}", spec[key], (*sub, *_EXTRA_SUBFIELDS.get(key, ())))
     if not spec["tools"] or not isinstance(spec["tools"], dict):
         raise ValueError(f"{where}: 'tools' must map at least one tool name to its description")
     for name, tool in spec["tools"].items():
         _check(f"{where}: tool {name!r}", tool, _TOOL_REQUIRED)
+        _no_unknown(f"{where}: tool {name!r}", tool, (*_TOOL_REQUIRED, *_TOOL_OPTIONAL))
+        _no_unknown(f"{where}: tool {name!r}: outcomes", tool["outcomes"], STATUSES)
         if "payload" not in tool or not isinstance(tool["payload"], dict):
             raise ValueError(f"{where}: tool {name!r}: missing field 'payload'")
         if float(tool["weight"]) < 0 or not any(float(v) > 0 for v in tool["outcomes"].values()):
             raise ValueError(f"{where}: tool {name!r}: weight must be >= 0 and some outcome > 0")
-    for key in ("max_turns", "max_new_tokens"):
-        if int(spec[key]) < 1:
-            raise ValueError(f"{where}: {key} must be at least 1")
+        _no_unknown(f"{where}: tool {name!r}: payload", tool["payload"], SIZES)
+    for key in ("max_turns", "max_new_tokens", "group_size", "prompts_per_step"):
+        if key in spec and (not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 1):
+            raise ValueError(f"{where}: {key} must be an integer of at least 1, got {spec[key]!r}")
+    if "max_context_tokens" in spec and int(spec["max_context_tokens"]) < 2:
+        raise ValueError(f"{where}: max_context_tokens must be at least 2")
 
 
 class Workload:
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any], max_context: int = 0) -> None:
+        """`max_context` is the model's position window; the smaller of it and the workload's
+        `max_context_tokens` ends a trajectory whose context would not fit (0 = no limit)."""
         validate(spec)
         self.spec = spec
+        limits = [c for c in (int(spec.get("max_context_tokens", 0)), max_context) if c > 0]
+        self.max_context = min(limits) if limits else 1 << 62
         self.name: str = spec["name"]
         self.group_size = int(spec.get("group_size", 8))
         self.prompts_per_step = int(spec.get("prompts_per_step", 32))
@@ -123,6 +156,11 @@ class Workload:
         self.tools = spec["tools"]
         self._tool_names = list(self.tools)
         self._tool_cum = list(itertools.accumulate(float(self.tools[t]["weight"]) for t in self._tool_names))
+
+    def with_overrides(self, max_context: int = 0, **fields: Any) -> Workload:
+        return Workload(
+            {**self.spec, **fields}, max_context or (self.max_context if self.max_context < 1 << 62 else 0)
+        )
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> Workload:
@@ -145,6 +183,7 @@ class Workload:
         d = rng.betavariate(float(s["difficulty"]["a"]), float(s["difficulty"]["b"]))
         pt = s["prompt_tokens"]
         prompt = int(float(pt["median"]) * math.exp(rng.gauss(0, float(pt["sigma"]))))
+        prompt = max(1, min(prompt, self.max_context // 2))
         tools = self._tools_for(d)
         return [self._sample(rng, prompt_id, prompt, d, step, tools) for _ in range(self.group_size)]
 
@@ -194,12 +233,19 @@ class Workload:
         tool_cum = self._tool_cum
         turns: list[Turn] = []
         used, mult, last = 0, 1.0, "first"
+        context = prompt
         for i in range(self.max_turns):
             n = max(1, int(median * mult * math.exp(rng.gauss(0, sigma))))
-            n = min(n, self.max_new - used)
+            n = max(1, min(n, self.max_new - used, self.max_context - 1 - context))
             used += n
+            context += n
             p_stop = max(0.0, min(1.0, (float(stop[last]) + shift) * cut))
-            if used >= self.max_new or i == self.max_turns - 1 or rng.random() < p_stop:
+            if (
+                used >= self.max_new
+                or context >= self.max_context - 1
+                or i == self.max_turns - 1
+                or rng.random() < p_stop
+            ):
                 turns.append(Turn(n, None))
                 break
             name, status_cum, size_cum, med, sig, timeout = tools[
@@ -209,6 +255,11 @@ class Workload:
             size = SIZES[min(2, bisect.bisect(size_cum, rng.random() * size_cum[-1]))]
             latency = timeout if status == "timeout" else min(timeout, med * math.exp(rng.gauss(0, sig)))
             call = ToolCall(ToolSignal(name, size, status), latency, int(payload_tokens[size]))
+            if context + call.payload_tokens >= self.max_context - 1:
+                # The tool's return would not fit the window: the trajectory is truncated here.
+                turns.append(Turn(n, None))
+                break
+            context += call.payload_tokens
             turns.append(Turn(n, call))
             last = status
             mult *= float(eff[last]) * (large if size == "large" else 1.0)
