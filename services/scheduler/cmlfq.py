@@ -53,6 +53,11 @@ class CMLFQConfig:
     """A turn queued this long may be served by another idle bucket (the nearest first)."""
     aging_tokens_per_s: float = 20.0
     """Within-bucket priority credit per second of waiting (attained-service tokens)."""
+    queue_order: str = "admission"
+    """Within-bucket order of waiting turns: 'admission' serves the earliest-admitted trajectory
+    first (earliest deadline under a staleness bound: older groups must finish before they go
+    stale, and the trainer needs whole groups); 'attained' is classic MLFQ (least attained service
+    first, with aging), which starves the long tail that GRPO groups wait for."""
     affinity_weight: float = 0.3
     """How much load an engine that already holds the context may carry over a cold one."""
 
@@ -215,7 +220,10 @@ class CMLFQ:
         if t.queued:
             return
         t.queued = next(self._seq) + 1
-        key = t.tokens + self.config.aging_tokens_per_s * now
+        if self.config.queue_order == "attained":
+            key = t.tokens + self.config.aging_tokens_per_s * now
+        else:
+            key = t.admitted_at
         heapq.heappush(self._queues[t.level], (key, t.queued, traj_id, now))
         self._qlen[t.level] += 1
 

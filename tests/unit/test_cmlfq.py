@@ -88,8 +88,16 @@ def test_finish_teaches_the_tree_for_later_siblings():
     assert q.on_tool_return("b", FAIL, 100, 500, 4.0).bucket == "long"
 
 
-def test_queue_orders_by_attained_service():
-    q = make(aging_tokens_per_s=0.0)
+def test_queue_serves_the_earliest_admitted_trajectory_first():
+    q = make()
+    for tid, admitted in (("late", 5.0), ("early", 1.0), ("mid", 3.0)):
+        q.admit(tid, "p", admitted)
+        q.enqueue(tid, 10.0)
+    assert [q.dequeue("short", 11.0) for _ in range(4)] == ["early", "mid", "late", None]
+
+
+def test_classic_order_is_by_attained_service():
+    q = make(aging_tokens_per_s=0.0, queue_order="attained")
     for tid, tokens in (("a", 1500), ("b", 100), ("c", 800)):
         q.admit(tid, "p", 0.0)
         q.on_turn_done(tid, tokens, 0.0)
@@ -99,7 +107,7 @@ def test_queue_orders_by_attained_service():
 
 
 def test_aging_prevents_starvation_within_a_bucket():
-    q = make(aging_tokens_per_s=10.0)
+    q = make(aging_tokens_per_s=10.0, queue_order="attained")
     q.admit("old", "p", 0.0)
     q.on_turn_done("old", 1900, 0.0)
     q.enqueue("old", 0.0)

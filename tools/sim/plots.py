@@ -21,12 +21,16 @@ def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
     colors = [
         "tab:green" if n == "libra" else "tab:olive" if n.startswith("libra-") else "tab:gray" for n in names
     ]
-    ax.bar(names, vals, color=colors)
-    ref = systems.get("libra", {}).get("trajectories_per_s")
-    for i, v in enumerate(vals):
-        label = f"{v:.3f}" + (f"\n({ref / v:.2f}x)" if ref and v else "")
-        ax.text(i, v, label, ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("trajectories / s (steady state)")
+    err = [
+        [v - systems[n]["ci95"][0] for n, v in zip(names, vals, strict=True)],
+        [systems[n]["ci95"][1] - v for n, v in zip(names, vals, strict=True)],
+    ]
+    ax.bar(names, vals, color=colors, yerr=err, capsize=3)
+    ratios = results.get("ratios_vs_libra", {})
+    for i, (n, v) in enumerate(zip(names, vals, strict=True)):
+        label = f"{v:.3f}" + (f"\n({ratios[n]['mean']:.2f}x)" if n in ratios else "")
+        ax.text(i, systems[n]["ci95"][1], label, ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("trajectories / s (steady state, 95% CI)")
     ax.set_title(f"{results['scenario']['name']}: throughput")
     ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
@@ -38,7 +42,7 @@ def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
     for n in names:
         st = systems[n]["step_times_s"]
         ax.plot(range(1, len(st) + 1), st, marker="o", label=n)
-    ax.set_xlabel("RL step")
+    ax.set_xlabel("RL step (seed 0)")
     ax.set_ylabel("step time (s)")
     ax.legend(fontsize=7)
     fig.tight_layout()
