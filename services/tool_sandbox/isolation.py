@@ -225,6 +225,19 @@ def enable_subreaper() -> bool:
         return False
 
 
+def _probe(bwrap: str, creds: dict[str, Any], attempts: int = 3) -> None:
+    """Run `bwrap --version` as the sandbox user. A probe killed by a signal is retried: CI saw
+    one SIGABRT out of many runs, and a flaky probe must not stop the service from starting."""
+    for attempt in range(1, attempts + 1):
+        try:
+            subprocess.run([bwrap, "--version"], capture_output=True, check=True, timeout=10, **creds)
+            return
+        except subprocess.CalledProcessError as e:
+            if e.returncode >= 0 or attempt == attempts:
+                raise
+            log.warning("sandbox_bwrap_probe_retry", signal=-e.returncode, attempt=attempt)
+
+
 def reachable_bwrap(settings: SandboxSettings) -> str:
     """Return a bwrap the sandbox uid can execute, copying it to runtime_dir if the original is hidden.
 
@@ -233,7 +246,7 @@ def reachable_bwrap(settings: SandboxSettings) -> str:
     bwrap = settings.resolved_bwrap()
     creds = host_credentials(settings)
     try:
-        subprocess.run([bwrap, "--version"], capture_output=True, check=True, timeout=10, **creds)
+        _probe(bwrap, creds)
         return bwrap
     except PermissionError:
         if not creds:

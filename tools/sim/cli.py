@@ -110,6 +110,8 @@ def _print_table(results: dict[str, Any]) -> None:
             else f"{'-':>7s} {'':13s}"
         )
         print(f"{name:22s} {r['trajectories_per_s']:7.3f} [{lo:6.3f}, {hi:6.3f}] {rtxt}  {r['settings']}")
+    for name, why in results.get("infeasible", {}).items():
+        print(f"{name:22s} not run: {why}")
     print(
         f"wall_s={results['wall_s']:.1f} events={results['events']} events_per_s={results['events_per_s']:.0f}"
     )

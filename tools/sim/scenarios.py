@@ -124,6 +124,8 @@ class Runner:
         return r
 
     def run_all(self, jobs: Sequence[Job], tick: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+        if not jobs:
+            return []
         if self.jobs == 1 or len(jobs) == 1:
             out = []
             for j in jobs:
@@ -185,6 +187,13 @@ def choose_settings(
         if name in LIBRA_FAMILY:
             continue
         grid = [g for g in sweep_grid(name, env) if _feasible(runner, name, g)]
+        if not grid:
+            sweeps[name] = {
+                "best": None,
+                "grid": [],
+                "infeasible": f"no feasible setting on {env.n_gpus} GPUs",
+            }
+            continue
         scores = measure([(name, g) for g in grid])
         best = max(range(len(grid)), key=lambda i: scores[i])
         settings[name] = grid[best]
@@ -238,6 +247,8 @@ def plan_for(
             if plan is not None and all(b.replicas > 0 for b in plan.buckets):
                 cands.append(plan)
     name = "proposal"
+    if not cands:
+        raise ValueError(f"Libra's planner found no feasible allocation on {env.n_gpus} GPUs")
     static_scores = measure(
         [(name, {"plan": p.to_dict(), "routing": routing, "replan": False}) for p in cands]
     )
@@ -285,6 +296,8 @@ def run(
     runner = Runner(scenario, workload, jobs or default_jobs())
     tick = progress.update if progress is not None else None
     settings, sweeps = choose_settings(runner, names, tick)
+    infeasible = {n: sweeps[n]["infeasible"] for n in names if n not in settings}
+    names = [n for n in names if n in settings]
     final = [Job(n, settings[n], seed, steps, timeline=seed == 0) for n in names for seed in range(seeds)]
     if progress is not None:
         progress.set_postfix_str("reported seeds")
@@ -323,6 +336,7 @@ def run(
         "prompts_per_step": runner.workload.prompts_per_step,
         "group_size": runner.workload.group_size,
         "systems": results,
+        "infeasible": infeasible,
         "ratios_vs_libra": ratios,
         "sweeps": sweeps,
     }

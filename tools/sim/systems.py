@@ -88,11 +88,20 @@ def cmlfq_buckets(env: Env, buckets: list[BucketPlan]) -> list[Bucket]:
 
 
 def default_splits(env: Env) -> list[int]:
-    """Up to five training-GPU counts between the memory minimum and all but one node."""
+    """Up to five training-GPU counts between the memory minimum and all but one rollout unit
+    (a node on large clusters; on small ones, finer steps so that something is left for rollout)."""
     n = env.n_gpus
+    need = env.cm.min_train_gpus()
     unit = max(env.cm.gpu.gpus_per_node, n // 48 * 4)
-    lo = math.ceil(env.cm.min_train_gpus() / unit) * unit
+    while unit > 1 and math.ceil(need / unit) * unit > n - unit:
+        unit //= 2
+    lo = math.ceil(need / unit) * unit
     cands = list(range(lo, n - unit + 1, unit))
+    if not cands:
+        raise ValueError(
+            f"{n} GPUs cannot hold training ({need} GPUs for {env.cm.model.name}'s sharded state) "
+            "and a rollout engine; use more GPUs or a smaller model"
+        )
     if len(cands) <= 5:
         return cands
     return sorted({cands[round(i * (len(cands) - 1) / 4)] for i in range(5)})
