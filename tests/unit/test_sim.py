@@ -253,3 +253,29 @@ def test_unknown_system_exits_2(tmp_path, capsys):
     rc = main(["--workload", "r2e_gym", "--systems", "nope", "--out", str(tmp_path), "--no-plots"])
     assert rc == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_libras_planner_menu_holds_every_homogeneous_baseline_setting_and_colocated():
+    from tools.sim.scenarios import Job, Runner, Scenario, plan_for
+    from tools.sim.systems import homogeneous_plan, plan_key, sweep_grid
+
+    scenario = Scenario("t", "A800", "qwen3-14b", "search_r1", 32, 2, ("libra",), sweep_steps=1)
+    runner = Runner(scenario, None, jobs=1)
+    seen: list[dict] = []
+
+    def measure(cands):
+        seen.extend(c for _, c in cands)
+        # Pretend the colocated TP4 proposal is the fastest: the planner must be able to pick it.
+        return [2.0 if c.get("colocated_tp") == 4 else 1.0 for _, c in cands]
+
+    static, hybrid = plan_for(runner, "cmlfq", measure)
+    keys = {k for _, _, k in static}
+    for g in sweep_grid("areal", runner.env):
+        plan = homogeneous_plan(runner.env, g["split"], g["tp"])
+        if plan is not None:
+            assert plan_key(plan) in keys
+    assert {f"colocated/TP{tp}" for tp in (1, 2, 4, 8)} <= keys
+    assert max(static + hybrid, key=lambda x: x[0])[2] == "colocated/TP4"
+    # A colocated plan builds and runs as Libra in the time-shared mode.
+    system = runner.build(Job("libra", {"colocated_tp": 4}, 0, 1))
+    assert system.mode == "sync" and system.buckets[0].tp == 4

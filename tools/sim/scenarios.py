@@ -30,6 +30,7 @@ from tools.sim.systems import (
     default_splits,
     hybrid_variants,
     layout_plan,
+    libra_colocated,
     libra_system,
     plan_key,
     sweep_grid,
@@ -105,6 +106,8 @@ class Runner:
     def build(self, job: Job) -> SystemConfig:
         env = self.env_for(job.seed)
         s = job.settings
+        if "colocated_tp" in s:
+            return libra_colocated(env, job.name, int(s["colocated_tp"]), s.get("routing", "cmlfq"))
         if "plan" in s:
             return libra_system(
                 env, job.name, Plan.from_dict(s["plan"]), s.get("routing", "cmlfq"), s.get("replan", True)
@@ -210,12 +213,9 @@ def choose_settings(
         )
         for n in wanted:
             rows = static if n == "libra-no-ehp" else static + with_pool
-            best_score, best_plan = max(rows, key=lambda x: x[0])
-            settings[n] = {"plan": best_plan.to_dict(), "routing": routing}
-            sweeps[n] = {
-                "best": plan_key(best_plan),
-                "grid": [{"plan": plan_key(p), "trajectories_per_s": sc} for sc, p in rows],
-            }
+            _, chosen, key = max(rows, key=lambda x: x[0])
+            settings[n] = {k: v for k, v in chosen.items() if k != "replan"}
+            sweeps[n] = {"best": key, "grid": [{"plan": k, "trajectories_per_s": sc} for sc, _, k in rows]}
     return settings, sweeps
 
 
@@ -227,38 +227,52 @@ def _feasible(runner: Runner, name: str, settings: dict[str, Any]) -> bool:
     return True
 
 
+Proposal = tuple[float, dict[str, Any], str]
+"""A scored proposal: throughput on the planning seed, the settings that build it, a label."""
+
+
 def plan_for(
     runner: Runner,
     routing: str,
     measure: Callable[[list[tuple[str, dict[str, Any]]]], list[float]],
     hybrid: bool = True,
-) -> tuple[list[tuple[float, Plan]], list[tuple[float, Plan]]]:
+) -> tuple[list[Proposal], list[Proposal]]:
     """Libra's planner with the simulator as its judge (Frontier-style what-if).
 
     Proposals: every training split with every homogeneous TP (the whole menu of the homogeneous
-    baselines) and the analytical best layout of each heterogeneous TP mix; then hybrid-pool
-    variants of the two best. Returns the scored static proposals and the scored hybrid ones.
+    baselines), the analytical best layout of each heterogeneous TP mix, and time-sharing every
+    GPU between the stages (colocated, at each TP) for regimes where training dominates; then
+    hybrid-pool variants of the two best disaggregated plans. Returns the scored static proposals
+    and the scored hybrid ones.
     """
     env = runner.env
-    cands: list[Plan] = []
+    plans: list[Plan] = []
     for split in default_splits(env):
         for tps in [(tp,) for tp in TPS] + list(MIXES):
             plan = layout_plan(env, split, tps)
             if plan is not None and all(b.replicas > 0 for b in plan.buckets):
-                cands.append(plan)
-    name = "proposal"
-    if not cands:
+                plans.append(plan)
+    if not plans:
         raise ValueError(f"Libra's planner found no feasible allocation on {env.n_gpus} GPUs")
-    static_scores = measure(
-        [(name, {"plan": p.to_dict(), "routing": routing, "replan": False}) for p in cands]
-    )
-    static = list(zip(static_scores, cands, strict=True))
+    cands: list[tuple[dict[str, Any], str]] = [
+        ({"plan": p.to_dict(), "routing": routing, "replan": False}, plan_key(p)) for p in plans
+    ]
+    cands += [
+        ({"colocated_tp": tp, "routing": routing}, f"colocated/TP{tp}") for tp in TPS if tp <= env.n_gpus
+    ]
+    static_scores = measure([("proposal", c) for c, _ in cands])
+    static = [(sc, c, key) for sc, (c, key) in zip(static_scores, cands, strict=True)]
     if not hybrid:
         return static, []
-    top = sorted(static, key=lambda x: -x[0])[:2]
-    variants = [v for _, p in top for v in hybrid_variants(env, p)]
-    scores = measure([(name, {"plan": p.to_dict(), "routing": routing, "replan": False}) for p in variants])
-    return static, list(zip(scores, variants, strict=True))
+    top = sorted((x for x in static if "plan" in x[1]), key=lambda x: -x[0])[:2]
+    variants = [v for _, c, _ in top for v in hybrid_variants(env, Plan.from_dict(c["plan"]))]
+    scores = measure(
+        [("proposal", {"plan": p.to_dict(), "routing": routing, "replan": False}) for p in variants]
+    )
+    return static, [
+        (sc, {"plan": p.to_dict(), "routing": routing}, plan_key(p))
+        for sc, p in zip(scores, variants, strict=True)
+    ]
 
 
 def analytical_plan(env: Env, hybrid: bool = True) -> Plan:
@@ -356,6 +370,6 @@ def sweep_size(runner_or_env: Any, names: Sequence[str]) -> int:
         if name in LIBRA_FAMILY:
             continue
         n += len(sweep_grid(name, env))
-    per_libra = len(default_splits(env)) * (len(TPS) + len(MIXES)) + 4
+    per_libra = len(default_splits(env)) * (len(TPS) + len(MIXES)) + len(TPS) + 4
     n += per_libra * (("libra" in names or "libra-no-ehp" in names) + ("libra-no-cmlfq" in names))
     return n

@@ -194,6 +194,28 @@ def libra_system(
     )
 
 
+def libra_colocated(env: Env, name: str, tp: int, routing: str = "cmlfq") -> SystemConfig:
+    """Libra's planner choosing to time-share every GPU between the stages (the colocated plan):
+    the same switch costs as `verl`, Libra's routing inside the rollout phase."""
+    n = env.n_gpus
+    buckets = [BucketPlan("all", tp, n // tp, math.inf)]
+    router: Any
+    if routing == "cmlfq":
+        router = CMLFQRouter(CMLFQ(CMLFQConfig(cmlfq_buckets(env, buckets))))
+    else:
+        router = StaticRouter([("all", math.inf)], mode="least", seed=env.seed)
+    return SystemConfig(
+        name,
+        "sync",
+        n,
+        env.best_train_tp(n),
+        buckets,
+        router,
+        max_seqs=env.max_seqs,
+        notes={"layout": f"colocated/TP{tp}", "rollout_tp": tp},
+    )
+
+
 def baseline_system(
     env: Env, name: str, split: int = 0, tp: int = 1, mix: tuple[int, ...] = ()
 ) -> SystemConfig:
