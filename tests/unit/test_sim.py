@@ -279,3 +279,21 @@ def test_libras_planner_menu_holds_every_homogeneous_baseline_setting_and_coloca
     # A colocated plan builds and runs as Libra in the time-shared mode.
     system = runner.build(Job("libra", {"colocated_tp": 4}, 0, 1))
     assert system.mode == "sync" and system.buckets[0].tp == 4
+
+
+def test_a_slice_plan_scales_to_the_whole_cluster():
+    from tools.sim.scenarios import scale_settings
+
+    plan = Plan(24, 4, [BucketPlan("all", 8, 3, math.inf)], 0)
+    big = Plan.from_dict(
+        scale_settings({"plan": plan.to_dict(), "routing": "cmlfq"}, 1024 / 48, 1024)["plan"]
+    )
+    assert big.buckets[0].replicas == 64 and big.buckets[0].tp == 8
+    assert big.total_gpus == 1024 and big.train_gpus == 512
+    mixed = Plan(16, 4, [BucketPlan("short", 2, 4, 5000.0), BucketPlan("long", 8, 3, math.inf)], 8)
+    big = Plan.from_dict(scale_settings({"plan": mixed.to_dict()}, 4.0, 192)["plan"])
+    assert [b.replicas for b in big.buckets] == [16, 12] and big.hybrid_gpus == 32
+    assert big.total_gpus == 192
+    assert scale_settings({"colocated_tp": 4}, 21.3, 1024) == {"colocated_tp": 4}
+    with pytest.raises(ValueError):
+        scale_settings({"plan": Plan(1, 1, [BucketPlan("all", 8, 6, math.inf)], 0).to_dict()}, 2.0, 96)

@@ -56,6 +56,10 @@ class Scenario:
     """Override the workload file's prompts per RL step (GRPO groups per batch)."""
     staleness: int = 1
     tick_s: float = 2.0
+    plan_slice_gpus: int = 0
+    """Choose settings on a slice of this many GPUs at the same per-GPU load (prompts scaled down),
+    with `slice_sweep_steps`, then scale the allocation up: the 48-GPU planning, at any size."""
+    slice_sweep_steps: int = 6
 
 
 SCENARIOS = {
@@ -72,6 +76,7 @@ SCENARIOS = {
         sweep_steps=0,
         prompts_per_step=683,
         tick_s=10.0,
+        plan_slice_gpus=48,
     ),
 }
 
@@ -170,6 +175,8 @@ def choose_settings(
     steps = runner.scenario.sweep_steps
     settings: dict[str, dict[str, Any]] = {}
     sweeps: dict[str, Any] = {}
+    if runner.scenario.plan_slice_gpus:
+        return _choose_on_slice(runner, names, tick)
     if steps <= 0:
         for name in names:
             if name not in LIBRA_FAMILY:
@@ -217,6 +224,52 @@ def choose_settings(
             settings[n] = {k: v for k, v in chosen.items() if k != "replan"}
             sweeps[n] = {"best": key, "grid": [{"plan": k, "trajectories_per_s": sc} for sc, _, k in rows]}
     return settings, sweeps
+
+
+def _choose_on_slice(
+    runner: Runner, names: Sequence[str], tick: Callable[[], None] | None
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Settings chosen by simulation on a slice of the cluster with the same trajectories per GPU,
+    then every GPU count in them scaled to the whole cluster (rounding leftovers into training)."""
+    sc = runner.scenario
+    n, k = sc.n_gpus, sc.plan_slice_gpus
+    prompts = max(1, round(runner.workload.prompts_per_step * k / n))
+    small = dataclasses.replace(
+        sc, n_gpus=k, prompts_per_step=prompts, sweep_steps=sc.slice_sweep_steps, plan_slice_gpus=0
+    )
+    settings, sweeps = choose_settings(Runner(small, runner.workload, runner.jobs), names, tick)
+    scaled = {name: scale_settings(s, n / k, n) for name, s in settings.items()}
+    for name in sweeps:
+        sweeps[name]["slice"] = {"gpus": k, "prompts_per_step": prompts}
+        if name in scaled:
+            sweeps[name]["scaled_to"] = _label(scaled[name])
+    return scaled, sweeps
+
+
+def scale_settings(settings: dict[str, Any], factor: float, n_gpus: int) -> dict[str, Any]:
+    """A slice's settings for a cluster `factor` times larger: training GPUs, bucket replicas and
+    hybrid GPUs scale; TP degrees and routing do not; GPUs lost to rounding go to training."""
+    out = dict(settings)
+    if "split" in out:
+        out["split"] = int(out["split"] * factor)
+    if "plan" in out:
+        plan = Plan.from_dict(out["plan"])
+        for b in plan.buckets:
+            b.replicas = max(1, round(b.replicas * factor))
+        plan.hybrid_gpus = int(plan.hybrid_gpus * factor)
+        plan.train_gpus = n_gpus - plan.rollout_gpus - plan.hybrid_gpus
+        if plan.train_gpus < 1:
+            raise ValueError(f"scaled plan {plan_key(plan)} leaves no GPU for training")
+        out["plan"] = plan.to_dict()
+    return out
+
+
+def _label(settings: dict[str, Any]) -> Any:
+    if "plan" in settings:
+        return plan_key(Plan.from_dict(settings["plan"]))
+    if "colocated_tp" in settings:
+        return f"colocated/TP{settings['colocated_tp']}"
+    return {k: v for k, v in settings.items() if k in ("split", "tp", "mix")}
 
 
 def _feasible(runner: Runner, name: str, settings: dict[str, Any]) -> bool:
@@ -333,7 +386,7 @@ def run(
             "trajectories_per_step": first["trajectories_trained"] / max(1, len(first["step_times_s"])),
             "max_staleness_trained": max(r["max_staleness_trained"] for r in runs),
             "dropped_stale_groups": [r["dropped_stale_groups"] for r in runs],
-            "settings": sweeps[n]["best"],
+            "settings": sweeps[n].get("scaled_to", sweeps[n]["best"]),
         }
     ratios: dict[str, Any] = {}
     if "libra" in per:
@@ -363,8 +416,10 @@ def default_jobs() -> int:
 def sweep_size(runner_or_env: Any, names: Sequence[str]) -> int:
     """Jobs `choose_settings` will run (for a progress bar; the hybrid variants are estimated)."""
     env = runner_or_env.env if isinstance(runner_or_env, Runner) else runner_or_env
-    if isinstance(runner_or_env, Runner) and runner_or_env.scenario.sweep_steps <= 0:
-        return 0
+    if isinstance(runner_or_env, Runner):
+        sc = runner_or_env.scenario
+        if sc.sweep_steps <= 0 and not sc.plan_slice_gpus:
+            return 0
     n = 0
     for name in names:
         if name in LIBRA_FAMILY:
