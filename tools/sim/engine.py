@@ -138,6 +138,12 @@ class Engine:
         if tokens is not None:
             self.cached_tokens -= tokens
 
+    def drop_cache(self) -> None:
+        """Forget every cached prefix (new weights, or the GPU leaves rollout)."""
+        self.cache.clear()
+        self.cached_tokens = 0
+        self.prompts.clear()
+
     def _evict(self) -> None:
         while self.cache and self.kv_used + self.cached_tokens > self.kv_capacity:
             _, tokens = self.cache.popitem(last=False)
@@ -214,9 +220,7 @@ class Engine:
         """Swap in new weights: cached blocks are dropped and running sequences re-prefill their
         context under the new weights. Returns the re-prefill seconds."""
         self.advance(now)
-        self.cache.clear()
-        self.cached_tokens = 0
-        self.prompts.clear()
+        self.drop_cache()
         self.version = version
         reprefill = sum(
             self.cm.prefill_s(int(req.context + self.v - req.start_v), 0, self.tp) for _, _, req in self.heap

@@ -520,8 +520,7 @@ class Simulator:
         w = self.pool.workers[wid]
         e = self.engines[wid]
         e.close(self.now)
-        e.cache.clear()
-        e.cached_tokens = 0
+        e.drop_cache()
         w.start_fetch(self.now)
         self.worker_meters[wid].set("switch", self.now)
         self._push(self.now + self.cm.state_fetch_s(self.sys.train_gpus), FETCHED, wid)
