@@ -297,3 +297,27 @@ def test_a_slice_plan_scales_to_the_whole_cluster():
     assert scale_settings({"colocated_tp": 4}, 21.3, 1024) == {"colocated_tp": 4}
     with pytest.raises(ValueError):
         scale_settings({"plan": Plan(1, 1, [BucketPlan("all", 8, 6, math.inf)], 0).to_dict()}, 2.0, 96)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_lent_training_gpus_serve_rollout_between_steps_and_lose_nothing(env, seed):
+    plan = Plan(8, 4, [BucketPlan("all", 4, 2, math.inf)], 0)
+    system = libra_system(env, "libra", plan, lend_tp=4)
+    sim = Simulator(system, env.workload, env.cm, N_GPUS, 4, seed=seed)
+    sim.run()
+    assert sim.version == 4
+    assert sum(sim.step_trajs) == 4 * env.workload.prompts_per_step * env.workload.group_size
+    assert max(sim.trained_staleness) <= env.staleness
+    assert len(sim.lent) == 2 and all(e.opened_s > 0 and e.busy_s > 0 for e in sim.lent)
+    # Every GPU-second is in exactly one place: lent engines while lent, the trainer otherwise.
+    assert sim.ledger.total() == pytest.approx(N_GPUS * sim.now, rel=1e-6)
+    assert sim.ledger.totals["switch"] > 0 and sim.ledger.totals["train_busy"] > 0
+    assert all(
+        tr.partial < tr.spec.turns[tr.turn].output_tokens for tr in sim.trajs.values() if not tr.in_tool
+    )
+
+
+def test_lending_needs_whole_engines_on_the_training_gpus(env):
+    plan = Plan(6, 2, [BucketPlan("all", 2, 5, math.inf)], 0)
+    with pytest.raises(ValueError, match="cannot lend"):
+        Simulator(libra_system(env, "libra", plan, lend_tp=4), env.workload, env.cm, N_GPUS, 1)

@@ -115,7 +115,12 @@ class Runner:
             return libra_colocated(env, job.name, int(s["colocated_tp"]), s.get("routing", "cmlfq"))
         if "plan" in s:
             return libra_system(
-                env, job.name, Plan.from_dict(s["plan"]), s.get("routing", "cmlfq"), s.get("replan", True)
+                env,
+                job.name,
+                Plan.from_dict(s["plan"]),
+                s.get("routing", "cmlfq"),
+                s.get("replan", True),
+                int(s.get("lend_tp", 0)),
             )
         return baseline_system(
             env, job.name, int(s.get("split", 0)), int(s.get("tp", 1)), tuple(s.get("mix", ()))
@@ -219,7 +224,9 @@ def choose_settings(
             runner, routing, measure, hybrid=any(n != "libra-no-ehp" for n in wanted)
         )
         for n in wanted:
-            rows = static if n == "libra-no-ehp" else static + with_pool
+            # The elastic pool works both ways: hybrid workers (rollout -> training) and lending
+            # (training -> rollout); the no-EHP ablation gets neither.
+            rows = [x for x in static if "lend_tp" not in x[1]] if n == "libra-no-ehp" else static + with_pool
             _, chosen, key = max(rows, key=lambda x: x[0])
             settings[n] = {k: v for k, v in chosen.items() if k != "replan"}
             sweeps[n] = {"best": key, "grid": [{"plan": k, "trajectories_per_s": sc} for sc, _, k in rows]}
@@ -294,8 +301,9 @@ def plan_for(
 
     Proposals: every training split with every homogeneous TP (the whole menu of the homogeneous
     baselines), the analytical best layout of each heterogeneous TP mix, and time-sharing every
-    GPU between the stages (colocated, at each TP) for regimes where training dominates; then
-    hybrid-pool variants of the two best disaggregated plans. Returns the scored static proposals
+    GPU between the stages (colocated, at each TP) for regimes where training dominates, and
+    homogeneous TP4/TP8 plans whose training GPUs serve rollout while the trainer waits for a
+    batch (lending); then hybrid-pool variants of the two best disaggregated plans. Returns the scored static proposals
     and the scored hybrid ones.
     """
     env = runner.env
@@ -313,11 +321,16 @@ def plan_for(
     cands += [
         ({"colocated_tp": tp, "routing": routing}, f"colocated/TP{tp}") for tp in TPS if tp <= env.n_gpus
     ]
+    for p in plans:
+        tp = max(b.tp for b in p.buckets)
+        if len(p.buckets) == 1 and tp >= 4 and p.train_gpus % tp == 0:
+            lend = {"plan": p.to_dict(), "routing": routing, "replan": False, "lend_tp": tp}
+            cands.append((lend, f"{plan_key(p)}/lend-TP{tp}"))
     static_scores = measure([("proposal", c) for c, _ in cands])
     static = [(sc, c, key) for sc, (c, key) in zip(static_scores, cands, strict=True)]
     if not hybrid:
         return static, []
-    top = sorted((x for x in static if "plan" in x[1]), key=lambda x: -x[0])[:2]
+    top = sorted((x for x in static if "plan" in x[1] and "lend_tp" not in x[1]), key=lambda x: -x[0])[:2]
     variants = [v for _, c, _ in top for v in hybrid_variants(env, Plan.from_dict(c["plan"]))]
     scores = measure(
         [("proposal", {"plan": p.to_dict(), "routing": routing, "replan": False}) for p in variants]
@@ -425,6 +438,6 @@ def sweep_size(runner_or_env: Any, names: Sequence[str]) -> int:
         if name in LIBRA_FAMILY:
             continue
         n += len(sweep_grid(name, env))
-    per_libra = len(default_splits(env)) * (len(TPS) + len(MIXES)) + len(TPS) + 4
+    per_libra = len(default_splits(env)) * (len(TPS) + len(MIXES) + 2) + len(TPS) + 4
     n += per_libra * (("libra" in names or "libra-no-ehp" in names) + ("libra-no-cmlfq" in names))
     return n

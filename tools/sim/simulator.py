@@ -51,6 +51,10 @@ class SystemConfig:
     replan: ReplanPolicy | None = None
     pooled_routing: bool = False
     """Route across all engines as one bucket (the no-C-MLFQ ablation)."""
+    lend_tp: int = 0
+    """When > 0, the training GPUs serve rollout as engines of this TP while the trainer waits for
+    a batch, and go back to training when it starts (Libra's elastic pool in the trainer-to-rollout
+    direction). Each move costs a colocated role switch; turns running on them move elsewhere."""
     update_mode: str = "recompute"
     """How engines take new weights: 'recompute' interrupts running turns, loads, and re-prefills
     their context under the new weights (AReaL's interruptible generation); 'drain' stops starting
@@ -66,6 +70,8 @@ class _Traj:
     bucket: str
     version: int = 0
     turn: int = 0
+    partial: int = 0
+    """Tokens of the current turn generated on an engine that was taken back for training."""
     tokens: int = 0
     context: int = 0
     engine: str | None = None
@@ -163,6 +169,16 @@ class Simulator:
             hybrid_ids.append(f"e{i}")
             i += 1
         self.pool = HybridPool(hybrid_ids, s.pool_policy) if hybrid_ids else None
+        self.lent: list[Engine] = []
+        self.lend_state = "training"
+        if s.lend_tp:
+            if s.mode != "async" or s.train_gpus % s.lend_tp:
+                raise ValueError(f"{s.name}: {s.train_gpus} training GPUs cannot lend TP{s.lend_tp} engines")
+            near = min(s.buckets, key=lambda b: (abs(math.log2(b.tp) - math.log2(s.lend_tp)), b.tp)).name
+            for _ in range(s.train_gpus // s.lend_tp):
+                self._add_engine(f"e{i}", near, s.lend_tp, hybrid=False)
+                self.lent.append(self.engines[f"e{i}"])
+                i += 1
         self.worker_meters = {w: Meter(self.ledger, s.hybrid_tp) for w in hybrid_ids}
         self.trainer = Meter(self.ledger, s.train_gpus if s.mode == "async" else self.n_gpus)
         used = s.train_gpus + sum(b.gpus for b in s.buckets) + s.hybrid_gpus if s.mode == "async" else None
@@ -234,7 +250,11 @@ class Simulator:
         tr = self.trajs[tid]
         turn = tr.spec.turns[tr.turn]
         new = turn_payload(tr)
-        if tr.engine == e.engine_id and e.take_cached(tid):
+        context = tr.context + tr.partial
+        if tr.partial:
+            prefill = context  # its engine went back to training mid-turn: nothing is cached
+            self.reprefill_tokens += context
+        elif tr.engine == e.engine_id and e.take_cached(tid):
             prefill = new
         else:
             if tr.engine is not None and tr.engine != e.engine_id:
@@ -242,11 +262,16 @@ class Simulator:
                 old.forget(tid)
                 self.migrations += old.bucket != e.bucket
             cached = tr.spec.prompt_tokens if tr.spec.prompt_id in e.prompts else 0
-            prefill = tr.context - cached
+            prefill = context - cached
             if tr.turn > 0:
                 self.reprefill_tokens += prefill - new
         tr.engine = e.engine_id
-        e.join(Request(tid, turn.output_tokens, tr.context), self.now, max(1, prefill), tr.spec.prompt_id)
+        e.join(
+            Request(tid, turn.output_tokens - tr.partial, context),
+            self.now,
+            max(1, prefill),
+            tr.spec.prompt_id,
+        )
         self._wake(e)
 
     def _wake(self, e: Engine) -> None:
@@ -290,6 +315,7 @@ class Simulator:
         turn = tr.spec.turns[tr.turn]
         tr.tokens += turn.output_tokens
         tr.context += turn.output_tokens
+        tr.partial = 0
         tr.turn += 1
         if turn.tool is None:
             if tr.engine is not None:
@@ -328,7 +354,7 @@ class Simulator:
     # ---- training -----------------------------------------------------------------------------
 
     def _maybe_train(self) -> None:
-        if self.training or self.syncing or self.version >= self.steps:
+        if self.training or self.syncing or self.version >= self.steps or self.lend_state == "switching":
             return
         if self.sys.mode == "async":
             # Every ready group is checked, not only the head: none older than the bound trains.
@@ -355,6 +381,9 @@ class Simulator:
             self.trainer.set("switch", self.now)
             start = self.now + switch
             self._push(start, SYNC_DONE, "to_train")
+        elif self.lend_state == "lent":
+            start = self.now + self._reclaim()
+            self._push(start, SYNC_DONE, "to_train")
         else:
             start = self.now
             self.trainer.set("train_busy", self.now)
@@ -374,6 +403,27 @@ class Simulator:
         self._pending = (n_traj, tokens)
         self.train_gen += 1
         self._push(start + dur, TRAIN_DONE, None, self.train_gen)
+
+    def _reclaim(self) -> float:
+        """Take the lent engines back for training: running turns keep the tokens they generated
+        and continue on other engines (re-prefilling their context). Returns the switch time."""
+        self.lend_state = "training"
+        moved: list[str] = []
+        for e in self.lent:
+            running = [(req, e.v - req.start_v) for _, _, req in e.heap]
+            e.abort(self.now, {req.traj_id for req, _ in running})
+            for req, done in running:
+                tr = self.trajs[req.traj_id]
+                tr.partial += min(req.tokens - 1, int(done))
+                tr.engine = None
+                moved.append(req.traj_id)
+            e.close(self.now)
+            e.drop_cache()
+            e.gen += 1
+        self.trainer.set("switch", self.now)
+        for tid in moved:
+            self._start_turn(tid)
+        return self.cm.colocated_switch_s(self.sys.train_gpus, self.sys.lend_tp)
 
     def _switch_s(self) -> float:
         """Colocated role switch: offload/onload training state, reshard, sleep/wake the engines."""
@@ -454,9 +504,28 @@ class Simulator:
                 e.open(self.now)
             self._admit(self.B)
             return
+        if what == "lend":
+            self.lend_state = "lent"
+            self.trainer.set(None, self.now)
+            for e in self.lent:
+                e.open(self.now)
+                e.load_weights(self.now, 0.0, self.version)
+                self._fill(e)
+                self._wake(e)
+            self._maybe_train()
+            return
         self.syncing = False
         self.trainer.set("train_idle", self.now)
         self._admit_async()
+        if self.lent and len(self.ready) < self.B:
+            self.lend_state = "switching"
+            self.trainer.set("switch", self.now)
+            self._push(
+                self.now + self.cm.colocated_switch_s(self.sys.train_gpus, self.sys.lend_tp),
+                SYNC_DONE,
+                "lend",
+            )
+            return
         self._maybe_train()
 
     def _admit_async(self) -> None:
@@ -622,7 +691,10 @@ class Simulator:
         else:
             for e in self.engines.values():
                 e.open(0.0)
-            self.trainer.set("train_idle", 0.0)
+            if self.lent:
+                self.lend_state = "lent"
+            else:
+                self.trainer.set("train_idle", 0.0)
             self._admit_async()
         self._push(0.0, TICK, None)
         events = self.events

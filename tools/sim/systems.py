@@ -168,7 +168,7 @@ def plan_key(plan: Plan) -> str:
 
 
 def libra_system(
-    env: Env, name: str, plan: Plan, routing: str = "cmlfq", replan: bool = True
+    env: Env, name: str, plan: Plan, routing: str = "cmlfq", replan: bool = True, lend_tp: int = 0
 ) -> SystemConfig:
     buckets = _copy(plan.buckets)
     if routing == "cmlfq":
@@ -190,7 +190,12 @@ def libra_system(
         replan=ReplanPolicy(interval_s=300.0, cooldown_s=120.0) if replan and len(buckets) > 1 else None,
         pooled_routing=routing != "cmlfq",
         update_mode="recompute",
-        notes={"profile": env.profile, "plan": plan.to_dict(), "layout": plan_key(plan)},
+        lend_tp=lend_tp,
+        notes={
+            "profile": env.profile,
+            "plan": plan.to_dict(),
+            "layout": plan_key(plan) + (f"/lend-TP{lend_tp}" if lend_tp else ""),
+        },
     )
 
 
