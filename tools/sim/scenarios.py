@@ -273,7 +273,8 @@ def scale_settings(settings: dict[str, Any], factor: float, n_gpus: int) -> dict
 
 def _label(settings: dict[str, Any]) -> Any:
     if "plan" in settings:
-        return plan_key(Plan.from_dict(settings["plan"]))
+        lend = f"/lend-TP{settings['lend_tp']}" if settings.get("lend_tp") else ""
+        return plan_key(Plan.from_dict(settings["plan"])) + lend
     if "colocated_tp" in settings:
         return f"colocated/TP{settings['colocated_tp']}"
     return {k: v for k, v in settings.items() if k in ("split", "tp", "mix")}
