@@ -156,11 +156,7 @@ class Simulator:
             for _ in range(b.replicas):
                 self._add_engine(f"e{i}", b.name, b.tp, hybrid=False)
                 i += 1
-        self.hybrid_bucket = (
-            min(s.buckets, key=lambda b: (abs(math.log2(b.tp) - math.log2(s.hybrid_tp)), b.tp)).name
-            if s.buckets
-            else "all"
-        )
+        self.hybrid_bucket = self._nearest_bucket(s.hybrid_tp)
         if s.hybrid_gpus % s.hybrid_tp:
             raise ValueError(f"{s.name}: {s.hybrid_gpus} hybrid GPUs are not a multiple of TP {s.hybrid_tp}")
         hybrid_ids = []
@@ -174,7 +170,7 @@ class Simulator:
         if s.lend_tp:
             if s.mode != "async" or s.train_gpus % s.lend_tp:
                 raise ValueError(f"{s.name}: {s.train_gpus} training GPUs cannot lend TP{s.lend_tp} engines")
-            near = min(s.buckets, key=lambda b: (abs(math.log2(b.tp) - math.log2(s.lend_tp)), b.tp)).name
+            near = self._nearest_bucket(s.lend_tp)
             for _ in range(s.train_gpus // s.lend_tp):
                 self._add_engine(f"e{i}", near, s.lend_tp, hybrid=False)
                 self.lent.append(self.engines[f"e{i}"])
@@ -184,6 +180,12 @@ class Simulator:
         used = s.train_gpus + sum(b.gpus for b in s.buckets) + s.hybrid_gpus if s.mode == "async" else None
         if s.mode == "async" and used != self.n_gpus:
             raise ValueError(f"{s.name}: allocation uses {used} GPUs, cluster has {self.n_gpus}")
+
+    def _nearest_bucket(self, tp: int) -> str:
+        """The bucket whose TP is closest to `tp`: where an engine borrowed from training serves."""
+        if not self.sys.buckets:
+            return "all"
+        return min(self.sys.buckets, key=lambda b: (abs(math.log2(b.tp) - math.log2(tp)), b.tp)).name
 
     def _add_engine(self, eid: str, bucket: str, tp: int, hybrid: bool) -> None:
         e = Engine(eid, bucket, tp, self.cm, self.sys.max_seqs, hybrid)

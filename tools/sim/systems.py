@@ -167,14 +167,18 @@ def plan_key(plan: Plan) -> str:
     return f"train{plan.train_gpus}/{layout}/hybrid{plan.hybrid_gpus}"
 
 
+def libra_router(env: Env, buckets: list[BucketPlan], routing: str) -> Any:
+    """C-MLFQ over the plan's buckets, or (the no-C-MLFQ ablation) least-connections over one pool."""
+    if routing == "cmlfq":
+        return CMLFQRouter(CMLFQ(CMLFQConfig(cmlfq_buckets(env, buckets))))
+    return StaticRouter([("all", math.inf)], mode="least", seed=env.seed)
+
+
 def libra_system(
     env: Env, name: str, plan: Plan, routing: str = "cmlfq", replan: bool = True, lend_tp: int = 0
 ) -> SystemConfig:
     buckets = _copy(plan.buckets)
-    if routing == "cmlfq":
-        router: Any = CMLFQRouter(CMLFQ(CMLFQConfig(cmlfq_buckets(env, buckets))))
-    else:
-        router = StaticRouter([("all", math.inf)], mode="least", seed=env.seed)
+    router = libra_router(env, buckets, routing)
     return SystemConfig(
         name=name,
         mode="async",
@@ -204,11 +208,7 @@ def libra_colocated(env: Env, name: str, tp: int, routing: str = "cmlfq") -> Sys
     the same switch costs as `verl`, Libra's routing inside the rollout phase."""
     n = env.n_gpus
     buckets = [BucketPlan("all", tp, n // tp, math.inf)]
-    router: Any
-    if routing == "cmlfq":
-        router = CMLFQRouter(CMLFQ(CMLFQConfig(cmlfq_buckets(env, buckets))))
-    else:
-        router = StaticRouter([("all", math.inf)], mode="least", seed=env.seed)
+    router = libra_router(env, buckets, routing)
     return SystemConfig(
         name,
         "sync",
