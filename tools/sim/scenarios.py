@@ -104,13 +104,12 @@ class Runner:
         self.env = Env(self.cm, self.workload, scenario.n_gpus, PLAN_SEED, scenario.staleness)
         self.jobs = max(1, jobs)
 
-    def env_for(self, seed: int) -> Env:
-        env = dataclasses.replace(self.env, seed=seed)
-        return env
+    def env_for(self, seed: int, max_seqs: int | None = None) -> Env:
+        return dataclasses.replace(self.env, seed=seed, max_seqs=max_seqs or self.env.max_seqs)
 
     def build(self, job: Job) -> SystemConfig:
-        env = self.env_for(job.seed)
         s = job.settings
+        env = self.env_for(job.seed, s.get("max_seqs"))
         if "colocated_tp" in s:
             return libra_colocated(env, job.name, int(s["colocated_tp"]), s.get("routing", "cmlfq"))
         if "plan" in s:
@@ -210,12 +209,12 @@ def choose_settings(
             }
             continue
         scores = measure([(name, g) for g in grid])
-        best = max(range(len(grid)), key=lambda i: scores[i])
-        settings[name] = grid[best]
-        sweeps[name] = {
-            "best": grid[best],
-            "grid": [{**g, "trajectories_per_s": sc} for g, sc in zip(grid, scores, strict=True)],
-        }
+        rows = _with_more_seqs(
+            name, [(sc, g, _label(g)) for sc, g in zip(scores, grid, strict=True)], measure
+        )
+        _, chosen, key = max(rows, key=lambda x: x[0])
+        settings[name] = chosen
+        sweeps[name] = {"best": key, "grid": [{**g, "trajectories_per_s": sc} for sc, g, _ in rows]}
     for routing, family in (("cmlfq", ("libra", "libra-no-ehp")), ("pooled", ("libra-no-cmlfq",))):
         wanted = [n for n in family if n in names]
         if not wanted:
@@ -227,10 +226,26 @@ def choose_settings(
             # The elastic pool works both ways: hybrid workers (rollout -> training) and lending
             # (training -> rollout); the no-EHP ablation gets neither.
             rows = [x for x in static if "lend_tp" not in x[1]] if n == "libra-no-ehp" else static + with_pool
+            rows = _with_more_seqs(n, rows, measure)
             _, chosen, key = max(rows, key=lambda x: x[0])
             settings[n] = {k: v for k, v in chosen.items() if k != "replan"}
             sweeps[n] = {"best": key, "grid": [{"plan": k, "trajectories_per_s": sc} for sc, _, k in rows]}
     return settings, sweeps
+
+
+MORE_SEQS = 256
+"""The second `max_seqs` (vLLM's max_num_seqs) an operator tries on the best settings."""
+
+
+def _with_more_seqs(
+    name: str, rows: list[Proposal], measure: Callable[[list[tuple[str, dict[str, Any]]]], list[float]]
+) -> list[Proposal]:
+    """Re-measure a system's three best candidates with `MORE_SEQS` turn slots per engine, as an
+    operator tunes max_num_seqs after the layout; the same step for every system."""
+    top = sorted(rows, key=lambda x: -x[0])[:3]
+    more = [{**c, "max_seqs": MORE_SEQS} for _, c, _ in top]
+    scores = measure([(name, c) for c in more])
+    return rows + [(sc, c, _label(c)) for sc, c in zip(scores, more, strict=True)]
 
 
 def _choose_on_slice(
@@ -271,13 +286,22 @@ def scale_settings(settings: dict[str, Any], factor: float, n_gpus: int) -> dict
     return out
 
 
-def _label(settings: dict[str, Any]) -> Any:
+def _label(settings: dict[str, Any]) -> str:
+    """A readable name for a system's settings, as results.json and the table show it."""
     if "plan" in settings:
-        lend = f"/lend-TP{settings['lend_tp']}" if settings.get("lend_tp") else ""
-        return plan_key(Plan.from_dict(settings["plan"])) + lend
-    if "colocated_tp" in settings:
-        return f"colocated/TP{settings['colocated_tp']}"
-    return {k: v for k, v in settings.items() if k in ("split", "tp", "mix")}
+        label = plan_key(Plan.from_dict(settings["plan"]))
+        if settings.get("lend_tp"):
+            label += f"/lend-TP{settings['lend_tp']}"
+    elif "colocated_tp" in settings:
+        label = f"colocated/TP{settings['colocated_tp']}"
+    elif "split" in settings:
+        tps = settings.get("mix") or (settings.get("tp", 1),)
+        label = f"train{settings['split']}/" + "+".join(f"TP{t}" for t in tps)
+    else:
+        label = f"colocated/TP{settings.get('tp', 1)}"
+    if settings.get("max_seqs"):
+        label += f"/seqs{settings['max_seqs']}"
+    return label
 
 
 def _feasible(runner: Runner, name: str, settings: dict[str, Any]) -> bool:
