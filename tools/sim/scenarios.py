@@ -185,7 +185,7 @@ def choose_settings(
         for name in names:
             if name not in LIBRA_FAMILY:
                 raise ValueError(f"{name}: a scenario without sweeps can only run Libra")
-            plan = analytical_plan(env, hybrid=name != "libra-no-ehp")
+            plan = analytical_plan(env)
             settings[name] = {
                 "plan": plan.to_dict(),
                 "routing": "pooled" if name == "libra-no-cmlfq" else "cmlfq",
@@ -340,33 +340,27 @@ def plan_for(
                 plans.append(plan)
     if not plans:
         raise ValueError(f"Libra's planner found no feasible allocation on {env.n_gpus} GPUs")
-    cands: list[tuple[dict[str, Any], str]] = [
-        ({"plan": p.to_dict(), "routing": routing, "replan": False}, plan_key(p)) for p in plans
-    ]
-    cands += [
-        ({"colocated_tp": tp, "routing": routing}, f"colocated/TP{tp}") for tp in TPS if tp <= env.n_gpus
-    ]
+    cands: list[dict[str, Any]] = [{"plan": p.to_dict(), "routing": routing, "replan": False} for p in plans]
+    cands += [{"colocated_tp": tp, "routing": routing} for tp in TPS if tp <= env.n_gpus]
     for p in plans:
         tp = max(b.tp for b in p.buckets)
         if len(p.buckets) == 1 and tp >= 4 and p.train_gpus % tp == 0:
-            lend = {"plan": p.to_dict(), "routing": routing, "replan": False, "lend_tp": tp}
-            cands.append((lend, f"{plan_key(p)}/lend-TP{tp}"))
-    static_scores = measure([("proposal", c) for c, _ in cands])
-    static = [(sc, c, key) for sc, (c, key) in zip(static_scores, cands, strict=True)]
+            cands.append({"plan": p.to_dict(), "routing": routing, "replan": False, "lend_tp": tp})
+    static_scores = measure([("proposal", c) for c in cands])
+    static = [(sc, c, _label(c)) for sc, c in zip(static_scores, cands, strict=True)]
     if not hybrid:
         return static, []
     top = sorted((x for x in static if "plan" in x[1] and "lend_tp" not in x[1]), key=lambda x: -x[0])[:2]
-    variants = [v for _, c, _ in top for v in hybrid_variants(env, Plan.from_dict(c["plan"]))]
-    scores = measure(
-        [("proposal", {"plan": p.to_dict(), "routing": routing, "replan": False}) for p in variants]
-    )
-    return static, [
-        (sc, {"plan": p.to_dict(), "routing": routing}, plan_key(p))
-        for sc, p in zip(scores, variants, strict=True)
+    variants = [
+        {"plan": v.to_dict(), "routing": routing}
+        for _, c, _ in top
+        for v in hybrid_variants(env, Plan.from_dict(c["plan"]))
     ]
+    scores = measure([("proposal", {**v, "replan": False}) for v in variants])
+    return static, [(sc, v, _label(v)) for sc, v in zip(scores, variants, strict=True)]
 
 
-def analytical_plan(env: Env, hybrid: bool = True) -> Plan:
+def analytical_plan(env: Env) -> Plan:
     """The planner's analytical search alone (for clusters too large to simulate proposals)."""
     opts = SearchOptions(
         bucket_tps=(2, 4, 8),
