@@ -23,6 +23,7 @@ def _load(config: str) -> tuple[Path, object]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """Starts an idle stack sized by the config (engines) and supervises it until Ctrl-C / `libra down`."""
     from services.common.runconfig import RunConfig
 
     if read_stack_file():
@@ -32,9 +33,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     assert isinstance(cfg, RunConfig)
     from services.common.models import resolve_model_dir
 
-    resolve_model_dir(cfg.model)
-    run_id = args.run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    stack = Stack(run_id, path, ROOT / "runs" / run_id / "logs", args.otlp_endpoint)
+    resolve_model_dir(cfg.model)  # converted once here, so the first job starts quickly
+    engines = args.engines or cfg.rollout.engines
+    name = args.name or f"stack-{time.strftime('%Y%m%d-%H%M%S')}"
+    stack = Stack(name, ROOT / "runs" / name / "logs", args.otlp_endpoint)
     stopping = {"flag": False}
 
     def on_signal(signum: int, _: object) -> None:
@@ -44,18 +46,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         stack.start_infra()
-        stack.start_services(cfg.rollout.engines)
+        stack.start_services(engines)
         STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
         STACK_FILE.write_text(json.dumps(stack.state(), indent=2))
-        print(f"Libra stack up (run {run_id})")
+        print(f"Libra stack {name} up, idle: submit jobs with `libra run CONFIG`")
         print(f"  nats   {stack.nats_url}\n  redis  {stack.redis_url}\n  logs   {stack.log_dir}")
-        for name, p in stack.procs.items():
-            print(f"  {name:<18} pid {p.pid}")
+        for svc, p in stack.procs.items():
+            print(f"  {svc:<18} pid {p.pid}")
         print(f"state in {STACK_FILE}; Ctrl-C or `libra down` stops everything.", flush=True)
         while not stopping["flag"]:
             time.sleep(0.5)
-            for name, code in stack.dead().items():
-                print(f"service {name} exited with code {code}; stopping the stack", file=sys.stderr)
+            for svc, code in stack.dead().items():
+                print(f"service {svc} exited with code {code}; stopping the stack", file=sys.stderr)
                 stopping["flag"] = True
                 break
     finally:
@@ -89,7 +91,7 @@ def cmd_status(_: argparse.Namespace) -> int:
     if not data:
         print("no stack is up")
         return 1
-    print(f"run {data['run_id']}  nats {data['nats_url']}  redis {data['redis_url']}")
+    print(f"stack {data['name']}  nats {data['nats_url']}  redis {data['redis_url']}")
     procs: dict[str, int] = {**data["services"], **data["infra"]}  # type: ignore[dict-item]
     for name, pid in procs.items():
         print(f"  {name:<18} pid {pid:<8} {'running' if pid_alive(int(pid)) else 'exited'}")
@@ -98,25 +100,24 @@ def cmd_status(_: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from services.common.runconfig import RunConfig
-    from tools.runner import JobFailed, run_job
+    from tools.runner import run_job
 
     path, cfg = _load(args.config)
     assert isinstance(cfg, RunConfig)
-    try:
-        report = run_job(
-            path, cfg, run_id=args.run_id, timeout_s=args.timeout, otlp_endpoint=args.otlp_endpoint
-        )
-    except JobFailed as err:
-        print(f"job failed: {err}", file=sys.stderr)
-        return 1
-    keys = ["wall_s", "trajectories_completed", "trajectories_per_s", "train_steps", "final_weight_version"]
+    report = run_job(path, cfg, run_id=args.run_id, timeout_s=args.timeout, otlp_endpoint=args.otlp_endpoint)
+    keys = ["status", "wall_s", "trajectories_completed", "trajectories_per_s", "train_steps"]
+    keys.append("final_weight_version")
     print("\n".join(f"{k:<24} {report[k]}" for k in keys))
     print(f"{'reward_mean_per_step':<24} {report['reward_mean_per_step']}")
     print(f"{'tool_calls':<24} {report['tool_calls']}")
     for e in report["engines"]:
         print(f"engine {e['id']:<18} weight_version {e.get('weight_version')}")
+    if report["status"] != "completed":
+        print(f"job {report['status']}: {report['reason']}", file=sys.stderr)
+        if "stuck" in report:
+            print(f"what is stuck: see 'stuck' in {report['report_path']}", file=sys.stderr)
     print(f"report: {report['report_path']}")
-    return 0 if report["all_engines_on_final_version"] else 1
+    return 0 if report["status"] == "completed" and report["all_engines_on_final_version"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,19 +135,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser(
-        "up", help="start nats-server, redis and the five services (foreground; Ctrl-C stops)"
+        "up",
+        help="start nats-server, redis and the five services, idle until `libra run` submits a job "
+        "(foreground; Ctrl-C stops)",
     )
-    up.add_argument("--config", default=str(DEFAULT_CONFIG))
-    up.add_argument("--run-id")
+    up.add_argument(
+        "--config",
+        default=str(DEFAULT_CONFIG),
+        help="sizes the stack (rollout.engines) and prepares its model; jobs bring their own config",
+    )
+    up.add_argument("--engines", type=int, help="rollout engines to start (default: the config's)")
+    up.add_argument("--name", help="stack name (default: stack-<time>); logs go to runs/<name>/logs")
     up.add_argument("--otlp-endpoint", help="send traces to this OTLP gRPC endpoint (e.g. Jaeger's :4317)")
     up.set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop the stack started by `libra up`").set_defaults(fn=cmd_down)
     sub.add_parser("status", help="show the stack's processes").set_defaults(fn=cmd_status)
-    run = sub.add_parser("run", help="run a job and write runs/<run-id>/report.json")
+    run = sub.add_parser(
+        "run",
+        help="run a job on the stack `libra up` started (or on an embedded one) and write "
+        "runs/<run-id>/report.json",
+    )
     run.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG))
     run.add_argument("--run-id")
-    run.add_argument("--timeout", type=float, default=1800.0, help="fail if the job takes longer (seconds)")
-    run.add_argument("--otlp-endpoint")
+    run.add_argument(
+        "--timeout",
+        type=float,
+        help="end the job as timed_out after this many seconds (default: none; stalls are caught by "
+        "the config's job.stall_timeout_s)",
+    )
+    run.add_argument("--otlp-endpoint", help="embedded stack only: send traces to this OTLP endpoint")
     run.set_defaults(fn=cmd_run)
     sub.add_parser("sim", help="discrete-event simulator (see `libra sim --help`)")
     sub.add_parser("sandbox", help="run one tool call in the sandbox (see `libra sandbox --help`)")

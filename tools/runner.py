@@ -1,4 +1,15 @@
-"""`libra run`: one job on a local stack, watched over the bus, summarised in runs/<run-id>/report.json."""
+"""`libra run`: submits one job to a Libra stack, watches it, and always writes runs/<run-id>/report.json.
+
+The stack is the one `libra up` started (found through .libra/stack.json), or, when none is up, an
+embedded one started for this job and stopped after it; either way the services are the same idle
+processes and the job reaches them over the control plane (services/common/control.py).
+
+The report comes from authoritative state, not from whichever message arrived on the bus: the step
+count and final version from the trainer's fenced commit record in Redis, each engine's version from
+the engine itself over gRPC. The job ends as `completed`, `failed` (a service died, stopped answering,
+or reported the job failed) or `timed_out` (no trajectory completed and no step was trained for the
+config's `job.stall_timeout_s`, or the overall `--timeout` passed), with what was stuck.
+"""
 
 from __future__ import annotations
 
@@ -8,155 +19,396 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common import subjects
-from services.common.bus import Bus, Envelope
+from services.common import control, subjects
+from services.common.bus import Bus, Envelope, close_nats
 from services.common.contracts import ev, ws, ws_grpc
+from services.common.ownership import committed_key
 from services.common.runconfig import RunConfig
 from tools.stack import ROOT, Stack, read_stack_file
 
+SERVICES_NEEDED = ("planner", "scheduler", "trainer", "tool-sandbox")
+LIVENESS_S = 30.0  # a participant without a heartbeat for this long has stopped
+READY_S = 120.0  # how long to wait for the stack's services to be idle and reachable
 
-class JobFailed(RuntimeError):
-    pass
+
+class JobEnded(Exception):
+    """Ends the watch with a final status other than completed."""
+
+    def __init__(self, status: str, reason: str, stuck: dict[str, Any] | None = None):
+        super().__init__(reason)
+        self.status, self.reason, self.stuck = status, reason, stuck
 
 
-async def engine_versions(plan: ev.Plan | None) -> list[dict[str, Any]]:
-    """Asks every rollout engine in the plan, over gRPC, which weight version it serves."""
+@dataclass
+class Progress:
+    committed_step: int = 0
+    committed_version: int = 0
+    checkpoint: str = ""
+    completed: int = 0
+    in_flight: int = 0
+    last_change: float = field(default_factory=time.monotonic)
+
+    def update(self, committed: dict[str, str], stats: ev.SchedulerStats | None) -> None:
+        step = int(committed.get("step", 0))
+        done = stats.trajectories_completed if stats is not None else self.completed
+        if (step, done) != (self.committed_step, self.completed):
+            self.last_change = time.monotonic()
+        self.committed_step, self.completed = step, done
+        self.committed_version = int(committed.get("version", 0))
+        self.checkpoint = committed.get("checkpoint", "")
+        if stats is not None:
+            self.in_flight = stats.trajectories_in_flight
+
+
+async def engine_versions(engines: list[ev.WorkerStatus]) -> list[dict[str, Any]]:
+    """Asks every engine of the job, over gRPC, which weight version it serves."""
     import grpc
 
     out = []
-    for a in plan.assignments if plan else []:
-        if a.role not in ("rollout", "hybrid"):
-            continue
+    for st in engines:
+        addr = st.detail.get("weight_sync_addr", "")
         entry: dict[str, Any] = {
-            "id": a.worker_id,
-            "bucket": a.bucket,
-            "weight_sync_addr": a.weight_sync_addr,
+            "id": st.worker_id,
+            "weight_sync_addr": addr,
+            "bucket": st.detail.get("bucket"),
         }
-        try:
-            async with grpc.aio.insecure_channel(a.weight_sync_addr) as ch:
-                info = await ws_grpc.WeightSyncStub(ch).GetVersion(ws.VersionRequest(), timeout=10)
-            entry.update(weight_version=info.version, checksum=info.checksum)
-        except grpc.RpcError as err:
-            entry.update(weight_version=None, error=str(err.code()))
+        if not addr:
+            entry.update(weight_version=None, error="no weight-sync address reported")
+        else:
+            try:
+                async with grpc.aio.insecure_channel(addr) as ch:
+                    info = await ws_grpc.WeightSyncStub(ch).GetVersion(ws.VersionRequest(), timeout=10)
+                entry.update(weight_version=info.version, checksum=info.checksum)
+            except grpc.RpcError as err:
+                entry.update(weight_version=None, error=str(err.code()))
         out.append(entry)
     return out
 
 
-async def watch_job(stack: Stack, cfg: RunConfig, timeout_s: float, progress: bool = True) -> dict[str, Any]:
-    """Follows train metrics until the trainer reports its last step; fails fast if a service dies."""
-    from tqdm import tqdm
-
-    bus = await Bus.connect(stack.nats_url, stack.run_id, "cli", f"cli-{os.getpid()}")
-    metrics: list[ev.TrainMetrics] = []
-    pushes: list[ev.WeightsUpdated] = []
-    done = asyncio.Event()
-
-    async def on_metrics(m: ev.TrainMetrics, _: Envelope) -> None:
-        metrics.append(m)
-        if m.done:
-            done.set()
-
-    async def on_weights(w: ev.WeightsUpdated, _: Envelope) -> None:
-        pushes.append(w)
-
-    await bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, on_metrics)
-    await bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, on_weights)
-    bar = tqdm(
-        total=cfg.training.steps,
-        desc="train steps",
-        unit="step",
-        disable=not progress,
-        file=sys.stderr,
-        mininterval=1.0 if sys.stderr.isatty() else 30.0,  # a log file gets a line every 30 s
-        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}] {postfix}",
-    )
-    start = time.monotonic()
-    stats = ev.SchedulerStats()
-    try:
-        while not done.is_set():
-            await asyncio.sleep(1.0)
-            dead = stack.dead()
-            if dead:
-                name, code = next(iter(dead.items()))
-                raise JobFailed(
-                    f"service {name} exited with code {code}; last log lines:\n{stack.log_tail(name)}"
-                )
-            if time.monotonic() - start > timeout_s:
-                raise JobFailed(f"job did not finish within {timeout_s:.0f}s (see logs in {stack.log_dir})")
-            with contextlib.suppress(Exception):
-                stats = await bus.request(
-                    subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, timeout=2
-                )
-            steps = max((m.step for m in metrics), default=0)
-            bar.n = steps
-            reward = f"{metrics[-1].reward_mean:.3f}" if metrics else "-"
-            bar.set_postfix_str(
-                f"trajectories={stats.trajectories_completed} in_flight={stats.trajectories_in_flight} reward={reward}",
-                refresh=False,
-            )
-            bar.update(0)
-        wall = time.monotonic() - start
-        stats = await bus.request(subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, timeout=5)
-        plan_stream = await bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
-        plan = await bus.last_message(subjects.PLAN, plan_stream, ev.Plan)
-        engines = await engine_versions(plan)
-    finally:
-        bar.close()
-        await bus.close()
-    trained = per_step(metrics)
-    final = max((m.weight_version for m in metrics), default=0)
-    return {
-        "run_id": stack.run_id,
-        "config": str(stack.config),
-        "model": cfg.model.source,
-        "rollout_backend": cfg.rollout.backend
-        + (
-            " (emulated: timings from the cost model, no real generation)"
-            if cfg.rollout.backend == "emulated"
-            else ""
-        ),
-        "wall_s": round(wall, 2),
-        "trajectories_completed": stats.trajectories_completed,
-        "trajectories_per_s": round(stats.trajectories_completed / wall, 4) if wall > 0 else 0.0,
-        "turns": stats.turns,
-        "train_steps": len(trained),
-        "final_weight_version": final,
-        "engines": engines,
-        "all_engines_on_final_version": bool(engines)
-        and all(e.get("weight_version") == final for e in engines),
-        "reward_mean_per_step": [round(m.reward_mean, 4) for m in trained],
-        "loss_per_step": [round(m.loss, 5) for m in trained],
-        "step_s": [round(m.step_s, 2) for m in trained],
-        "weight_push": [
-            {
-                "version": w.version,
-                "seconds": round(w.push_s, 3),
-                "bytes": w.size_bytes,
-                "engines": list(w.engines),
-            }
-            for w in pushes
-        ],
-        "tool_calls": dict(stats.tool_calls_by_status),
-        "services": {name: p.pid for name, p in stack.procs.items()},
-        "nats_url": stack.nats_url,
-        "redis_url": stack.redis_url,
-    }
-
-
-def per_step(metrics: list[ev.TrainMetrics]) -> list[ev.TrainMetrics]:
-    """One metrics message per train step, in step order.
+def per_step(metrics: list[ev.TrainMetrics], committed_step: int | None = None) -> list[ev.TrainMetrics]:
+    """One metrics message per train step, in step order, up to the committed step when given.
 
     The last step's metrics may carry ``done`` themselves or be repeated in a separate ``done`` message
     once every engine has the final weights; both count as that one step.
     """
     first: dict[int, ev.TrainMetrics] = {}
     for m in metrics:
-        if m.step > 0:
+        if m.step > 0 and (committed_step is None or m.step <= committed_step):
             first.setdefault(m.step, m)
     return [first[s] for s in sorted(first)]
+
+
+class JobDriver:
+    def __init__(
+        self,
+        stack: Stack,
+        cfg: RunConfig,
+        config_path: Path,
+        run_id: str,
+        *,
+        timeout_s: float | None,
+        progress: bool,
+    ):
+        self.stack, self.cfg, self.config_path, self.run_id = stack, cfg, config_path, run_id
+        self.timeout_s, self.show_progress = timeout_s, progress
+        self.metrics: list[ev.TrainMetrics] = []
+        self.pushes: list[ev.WeightsUpdated] = []
+        self.statuses: dict[str, ev.WorkerStatus] = {}
+        self.seen: dict[str, float] = {}
+        self.elsewhere: dict[str, float] = {}
+        self.targets: dict[str, ev.WorkerStatus] = {}
+        self.progress = Progress()
+        self.stats: ev.SchedulerStats | None = None
+
+    async def run(self) -> dict[str, Any]:
+        import redis.asyncio as aioredis
+
+        self.nc = await control.connect(self.stack.nats_url, f"cli:{os.getpid()}:control")
+        self.bus = await Bus.connect(self.stack.nats_url, self.run_id, "cli", f"cli-{os.getpid()}")
+        self.redis = aioredis.from_url(self.stack.redis_url, decode_responses=True)
+        start = time.monotonic()
+        status, reason, stuck = "failed", "", None
+        submitted = False
+        stopped: dict[str, ev.JobAck] = {}
+        try:
+            await self.nc.subscribe(control.HEARTBEAT, cb=self._on_heartbeat)
+            await self.bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, self._on_metrics)
+            await self.bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self._on_weights)
+            await self._choose_workers()
+            submitted = True
+            await self._submit()
+            start = time.monotonic()
+            await self._watch(start)
+            status, reason = "completed", f"trained {self.cfg.training.steps} steps"
+        except JobEnded as end:
+            status, reason, stuck = end.status, end.reason, end.stuck
+        finally:
+            wall = time.monotonic() - start
+            report = await self._report(status, reason, stuck, wall)  # engines asked before they stop
+            if submitted:
+                stopped = await control.command(
+                    self.nc,
+                    control.JOB_STOP,
+                    ev.JobStop(run_id=self.run_id, reason=status),
+                    list(self.targets),
+                    30,
+                )
+            report["services_not_stopped"] = sorted(set(self.targets) - set(stopped))
+            await self.bus.close()
+            await close_nats(self.nc)
+            with contextlib.suppress(Exception):
+                await self.redis.aclose()
+        return report
+
+    # --- bus callbacks -------------------------------------------------------------------------
+
+    async def _on_heartbeat(self, raw: Any) -> None:
+        with contextlib.suppress(Exception):
+            st = ev.WorkerStatus.FromString(raw.data)
+            if st.worker_id in self.targets:
+                self.statuses[st.worker_id] = st
+                self.seen[st.worker_id] = time.monotonic()
+
+    async def _on_metrics(self, m: ev.TrainMetrics, _: Envelope) -> None:
+        self.metrics.append(m)
+
+    async def _on_weights(self, w: ev.WeightsUpdated, _: Envelope) -> None:
+        self.pushes.append(w)
+
+    # --- phases --------------------------------------------------------------------------------
+
+    def _fail_if_dead(self) -> None:
+        for name, code in self.stack.dead().items():
+            tail = self.stack.log_tail(name)
+            how = f"exited with code {code}" if code is not None else "exited"
+            raise JobEnded("failed", f"service {name} {how}; last log lines:\n{tail}")
+
+    async def _choose_workers(self) -> None:
+        """Picks idle services for the job: one planner, scheduler and trainer, every tool sandbox and
+        exactly `rollout.engines` engines; waits for them while the stack is starting."""
+        need_engines = self.cfg.rollout.engines
+        deadline = time.monotonic() + READY_S
+        problem = "no service answered on the control plane"
+        while time.monotonic() < deadline:
+            self._fail_if_dead()
+            found = await control.discover(self.nc, wait_s=1.0)
+            busy = sorted({st.run_id for st in found if st.state != "idle"})
+            if busy:
+                problem = f"the stack is busy with job(s) {', '.join(busy)}"
+                continue
+            by_kind: dict[str, list[ev.WorkerStatus]] = {}
+            for st in sorted(found, key=lambda s: s.worker_id):
+                by_kind.setdefault(st.service, []).append(st)
+            missing = [k for k in SERVICES_NEEDED if not by_kind.get(k)]
+            engines = by_kind.get("rollout-engine", [])
+            if not missing and len(engines) >= need_engines:
+                chosen = [by_kind[k][0] for k in ("planner", "scheduler", "trainer")]
+                chosen += by_kind["tool-sandbox"] + engines[:need_engines]
+                self.targets = {st.worker_id: st for st in chosen}
+                now = time.monotonic()
+                self.seen = dict.fromkeys(self.targets, now)
+                return
+            problem = (
+                f"the job needs {need_engines} rollout engine(s) and one each of {', '.join(SERVICES_NEEDED)}; "
+                f"idle on the stack: {len(engines)} engine(s)"
+                + (f", missing {', '.join(missing)}" if missing else "")
+            )
+        raise JobEnded("failed", f"could not start the job: {problem}")
+
+    async def _submit(self) -> None:
+        spec = ev.JobSpec(
+            run_id=self.run_id,
+            config_yaml=self.config_path.read_text(),
+            config_name=str(self.config_path),
+            targets=sorted(self.targets),
+        )
+        acks = await control.command(self.nc, control.JOB_START, spec, sorted(self.targets), timeout_s=30)
+        refused = [a for a in acks.values() if not a.ok]
+        if refused:
+            a = refused[0]
+            raise JobEnded("failed", f"{a.worker_id} refused the job ({a.error.code}): {a.error.message}")
+        silent = sorted(set(self.targets) - set(acks))
+        if silent:
+            self._fail_if_dead()
+            raise JobEnded("failed", f"no answer to the job start from {', '.join(silent)}")
+        print(f"job {self.run_id} started on {len(self.targets)} services", file=sys.stderr)
+
+    async def _watch(self, start: float) -> None:
+        from tqdm import tqdm
+
+        steps = self.cfg.training.steps
+        stall_s = self.cfg.job.stall_timeout_s
+        bar = tqdm(
+            total=steps,
+            desc="train steps",
+            unit="step",
+            disable=not self.show_progress,
+            file=sys.stderr,
+            mininterval=1.0 if sys.stderr.isatty() else 30.0,  # a log file gets a line every 30 s
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}] {postfix}",
+        )
+        self.progress.last_change = time.monotonic()
+        try:
+            while True:
+                await asyncio.sleep(1.0)
+                self._fail_if_dead()
+                self._check_participants()
+                await self._poll()
+                p = self.progress
+                bar.n = p.committed_step
+                reward = f"{self.metrics[-1].reward_mean:.3f}" if self.metrics else "-"
+                bar.set_postfix_str(
+                    f"trajectories={p.completed} in_flight={p.in_flight} reward={reward}", refresh=False
+                )
+                bar.update(0)
+                if p.committed_step >= steps and await self._engines_final():
+                    return
+                now = time.monotonic()
+                if now - p.last_change > stall_s:
+                    raise JobEnded(
+                        "timed_out",
+                        f"no trajectory completed and no step was trained for {now - p.last_change:.0f}s "
+                        f"(job.stall_timeout_s={stall_s:g}) at step {p.committed_step}/{steps}",
+                        await self._stuck(),
+                    )
+                if self.timeout_s is not None and now - start > self.timeout_s:
+                    raise JobEnded(
+                        "timed_out",
+                        f"the job did not finish within {self.timeout_s:.0f}s (at step {p.committed_step}/{steps})",
+                        await self._stuck(),
+                    )
+        finally:
+            bar.close()
+
+    def _check_participants(self) -> None:
+        now = time.monotonic()
+        for wid in self.targets:
+            st = self.statuses.get(wid)
+            if st is not None and st.run_id == self.run_id and st.state == "failed":
+                raise JobEnded("failed", f"{wid} failed the job ({st.error.code}): {st.error.message}")
+            if st is None or st.run_id == self.run_id:
+                self.elsewhere.pop(wid, None)
+            elif now - self.elsewhere.setdefault(wid, now) > 3 * control.HEARTBEAT_S:
+                # a heartbeat sent just before the start can arrive after it: only a lasting one counts
+                raise JobEnded("failed", f"{wid} is no longer running the job (state {st.state})")
+            if now - self.seen.get(wid, now) > LIVENESS_S:
+                raise JobEnded("failed", f"{wid} stopped answering (no heartbeat for {LIVENESS_S:.0f}s)")
+
+    async def _poll(self) -> None:
+        stats = None
+        with contextlib.suppress(Exception):
+            stats = await self.bus.request(
+                subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, timeout=2
+            )
+        if stats is not None:
+            self.stats = stats
+        committed: dict[str, str] = {}
+        with contextlib.suppress(Exception):
+            raw = await self.redis.hgetall(committed_key(self.run_id))
+            committed = {str(k): str(v) for k, v in raw.items()}
+        self.progress.update(committed, stats)
+
+    def _engines(self) -> list[ev.WorkerStatus]:
+        return [self.statuses.get(w, st) for w, st in self.targets.items() if st.service == "rollout-engine"]
+
+    async def _engines_final(self) -> bool:
+        versions = await engine_versions(self._engines())
+        return all(e.get("weight_version") == self.progress.committed_version for e in versions)
+
+    async def _stuck(self) -> dict[str, Any]:
+        """What a stalled job is waiting on: trajectories in flight, the trainer's groups, the engines."""
+        s = self.stats
+        out: dict[str, Any] = {}
+        if s is not None:
+            out["scheduler"] = {
+                "trajectories_in_flight": s.trajectories_in_flight,
+                "groups_launched": s.groups_launched,
+                "groups_total": s.groups_total,
+                "trained_version_heard": s.trained_version,
+                "routable_engines": list(s.engines),
+                "oldest_in_flight": [
+                    {
+                        "trajectory_id": f.trajectory_id,
+                        "group_id": f.group_id,
+                        "state": f.state,
+                        "engine_id": f.engine_id,
+                        "turns": f.turns,
+                        "age_s": round(f.age_s, 1),
+                        "idle_s": round(f.idle_s, 1),
+                    }
+                    for f in s.oldest_in_flight
+                ],
+            }
+        else:
+            out["scheduler"] = "no answer to a stats request"
+        out["services"] = {
+            wid: {"state": st.state, **dict(st.detail)} for wid, st in sorted(self.statuses.items())
+        }
+        out["engines"] = await engine_versions(self._engines())
+        return out
+
+    async def _report(
+        self,
+        status: str,
+        reason: str,
+        stuck: dict[str, Any] | None,
+        wall: float,
+    ) -> dict[str, Any]:
+        with contextlib.suppress(Exception):
+            await self._poll()
+        cfg, p = self.cfg, self.progress
+        trained = per_step(self.metrics, p.committed_step)
+        engines = await engine_versions(self._engines()) if self.targets else []
+        stats = self.stats or ev.SchedulerStats()
+        report: dict[str, Any] = {
+            "run_id": self.run_id,
+            "status": status,
+            "reason": reason,
+            "config": str(self.config_path),
+            "model": cfg.model.source,
+            "rollout_backend": cfg.rollout.backend
+            + (
+                " (emulated: timings from the cost model, no real generation)"
+                if cfg.rollout.backend == "emulated"
+                else ""
+            ),
+            "wall_s": round(wall, 2),
+            "trajectories_completed": stats.trajectories_completed,
+            "trajectories_per_s": round(stats.trajectories_completed / wall, 4) if wall > 0 else 0.0,
+            "turns": stats.turns,
+            "train_steps": p.committed_step,
+            "final_weight_version": p.committed_version,
+            "checkpoint": p.checkpoint,
+            "engines": engines,
+            "all_engines_on_final_version": bool(engines)
+            and all(e.get("weight_version") == p.committed_version for e in engines),
+            "reward_mean_per_step": [round(m.reward_mean, 4) for m in trained],
+            "loss_per_step": [round(m.loss, 5) for m in trained],
+            "step_s": [round(m.step_s, 2) for m in trained],
+            "weight_push": [
+                {
+                    "version": w.version,
+                    "seconds": round(w.push_s, 3),
+                    "bytes": w.size_bytes,
+                    "engines": list(w.engines),
+                }
+                for w in self.pushes
+                if w.version <= p.committed_version
+            ],
+            "tool_calls": dict(stats.tool_calls_by_status),
+            "services": {wid: st.pid for wid, st in sorted(self.targets.items())},
+            "stack": self.stack.name,
+            "logs": str(self.stack.log_dir),
+            "nats_url": self.stack.nats_url,
+            "redis_url": self.stack.redis_url,
+        }
+        if stuck is not None:
+            report["stuck"] = stuck
+        return report
 
 
 def write_report(report: dict[str, Any], runs_dir: Path) -> Path:
@@ -177,28 +429,39 @@ def run_job(
     *,
     run_id: str | None = None,
     runs_dir: Path = ROOT / "runs",
-    timeout_s: float = 1800.0,
+    timeout_s: float | None = None,
     otlp_endpoint: str | None = None,
     progress: bool = True,
     extra_env: dict[str, str] | None = None,
+    stack: Stack | None = None,
 ) -> dict[str, Any]:
+    """Runs one job on `stack`, on the stack `libra up` started, or on an embedded stack of its own,
+    and writes its report whatever the outcome."""
     from services.common.models import resolve_model_dir
 
     run_id = run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     print(f"preparing model '{cfg.model.source}' (converted once, then cached)…", file=sys.stderr)
     resolve_model_dir(cfg.model)
-    stack = Stack(run_id, config_path, runs_dir / run_id / "logs", otlp_endpoint, dict(extra_env or {}))
-    live = read_stack_file()
-    stack.start_infra(
-        reuse={"nats_url": str(live["nats_url"]), "redis_url": str(live["redis_url"])} if live else None
-    )
-    print(
-        f"run {run_id}: nats {stack.nats_url}  redis {stack.redis_url}  logs {stack.log_dir}", file=sys.stderr
-    )
+    owned = False
+    if stack is None:
+        live = read_stack_file()
+        if live is not None:
+            stack = Stack.attach(live)
+            print(f"run {run_id} on the stack {stack.name} (libra up)", file=sys.stderr)
+        else:
+            stack = Stack(
+                f"embedded-{run_id}", runs_dir / run_id / "logs", otlp_endpoint, dict(extra_env or {})
+            )
+            stack.start_infra()
+            stack.start_services(cfg.rollout.engines)
+            owned = True
+            print(f"run {run_id} on an embedded stack", file=sys.stderr)
+    print(f"  nats {stack.nats_url}  redis {stack.redis_url}  logs {stack.log_dir}", file=sys.stderr)
     try:
-        stack.start_services(cfg.rollout.engines)
-        report = asyncio.run(watch_job(stack, cfg, timeout_s, progress))
+        driver = JobDriver(stack, cfg, config_path, run_id, timeout_s=timeout_s, progress=progress)
+        report = asyncio.run(driver.run())
     finally:
-        stack.stop()
+        if owned:
+            stack.stop()
     report["report_path"] = str(write_report(report, runs_dir))
     return report

@@ -1,6 +1,7 @@
 """Supervises a local Libra stack: the embedded nats-server and Redis-compatible server, and the
-five services as separate OS processes. `libra up`, `libra run` and the e2e tests all use it, and
-the container images run the very same `python -m services.<name>` commands."""
+five services as separate OS processes, idle until a job is submitted over the control plane
+(services/common/control.py). `libra up`, `libra run` and the e2e tests all use it, and the container
+images run the very same `python -m services.<name>` commands."""
 
 from __future__ import annotations
 
@@ -40,8 +41,7 @@ def pid_alive(pid: int) -> bool:
 
 @dataclass
 class Stack:
-    run_id: str
-    config: Path
+    name: str
     log_dir: Path
     otlp_endpoint: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -50,6 +50,20 @@ class Stack:
     nats_url: str = ""
     redis_url: str = ""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)
+    """Services of a stack another process supervises (`libra up`), watched by pid only."""
+
+    @classmethod
+    def attach(cls, state: dict[str, object]) -> Stack:
+        """The stack `libra up` described in its stack file: used, never stopped, by this process."""
+        services = state.get("services")
+        return cls(
+            name=str(state["name"]),
+            log_dir=Path(str(state["logs"])),
+            nats_url=str(state["nats_url"]),
+            redis_url=str(state["redis_url"]),
+            pids={str(k): int(v) for k, v in services.items()} if isinstance(services, dict) else {},
+        )
 
     def start_infra(self, reuse: dict[str, str] | None = None) -> None:
         """Starts nats-server and Redis on free loopback ports, or adopts the URLs of a running stack."""
@@ -57,7 +71,7 @@ class Stack:
         if reuse:
             self.nats_url, self.redis_url = reuse["nats_url"], reuse["redis_url"]
             return
-        data = STATE_DIR / "data" / self.run_id
+        data = STATE_DIR / "data" / self.name
         self.nats = start_nats(data / "nats", self.log_dir / "nats-server.log")
         self.redis = start_redis(data / "redis", self.log_dir / "redis-server.log")
         self.nats_url, self.redis_url = self.nats.url, self.redis.url
@@ -66,10 +80,8 @@ class Stack:
         env = dict(os.environ)
         env.update(
             {
-                "LIBRA_RUN_ID": self.run_id,
                 "LIBRA_NATS_URL": self.nats_url,
                 "LIBRA_REDIS_URL": self.redis_url,
-                "LIBRA_CONFIG": str(self.config.resolve()),
                 "LIBRA_WORKER_ID": worker_id,
                 "LIBRA_LOG_FORMAT": "json",
                 "PYTHONUNBUFFERED": "1",
@@ -80,6 +92,8 @@ class Stack:
         )
         if self.otlp_endpoint:
             env["LIBRA_OTLP_ENDPOINT"] = self.otlp_endpoint
+        env.pop("LIBRA_CONFIG", None)  # no pinned job: the services wait for jobs on the control plane
+        env.pop("LIBRA_RUN_ID", None)
         env.update(self.extra_env)
         return env
 
@@ -96,9 +110,11 @@ class Stack:
                 preexec_fn=die_with_parent,
             )
 
-    def dead(self) -> dict[str, int]:
-        """Services that exited, with their exit codes."""
-        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+    def dead(self) -> dict[str, int | None]:
+        """Services that exited, with their exit codes (None when another process supervises them)."""
+        out: dict[str, int | None] = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+        out.update({n: None for n, pid in self.pids.items() if not pid_alive(pid)})
+        return out
 
     def log_tail(self, worker_id: str, lines: int = 20) -> str:
         path = self.log_dir / f"{worker_id}.log"
@@ -125,8 +141,7 @@ class Stack:
     def state(self) -> dict[str, object]:
         infra = {s.name: s.proc.pid for s in (self.nats, self.redis) if s is not None}
         return {
-            "run_id": self.run_id,
-            "config": str(self.config),
+            "name": self.name,
             "nats_url": self.nats_url,
             "redis_url": self.redis_url,
             "supervisor_pid": os.getpid(),

@@ -223,7 +223,19 @@ class Bus:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.nc.drain(), timeout=5)
-        if not self.nc.is_closed:
-            await self.nc.close()
+        await close_nats(self.nc)
+
+
+async def close_nats(nc: NATS) -> None:
+    """Flushes what was published (acks included) and closes the connection.
+
+    Not `drain()`: draining a pull subscription waits for messages nobody will fetch, and when a
+    timeout then cancels it, nats-py leaves a cancelled gather whose exception is never retrieved.
+    What a handler had not finished is redelivered (durable) or re-sent (watchdogs) anyway.
+    """
+    if nc.is_closed:
+        return
+    with contextlib.suppress(Exception):
+        await nc.flush(timeout=2)
+    with contextlib.suppress(Exception):
+        await nc.close()

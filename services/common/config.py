@@ -39,6 +39,7 @@ class ConfigFileError(SystemExit):
 
     def __init__(self, message: str):
         print(message, file=sys.stderr)
+        self.message = message
         super().__init__(2)
 
 

@@ -1,7 +1,9 @@
 """Process lifecycle: parse settings, set up logging and tracing, run until a signal, drain, exit.
 
-A service provides `serve(stop: asyncio.Event, stack: AsyncExitStack)`; resources it enters into
-the stack are closed in reverse order after `stop` is set, within `grace_s`.
+A service provides `serve(common, stop: asyncio.Event, stack: AsyncExitStack)` for one job; resources
+it enters into the stack are closed in reverse order after `stop` is set, within `grace_s`. With
+`LIBRA_CONFIG` set the process runs that one job (the container deployments); without it, it waits
+for jobs on the control plane and runs them one after another (`libra up`, see control.py).
 """
 
 from __future__ import annotations
@@ -11,15 +13,13 @@ import contextlib
 import os
 import signal
 import socket
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.common.config import CommonSettings, load_settings
+from services.common.control import JobAgent, Serve
 from services.common.logging import configure_logging, get_logger
 from services.common.runconfig import load_run_config
 from services.common.tracing import configure_tracing, shutdown_tracing
-
-Serve = Callable[[CommonSettings, asyncio.Event, contextlib.AsyncExitStack], Awaitable[None]]
 
 
 def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
@@ -28,11 +28,22 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
         load_run_config(common.config)
     worker_id = common.worker_id or f"{service}-{socket.gethostname()}-{os.getpid()}"
     common = common.model_copy(update={"worker_id": worker_id})
+    pinned = common.config is not None
+    run_id = common.run_id if pinned else None
     configure_logging(
-        service, fmt=common.log_format, level=common.log_level, run_id=common.run_id, worker_id=worker_id
+        service, fmt=common.log_format, level=common.log_level, run_id=run_id, worker_id=worker_id
     )
-    configure_tracing(service, run_id=common.run_id, worker_id=worker_id, otlp_endpoint=common.otlp_endpoint)
+    configure_tracing(service, run_id=run_id, worker_id=worker_id, otlp_endpoint=common.otlp_endpoint)
     log = get_logger()
+
+    async def jobs() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await JobAgent(service, common, serve, grace_s=grace_s).run(stop)
+        log.info("service_stopped")
+        return 0
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -58,8 +69,8 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
         log.info("service_stopped")
         return 0
 
-    log.info("service_starting", nats_url=common.nats_url, redis_url=common.redis_url)
+    log.info("service_starting", nats_url=common.nats_url, redis_url=common.redis_url, pinned_job=pinned)
     try:
-        return asyncio.run(main())
+        return asyncio.run(main() if pinned else jobs())
     finally:
         shutdown_tracing()

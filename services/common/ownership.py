@@ -38,6 +38,27 @@ return 0
 """
 
 
+COMMIT = """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+local n = tonumber(ARGV[2])
+local fields = {}
+for i = 3, 2 + 2 * n do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[2], unpack(fields))
+for i = 3 + 2 * n, #ARGV do redis.call('SADD', KEYS[3], ARGV[i]) end
+return 1
+"""
+
+
+def committed_key(run_id: str) -> str:
+    """The trainer's commit record: step, version and checkpoint of its last committed step."""
+    return f"libra:{run_id}:trainer:committed"
+
+
+def trained_key(run_id: str) -> str:
+    """Every trajectory id a committed step trained on."""
+    return f"libra:{run_id}:trained"
+
+
 @dataclass(frozen=True)
 class Lease:
     resource: str
@@ -52,6 +73,7 @@ class OwnershipStore:
         self._acquire = client.register_script(ACQUIRE)
         self._renew = client.register_script(RENEW)
         self._release = client.register_script(RELEASE)
+        self._commit = client.register_script(COMMIT)
 
     @classmethod
     def from_url(cls, url: str, run_id: str) -> OwnershipStore:
@@ -90,6 +112,18 @@ class OwnershipStore:
         """True when `token` is the live lease's token: the check every receiver makes."""
         held = await self.holder(resource)
         return held is not None and held.token == token
+
+    async def fenced_commit(
+        self, resource: str, token: int, record: dict[str, str | int], trained: set[str]
+    ) -> bool:
+        """Writes the commit record and adds `trained` to the trained set, atomically, only while
+        `token` still holds the lease on `resource`: a trainer that lost its lease commits nothing."""
+        args: list[str | int] = [token, len(record)]
+        for k, v in record.items():
+            args += [k, v]
+        args += sorted(trained)
+        keys = [self._key(resource), committed_key(self.run_id), trained_key(self.run_id)]
+        return bool(await self._commit(keys=keys, args=args))
 
     async def close(self) -> None:
         await self.r.aclose()

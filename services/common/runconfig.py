@@ -30,7 +30,7 @@ class ModelConfig(_Strict):
 class TaskConfig(_Strict):
     dataset: Literal["arithmetic"] = "arithmetic"
     """Built-in generator of arithmetic word problems solved with python/calculator tools."""
-    num_prompts: int = Field(64, ge=1)
+    num_prompts: int = Field(64, ge=1, le=1_000_000)
     """Prompts generated for the run; the feed cycles through them."""
     seed: int = 0
     group_size: int = Field(4, ge=2)
@@ -75,12 +75,19 @@ class TrainingConfig(_Strict):
     push_chunk_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
 
 
+class JobConfig(_Strict):
+    stall_timeout_s: float = Field(600.0, ge=5.0)
+    """`libra run` ends the job as timed_out when no trajectory completed and no step was trained for
+    this long, and reports what is stuck. Set it above your longest train step plus weight push."""
+
+
 class RunConfig(_Strict):
     name: str = "default"
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    job: JobConfig = Field(default_factory=JobConfig)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -102,13 +109,18 @@ def load_run_config(path: str | Path | None) -> RunConfig:
     p = Path(path)
     if not p.is_file():
         raise ConfigFileError(f"run config not found: {p}")
+    return parse_run_config(p.read_text(), str(p))
+
+
+def parse_run_config(text: str, where: str) -> RunConfig:
+    """Validates a run config given as YAML text; `where` names it in the error."""
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
-        raise ConfigFileError(f"run config {p} is not valid YAML: {err}") from None
+        raise ConfigFileError(f"run config {where} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
-        raise ConfigFileError(f"run config {p} must be a mapping at top level")
+        raise ConfigFileError(f"run config {where} must be a mapping at top level")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise SettingsError(str(p), err) from None
+        raise SettingsError(where, err) from None

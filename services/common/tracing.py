@@ -14,12 +14,16 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 _provider: TracerProvider | None = None
 
 
-def configure_tracing(service: str, *, run_id: str, worker_id: str, otlp_endpoint: str | None) -> None:
-    """Installs a tracer provider; spans leave the process only when an OTLP endpoint is given."""
+def configure_tracing(service: str, *, run_id: str | None, worker_id: str, otlp_endpoint: str | None) -> None:
+    """Installs a tracer provider; spans leave the process only when an OTLP endpoint is given.
+
+    A service that runs one job after another has no run id of its own; its spans carry the job's.
+    """
     global _provider
-    resource = Resource.create(
-        {"service.name": f"libra-{service}", "service.instance.id": worker_id, "libra.run_id": run_id}
-    )
+    attrs = {"service.name": f"libra-{service}", "service.instance.id": worker_id}
+    if run_id:
+        attrs["libra.run_id"] = run_id
+    resource = Resource.create(attrs)
     provider = TracerProvider(resource=resource)
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

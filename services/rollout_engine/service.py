@@ -17,7 +17,7 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from services.common import subjects
+from services.common import control, subjects
 from services.common.bus import Bus, Envelope
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
@@ -111,6 +111,7 @@ class RolloutEngineService:
         )
         self.membership = Membership(self.bus, self.store, hello, on_plan=self._on_plan)
         await self.membership.start()
+        control.set_detail(weight_sync_addr=self.weight_sync_addr, backend=self.backend.name)
         self.log.info(
             "engine_ready",
             backend=self.backend.name,
@@ -125,6 +126,7 @@ class RolloutEngineService:
             f"{subjects.TURN_REQUEST}.{self.worker_id}", ev.TurnRequest, self._on_turn
         )
         self.bus.spawn(self._load_loop())
+        control.set_detail(bucket=self.bucket)
         self.log.info("serving", subject=f"{subjects.TURN_REQUEST}.{self.worker_id}", bucket=self.bucket)
 
     @property

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.task import Task
+from services.common.runconfig import RunConfig
+from services.scheduler.task import Task, arithmetic_tasks
 
 
 @dataclass
@@ -46,3 +47,13 @@ class TaskFeed:
     @property
     def exhausted(self) -> bool:
         return self.launched >= self.total_groups
+
+
+def build_feed(cfg: RunConfig) -> TaskFeed:
+    """The feed of a run config's task: what the scheduler releases, group by group."""
+    return TaskFeed(
+        arithmetic_tasks(cfg.task.num_prompts, cfg.task.seed),
+        groups_per_step=cfg.training.groups_per_step,
+        max_staleness=cfg.training.max_staleness,
+        total_steps=cfg.training.steps,
+    )

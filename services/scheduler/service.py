@@ -24,10 +24,9 @@ from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.scheduler.agent import STOP_STRINGS, observation
 from services.scheduler.config import SchedulerSettings
-from services.scheduler.feed import GroupTicket, TaskFeed
+from services.scheduler.feed import GroupTicket, build_feed
 from services.scheduler.prompting import Prompter
 from services.scheduler.router import EngineView, pick_least_loaded
-from services.scheduler.task import arithmetic_tasks
 from services.scheduler.trajectory import Action, CallTool, Finish, Generate, Trajectory
 
 
@@ -43,6 +42,7 @@ class Live:
     call_id: str = ""
     engine_id: str = ""
     deadline: float = 0.0
+    sent_at: float = 0.0
     retries: int = 0
     pending_action: Generate | None = None
     history: list[str] = field(default_factory=list)
@@ -61,13 +61,7 @@ class SchedulerService:
         self.common, self.settings, self.cfg = common, settings, cfg
         self.bus, self.store, self.prompter = bus, store, prompter
         self.log = get_logger(component="scheduler")
-        tasks = arithmetic_tasks(cfg.task.num_prompts, cfg.task.seed)
-        self.feed = TaskFeed(
-            tasks,
-            groups_per_step=cfg.training.groups_per_step,
-            max_staleness=cfg.training.max_staleness,
-            total_steps=cfg.training.steps,
-        )
+        self.feed = build_feed(cfg)
         self.engines: dict[str, EngineView] = {}
         self.live: dict[str, Live] = {}
         self.by_request: dict[str, str] = {}
@@ -116,13 +110,38 @@ class SchedulerService:
             self.log.info("policy_version", version=msg.version)
 
     async def _on_stats(self, _: ev.StatsRequest, __: Envelope) -> ev.SchedulerStats:
+        now = time.monotonic()
+        oldest = sorted(self.live.values(), key=lambda lv: lv.traj.started_at)[:20]
         return ev.SchedulerStats(
             trajectories_completed=self.completed,
             trajectories_in_flight=len(self.live),
             tool_calls_by_status=dict(self.tool_statuses),
             turns=self.turns,
             reward_mean=sum(self.rewards) / len(self.rewards) if self.rewards else 0.0,
+            groups_launched=self.feed.launched,
+            groups_total=self.feed.total_groups,
+            trained_version=self.trained_version,
+            engines=sorted(self.engines),
+            oldest_in_flight=[
+                ev.InFlight(
+                    trajectory_id=lv.traj.trajectory_id,
+                    group_id=lv.traj.group_id,
+                    state=self._state_of(lv),
+                    engine_id=lv.engine_id if lv.request_id in self.by_request else "",
+                    turns=lv.traj.turns,
+                    age_s=now - lv.traj.started_at,
+                    idle_s=now - lv.sent_at if lv.sent_at else 0.0,
+                )
+                for lv in oldest
+            ],
         )
+
+    def _state_of(self, live: Live) -> str:
+        if live.call_id and live.call_id in self.by_call:
+            return "tool"
+        if live.request_id and live.request_id in self.by_request:
+            return "generating"
+        return "waiting_for_engine"
 
     async def _loop(self) -> None:
         waited_since = time.monotonic()
@@ -182,6 +201,7 @@ class SchedulerService:
             return
         live.request_id = uuid.uuid4().hex
         live.engine_id = engine.engine_id
+        live.sent_at = time.monotonic()
         live.pending_action = action
         live.deadline = time.monotonic() + self.settings.turn_timeout_s
         engine.in_flight += 1
@@ -248,6 +268,7 @@ class SchedulerService:
 
     async def _send_tool(self, live: Live, action: CallTool) -> None:
         live.call_id = uuid.uuid4().hex
+        live.sent_at = time.monotonic()
         live.deadline = time.monotonic() + self.cfg.task.tool_timeout_s + self.settings.tool_grace_s
         self.by_call[live.call_id] = live.traj.trajectory_id
         live.step_span = tracer().start_span(

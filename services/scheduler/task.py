@@ -65,7 +65,8 @@ def arithmetic_tasks(n: int, seed: int) -> list[Task]:
     for i in range(n):
         template, formula = _TEMPLATES[rng.randrange(len(_TEMPLATES))]
         b, c = rng.randint(2, 9), rng.randint(2, 12)
-        a = rng.randint(b * c + 1, 99) if formula.startswith("a-") else rng.randint(10, 99)
+        # a-b*c must stay positive: a starts above b*c (up to 108), so its range grows with b*c
+        a = rng.randint(b * c + 1, max(99, b * c + 9)) if formula.startswith("a-") else rng.randint(10, 99)
         d = rng.randint(1, 9)
         values = {"a": a, "b": b, "c": c, "d": d}
         answer = _FORMULAS[formula](a, b, c, d)

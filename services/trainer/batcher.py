@@ -80,6 +80,14 @@ class GroupBuffer(Generic[H]):
             return [], stale
         return [list(self.groups.pop(gid).values()) for gid in ready[:n]], stale
 
+    def waiting(self) -> list[tuple[str, int, int]]:
+        """(group id, trajectories buffered, group size) of every group, oldest first."""
+        out = []
+        for gid, members in self.groups.items():
+            first = next(iter(members.values())).traj
+            out.append((gid, len(members), first.group_size))
+        return out
+
     def drain(self) -> list[Pending[H]]:
         """Empties the buffer, e.g. to hand un-trained deliveries back on shutdown."""
         out = [p for g in self.groups.values() for p in g.values()]

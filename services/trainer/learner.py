@@ -30,6 +30,7 @@ class Learner:
         self.model = load_model(run.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=run.training.lr)
         self.state = checkpoint.TrainerState()
+        self.resumed_from: Path | None = None
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.pad_id = int(self.tokenizer.pad_token_id)
 
@@ -37,6 +38,7 @@ class Learner:
         path = checkpoint.latest(self.ckpt_dir)
         if path is not None:
             self.state = checkpoint.restore(path, self.model, self.optimizer)
+            self.resumed_from = path
         return path
 
     def step(self, samples: Sequence[Sample], should_abort: Callable[[], bool] = lambda: False) -> StepStats:

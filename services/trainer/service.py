@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from services.common import subjects
+from services.common import control, subjects
 from services.common.bus import Bus
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
 from services.common.errors import InvalidMessage
 from services.common.logging import get_logger
 from services.common.membership import TRAINER_ROLE, Membership
-from services.common.ownership import OwnershipStore
+from services.common.ownership import OwnershipStore, trained_key
 from services.common.runconfig import RunConfig, load_run_config
 from services.common.tracing import extract_context, tracer
 from services.trainer.batcher import GroupBuffer, Pending
@@ -36,10 +36,6 @@ if TYPE_CHECKING:
     from services.trainer.step import StepStats
 
 ENGINE_ROLES = ("rollout", "hybrid")
-
-
-def trained_key(run_id: str) -> str:
-    return f"libra:{run_id}:trained"
 
 
 class TrainerService:
@@ -105,10 +101,14 @@ class TrainerService:
 
     async def _await_assignment(self, stop: asyncio.Event) -> bool:
         waited = 0.0
+        self._show_progress(assigned=False)
         while not stop.is_set():
             a = self.membership.assignment
             if a is not None and a.role == "train":
                 self.log.info("trainer_assigned", fencing_token=a.fencing_token)
+                if self.learner.state.step > 0:  # resumed: the job's progress is what the checkpoint holds
+                    await self._record_commit(set(), str(self.learner.resumed_from or ""))
+                self._show_progress()
                 return True
             await asyncio.sleep(0.2)
             waited += 0.2
@@ -143,6 +143,20 @@ class TrainerService:
             if not groups:
                 break
             await self._step(groups, stop)
+        self._show_progress()
+
+    def _show_progress(self, assigned: bool = True) -> None:
+        """What a watcher of the job sees of this trainer (the stall report's trainer section)."""
+        waiting = self.buffer.waiting()
+        control.set_detail(
+            assigned=assigned,
+            step=self.learner.state.step,
+            weight_version=self.version,
+            groups_buffered=len(waiting),
+            groups_complete=sum(have >= size for _, have, size in waiting),
+            waiting_groups=", ".join(f"{g} {have}/{size}" for g, have, size in waiting[:10]),
+            **{f"trajectories_{k}": v for k, v in self.counts.items()},
+        )
 
     async def _lease_current(self) -> bool:
         try:
@@ -222,7 +236,7 @@ class TrainerService:
             samples = [to_sample(p.traj) for p in pendings]
             try:
                 stats = await asyncio.to_thread(self.learner.step, samples, stop.is_set)
-                await asyncio.to_thread(self.learner.commit, ids)
+                path = await asyncio.to_thread(self.learner.commit, ids)
             except StepAborted:
                 self.log.info("train_step_abandoned", trajectories=len(pendings))
                 await self._hand_back(pendings)
@@ -230,7 +244,9 @@ class TrainerService:
             except BaseException:
                 await self._hand_back(pendings)
                 raise
-            await self._record_trained(ids)
+            if not await self._record_commit(ids, str(path)):
+                await self._hand_back(pendings)
+                return
             for p in pendings:
                 for h in p.handles:
                     await _settle(h.ack())
@@ -252,11 +268,37 @@ class TrainerService:
                 push_s, push_bytes, _ = await self._push_current()
         await self._publish_step(stats, push_s, push_bytes)
 
-    async def _record_trained(self, ids: set[str]) -> None:
-        try:
-            await self.store.r.sadd(trained_key(self.common.run_id), *sorted(ids))
-        except Exception as err:  # the checkpoint already holds them; Redis is the cross-node copy
-            self.log.warning("trained_set_write_failed", error=str(err))
+    async def _record_commit(self, ids: set[str], checkpoint: str) -> bool:
+        """Records the committed step in Redis (the job's authoritative progress) under the lease.
+
+        False when the lease moved on: this trainer must not ack what it trained. A Redis outage is
+        retried, then only logged: the checkpoint already holds the ids.
+        """
+        state = self.learner.state
+        record: dict[str, str | int] = {
+            "step": state.step,
+            "version": state.version,
+            "checkpoint": checkpoint,
+            "trained": len(state.trained_ids),
+            "worker_id": self.bus.worker_id,
+            "fencing_token": self._fencing_token(),
+        }
+        for attempt in range(3):
+            try:
+                ok = await self.store.fenced_commit(TRAINER_ROLE, self._fencing_token(), record, ids)
+            except Exception as err:
+                self.log.warning("commit_record_failed", error=str(err), attempt=attempt)
+                await asyncio.sleep(0.5 * (attempt + 1))
+                continue
+            if not ok:
+                self.log.error(
+                    "commit_refused",
+                    step=state.step,
+                    fencing_token=self._fencing_token(),
+                    reason="lease lost",
+                )
+            return ok
+        return True
 
     async def _push_current(self, only_missing: bool = False) -> tuple[float, int, dict[str, PushResult]]:
         """Pushes the current version to the plan's engines (or those lacking it) under `weights.push`."""

@@ -1,92 +1,221 @@
-"""The whole stack, five services as separate processes on real nats-server and Redis, running the
-tiny job end to end, with garbage thrown at every subject first."""
+"""The whole stack, five services as separate processes on real nats-server and Redis, started idle
+as `libra up` starts it; jobs are submitted to it as `libra run` submits them, with a real (tiny)
+model. Garbage, forged messages, a forged plan and a killed service are thrown at it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-from services.common import subjects
-from services.common.bus import Bus
+from services.common import control, subjects
+from services.common.bus import Bus, close_nats
+from services.common.contracts import ev
 from services.common.runconfig import load_run_config
 from tests.otlp_receiver import OtlpReceiver
-from tools.runner import watch_job, write_report
+from tools.runner import run_job
 from tools.stack import ROOT, Stack, pid_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+TINY = ROOT / "configs" / "tiny.yaml"
 GARBAGE = [b"\xff\xfe garbage \x00\x01", b"", b"\x08" * 7]
 
 
-async def throw_garbage(stack: Stack) -> None:
-    bus = await Bus.connect(stack.nats_url, stack.run_id, "test", "garbage")
+@pytest.fixture(scope="module")
+def otlp() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Any, otlp: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """An idle stack, as `libra up --config configs/tiny.yaml` starts it."""
+    logs = tmp_path_factory.mktemp("stack") / "logs"
+    s = Stack(f"e2e-{int(time.time())}", logs, otlp.endpoint)
+    s.start_infra()
     try:
-        plain = [
-            subjects.TURN_RESULT,
-            subjects.TOOL_CALL,
-            subjects.TOOL_RETURN,
-            subjects.ENGINE_LOAD,
-            subjects.WORKER_HELLO,
-            subjects.WEIGHTS_UPDATED,
-            subjects.TRAIN_METRICS,
-            subjects.SCHEDULER_STATS,
-            subjects.PLAN,
-            *[f"{subjects.TURN_REQUEST}.rollout-engine-{i}" for i in range(2)],
-        ]
-        for suffix in plain:
-            for blob in GARBAGE:
-                await bus.nc.publish(bus.subject(suffix), blob)
-        await bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
-        for i, blob in enumerate(GARBAGE):
-            await bus.js.publish(
-                bus.subject(subjects.TRAJ_COMPLETED), blob, headers={"Nats-Msg-Id": f"junk-{i}"}
-            )
-        await bus.nc.flush()
+        s.start_services(load_run_config(TINY).rollout.engines)
+        yield s
     finally:
-        await bus.close()
+        s.stop()
 
 
-def test_tiny_job_end_to_end(tiny_model, tmp_path: Path) -> None:
-    config = ROOT / "configs" / "tiny.yaml"
+RUN = f"{int(time.time())}"  # run ids unique to this session: nothing resumes an earlier session's job
+
+
+def _config(tmp_path: Path, **sections: dict[str, Any]) -> Path:
+    """configs/tiny.yaml with `sections` merged in and checkpoints under `tmp_path`."""
+    data = yaml.safe_load(TINY.read_text())
+    sections.setdefault("training", {})["checkpoint_dir"] = str(tmp_path / "ckpt" / "{run_id}")
+    for key, values in sections.items():
+        data.setdefault(key, {}).update(values)
+    path = tmp_path / f"job-{len(list(tmp_path.glob('job-*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _run(stack: Stack, config: Path, run_id: str, runs: Path) -> dict[str, Any]:
     cfg = load_run_config(config)
-    run_id = f"e2e{int(time.time())}"
-    with OtlpReceiver() as otlp:
-        stack = Stack(run_id, config, tmp_path / run_id / "logs", otlp.endpoint)
-        stack.start_infra()
-        try:
-            stack.start_services(cfg.rollout.engines)
-            time.sleep(3)  # let subscriptions come up, then throw garbage at all of them
-            asyncio.run(throw_garbage(stack))
-            report = asyncio.run(watch_job(stack, cfg, timeout_s=600, progress=False))
-            assert stack.dead() == {}, "a service died"
-        finally:
-            stack.stop()
-        write_report(report, tmp_path)
-        time.sleep(1.5)  # the last batch of spans is exported on shutdown
-        pids = list(report["services"].values())
+    return run_job(config, cfg, run_id=run_id, runs_dir=runs, timeout_s=600, progress=False, stack=stack)
 
-    assert report["train_steps"] == cfg.training.steps
-    assert report["final_weight_version"] == cfg.training.steps
-    assert report["trajectories_completed"] >= cfg.trajectories_per_step * cfg.training.steps
-    assert len(report["engines"]) == cfg.rollout.engines
-    assert report["all_engines_on_final_version"], report["engines"]
-    assert len(set(pids)) == len(pids) >= 6  # planner, sandbox, 2 engines, trainer, scheduler
-    assert not [p for p in pids if pid_alive(p)], "orphan service processes"
-    assert sum(report["tool_calls"].values()) >= 0
-    assert (tmp_path / "latest" / "report.json").exists()
+
+def _meanwhile(stack: Stack, run_id: str, action: Callable[[Bus], Any], on: str = "") -> threading.Thread:
+    """Runs `action` on the job's bus once the job runs on the stack (on worker `on` if given), in a
+    thread beside `run_job`."""
+
+    async def go() -> None:
+        nc = await control.connect(stack.nats_url, "test-watch")
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                found = await control.discover(nc, 0.3)
+                if any(st.run_id == run_id and st.worker_id.startswith(on) for st in found):
+                    break
+        finally:
+            await close_nats(nc)
+        bus = await Bus.connect(stack.nats_url, run_id, "test", "intruder")
+        try:
+            await action(bus)
+            await bus.nc.flush()
+        finally:
+            await bus.close()
+
+    t = threading.Thread(target=lambda: asyncio.run(go()), daemon=True)
+    t.start()
+    return t
+
+
+async def _garbage_and_forgeries(bus: Bus) -> None:
+    plain = [
+        subjects.TURN_RESULT,
+        subjects.TOOL_CALL,
+        subjects.TOOL_RETURN,
+        subjects.ENGINE_LOAD,
+        subjects.WORKER_HELLO,
+        subjects.WEIGHTS_UPDATED,
+        subjects.TRAIN_METRICS,
+        subjects.SCHEDULER_STATS,
+        subjects.PLAN,  # random bytes become the PLAN stream's only message
+        *[f"{subjects.TURN_REQUEST}.rollout-engine-{i}" for i in range(2)],
+    ]
+    for suffix in plain:
+        for blob in GARBAGE:
+            await bus.nc.publish(bus.subject(suffix), blob)
+    await bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
+    for i, blob in enumerate(GARBAGE):
+        await bus.js.publish(bus.subject(subjects.TRAJ_COMPLETED), blob, headers={"Nats-Msg-Id": f"junk-{i}"})
+    for nc_subject in (control.JOB_START, control.JOB_STOP, control.STATUS):
+        await bus.nc.publish(nc_subject, GARBAGE[0])
+    # a forged end of training, at a step and version the trainer never reached
+    await bus.publish(subjects.TRAIN_METRICS, ev.TrainMetrics(step=9, weight_version=10**12, done=True))
+
+
+def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpReceiver, tmp_path: Path) -> None:
+    cfg = load_run_config(TINY)
+    pids = {name: p.pid for name, p in stack.procs.items()}
+    job_a, job_b = f"job-a-{RUN}", f"job-b-{RUN}"
+    intruder = _meanwhile(stack, job_a, _garbage_and_forgeries)
+    first = _run(stack, _config(tmp_path), job_a, tmp_path)
+    intruder.join(60)
+    second = _run(stack, _config(tmp_path), job_b, tmp_path)
+
+    for report in (first, second):
+        assert report["status"] == "completed", report["reason"]
+        # from the trainer's commit record and the engines themselves, not from the forged `done`
+        assert report["train_steps"] == cfg.training.steps
+        assert report["final_weight_version"] == cfg.training.steps
+        assert report["trajectories_completed"] >= cfg.trajectories_per_step * cfg.training.steps
+        assert len(report["engines"]) == cfg.rollout.engines
+        assert report["all_engines_on_final_version"], report["engines"]
+        assert report["services_not_stopped"] == []
+        assert Path(report["report_path"]).exists()
+    assert first["report_path"] != second["report_path"]
+    assert (tmp_path / "latest" / "report.json").resolve() == Path(second["report_path"]).resolve()
+    # one set of services served both jobs
+    assert sorted(first["services"].values()) == sorted(second["services"].values()) == sorted(pids.values())
+    assert stack.dead() == {}
 
     # One trace per trajectory: scheduler, engine and trainer spans share it.
-    traces = otlp.by_trace()
-    roots = [s for s in otlp.spans if s.name == "trajectory"]
-    assert len(roots) >= report["trajectories_completed"]
-    t = traces[roots[0].trace_id]
-    names = {s.name for s in t}
+    time.sleep(2.0)  # spans leave each service in 0.5 s batches
+    roots = [s for s in otlp.spans if s.name == "trajectory" and s.attributes.get("libra.run_id") == job_a]
+    assert len(roots) >= first["trajectories_completed"]
+    names = {s.name for s in otlp.by_trace()[roots[0].trace_id]}
     assert {"trajectory", "turn.generate", "score"} <= names
-    assert any(s.service == "libra-rollout-engine" for s in t), names
+    assert any(s.service == "libra-rollout-engine" for s in otlp.by_trace()[roots[0].trace_id])
     step_links = {link for s in otlp.spans if s.name == "train.step" for link in s.links}
     assert step_links & {r.trace_id for r in roots}, "train steps link to the trajectories they trained on"
-    assert os.path.exists(tmp_path / run_id / "logs" / "scheduler.log")
+    assert os.path.exists(stack.log_dir / "scheduler.log")
+
+
+def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path) -> None:
+    """A forged plan sends every turn to engines that do not exist: nothing completes any more."""
+    config = _config(tmp_path, job={"stall_timeout_s": 8}, training={"steps": 3})
+    ghosts = ["ghost-0", "ghost-1"]
+
+    async def forge_plan(bus: Bus) -> None:
+        for _ in range(600):  # once some trajectory is in flight
+            with contextlib.suppress(Exception):  # the scheduler may not answer yet
+                stats = await bus.request(subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, 2)
+                if stats.trajectories_in_flight:
+                    break
+            await asyncio.sleep(0.1)
+        plan = ev.Plan(
+            plan_version=10**9,
+            reason="forged",
+            assignments=[ev.Assignment(worker_id=g, role="rollout", bucket="short") for g in ghosts],
+        )
+        await bus.publish(subjects.PLAN, plan)
+
+    intruder = _meanwhile(stack, f"job-stall-{RUN}", forge_plan)
+    report = _run(stack, config, f"job-stall-{RUN}", tmp_path)
+    intruder.join(60)
+
+    assert report["status"] == "timed_out", report["reason"]
+    assert "stall_timeout_s=8" in report["reason"]
+    stuck = report["stuck"]
+    assert stuck["scheduler"]["routable_engines"] == ghosts
+    assert stuck["scheduler"]["groups_launched"] < stuck["scheduler"]["groups_total"]
+    waiting = stuck["scheduler"]["oldest_in_flight"]
+    assert {w["engine_id"] for w in waiting if w["state"] == "generating"} <= set(ghosts), waiting
+    trainer = stuck["services"]["trainer"]
+    assert trainer["state"] == "running" and "step" in trainer and "waiting_groups" in trainer, trainer
+    assert report["train_steps"] < 3
+    assert report["services_not_stopped"] == []
+    # the stack is idle again and takes the next job
+    assert stack.dead() == {}
+    again = _run(stack, _config(tmp_path), f"job-after-stall-{RUN}", tmp_path)
+    assert again["status"] == "completed", again["reason"]
+
+
+def test_a_killed_service_fails_the_job_with_a_report(tiny_model: Any, tmp_path: Path) -> None:
+    """No restarts: the scheduler is killed mid-job and the report says so (on a stack of its own)."""
+    own = Stack(f"e2e-kill-{int(time.time())}", tmp_path / "logs")
+    own.start_infra()
+    try:
+        own.start_services(load_run_config(TINY).rollout.engines)
+        config = _config(tmp_path, training={"steps": 50})
+
+        async def kill_scheduler(_: Bus) -> None:
+            await asyncio.sleep(2.0)
+            os.kill(own.procs["scheduler"].pid, signal.SIGKILL)
+
+        intruder = _meanwhile(own, f"job-killed-{RUN}", kill_scheduler, on="scheduler")
+        report = _run(own, config, f"job-killed-{RUN}", tmp_path)
+        intruder.join(60)
+    finally:
+        own.stop()
+    assert report["status"] == "failed"
+    assert "scheduler" in report["reason"] and "-9" in report["reason"], report["reason"]
+    assert report["train_steps"] < 50
+    assert (tmp_path / f"job-killed-{RUN}" / "report.json").exists()
+    assert not [p for p in report["services"].values() if pid_alive(p)], "orphan service processes"

@@ -31,13 +31,13 @@ from services.common.config import CommonSettings
 from services.common.contracts import ev, ws, ws_grpc
 from services.common.membership import TRAINER_ROLE
 from services.common.models import load_model
-from services.common.ownership import OwnershipStore
+from services.common.ownership import OwnershipStore, trained_key
 from services.common.runconfig import ModelConfig
 from services.common.tracing import tracer
 from services.common.weights import checksum, unpack_state_dict
 from services.trainer.checkpoint import latest
 from services.trainer.grpo import token_logprobs
-from services.trainer.service import serve, trained_key
+from services.trainer.service import serve
 
 pytestmark = pytest.mark.integration
 

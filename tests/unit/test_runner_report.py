@@ -21,3 +21,9 @@ def test_separate_done_message_is_not_a_new_step() -> None:
 
 def test_out_of_order_and_step_zero() -> None:
     assert [m.step for m in per_step([_m(2), _m(0, done=True), _m(1)])] == [1, 2]
+
+
+def test_steps_past_the_committed_one_are_not_reported() -> None:
+    """A forged metrics message for a step the trainer never committed is not a step of the report."""
+    steps = per_step([_m(1), _m(2), _m(9, done=True, reward=1.0)], committed_step=2)
+    assert [m.step for m in steps] == [1, 2]

@@ -308,7 +308,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("trajectories_completed", "trajectories_in_flight", "tool_calls_by_status", "turns", "dropped_stale", "reward_mean")
+    __slots__ = ("trajectories_completed", "trajectories_in_flight", "tool_calls_by_status", "turns", "dropped_stale", "reward_mean", "groups_launched", "groups_total", "trained_version", "engines", "oldest_in_flight")
     class ToolCallsByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -322,10 +322,99 @@ class SchedulerStats(_message.Message):
     TURNS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
     REWARD_MEAN_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_LAUNCHED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     trajectories_completed: int
     trajectories_in_flight: int
     tool_calls_by_status: _containers.ScalarMap[str, int]
     turns: int
     dropped_stale: int
     reward_mean: float
-    def __init__(self, trajectories_completed: _Optional[int] = ..., trajectories_in_flight: _Optional[int] = ..., tool_calls_by_status: _Optional[_Mapping[str, int]] = ..., turns: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., reward_mean: _Optional[float] = ...) -> None: ...
+    groups_launched: int
+    groups_total: int
+    trained_version: int
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    oldest_in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
+    def __init__(self, trajectories_completed: _Optional[int] = ..., trajectories_in_flight: _Optional[int] = ..., tool_calls_by_status: _Optional[_Mapping[str, int]] = ..., turns: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., reward_mean: _Optional[float] = ..., groups_launched: _Optional[int] = ..., groups_total: _Optional[int] = ..., trained_version: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ..., oldest_in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ...) -> None: ...
+
+class InFlight(_message.Message):
+    __slots__ = ("trajectory_id", "group_id", "state", "engine_id", "turns", "age_s", "idle_s")
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    trajectory_id: str
+    group_id: str
+    state: str
+    engine_id: str
+    turns: int
+    age_s: float
+    idle_s: float
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., state: _Optional[str] = ..., engine_id: _Optional[str] = ..., turns: _Optional[int] = ..., age_s: _Optional[float] = ..., idle_s: _Optional[float] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("run_id", "config_yaml", "config_name", "targets")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_NAME_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    config_yaml: str
+    config_name: str
+    targets: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., config_yaml: _Optional[str] = ..., config_name: _Optional[str] = ..., targets: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JobStop(_message.Message):
+    __slots__ = ("run_id", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class JobAck(_message.Message):
+    __slots__ = ("worker_id", "service", "run_id", "ok", "error")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    service: str
+    run_id: str
+    ok: bool
+    error: ErrorInfo
+    def __init__(self, worker_id: _Optional[str] = ..., service: _Optional[str] = ..., run_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "service", "state", "run_id", "error", "detail", "pid", "host")
+    class DetailEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    service: str
+    state: str
+    run_id: str
+    error: ErrorInfo
+    detail: _containers.ScalarMap[str, str]
+    pid: int
+    host: str
+    def __init__(self, worker_id: _Optional[str] = ..., service: _Optional[str] = ..., state: _Optional[str] = ..., run_id: _Optional[str] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ..., detail: _Optional[_Mapping[str, str]] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,287 @@
+"""The stack's job control plane, on NATS subjects `libra.ctl.v1.*` (outside every run's scope).
+
+`libra up` starts each service without a job. The service's `JobAgent` answers status requests,
+beats a heartbeat, and runs one job at a time: `libra run` sends a `JobSpec` (run id and run config)
+naming the workers that take part, watches the job, and ends it with a `JobStop`; the service then
+waits for the next job. A job that fails inside a service is reported in that service's status
+(with the error) and the service stays up. A service started with `LIBRA_CONFIG` set (the container
+deployments) runs that one job from the start instead and never looks at this plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from services.common.bus import close_nats, decode
+from services.common.config import CommonSettings, ConfigFileError, load_settings
+from services.common.contracts import ev
+from services.common.errors import MalformedMessage
+from services.common.logging import get_logger
+from services.common.runconfig import parse_run_config
+
+CTL = "libra.ctl.v1"
+JOB_START = f"{CTL}.job.start"
+JOB_STOP = f"{CTL}.job.stop"
+STATUS = f"{CTL}.status"
+HEARTBEAT = f"{CTL}.heartbeat"
+HEARTBEAT_S = 2.0
+
+Serve = Callable[[CommonSettings, asyncio.Event, contextlib.AsyncExitStack], Awaitable[None]]
+
+_detail: dict[str, str] = {}
+
+
+def set_detail(**values: object) -> None:
+    """What the running job's service wants a watcher to see (shown in stall reports, not trusted)."""
+    _detail.update({k: str(v) for k, v in values.items()})
+
+
+async def connect(url: str, name: str) -> NATS:
+    log = get_logger(component="control")
+
+    async def on_error(e: Exception) -> None:
+        log.warning("nats_error", error=str(e))
+
+    return await nats.connect(
+        url,
+        name=name,
+        connect_timeout=5,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        error_cb=on_error,
+    )
+
+
+@dataclass
+class Job:
+    spec: ev.JobSpec
+    common: CommonSettings
+    config_path: Path
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Future[None] | None = None
+    error: ev.ErrorInfo | None = None
+
+
+class JobAgent:
+    """A service's side of the control plane: idle → running one job → idle, until the process stops."""
+
+    def __init__(self, service: str, common: CommonSettings, serve: Serve, *, grace_s: float = 10.0):
+        assert common.worker_id is not None
+        self.service = service
+        self.worker_id = common.worker_id
+        self.common = common
+        self.serve = serve
+        self.grace_s = grace_s
+        self.job: Job | None = None
+        self.log = get_logger(component="control")
+        self.nc: NATS | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.nc = await connect(self.common.nats_url, f"{self.service}:{self.worker_id}:control")
+        await self.nc.subscribe(JOB_START, cb=self._on_start)
+        await self.nc.subscribe(JOB_STOP, cb=self._on_stop)
+        await self.nc.subscribe(STATUS, cb=self._on_status)
+        await self.nc.flush()
+        self.log.info("waiting_for_job")
+        beat = asyncio.ensure_future(self._heartbeat())
+        try:
+            await stop.wait()
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            if self.job is not None:
+                await self._end(self.job, "service stopping")
+            await close_nats(self.nc)
+
+    def status(self) -> ev.WorkerStatus:
+        job = self.job
+        st = ev.WorkerStatus(
+            worker_id=self.worker_id, service=self.service, pid=os.getpid(), host=socket.gethostname()
+        )
+        if job is None:
+            st.state = "idle"
+            return st
+        st.run_id = job.spec.run_id
+        st.state = "failed" if job.error else "stopping" if job.stop.is_set() else "running"
+        if job.error is not None:
+            st.error.CopyFrom(job.error)
+        st.detail.update(_detail)
+        return st
+
+    async def _publish_status(self) -> None:
+        if self.nc is not None and self.nc.is_connected:
+            await self.nc.publish(HEARTBEAT, self.status().SerializeToString())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self._publish_status()
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _reply(self, msg: Msg, ack: ev.JobAck) -> None:
+        if msg.reply and self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(msg.reply, ack.SerializeToString())
+                await self.nc.flush(timeout=2)  # before the job's start-up can hold the loop
+
+    def _ack(self, run_id: str, error: ev.ErrorInfo | None = None) -> ev.JobAck:
+        ack = ev.JobAck(worker_id=self.worker_id, service=self.service, run_id=run_id, ok=error is None)
+        if error is not None:
+            ack.error.CopyFrom(error)
+        return ack
+
+    async def _on_status(self, msg: Msg) -> None:
+        if msg.reply and self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(msg.reply, self.status().SerializeToString())
+
+    async def _on_start(self, msg: Msg) -> None:
+        try:
+            spec = decode(ev.JobSpec, msg.data)
+        except MalformedMessage as err:
+            self.log.warning("message_rejected", subject=msg.subject, code=err.code, reason=str(err))
+            return
+        if spec.targets and self.worker_id not in spec.targets:
+            return
+        job = self.job
+        if job is not None:
+            busy = None
+            if job.spec.run_id != spec.run_id:
+                busy = ev.ErrorInfo(code="busy", message=f"{self.worker_id} is running job {job.spec.run_id}")
+            await self._reply(msg, self._ack(spec.run_id, busy))  # a resent start is acknowledged again
+            return
+        try:
+            job = self._prepare(spec)
+        except ConfigFileError as err:
+            self.log.warning("job_refused", run_id=spec.run_id, reason=err.message)
+            await self._reply(msg, self._ack(spec.run_id, ev.ErrorInfo(code="invalid", message=err.message)))
+            return
+        _detail.clear()
+        self.job = job
+        job.task = asyncio.ensure_future(self._run(job))
+        await self._reply(msg, self._ack(spec.run_id))
+
+    def _prepare(self, spec: ev.JobSpec) -> Job:
+        """Validates the job's run id and config and writes the config where `serve` reads it."""
+        where = f"job {spec.run_id!r} config ({spec.config_name or 'sent over the bus'})"
+        parse_run_config(spec.config_yaml, where)
+        common = load_settings(
+            CommonSettings, run_id=spec.run_id, config=None, worker_id=self.worker_id
+        )  # validates the run id like LIBRA_RUN_ID
+        directory = Path(tempfile.gettempdir()) / "libra-jobs" / spec.run_id
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self.worker_id}.yaml"
+        path.write_text(spec.config_yaml)
+        return Job(spec, common.model_copy(update={"config": str(path)}), path)
+
+    async def _run(self, job: Job) -> None:
+        structlog.contextvars.bind_contextvars(run_id=job.spec.run_id)
+        self.log.info("job_started", config=job.spec.config_name)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                await self.serve(job.common, job.stop, stack)
+        except asyncio.CancelledError:
+            raise
+        except ConfigFileError as err:  # a SystemExit: caught here, or asyncio would end the process
+            job.error = ev.ErrorInfo(code="invalid", message=err.message)
+        except Exception as err:
+            self.log.exception("job_failed")
+            job.error = ev.ErrorInfo(code="internal", message=f"{type(err).__name__}: {err}"[:2000])
+        if job.error is not None:
+            self.log.error("job_failed", code=job.error.code, reason=job.error.message)
+            with contextlib.suppress(Exception):
+                await self._publish_status()
+        else:
+            self.log.info("job_finished")
+
+    async def _on_stop(self, msg: Msg) -> None:
+        try:
+            spec = decode(ev.JobStop, msg.data)
+        except MalformedMessage as err:
+            self.log.warning("message_rejected", subject=msg.subject, code=err.code, reason=str(err))
+            return
+        job = self.job
+        if job is not None and job.spec.run_id == spec.run_id:
+            await self._end(job, spec.reason or "stopped by the job's owner")
+        await self._reply(msg, self._ack(spec.run_id))  # stopping a job this worker is not running is a no-op
+
+    async def _end(self, job: Job, reason: str) -> None:
+        self.log.info("job_stopping", run_id=job.spec.run_id, reason=reason)
+        job.stop.set()
+        if job.task is not None:
+            done, _ = await asyncio.wait({job.task}, timeout=self.grace_s)
+            if not done:
+                self.log.warning("job_stop_timeout", grace_s=self.grace_s)
+                job.task.cancel()
+                with contextlib.suppress(BaseException):
+                    await job.task
+        with contextlib.suppress(OSError):
+            job.config_path.unlink()
+        if self.job is job:
+            self.job = None
+        self.log.info("job_stopped", run_id=job.spec.run_id)
+
+
+async def discover(nc: NATS, wait_s: float = 1.0) -> list[ev.WorkerStatus]:
+    """Asks every service on the plane for its status and collects the answers for `wait_s`."""
+    inbox = nc.new_inbox()
+    found: dict[str, ev.WorkerStatus] = {}
+
+    async def on_reply(msg: Msg) -> None:
+        with contextlib.suppress(MalformedMessage):
+            st = decode(ev.WorkerStatus, msg.data)
+            if st.worker_id:
+                found[st.worker_id] = st
+
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    try:
+        await nc.publish(STATUS, b"", reply=inbox)
+        await asyncio.sleep(wait_s)
+    finally:
+        await sub.unsubscribe()
+    return list(found.values())
+
+
+async def command(
+    nc: NATS, subject: str, msg: Any, targets: list[str], timeout_s: float, resend_s: float = 2.0
+) -> dict[str, ev.JobAck]:
+    """Sends a start/stop to `targets` (resending to those that have not answered) and collects acks."""
+    inbox = nc.new_inbox()
+    acks: dict[str, ev.JobAck] = {}
+    all_in = asyncio.Event()
+
+    async def on_reply(raw: Msg) -> None:
+        with contextlib.suppress(MalformedMessage):
+            ack = decode(ev.JobAck, raw.data)
+            if ack.worker_id in targets:
+                acks[ack.worker_id] = ack
+                if len(acks) == len(targets):
+                    all_in.set()
+
+    sub = await nc.subscribe(inbox, cb=on_reply)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        while not all_in.is_set():
+            await nc.publish(subject, msg.SerializeToString(), reply=inbox)
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(all_in.wait(), min(resend_s, left))
+    finally:
+        await sub.unsubscribe()
+    return acks
