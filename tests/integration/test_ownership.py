@@ -37,3 +37,25 @@ async def test_reacquire_by_same_owner_issues_new_token(redis_server, run_id) ->
         assert not await store.is_current("worker:e0", first.token)
     finally:
         await store.close()
+
+
+async def test_commit_record_is_written_only_under_the_current_token(redis_server, run_id) -> None:
+    from services.common.ownership import committed_key, trained_key
+
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    try:
+        a = await store.acquire("role:trainer", "t1", ttl_s=5)
+        assert a is not None
+        assert await store.fenced_commit("role:trainer", a.token, {"step": 1, "version": 1}, {"x", "y"})
+        assert await store.r.hgetall(committed_key(run_id)) == {"step": "1", "version": "1"}
+        await store.release(a)
+        b = await store.acquire("role:trainer", "t2", ttl_s=5)
+        assert b is not None
+        # the old holder (paused past its lease, say) commits nothing, not even its ids
+        assert not await store.fenced_commit("role:trainer", a.token, {"step": 9, "version": 9}, {"z"})
+        assert await store.r.hgetall(committed_key(run_id)) == {"step": "1", "version": "1"}
+        assert await store.r.smembers(trained_key(run_id)) == {"x", "y"}
+        assert await store.fenced_commit("role:trainer", b.token, {"step": 2, "version": 2}, set())
+        assert (await store.r.hgetall(committed_key(run_id)))["step"] == "2"
+    finally:
+        await store.close()
