@@ -361,6 +361,15 @@ class JobDriver:
         with contextlib.suppress(Exception):
             await self._poll()
         cfg, p = self.cfg, self.progress
+        trained_groups = cfg.training.steps * cfg.training.groups_per_step
+        for _ in range(20):  # the scheduler hears the last step's group outcomes a tick after the commit
+            if status != "completed" or (
+                self.stats and self.stats.group_outcomes["trained"] >= trained_groups
+            ):
+                break
+            await asyncio.sleep(0.25)
+            with contextlib.suppress(Exception):
+                await self._poll()
         trained = per_step(self.metrics, p.committed_step)
         engines = await engine_versions(self._engines()) if self.targets else []
         stats = self.stats or ev.SchedulerStats()
@@ -400,6 +409,9 @@ class JobDriver:
                 if w.version <= p.committed_version
             ],
             "tool_calls": dict(stats.tool_calls_by_status),
+            "trajectories_failed": stats.trajectories_failed,
+            "groups_replaced": stats.groups_replaced,
+            "group_outcomes": dict(stats.group_outcomes),
             "services": {wid: st.pid for wid, st in sorted(self.targets.items())},
             "stack": self.stack.name,
             "logs": str(self.stack.log_dir),

@@ -17,6 +17,8 @@ class SchedulerSettings(BaseSettings):
     """Re-sends of one turn before the trajectory ends with finish=error."""
     tool_grace_s: float = Field(15.0, gt=0)
     """Extra seconds beyond the tool's own timeout before the scheduler records a timeout itself."""
+    max_tool_retries: int = Field(1, ge=0)
+    """Re-sends of a tool call that no sandbox answered before the trajectory fails (never trained)."""
     engine_wait_s: float = Field(300.0, gt=0)
     """How long to wait for the configured number of engines before starting with fewer."""
     tick_s: float = Field(0.2, gt=0)

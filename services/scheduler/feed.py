@@ -1,8 +1,13 @@
-"""The task feed: dataset → GRPO groups, released under a staleness budget.
+"""The task feed: dataset → GRPO groups, released under a staleness budget, every group accounted for.
 
 Asynchronous RL lets rollout run ahead of training, but a trajectory sampled by a policy more than
 `max_staleness` versions old is useless to the trainer. The feed therefore releases a new group only
 while the groups launched stay within (max_staleness + 1) training steps of what has been trained.
+
+Every launched group is outstanding until the trainer reports its outcome. A group that was not
+trained (stale, failed by the infrastructure) is replaced by a new one on the next prompt,
+and does not count against the staleness budget: the job still trains `steps × groups_per_step`
+groups.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ class TaskFeed:
         self.max_staleness = max_staleness
         self.total_groups = groups_per_step * total_steps
         self.launched = 0
+        self.replaced = 0
+        self.outstanding: dict[str, GroupTicket] = {}
+        self.outcomes: dict[str, int] = {}
 
     def budget(self, trained_version: int) -> int:
         """Groups that may be in flight or waiting for the trainer at policy version `trained_version`."""
-        limit = (trained_version + self.max_staleness + 1) * self.groups_per_step
+        limit = (trained_version + self.max_staleness + 1) * self.groups_per_step + self.replaced
         return max(0, min(limit, self.total_groups) - self.launched)
 
     def take(self, trained_version: int) -> list[GroupTicket]:
@@ -40,9 +48,25 @@ class TaskFeed:
         for _ in range(self.budget(trained_version)):
             i = self.launched
             task = self.tasks[i % len(self.tasks)]
-            out.append(GroupTicket(group_id=f"g{i:05d}-{task.prompt_id}", task=task, index=i))
+            ticket = GroupTicket(group_id=f"g{i:05d}-{task.prompt_id}", task=task, index=i)
+            out.append(ticket)
+            self.outstanding[ticket.group_id] = ticket
             self.launched += 1
         return out
+
+    def resolve(self, group_id: str, outcome: str) -> bool:
+        """Records the trainer's outcome for a launched group; True when the group is replaced.
+
+        Outcomes for groups this feed did not launch, or already resolved, change nothing.
+        """
+        if self.outstanding.pop(group_id, None) is None:
+            return False
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        if outcome == "trained":
+            return False
+        self.replaced += 1
+        self.total_groups += 1
+        return True
 
     @property
     def exhausted(self) -> bool:

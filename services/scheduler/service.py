@@ -45,6 +45,10 @@ class Live:
     sent_at: float = 0.0
     retries: int = 0
     pending_action: Generate | None = None
+    pending_tool: CallTool | None = None
+    tool_attempts: int = 0
+    failure: ev.ErrorInfo | None = None
+    last_error: str = ""
     history: list[str] = field(default_factory=list)
 
 
@@ -68,6 +72,7 @@ class SchedulerService:
         self.by_call: dict[str, str] = {}
         self.trained_version = 0
         self.completed = 0
+        self.failed = 0
         self.turns = 0
         self.rewards: list[float] = []
         self.tool_statuses: Counter[str] = Counter()
@@ -81,6 +86,10 @@ class SchedulerService:
 
     async def start(self) -> None:
         self.traj_stream = await self.bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
+        groups = await self.bus.ensure_stream("GROUPS", [subjects.GROUP_OUTCOME])
+        self.outcomes = await self.bus.pull_consumer(
+            subjects.GROUP_OUTCOME, durable="scheduler-feed", stream=groups, ack_wait_s=60
+        )
         await self.bus.subscribe(subjects.TURN_RESULT, ev.TurnResult, self._on_turn_result)
         await self.bus.subscribe(subjects.TOOL_RETURN, ev.ToolReturn, self._on_tool_return)
         await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_engine_load)
@@ -91,13 +100,20 @@ class SchedulerService:
 
     async def _on_plan(self, plan: ev.Plan) -> None:
         current = {a.worker_id: a for a in plan.assignments if a.role in ("rollout", "hybrid")}
-        for wid in list(self.engines):
-            if wid not in current:
-                self.engines.pop(wid)
+        gone = [wid for wid in self.engines if wid not in current]
+        for wid in gone:
+            self.engines.pop(wid)
         for wid, a in current.items():
             view = self.engines.setdefault(wid, EngineView(wid, a.bucket))
             view.bucket = a.bucket
         self.log.info("engines_updated", engines=sorted(self.engines))
+        for live in list(self.live.values()):  # turns on an engine that left are re-sent at once
+            if live.engine_id in gone and live.request_id in self.by_request and live.pending_action:
+                self.by_request.pop(live.request_id, None)
+                self.log.info(
+                    "turn_redispatched", trajectory_id=live.traj.trajectory_id, engine_id=live.engine_id
+                )
+                await self._send_turn(live, live.pending_action)
 
     async def _on_engine_load(self, load: ev.EngineLoad, _: Envelope) -> None:
         view = self.engines.get(load.engine_id)
@@ -122,6 +138,9 @@ class SchedulerService:
             groups_total=self.feed.total_groups,
             trained_version=self.trained_version,
             engines=sorted(self.engines),
+            groups_replaced=self.feed.replaced,
+            group_outcomes=dict(self.feed.outcomes),
+            trajectories_failed=self.failed,
             oldest_in_flight=[
                 ev.InFlight(
                     trajectory_id=lv.traj.trajectory_id,
@@ -152,9 +171,22 @@ class SchedulerService:
                 not enough and time.monotonic() - waited_since < self.settings.engine_wait_s
             ):
                 continue
+            await self._consume_outcomes()
             for ticket in self.feed.take(self.trained_version):
                 self._launch_group(ticket)
             await self._watchdog()
+
+    async def _consume_outcomes(self) -> None:
+        try:
+            fetched = await self.bus.fetch(self.outcomes, ev.GroupOutcome, 64, 0.01)
+        except Exception as err:  # NATS reconnecting: the outcomes stay on the stream
+            self.log.warning("outcome_fetch_failed", error=str(err))
+            return
+        for out, raw in fetched:
+            if self.feed.resolve(out.group_id, out.outcome):
+                self.log.info("group_replaced", group_id=out.group_id, outcome=out.outcome, reason=out.reason)
+            with contextlib.suppress(Exception):
+                await raw.ack()
 
     def _launch_group(self, ticket: GroupTicket) -> None:
         prompt_ids = self.prompter.prompt_ids(ticket.task)
@@ -248,6 +280,7 @@ class SchedulerService:
             self.log.warning(
                 "turn_failed", trajectory_id=traj_id, code=res.error.code, reason=res.error.message
             )
+            live.last_error = f"{res.engine_id}: {res.error.code}: {res.error.message}"
             await self._retry_or_fail(live)
             return
         self.turns += 1
@@ -260,13 +293,24 @@ class SchedulerService:
     async def _retry_or_fail(self, live: Live) -> None:
         live.retries += 1
         if live.retries > self.settings.max_turn_retries or live.pending_action is None:
-            await self._finish(live, live.traj.fail())
+            why = live.last_error or f"no engine answered within {self.settings.turn_timeout_s:g}s"
+            await self._fail(live, "engine_unavailable", f"turn {live.traj.turns}: {why}")
             return
         if live.engine_id in self.engines:
             self.engines[live.engine_id].in_flight = max(0, self.engines[live.engine_id].in_flight - 1)
         await self._send_turn(live, live.pending_action)
 
+    async def _fail(self, live: Live, code: str, message: str) -> None:
+        """Ends a trajectory the infrastructure could not carry; its group will not be trained."""
+        live.failure = ev.ErrorInfo(code=code, message=message[:500])
+        self.log.warning(
+            "trajectory_failed", trajectory_id=live.traj.trajectory_id, code=code, reason=message
+        )
+        await self._finish(live, live.traj.fail())
+
     async def _send_tool(self, live: Live, action: CallTool) -> None:
+        live.pending_tool = action
+        live.tool_attempts += 1
         live.call_id = uuid.uuid4().hex
         live.sent_at = time.monotonic()
         live.deadline = time.monotonic() + self.cfg.task.tool_timeout_s + self.settings.tool_grace_s
@@ -308,7 +352,13 @@ class SchedulerService:
             if live.call_id and live.call_id in self.by_call:
                 self.by_call.pop(live.call_id)
                 self.log.warning("tool_timeout_no_return", trajectory_id=live.traj.trajectory_id)
-                await self._tool_returned(live, "timeout", "no tool-sandbox answered in time")
+                if live.step_span is not None:
+                    live.step_span.set_attribute("libra.tool_status", "no_answer")
+                    live.step_span.end()
+                if live.tool_attempts <= self.settings.max_tool_retries and live.pending_tool:
+                    await self._send_tool(live, live.pending_tool)  # the sandbox may have died: again
+                else:
+                    await self._fail(live, "tool_sandbox_unavailable", "no tool-sandbox answered in time")
             elif live.request_id in self.by_request or (live.pending_action and not live.request_id):
                 self.by_request.pop(live.request_id, None)
                 self.log.warning(
@@ -344,13 +394,15 @@ class SchedulerService:
             finish=fin.reason,
             latency_s=latency,
             final_text=traj.texts[-1] if traj.texts else "",
+            failure=live.failure,
         )
         with tracer().start_as_current_span("score", context=trace.set_span_in_context(live.span)) as s:
             s.set_attribute("libra.reward", fin.reward)
         live.span.set_attribute("libra.finish", fin.reason)
         live.span.set_attribute("libra.reward", fin.reward)
         live.span.set_attribute("libra.turns", traj.turns)
-        for attempt in range(5):
+        attempt = 0
+        while True:  # not completed until JetStream has it: the msg id makes every resend safe
             try:
                 await self.bus.publish_durable(
                     subjects.TRAJ_COMPLETED,
@@ -359,13 +411,15 @@ class SchedulerService:
                     ctx=trace.set_span_in_context(live.span),
                 )
                 break
-            except Exception as err:  # JetStream briefly unavailable: the msg id makes resends safe
+            except Exception as err:
+                attempt += 1
                 self.log.warning(
                     "publish_retry", trajectory_id=traj.trajectory_id, error=str(err), attempt=attempt
                 )
-                await asyncio.sleep(0.5 * (attempt + 1))
+                await asyncio.sleep(min(0.5 * attempt, 5.0))
         live.span.end()
         self.completed += 1
+        self.failed += live.failure is not None
         self.rewards.append(fin.reward)
         self.log.info(
             "trajectory_completed",

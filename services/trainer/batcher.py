@@ -57,7 +57,7 @@ class GroupBuffer(Generic[H]):
             return Admission("redelivered")
         pending = Pending(traj, [handle], context)
         if traj.group_id in self._dropped or self.is_stale(traj, version):
-            return Admission("stale", [pending, *self._drop(traj.group_id)])
+            return Admission("stale", [pending, *self.drop(traj.group_id)])
         self.groups.setdefault(traj.group_id, {})[traj.trajectory_id] = pending
         return Admission("buffered")
 
@@ -73,7 +73,7 @@ class GroupBuffer(Generic[H]):
             if len(members) < first.group_size:
                 continue
             if any(self.is_stale(p.traj, version) for p in members.values()):
-                stale.extend(self._drop(gid))
+                stale.extend(self.drop(gid))
                 continue
             ready.append(gid)
         if len(ready) < n:
@@ -94,7 +94,8 @@ class GroupBuffer(Generic[H]):
         self.groups.clear()
         return out
 
-    def _drop(self, group_id: str) -> list[Pending[H]]:
+    def drop(self, group_id: str) -> list[Pending[H]]:
+        """Removes a group for good: later members of it are released as stale."""
         self._dropped[group_id] = None
         while len(self._dropped) > self._remember:
             self._dropped.popitem(last=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
@@ -67,7 +68,8 @@ class TrainerService:
         self.done_published = False
         self._last_resync = float("-inf")
         self._leader: bool | None = None
-        self.counts = {"trained": 0, "duplicate": 0, "stale": 0, "invalid": 0}
+        self.decided: OrderedDict[str, None] = OrderedDict()
+        self.counts = {"trained": 0, "duplicate": 0, "stale": 0, "invalid": 0, "failed": 0}
 
     @property
     def version(self) -> int:
@@ -78,6 +80,7 @@ class TrainerService:
         return self.learner.state.step >= self.run.training.steps
 
     async def open_consumer(self) -> None:
+        await self.bus.ensure_stream("GROUPS", [subjects.GROUP_OUTCOME])
         stream = await self.bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
         self.psub = await self.bus.pull_consumer(
             subjects.TRAJ_COMPLETED, durable="trainer", stream=stream, ack_wait_s=self.settings.ack_wait_s
@@ -179,12 +182,17 @@ class TrainerService:
         in_redis = await self._known_in_redis([t.trajectory_id for t, _ in fetched])
         for (traj, raw), known in zip(fetched, in_redis, strict=True):
             tid = traj.trajectory_id
+            if traj.HasField("failure") and traj.failure.code and traj.group_id:
+                self.counts["failed"] += 1
+                self.log.info("trajectory_failed", trajectory_id=tid, code=traj.failure.code)
+                await self._drop_group(traj.group_id, "failed", f"{tid}: {traj.failure.message}", [raw])
+                continue
             try:
                 validate(traj, self.learner.vocab_size)
             except InvalidMessage as err:
                 self.counts["invalid"] += 1
                 await self.bus.report_error(raw.subject, err.code, f"trajectory {tid!r}: {err}")
-                await _settle(raw.term())
+                await _settle(raw.term())  # changes nothing else: a forged one must not cost a real group
                 continue
             if known or tid in self.learner.state.trained_ids:
                 self.counts["duplicate"] += 1
@@ -203,8 +211,45 @@ class TrainerService:
             self.log.warning("trained_set_unavailable", error=str(err))
             return [False] * len(ids)
 
+    async def _drop_group(self, group_id: str, outcome: str, reason: str, extra: list[Msg]) -> None:
+        """Drops a group that cannot be trained (acking what arrived of it) and reports its outcome."""
+        dropped = self.buffer.drop(group_id)
+        for p in dropped:
+            for h in p.handles:
+                await _settle(h.ack())
+        for raw in extra:
+            await _settle(raw.ack())
+        await self._outcome(group_id, outcome, reason, len(dropped) + len(extra))
+
+    async def _outcome(self, group_id: str, outcome: str, reason: str = "", members: int = 0) -> None:
+        """Publishes a group's one outcome; later members of a decided group change nothing."""
+        if group_id in self.decided:
+            return
+        self.decided[group_id] = None
+        while len(self.decided) > 100_000:
+            self.decided.popitem(last=False)
+        msg = ev.GroupOutcome(
+            group_id=group_id,
+            outcome=outcome,
+            reason=reason[:500],
+            trajectories=members,
+            weight_version=self.version,
+            train_step=self.learner.state.step if outcome == "trained" else 0,
+        )
+        self.log.info("group_outcome", group_id=group_id, outcome=outcome, reason=reason[:200])
+        for attempt in range(5):
+            try:
+                await self.bus.publish_durable(subjects.GROUP_OUTCOME, msg, msg_id=f"{group_id}:{outcome}")
+                return
+            except Exception as err:  # JetStream briefly away: the msg id makes a resend safe
+                self.log.warning("outcome_publish_retry", group_id=group_id, error=str(err))
+                await asyncio.sleep(0.5 * (attempt + 1))
+        self.log.error("outcome_publish_failed", group_id=group_id, outcome=outcome)
+
     async def _drop_stale(self, pendings: list[Pending[Msg]]) -> None:
+        groups: dict[str, int] = {}
         for p in pendings:
+            groups[p.traj.group_id] = groups.get(p.traj.group_id, 0) + 1
             self.counts["stale"] += 1
             self.log.info(
                 "trajectory_stale",
@@ -214,6 +259,8 @@ class TrainerService:
             )
             for h in p.handles:
                 await _settle(h.ack())
+        for gid, members in groups.items():
+            await self._outcome(gid, "stale", f"older than max_staleness at version {self.version}", members)
 
     async def _hand_back(self, pendings: list[Pending[Msg]]) -> None:
         """Naks un-trained deliveries so JetStream redelivers them now rather than after ack_wait."""
@@ -247,6 +294,8 @@ class TrainerService:
             if not await self._record_commit(ids, str(path)):
                 await self._hand_back(pendings)
                 return
+            for g in groups:
+                await self._outcome(g[0].traj.group_id, "trained", members=len(g))
             for p in pendings:
                 for h in p.handles:
                     await _settle(h.ack())

@@ -139,6 +139,10 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
         assert report["all_engines_on_final_version"], report["engines"]
         assert report["services_not_stopped"] == []
         assert Path(report["report_path"]).exists()
+        # every launched group accounted for by the trainer's outcomes; what was not trained, replaced
+        outcomes = report["group_outcomes"]
+        assert outcomes["trained"] == cfg.training.steps * cfg.training.groups_per_step, outcomes
+        assert report["groups_replaced"] == sum(n for o, n in outcomes.items() if o != "trained")
     assert first["report_path"] != second["report_path"]
     assert (tmp_path / "latest" / "report.json").resolve() == Path(second["report_path"]).resolve()
     # one set of services served both jobs

@@ -174,7 +174,7 @@ async def test_trainer_trains_once_pushes_and_resumes(
 
     store = OwnershipStore.from_url(redis_server.url, run_id)
     bus = await Bus.connect(nats_server.url, run_id, "test", "test-0")
-    received: dict[str, list[Any]] = {"metrics": [], "weights": [], "errors": []}
+    received: dict[str, list[Any]] = {"metrics": [], "weights": [], "errors": [], "outcomes": []}
 
     async def collect(kind: str, msg_type: type) -> None:
         async def cb(raw: Any) -> None:
@@ -184,7 +184,13 @@ async def test_trainer_trains_once_pushes_and_resumes(
 
         await bus.nc.subscribe(bus.subject(subj[kind]), cb=cb)
 
-    subj = {"metrics": subjects.TRAIN_METRICS, "weights": subjects.WEIGHTS_UPDATED, "errors": subjects.ERRORS}
+    subj = {
+        "metrics": subjects.TRAIN_METRICS,
+        "weights": subjects.WEIGHTS_UPDATED,
+        "errors": subjects.ERRORS,
+        "outcomes": subjects.GROUP_OUTCOME,
+    }
+    await collect("outcomes", ev.GroupOutcome)
     await collect("metrics", ev.TrainMetrics)
     await collect("weights", ev.WeightsUpdated)
     await collect("errors", ev.ErrorEvent)
@@ -199,7 +205,7 @@ async def test_trainer_trains_once_pushes_and_resumes(
     first = make_group(model, "g0", 2, seed=1) + make_group(model, "g1", 2, seed=2)
     second = make_group(model, "g2", 2, seed=3) + make_group(model, "g3", 2, seed=4)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    del model
+    model_for_failures = model
 
     for t in first:
         await publish(t)
@@ -210,6 +216,12 @@ async def test_trainer_trains_once_pushes_and_resumes(
     bad.trajectory_id = "bad-0"
     bad.segments[1].logprobs.pop()
     await publish(bad)
+    # a group one of whose trajectories the infrastructure ended: never trained, reported failed
+    infra = make_group(model_for_failures, "gf", 2, seed=9)
+    infra[1].failure.CopyFrom(ev.ErrorInfo(code="engine_unavailable", message="no engine answered"))
+    del infra[1].segments[1:]  # ended before its first turn: the prompt only
+    for t in infra:
+        await publish(t)
 
     # the planner's part: lease the trainer role (the trainer renews it) and publish the plan
     lease = await store.acquire(TRAINER_ROLE, TRAINER_ID, 30)
@@ -278,6 +290,14 @@ async def test_trainer_trains_once_pushes_and_resumes(
         await eventually(lambda: _true(received["weights"]), what="WeightsUpdated")
         wu = received["weights"][0]
         assert wu.version == 1 and wu.checksum == push.header.checksum and wu.engines == [f"127.0.0.1:{port}"]
+
+        await eventually(lambda: _true(len(received["outcomes"]) >= 3), what="three group outcomes")
+        outcomes = {o.group_id: o for o in received["outcomes"]}
+        assert outcomes["gf"].outcome == "failed" and "no engine answered" in outcomes["gf"].reason
+        assert outcomes["gf"].trajectories == 2  # both members acked, neither trained
+        assert (outcomes["g0"].outcome, outcomes["g0"].train_step) == ("trained", 1)
+        assert outcomes["g1"].outcome == "trained"
+        assert not {"gf-0", "gf-1"} & await trained_ids()
 
         await eventually(lambda: _true(len(received["errors"]) >= 2), what="two error events")
         assert {e.error.code for e in received["errors"]} >= {"malformed", "invalid"}

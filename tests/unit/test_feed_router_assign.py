@@ -55,3 +55,20 @@ def test_static_assigner_roles_and_buckets() -> None:
     t2 = a.assign("t2", "trainer", "", slots)
     assert t2 is not None and t2.role == "standby"
     assert a.assign("x", "mystery", "", slots) is None
+
+
+def test_feed_replaces_every_group_that_was_not_trained() -> None:
+    feed = TaskFeed(arithmetic_tasks(5, 0), groups_per_step=2, max_staleness=0, total_steps=2)
+    first = feed.take(trained_version=0)
+    assert [t.index for t in first] == [0, 1] and feed.take(0) == []
+    assert not feed.resolve(first[0].group_id, "trained")
+    assert feed.resolve(first[1].group_id, "failed")  # replaced: a new group within the same budget
+    assert not feed.resolve(first[1].group_id, "failed")  # an outcome counts once
+    assert not feed.resolve("g99999-forged", "stale")  # and only for groups this feed launched
+    again = feed.take(trained_version=0)
+    assert [t.index for t in again] == [2] and again[0].group_id not in {t.group_id for t in first}
+    assert feed.replaced == 1 and feed.total_groups == 5
+    assert feed.outcomes == {"trained": 1, "failed": 1}
+    step2 = feed.take(trained_version=1)
+    assert len(step2) == 2 and feed.exhausted
+    assert set(feed.outstanding) == {again[0].group_id} | {t.group_id for t in step2}
