@@ -36,7 +36,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     resolve_model_dir(cfg.model)  # converted once here, so the first job starts quickly
     engines = args.engines or cfg.rollout.engines
     name = args.name or f"stack-{time.strftime('%Y%m%d-%H%M%S')}"
-    stack = Stack(name, ROOT / "runs" / name / "logs", args.otlp_endpoint)
+    stack = Stack(name, ROOT / "runs" / name / "logs", args.otlp_endpoint, max_restarts=args.max_restarts)
     stopping = {"flag": False}
 
     def on_signal(signum: int, _: object) -> None:
@@ -56,8 +56,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"state in {STACK_FILE}; Ctrl-C or `libra down` stops everything.", flush=True)
         while not stopping["flag"]:
             time.sleep(0.5)
+            restarted = stack.supervise()
+            for svc in restarted:
+                n = stack.restarts[svc]
+                print(f"service {svc} died; restarted ({n}/{stack.max_restarts})", file=sys.stderr)
+            if restarted:
+                STACK_FILE.write_text(json.dumps(stack.state(), indent=2))
             for svc, code in stack.dead().items():
-                print(f"service {svc} exited with code {code}; stopping the stack", file=sys.stderr)
+                print(
+                    f"service {svc} exited with code {code} and is not restarted again; stopping the stack",
+                    file=sys.stderr,
+                )
                 stopping["flag"] = True
                 break
     finally:
@@ -93,8 +102,10 @@ def cmd_status(_: argparse.Namespace) -> int:
         return 1
     print(f"stack {data['name']}  nats {data['nats_url']}  redis {data['redis_url']}")
     procs: dict[str, int] = {**data["services"], **data["infra"]}  # type: ignore[dict-item]
+    restarts: dict[str, int] = data.get("restarts") or {}  # type: ignore[assignment]
     for name, pid in procs.items():
-        print(f"  {name:<18} pid {pid:<8} {'running' if pid_alive(int(pid)) else 'exited'}")
+        state = "running" if pid_alive(int(pid)) else "exited"
+        print(f"  {name:<18} pid {pid:<8} {state:<8} restarts {restarts.get(name, 0)}")
     return 0
 
 
@@ -104,7 +115,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     path, cfg = _load(args.config)
     assert isinstance(cfg, RunConfig)
-    report = run_job(path, cfg, run_id=args.run_id, timeout_s=args.timeout, otlp_endpoint=args.otlp_endpoint)
+    report = run_job(
+        path,
+        cfg,
+        run_id=args.run_id,
+        timeout_s=args.timeout,
+        otlp_endpoint=args.otlp_endpoint,
+        max_restarts=args.max_restarts,
+    )
     keys = ["status", "wall_s", "trajectories_completed", "trajectories_per_s", "train_steps"]
     keys.append("final_weight_version")
     print("\n".join(f"{k:<24} {report[k]}" for k in keys))
@@ -145,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         help="sizes the stack (rollout.engines) and prepares its model; jobs bring their own config",
     )
     up.add_argument("--engines", type=int, help="rollout engines to start (default: the config's)")
+    up.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restart a service that dies, with backoff, up to this many times (0: never)",
+    )
     up.add_argument("--name", help="stack name (default: stack-<time>); logs go to runs/<name>/logs")
     up.add_argument("--otlp-endpoint", help="send traces to this OTLP gRPC endpoint (e.g. Jaeger's :4317)")
     up.set_defaults(fn=cmd_up)
@@ -164,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         "the config's job.stall_timeout_s)",
     )
     run.add_argument("--otlp-endpoint", help="embedded stack only: send traces to this OTLP endpoint")
+    run.add_argument(
+        "--max-restarts", type=int, default=5, help="embedded stack only: restarts of a service that dies"
+    )
     run.set_defaults(fn=cmd_run)
     sub.add_parser("sim", help="discrete-event simulator (see `libra sim --help`)")
     sub.add_parser("sandbox", help="run one tool call in the sandbox (see `libra sandbox --help`)")

@@ -120,6 +120,7 @@ class JobDriver:
         self.statuses: dict[str, ev.WorkerStatus] = {}
         self.seen: dict[str, float] = {}
         self.elsewhere: dict[str, float] = {}
+        self.rejoined: dict[str, int] = {}
         self.targets: dict[str, ev.WorkerStatus] = {}
         self.progress = Progress()
         self.stats: ev.SchedulerStats | None = None
@@ -185,7 +186,15 @@ class JobDriver:
         for name, code in self.stack.dead().items():
             tail = self.stack.log_tail(name)
             how = f"exited with code {code}" if code is not None else "exited"
-            raise JobEnded("failed", f"service {name} {how}; last log lines:\n{tail}")
+            n = self.stack.restarts.get(name, 0)
+            after = (
+                f" (after {n} restart(s); no more)"
+                if n
+                else " (restarts are off)"
+                if not self.stack.max_restarts
+                else ""
+            )
+            raise JobEnded("failed", f"service {name} {how}{after}; last log lines:\n{tail}")
 
     async def _choose_workers(self) -> None:
         """Picks idle services for the job: one planner, scheduler and trainer, every tool sandbox and
@@ -220,7 +229,7 @@ class JobDriver:
         raise JobEnded("failed", f"could not start the job: {problem}")
 
     async def _submit(self) -> None:
-        spec = ev.JobSpec(
+        self.spec = spec = ev.JobSpec(
             run_id=self.run_id,
             config_yaml=self.config_path.read_text(),
             config_name=str(self.config_path),
@@ -255,8 +264,13 @@ class JobDriver:
         try:
             while True:
                 await asyncio.sleep(1.0)
+                if self.stack.procs:
+                    for name in self.stack.supervise():
+                        print(f"service {name} died and was restarted", file=sys.stderr)
+                else:
+                    self.stack.refresh()
                 self._fail_if_dead()
-                self._check_participants()
+                await self._check_participants()
                 await self._poll()
                 p = self.progress
                 bar.n = p.committed_step
@@ -284,7 +298,7 @@ class JobDriver:
         finally:
             bar.close()
 
-    def _check_participants(self) -> None:
+    async def _check_participants(self) -> None:
         now = time.monotonic()
         for wid in self.targets:
             st = self.statuses.get(wid)
@@ -294,9 +308,32 @@ class JobDriver:
                 self.elsewhere.pop(wid, None)
             elif now - self.elsewhere.setdefault(wid, now) > 3 * control.HEARTBEAT_S:
                 # a heartbeat sent just before the start can arrive after it: only a lasting one counts
-                raise JobEnded("failed", f"{wid} is no longer running the job (state {st.state})")
+                await self._rejoin(wid, st)
             if now - self.seen.get(wid, now) > LIVENESS_S:
                 raise JobEnded("failed", f"{wid} stopped answering (no heartbeat for {LIVENESS_S:.0f}s)")
+
+    async def _rejoin(self, wid: str, st: ev.WorkerStatus) -> None:
+        """A participant that came back idle (restarted by its supervisor) is given the job again.
+
+        Not the scheduler: its feed cursor and in-flight trajectories live in its memory, so a
+        restarted scheduler cannot resume the job yet.
+        """
+        if st.state != "idle" or st.service == "scheduler":
+            why = "restarted, and a scheduler's in-flight state is not recoverable yet"
+            raise JobEnded(
+                "failed",
+                f"{wid} is no longer running the job (state {st.state or 'unknown'}): "
+                + (why if st.service == "scheduler" and st.state == "idle" else f"it runs {st.run_id!r}"),
+            )
+        acks = await control.command(self.nc, control.JOB_START, self.spec, [wid], timeout_s=15)
+        ack = acks.get(wid)
+        if ack is None or not ack.ok:
+            reason = f"{ack.error.code}: {ack.error.message}" if ack is not None else "no answer"
+            raise JobEnded("failed", f"{wid} came back but did not rejoin the job ({reason})")
+        self.rejoined[wid] = self.rejoined.get(wid, 0) + 1
+        self.elsewhere.pop(wid, None)
+        self.statuses.pop(wid, None)
+        print(f"{wid} came back and rejoined the job", file=sys.stderr)
 
     async def _poll(self) -> None:
         stats = None
@@ -413,6 +450,8 @@ class JobDriver:
             "groups_replaced": stats.groups_replaced,
             "group_outcomes": dict(stats.group_outcomes),
             "services": {wid: st.pid for wid, st in sorted(self.targets.items())},
+            "restarts": {n: c for n, c in sorted(self.stack.restarts.items()) if n in self.targets},
+            "rejoined": dict(sorted(self.rejoined.items())),
             "stack": self.stack.name,
             "logs": str(self.stack.log_dir),
             "nats_url": self.stack.nats_url,
@@ -446,6 +485,7 @@ def run_job(
     progress: bool = True,
     extra_env: dict[str, str] | None = None,
     stack: Stack | None = None,
+    max_restarts: int = 5,
 ) -> dict[str, Any]:
     """Runs one job on `stack`, on the stack `libra up` started, or on an embedded stack of its own,
     and writes its report whatever the outcome."""
@@ -462,7 +502,11 @@ def run_job(
             print(f"run {run_id} on the stack {stack.name} (libra up)", file=sys.stderr)
         else:
             stack = Stack(
-                f"embedded-{run_id}", runs_dir / run_id / "logs", otlp_endpoint, dict(extra_env or {})
+                f"embedded-{run_id}",
+                runs_dir / run_id / "logs",
+                otlp_endpoint,
+                dict(extra_env or {}),
+                max_restarts=max_restarts,
             )
             stack.start_infra()
             stack.start_services(cfg.rollout.engines)

@@ -52,18 +52,36 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
     """Services of a stack another process supervises (`libra up`), watched by pid only."""
+    max_restarts: int = 5
+    """Restarts of one service before the stack gives up on it (0: never restart)."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    gave_up: dict[str, int | None] = field(default_factory=dict)
+    """Services that died once too often (or with restarts off), with their last exit code."""
+    _modules: dict[str, str] = field(default_factory=dict)
+    _due: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def attach(cls, state: dict[str, object]) -> Stack:
         """The stack `libra up` described in its stack file: used, never stopped, by this process."""
         services = state.get("services")
+        restarts, gave_up = state.get("restarts"), state.get("gave_up")
         return cls(
             name=str(state["name"]),
             log_dir=Path(str(state["logs"])),
             nats_url=str(state["nats_url"]),
             redis_url=str(state["redis_url"]),
             pids={str(k): int(v) for k, v in services.items()} if isinstance(services, dict) else {},
+            restarts={str(k): int(v) for k, v in restarts.items()} if isinstance(restarts, dict) else {},
+            gave_up=dict(gave_up) if isinstance(gave_up, dict) else {},
         )
+
+    def refresh(self) -> None:
+        """An attached stack re-reads the supervisor's file: restarted services have new pids."""
+        state = read_stack_file()
+        if self.procs or state is None or state.get("name") != self.name:
+            return
+        fresh = Stack.attach(state)
+        self.pids, self.restarts, self.gave_up = fresh.pids, fresh.restarts, fresh.gave_up
 
     def start_infra(self, reuse: dict[str, str] | None = None) -> None:
         """Starts nats-server and Redis on free loopback ports, or adopts the URLs of a running stack."""
@@ -99,22 +117,55 @@ class Stack:
 
     def start_services(self, n_engines: int) -> None:
         for worker_id, module in service_commands(n_engines):
-            log = open(self.log_dir / f"{worker_id}.log", "ab")
-            self.procs[worker_id] = subprocess.Popen(
-                [sys.executable, "-m", module],
-                cwd=ROOT,
-                env=self.env(worker_id),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
+            self._modules[worker_id] = module
+            self._spawn(worker_id)
+
+    def _spawn(self, worker_id: str) -> None:
+        log = open(self.log_dir / f"{worker_id}.log", "ab")
+        self.procs[worker_id] = subprocess.Popen(
+            [sys.executable, "-m", self._modules[worker_id]],
+            cwd=ROOT,
+            env=self.env(worker_id),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+
+    def supervise(self) -> list[str]:
+        """Restarts services that died, after a backoff of 1, 2, 4, … s (at most 30 s), up to
+        `max_restarts` times each, as compose's restart policy and Kubernetes do. Returns the
+        services restarted by this call; those it gave up on are in `gave_up`."""
+        restarted = []
+        now = time.monotonic()
+        for name, p in list(self.procs.items()):
+            code = p.poll()
+            if code is None or name in self.gave_up:
+                continue
+            n = self.restarts.get(name, 0)
+            if n >= self.max_restarts:
+                self.gave_up[name] = code
+                continue
+            due = self._due.setdefault(name, now + min(30.0, 2.0**n))
+            if now < due:
+                continue
+            self._due.pop(name)
+            self.restarts[name] = n + 1
+            self._spawn(name)
+            restarted.append(name)
+        return restarted
 
     def dead(self) -> dict[str, int | None]:
-        """Services that exited, with their exit codes (None when another process supervises them)."""
-        out: dict[str, int | None] = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
-        out.update({n: None for n, pid in self.pids.items() if not pid_alive(pid)})
-        return out
+        """Services that exited and stay down: all of them without supervision, else those the
+        supervisor gave up on (exit code None when another process supervises them)."""
+        if self.pids:
+            out: dict[str, int | None] = dict(self.gave_up)
+            if not read_stack_file():  # the supervisor itself is gone
+                out.update({n: None for n, pid in self.pids.items() if not pid_alive(pid)})
+            return out
+        if self.max_restarts > 0:
+            return dict(self.gave_up)
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
 
     def log_tail(self, worker_id: str, lines: int = 20) -> str:
         path = self.log_dir / f"{worker_id}.log"
@@ -146,6 +197,8 @@ class Stack:
             "redis_url": self.redis_url,
             "supervisor_pid": os.getpid(),
             "services": {n: p.pid for n, p in self.procs.items()},
+            "restarts": dict(self.restarts),
+            "gave_up": dict(self.gave_up),
             "infra": infra,
             "logs": str(self.log_dir),
             "started_at": time.time(),

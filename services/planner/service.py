@@ -46,8 +46,14 @@ class PlannerService:
             hello.kind in ("rollout-engine", "trainer", "tool-sandbox", "scheduler"),
             f"unknown kind {hello.kind!r}",
         )
-        if hello.worker_id in self.slots:
-            return
+        known = self.slots.get(hello.worker_id)
+        if known is not None:
+            if not hello.weight_sync_addr or hello.weight_sync_addr == known.weight_sync_addr:
+                return
+            # the same engine id at a new address: it restarted. Its lease moves to a new token, so
+            # the plan changes and the scheduler re-sends what the old process had in flight.
+            self.slots.pop(hello.worker_id)
+            self.log.info("worker_restarted", worker_id=hello.worker_id, addr=hello.weight_sync_addr)
         slot = self.assigner.assign(
             hello.worker_id,
             hello.kind,

@@ -67,6 +67,7 @@ class SchedulerService:
         self.log = get_logger(component="scheduler")
         self.feed = build_feed(cfg)
         self.engines: dict[str, EngineView] = {}
+        self.engine_tokens: dict[str, int] = {}
         self.live: dict[str, Live] = {}
         self.by_request: dict[str, str] = {}
         self.by_call: dict[str, str] = {}
@@ -100,9 +101,16 @@ class SchedulerService:
 
     async def _on_plan(self, plan: ev.Plan) -> None:
         current = {a.worker_id: a for a in plan.assignments if a.role in ("rollout", "hybrid")}
-        gone = [wid for wid in self.engines if wid not in current]
+        # an engine that left the plan, or came back under a new lease (it restarted), has lost
+        # whatever turns it was running
+        gone = [
+            wid
+            for wid in self.engines
+            if wid not in current or current[wid].fencing_token != self.engine_tokens.get(wid)
+        ]
         for wid in gone:
             self.engines.pop(wid)
+        self.engine_tokens = {wid: a.fencing_token for wid, a in current.items()}
         for wid, a in current.items():
             view = self.engines.setdefault(wid, EngineView(wid, a.bucket))
             view.bucket = a.bucket

@@ -69,6 +69,7 @@ class TrainerService:
         self._last_resync = float("-inf")
         self._leader: bool | None = None
         self.decided: OrderedDict[str, None] = OrderedDict()
+        self.stepping: list[Pending[Msg]] = []
         self.counts = {"trained": 0, "duplicate": 0, "stale": 0, "invalid": 0, "failed": 0}
 
     @property
@@ -89,6 +90,7 @@ class TrainerService:
     async def run_until(self, stop: asyncio.Event) -> None:
         if not await self._await_assignment(stop):
             return
+        self.bus.spawn(self._keep_deliveries())
         try:
             while not stop.is_set():
                 if not self.finished:
@@ -101,6 +103,16 @@ class TrainerService:
                     await self._resync()
         finally:
             await self._hand_back(self.buffer.drain())
+
+    async def _keep_deliveries(self) -> None:
+        """Tells JetStream that every delivery this trainer holds (buffered, or in the step being
+        trained) is still being worked on, so only a dead trainer's deliveries are redelivered."""
+        while True:
+            await asyncio.sleep(self.settings.ack_wait_s / 3)
+            held = [p for g in self.buffer.groups.values() for p in g.values()] + self.stepping
+            for p in held:
+                for h in p.handles:
+                    await _settle(h.in_progress())
 
     async def _await_assignment(self, stop: asyncio.Event) -> bool:
         waited = 0.0
@@ -269,9 +281,19 @@ class TrainerService:
                 await _settle(h.nak())
 
     async def _step(self, groups: list[list[Pending[Msg]]], stop: asyncio.Event) -> None:
-        from services.trainer.step import StepAborted  # torch: loaded by now, with the learner
 
         pendings = [p for g in groups for p in g]
+        self.stepping = pendings
+        try:
+            await self._step_groups(groups, pendings, stop)
+        finally:
+            self.stepping = []
+
+    async def _step_groups(
+        self, groups: list[list[Pending[Msg]]], pendings: list[Pending[Msg]], stop: asyncio.Event
+    ) -> None:
+        from services.trainer.step import StepAborted  # torch: loaded by now, with the learner
+
         links = []
         for p in pendings:
             sc = trace.get_current_span(p.context).get_span_context()

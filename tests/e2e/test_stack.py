@@ -202,8 +202,8 @@ def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path
 
 
 def test_a_killed_service_fails_the_job_with_a_report(tiny_model: Any, tmp_path: Path) -> None:
-    """No restarts: the scheduler is killed mid-job and the report says so (on a stack of its own)."""
-    own = Stack(f"e2e-kill-{int(time.time())}", tmp_path / "logs")
+    """Restarts off: the scheduler is killed mid-job and the report says so (on a stack of its own)."""
+    own = Stack(f"e2e-kill-{int(time.time())}", tmp_path / "logs", max_restarts=0)
     own.start_infra()
     try:
         own.start_services(load_run_config(TINY).rollout.engines)
@@ -220,6 +220,7 @@ def test_a_killed_service_fails_the_job_with_a_report(tiny_model: Any, tmp_path:
         own.stop()
     assert report["status"] == "failed"
     assert "scheduler" in report["reason"] and "-9" in report["reason"], report["reason"]
+    assert "restarts are off" in report["reason"]
     assert report["train_steps"] < 50
     assert (tmp_path / f"job-killed-{RUN}" / "report.json").exists()
     assert not [p for p in report["services"].values() if pid_alive(p)], "orphan service processes"
