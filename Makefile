@@ -31,6 +31,9 @@ run: $(STAMP) ## Run the default agentic RL job on an embedded local stack (writ
 test: $(STAMP) ## Run unit, integration and e2e tests (real nats-server, redis-server, gRPC, tiny model)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+chaos: $(STAMP) ## Kill -9 each service in turn mid-job; the job must complete, every group trained once
+	$(PY) -m pytest -q -s tests/e2e/test_chaos.py
+
 lint: $(STAMP) ## ruff format check, ruff check, mypy on services/ and tools/
 	$(VENV)/bin/ruff format --check services tools tests
 	$(VENV)/bin/ruff check services tools tests

@@ -48,6 +48,7 @@ class Progress:
     committed_step: int = 0
     committed_version: int = 0
     checkpoint: str = ""
+    trained_twice: int = 0
     completed: int = 0
     in_flight: int = 0
     last_change: float = field(default_factory=time.monotonic)
@@ -60,6 +61,7 @@ class Progress:
         self.committed_step, self.completed = step, done
         self.committed_version = int(committed.get("version", 0))
         self.checkpoint = committed.get("checkpoint", "")
+        self.trained_twice = int(committed.get("trained_twice", 0))
         if stats is not None:
             self.in_flight = stats.trajectories_in_flight
 
@@ -121,6 +123,7 @@ class JobDriver:
         self.seen: dict[str, float] = {}
         self.elsewhere: dict[str, float] = {}
         self.rejoined: dict[str, int] = {}
+        self.pids: dict[str, int] = {}
         self.targets: dict[str, ev.WorkerStatus] = {}
         self.progress = Progress()
         self.stats: ev.SchedulerStats | None = None
@@ -218,6 +221,7 @@ class JobDriver:
                 chosen = [by_kind[k][0] for k in ("planner", "scheduler", "trainer")]
                 chosen += by_kind["tool-sandbox"] + engines[:need_engines]
                 self.targets = {st.worker_id: st for st in chosen}
+                self.pids = {st.worker_id: st.pid for st in chosen}
                 now = time.monotonic()
                 self.seen = dict.fromkeys(self.targets, now)
                 return
@@ -306,25 +310,22 @@ class JobDriver:
                 raise JobEnded("failed", f"{wid} failed the job ({st.error.code}): {st.error.message}")
             if st is None or st.run_id == self.run_id:
                 self.elsewhere.pop(wid, None)
-            elif now - self.elsewhere.setdefault(wid, now) > 3 * control.HEARTBEAT_S:
-                # a heartbeat sent just before the start can arrive after it: only a lasting one counts
+            elif (
+                st.pid != self.pids.get(wid)
+                or now - self.elsewhere.setdefault(wid, now) > 3 * control.HEARTBEAT_S
+            ):
+                # a new process (restarted) at once; otherwise only a lasting state counts, as a
+                # heartbeat sent just before the start can arrive after it
                 await self._rejoin(wid, st)
+                self.pids[wid] = st.pid
             if now - self.seen.get(wid, now) > LIVENESS_S:
                 raise JobEnded("failed", f"{wid} stopped answering (no heartbeat for {LIVENESS_S:.0f}s)")
 
     async def _rejoin(self, wid: str, st: ev.WorkerStatus) -> None:
-        """A participant that came back idle (restarted by its supervisor) is given the job again.
-
-        Not the scheduler: its feed cursor and in-flight trajectories live in its memory, so a
-        restarted scheduler cannot resume the job yet.
-        """
-        if st.state != "idle" or st.service == "scheduler":
-            why = "restarted, and a scheduler's in-flight state is not recoverable yet"
-            raise JobEnded(
-                "failed",
-                f"{wid} is no longer running the job (state {st.state or 'unknown'}): "
-                + (why if st.service == "scheduler" and st.state == "idle" else f"it runs {st.run_id!r}"),
-            )
+        """A participant that came back idle (restarted by its supervisor) is given the job again;
+        it resumes from the job's durable state (the trainer's checkpoint, the scheduler's ledger)."""
+        if st.state != "idle":
+            raise JobEnded("failed", f"{wid} is no longer running the job: it runs {st.run_id!r}")
         acks = await control.command(self.nc, control.JOB_START, self.spec, [wid], timeout_s=15)
         ack = acks.get(wid)
         if ack is None or not ack.ok:
@@ -429,12 +430,14 @@ class JobDriver:
             "train_steps": p.committed_step,
             "final_weight_version": p.committed_version,
             "checkpoint": p.checkpoint,
+            "trajectories_trained_twice": p.trained_twice,
             "engines": engines,
             "all_engines_on_final_version": bool(engines)
             and all(e.get("weight_version") == p.committed_version for e in engines),
             "reward_mean_per_step": [round(m.reward_mean, 4) for m in trained],
             "loss_per_step": [round(m.loss, 5) for m in trained],
             "step_s": [round(m.step_s, 2) for m in trained],
+            "trajectories_per_step": [m.trajectories for m in trained],
             "weight_push": [
                 {
                     "version": w.version,

@@ -104,8 +104,10 @@ def start_redis(data_dir: Path, log_file: Path | None = None, port: int | None =
             str(port),
             "--save",
             "",
-            "--appendonly",
-            "no",
+            "--appendonly",  # fence counters, trained ids and commit records survive a restart
+            "yes",
+            "--appendfsync",
+            "everysec",
             "--dir",
             str(data_dir),
         ],

@@ -95,10 +95,15 @@ class Membership:
             await asyncio.sleep(0.5 if not self.assigned.is_set() else LEASE_TTL_S / 3)
 
     async def _renew_loop(self) -> None:
+        first = True
         while True:
-            await asyncio.sleep(LEASE_TTL_S / 4)
+            if not first:  # a restarted worker renews the lease it finds in the plan at once
+                await asyncio.sleep(LEASE_TTL_S / 4)
+            first = False
             a = self.assignment
             if a is None:
+                await asyncio.sleep(0.2)
+                first = True
                 continue
             lease = Lease(lease_resource(a.role, a.worker_id), a.worker_id, a.fencing_token)
             try:

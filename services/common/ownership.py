@@ -44,7 +44,9 @@ local n = tonumber(ARGV[2])
 local fields = {}
 for i = 3, 2 + 2 * n do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
-for i = 3 + 2 * n, #ARGV do redis.call('SADD', KEYS[3], ARGV[i]) end
+local twice = 0
+for i = 3 + 2 * n, #ARGV do twice = twice + 1 - redis.call('SADD', KEYS[3], ARGV[i]) end
+if twice > 0 then redis.call('HINCRBY', KEYS[2], 'trained_twice', twice) end
 return 1
 """
 
@@ -117,13 +119,18 @@ class OwnershipStore:
         self, resource: str, token: int, record: dict[str, str | int], trained: set[str]
     ) -> bool:
         """Writes the commit record and adds `trained` to the trained set, atomically, only while
-        `token` still holds the lease on `resource`: a trainer that lost its lease commits nothing."""
+        `token` still holds the lease on `resource`: a trainer that lost its lease commits nothing.
+        Ids already in the set add to the record's `trained_twice` (the report's count of them)."""
         args: list[str | int] = [token, len(record)]
         for k, v in record.items():
             args += [k, v]
         args += sorted(trained)
         keys = [self._key(resource), committed_key(self.run_id), trained_key(self.run_id)]
         return bool(await self._commit(keys=keys, args=args))
+
+    async def committed(self) -> dict[str, str]:
+        """The trainer's commit record of this run (empty before its first committed step)."""
+        return {str(k): str(v) for k, v in (await self.r.hgetall(committed_key(self.run_id))).items()}
 
     async def close(self) -> None:
         await self.r.aclose()

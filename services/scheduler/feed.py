@@ -43,12 +43,30 @@ class TaskFeed:
         limit = (trained_version + self.max_staleness + 1) * self.groups_per_step + self.replaced
         return max(0, min(limit, self.total_groups) - self.launched)
 
+    def ticket(self, index: int) -> GroupTicket:
+        """The group launched at position `index` (deterministic: the same index, the same group)."""
+        task = self.tasks[index % len(self.tasks)]
+        return GroupTicket(group_id=f"g{index:05d}-{task.prompt_id}", task=task, index=index)
+
+    def restore(
+        self,
+        *,
+        launched: int,
+        replaced: int,
+        total_groups: int,
+        outstanding: list[int],
+        outcomes: dict[str, int],
+    ) -> list[GroupTicket]:
+        """Continues from an earlier scheduler's cursor; returns the groups still outstanding."""
+        self.launched, self.replaced, self.total_groups = launched, replaced, total_groups
+        self.outcomes = dict(outcomes)
+        self.outstanding = {t.group_id: t for t in (self.ticket(i) for i in sorted(outstanding))}
+        return list(self.outstanding.values())
+
     def take(self, trained_version: int) -> list[GroupTicket]:
         out = []
         for _ in range(self.budget(trained_version)):
-            i = self.launched
-            task = self.tasks[i % len(self.tasks)]
-            ticket = GroupTicket(group_id=f"g{i:05d}-{task.prompt_id}", task=task, index=i)
+            ticket = self.ticket(self.launched)
             out.append(ticket)
             self.outstanding[ticket.group_id] = ticket
             self.launched += 1

@@ -8,7 +8,9 @@ import contextlib
 import time
 import uuid
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import trace
 
@@ -25,6 +27,7 @@ from services.common.tracing import tracer
 from services.scheduler.agent import STOP_STRINGS, observation
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.feed import GroupTicket, build_feed
+from services.scheduler.ledger import Ledger
 from services.scheduler.prompting import Prompter
 from services.scheduler.router import EngineView, pick_least_loaded
 from services.scheduler.trajectory import Action, CallTool, Finish, Generate, Trajectory
@@ -68,6 +71,7 @@ class SchedulerService:
         self.feed = build_feed(cfg)
         self.engines: dict[str, EngineView] = {}
         self.engine_tokens: dict[str, int] = {}
+        self._committed_checked = float("-inf")
         self.live: dict[str, Live] = {}
         self.by_request: dict[str, str] = {}
         self.by_call: dict[str, str] = {}
@@ -78,6 +82,7 @@ class SchedulerService:
         self.rewards: list[float] = []
         self.tool_statuses: Counter[str] = Counter()
         self.started = time.monotonic()
+        self.ledger = Ledger(store.r, common.run_id)
         self.membership = Membership(
             bus,
             store,
@@ -96,6 +101,7 @@ class SchedulerService:
         await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_engine_load)
         await self.bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self._on_weights)
         await self.bus.subscribe(subjects.SCHEDULER_STATS, ev.StatsRequest, self._on_stats)
+        await self._resume()
         await self.membership.start()
         self.bus.spawn(self._loop())
 
@@ -180,9 +186,59 @@ class SchedulerService:
             ):
                 continue
             await self._consume_outcomes()
-            for ticket in self.feed.take(self.trained_version):
+            if time.monotonic() - self._committed_checked > 2.0:
+                await self._check_committed()
+            tickets = self.feed.take(self.trained_version)
+            if tickets:
+                await self._durably(self.ledger.launched(self.feed, tickets))
+            for ticket in tickets:
                 self._launch_group(ticket)
             await self._watchdog()
+
+    async def _check_committed(self) -> None:
+        """The trainer's commit record is the floor of the trained version: a `weights.updated`
+        missed while this scheduler was down (core NATS keeps none) costs a few seconds, not the job."""
+        self._committed_checked = time.monotonic()
+        try:
+            version = int((await self.store.committed()).get("version", 0))
+        except Exception as err:
+            self.log.warning("commit_record_unavailable", error=str(err))
+            return
+        if version > self.trained_version:
+            self.trained_version = version
+            self.log.info("policy_version", version=version, source="commit_record")
+
+    async def _durably(self, write: Any) -> None:
+        """A ledger write; if Redis is away the run goes on, only a restart could not resume it."""
+        try:
+            await write
+        except Exception as err:
+            self.log.warning("ledger_write_failed", error=f"{type(err).__name__}: {err}")
+
+    async def _resume(self) -> None:
+        """Continues an earlier scheduler's run of this job from the ledger, if there was one."""
+        state = await self.ledger.load()
+        if state is None:
+            return
+        outstanding = self.feed.restore(
+            launched=state.launched,
+            replaced=state.replaced,
+            total_groups=state.total_groups,
+            outstanding=list(state.outstanding.values()),
+            outcomes=state.outcomes,
+        )
+        self.completed, self.failed = state.completed, state.failed
+        self.trained_version = int((await self.store.committed()).get("version", 0))
+        reissued = 0
+        for ticket in outstanding:
+            reissued += self._launch_group(ticket, skip=state.published)
+        self.log.info(
+            "scheduler_resumed",
+            groups_launched=state.launched,
+            groups_outstanding=len(outstanding),
+            trajectories_reissued=reissued,
+            trained_version=self.trained_version,
+        )
 
     async def _consume_outcomes(self) -> None:
         try:
@@ -191,15 +247,25 @@ class SchedulerService:
             self.log.warning("outcome_fetch_failed", error=str(err))
             return
         for out, raw in fetched:
-            if self.feed.resolve(out.group_id, out.outcome):
-                self.log.info("group_replaced", group_id=out.group_id, outcome=out.outcome, reason=out.reason)
+            if out.group_id in self.feed.outstanding:
+                replaced = self.feed.resolve(out.group_id, out.outcome)
+                await self._durably(self.ledger.resolved(self.feed, out.group_id, out.outcome))
+                if replaced:
+                    self.log.info(
+                        "group_replaced", group_id=out.group_id, outcome=out.outcome, reason=out.reason
+                    )
             with contextlib.suppress(Exception):
                 await raw.ack()
 
-    def _launch_group(self, ticket: GroupTicket) -> None:
+    def _launch_group(self, ticket: GroupTicket, skip: Collection[str] = ()) -> int:
+        """Starts the group's trajectories (but those in `skip`, already with the trainer)."""
         prompt_ids = self.prompter.prompt_ids(ticket.task)
         size = self.cfg.task.group_size
+        launched = 0
         for i in range(size):
+            if f"{ticket.group_id}-s{i}" in skip:
+                continue
+            launched += 1
             traj = Trajectory(
                 trajectory_id=f"{ticket.group_id}-s{i}",
                 group_id=ticket.group_id,
@@ -224,6 +290,7 @@ class SchedulerService:
             bucket = self.cfg.rollout.buckets[0].name
             self.live[traj.trajectory_id] = Live(traj, span, bucket)
             self.bus.spawn(self._execute(self.live[traj.trajectory_id], traj.first_action()))
+        return launched
 
     async def _execute(self, live: Live, action: Action) -> None:
         if isinstance(action, Generate):
@@ -425,6 +492,7 @@ class SchedulerService:
                     "publish_retry", trajectory_id=traj.trajectory_id, error=str(err), attempt=attempt
                 )
                 await asyncio.sleep(min(0.5 * attempt, 5.0))
+        await self._durably(self.ledger.published(traj.trajectory_id, live.failure is not None))
         live.span.end()
         self.completed += 1
         self.failed += live.failure is not None

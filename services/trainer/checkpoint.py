@@ -36,6 +36,13 @@ def latest(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def newer_than(directory: Path, step: int) -> list[Path]:
+    """Checkpoints of steps after `step`."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if (m := _NAME.match(p.name)) and int(m.group(1)) > step)
+
+
 def save(directory: Path, state: TrainerState, model: torch.nn.Module, optimizer: Any, keep: int = 2) -> Path:
     """Writes `step_<n>.pt` atomically and prunes all but the newest `keep` checkpoints."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ class TrainerSettings(BaseSettings):
     """How long one fetch waits for trajectories; also how quickly the loop notices a shutdown."""
     resume: bool = True
     """Resume from the newest checkpoint under training.checkpoint_dir when one exists."""
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Field(2, ge=2)
     """Checkpoints kept on disk; older ones are deleted after each new one is written."""
     ack_wait_s: float = Field(60.0, gt=1.0)
     """JetStream ack wait of the trajectory consumer: a delivery not acked by then is redelivered, so

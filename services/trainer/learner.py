@@ -41,6 +41,22 @@ class Learner:
             self.resumed_from = path
         return path
 
+    def rollback(self, committed_step: int) -> Path | None:
+        """Returns to the last committed step: checkpoints past it (written, then refused by the
+        fenced commit, or left by a trainer that lost its lease) are deleted and the newest one left
+        is loaded, or the initial weights when none is."""
+        for path in checkpoint.newer_than(self.ckpt_dir, committed_step):
+            path.unlink(missing_ok=True)
+        found = checkpoint.latest(self.ckpt_dir)
+        if found is not None:
+            self.state = checkpoint.restore(found, self.model, self.optimizer)
+        else:
+            self.model = load_model(self.run.model)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.run.training.lr)
+            self.state = checkpoint.TrainerState()
+        self.resumed_from = found
+        return found
+
     def step(self, samples: Sequence[Sample], should_abort: Callable[[], bool] = lambda: False) -> StepStats:
         """Updates the weights in memory; nothing is durable until `commit`."""
         t = self.run.training

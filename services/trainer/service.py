@@ -315,6 +315,7 @@ class TrainerService:
                 raise
             if not await self._record_commit(ids, str(path)):
                 await self._hand_back(pendings)
+                await self._roll_back()
                 return
             for g in groups:
                 await self._outcome(g[0].traj.group_id, "trained", members=len(g))
@@ -338,6 +339,19 @@ class TrainerService:
             if not stop.is_set():
                 push_s, push_bytes, _ = await self._push_current()
         await self._publish_step(stats, push_s, push_bytes)
+
+    async def _roll_back(self) -> None:
+        """After a refused commit: back to the step the job's commit record holds."""
+        try:
+            step = int((await self.store.committed()).get("step", 0))
+        except Exception as err:
+            self.log.error("rollback_failed", error=str(err))
+            return
+        path = await asyncio.to_thread(self.learner.rollback, step)
+        self.packed = None
+        self.log.warning(
+            "rolled_back", step=self.learner.state.step, checkpoint=str(path or "initial weights")
+        )
 
     async def _record_commit(self, ids: set[str], checkpoint: str) -> bool:
         """Records the committed step in Redis (the job's authoritative progress) under the lease.
@@ -506,6 +520,9 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
     await membership.start()
 
     service = TrainerService(common, settings, run, learner, bus, store, membership, pusher)
+    committed = int((await store.committed()).get("step", 0))
+    if learner.state.step > committed:  # checkpoints this job never committed: not ours to resume
+        await service._roll_back()
     await service.open_consumer()
     log.info("trainer_ready", step=learner.state.step, policy_version=learner.state.version)
     await service.run_until(stop)

@@ -55,7 +55,8 @@ async def test_commit_record_is_written_only_under_the_current_token(redis_serve
         assert not await store.fenced_commit("role:trainer", a.token, {"step": 9, "version": 9}, {"z"})
         assert await store.r.hgetall(committed_key(run_id)) == {"step": "1", "version": "1"}
         assert await store.r.smembers(trained_key(run_id)) == {"x", "y"}
-        assert await store.fenced_commit("role:trainer", b.token, {"step": 2, "version": 2}, set())
-        assert (await store.r.hgetall(committed_key(run_id)))["step"] == "2"
+        assert await store.fenced_commit("role:trainer", b.token, {"step": 2, "version": 2}, {"y", "w"})
+        record = await store.committed()
+        assert record["step"] == "2" and record["trained_twice"] == "1"  # "y" was trained before
     finally:
         await store.close()
