@@ -31,7 +31,8 @@ from services.common.runconfig import RunConfig
 from tools.stack import ROOT, Stack, read_stack_file
 
 SERVICES_NEEDED = ("planner", "scheduler", "trainer", "tool-sandbox")
-LIVENESS_S = 30.0  # a participant without a heartbeat for this long has stopped
+LIVENESS_S = 30.0  # a planner, scheduler or trainer without a heartbeat for this long has stopped
+SINGLETONS = ("planner", "scheduler", "trainer")  # engines and sandboxes are many: the job goes on
 READY_S = 120.0  # how long to wait for the stack's services to be idle and reachable
 
 
@@ -124,6 +125,7 @@ class JobDriver:
         self.elsewhere: dict[str, float] = {}
         self.rejoined: dict[str, int] = {}
         self.pids: dict[str, int] = {}
+        self.silences: dict[str, float] = {}
         self.targets: dict[str, ev.WorkerStatus] = {}
         self.progress = Progress()
         self.stats: ev.SchedulerStats | None = None
@@ -318,8 +320,11 @@ class JobDriver:
                 # heartbeat sent just before the start can arrive after it
                 await self._rejoin(wid, st)
                 self.pids[wid] = st.pid
-            if now - self.seen.get(wid, now) > LIVENESS_S:
+            quiet = now - self.seen.get(wid, now)
+            if quiet > LIVENESS_S and self.targets[wid].service in SINGLETONS:
                 raise JobEnded("failed", f"{wid} stopped answering (no heartbeat for {LIVENESS_S:.0f}s)")
+            if quiet > 3 * control.HEARTBEAT_S:
+                self.silences[wid] = max(self.silences.get(wid, 0.0), quiet)
 
     async def _rejoin(self, wid: str, st: ev.WorkerStatus) -> None:
         """A participant that came back idle (restarted by its supervisor) is given the job again;
@@ -455,6 +460,7 @@ class JobDriver:
             "services": {wid: st.pid for wid, st in sorted(self.targets.items())},
             "restarts": {n: c for n, c in sorted(self.stack.restarts.items()) if n in self.targets},
             "rejoined": dict(sorted(self.rejoined.items())),
+            "longest_silence_s": {w: round(q, 1) for w, q in sorted(self.silences.items())},
             "stack": self.stack.name,
             "logs": str(self.stack.log_dir),
             "nats_url": self.stack.nats_url,

@@ -85,6 +85,7 @@ class RolloutEngineService:
         self._serving_role = asyncio.Event()
         self._sub: Any = None
         self._closed = False
+        self.holding: set[str] = set()
 
     async def start(self, stop: asyncio.Event) -> None:
         """Loads the model, opens the servers and waits for an assignment (or `stop`)."""
@@ -163,7 +164,9 @@ class RolloutEngineService:
             raise
         task = asyncio.create_task(self._serve_turn(req, gen, env.context, received))
         self._turns.add(task)
+        self.holding.add(req.request_id)
         task.add_done_callback(self._turns.discard)
+        task.add_done_callback(lambda _: self.holding.discard(req.request_id))
 
     async def _serve_turn(
         self, req: ev.TurnRequest, gen: GenRequest, parent: otel_context.Context, received: float
@@ -244,6 +247,7 @@ class RolloutEngineService:
             tokens_per_s=tokens_per_s,
             weight_version=self.engine.version,
             weight_sync_addr=self.weight_sync_addr,
+            request_ids=sorted(self.holding),
         )
 
     async def _load_loop(self) -> None:

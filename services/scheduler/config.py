@@ -17,6 +17,9 @@ class SchedulerSettings(BaseSettings):
     """Re-sends of one turn before the trajectory ends with finish=error."""
     tool_grace_s: float = Field(15.0, gt=0)
     """Extra seconds beyond the tool's own timeout before the scheduler records a timeout itself."""
+    lost_turn_grace_s: float = Field(2.0, gt=0)
+    """A turn sent this recently may not be in the engine's load report yet; older ones missing from
+    two reports in a row were lost and are re-sent."""
     max_tool_retries: int = Field(1, ge=0)
     """Re-sends of a tool call that no sandbox answered before the trajectory fails (never trained)."""
     engine_wait_s: float = Field(300.0, gt=0)

@@ -46,6 +46,7 @@ class Live:
     engine_id: str = ""
     deadline: float = 0.0
     sent_at: float = 0.0
+    missing: int = 0
     retries: int = 0
     pending_action: Generate | None = None
     pending_tool: CallTool | None = None
@@ -131,8 +132,26 @@ class SchedulerService:
 
     async def _on_engine_load(self, load: ev.EngineLoad, _: Envelope) -> None:
         view = self.engines.get(load.engine_id)
-        if view is not None:
-            view.reported_waiting = load.waiting
+        if view is None:
+            return
+        view.reported_waiting = load.waiting
+        # a turn the engine does not hold, two reports in a row, was lost on the way there or back
+        # (a NATS restart, a dropped message): re-sent now rather than after the turn timeout
+        held = set(load.request_ids)
+        now = time.monotonic()
+        for live in list(self.live.values()):
+            if live.engine_id != load.engine_id or live.request_id not in self.by_request:
+                continue
+            if live.request_id in held or now - live.sent_at < self.settings.lost_turn_grace_s:
+                live.missing = 0
+                continue
+            live.missing += 1
+            if live.missing >= 2 and live.pending_action is not None:
+                self.by_request.pop(live.request_id, None)
+                view.in_flight = max(0, view.in_flight - 1)
+                self.log.warning("turn_lost", trajectory_id=live.traj.trajectory_id, engine_id=load.engine_id)
+                live.missing = 0
+                await self._send_turn(live, live.pending_action)
 
     async def _on_weights(self, msg: ev.WeightsUpdated, _: Envelope) -> None:
         if msg.version > self.trained_version:

@@ -249,14 +249,24 @@ class TrainerService:
             train_step=self.learner.state.step if outcome == "trained" else 0,
         )
         self.log.info("group_outcome", group_id=group_id, outcome=outcome, reason=reason[:200])
-        for attempt in range(5):
+        self.bus.spawn(self._publish_outcome(msg))
+
+    async def _publish_outcome(self, msg: ev.GroupOutcome) -> None:
+        """Until JetStream has it (the feed replaces a group only on its outcome); in the background,
+        so a NATS outage does not stop training. The msg id makes every resend safe."""
+        attempt = 0
+        while True:
             try:
-                await self.bus.publish_durable(subjects.GROUP_OUTCOME, msg, msg_id=f"{group_id}:{outcome}")
+                await self.bus.publish_durable(
+                    subjects.GROUP_OUTCOME, msg, msg_id=f"{msg.group_id}:{msg.outcome}"
+                )
                 return
-            except Exception as err:  # JetStream briefly away: the msg id makes a resend safe
-                self.log.warning("outcome_publish_retry", group_id=group_id, error=str(err))
-                await asyncio.sleep(0.5 * (attempt + 1))
-        self.log.error("outcome_publish_failed", group_id=group_id, outcome=outcome)
+            except Exception as err:
+                attempt += 1
+                self.log.warning(
+                    "outcome_publish_retry", group_id=msg.group_id, error=str(err), attempt=attempt
+                )
+                await asyncio.sleep(min(0.5 * attempt, 5.0))
 
     async def _drop_stale(self, pendings: list[Pending[Msg]]) -> None:
         groups: dict[str, int] = {}

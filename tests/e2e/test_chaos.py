@@ -18,7 +18,7 @@ import yaml
 
 from services.common import control
 from services.common.bus import close_nats
-from services.common.ownership import trained_key
+from services.common.ownership import committed_key, trained_key
 from services.common.runconfig import load_run_config
 from tools.runner import run_job
 from tools.stack import ROOT, Stack
@@ -26,11 +26,12 @@ from tools.stack import ROOT, Stack
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 VICTIMS = ["rollout-engine-0", "tool-sandbox", "trainer", "planner", "scheduler"]
+PAUSED = {"rollout-engine-1": 20.0, "trainer": 15.0}  # SIGSTOP for longer than the 10 s lease
 
 
 def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_path: Path) -> None:
     data = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
-    data["training"].update(steps=40, checkpoint_dir=str(tmp_path / "ckpt" / "{run_id}"))
+    data["training"].update(steps=60, checkpoint_dir=str(tmp_path / "ckpt" / "{run_id}"))
     config = tmp_path / "chaos.yaml"
     config.write_text(yaml.safe_dump(data))
     cfg = load_run_config(config)
@@ -38,6 +39,12 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
     # a dead trainer's deliveries come back after the ack wait: short here, so the test is short
     stack = Stack(run_id, tmp_path / "logs", extra_env={"LIBRA_TRAINER_ACK_WAIT_S": "6"}, max_restarts=3)
     events: list[tuple[str, str, float]] = []
+
+    def report_steps() -> int:
+        return int(
+            redis.Redis.from_url(stack.redis_url, decode_responses=True).hget(committed_key(run_id), "step")
+            or 0
+        )
 
     async def chaos() -> None:
         nc = await control.connect(stack.nats_url, "chaos")
@@ -61,6 +68,19 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
                         return
                     await asyncio.sleep(0.2)
                 events.append((victim, "rejoined", time.monotonic() - killed))
+            for victim, pause in PAUSED.items():  # hung, not dead: the lease expires, work moves on
+                await asyncio.sleep(3.0)
+                before = report_steps()
+                os.kill(stack.procs[victim].pid, signal.SIGSTOP)
+                await asyncio.sleep(pause)
+                os.kill(stack.procs[victim].pid, signal.SIGCONT)
+                resumed = time.monotonic()
+                while report_steps() <= before + 1:  # two more steps after it is back
+                    if time.monotonic() - resumed > 90:
+                        events.append((f"{victim} paused", "job never moved on", time.monotonic() - resumed))
+                        return
+                    await asyncio.sleep(0.2)
+                events.append((f"{victim} paused", "rejoined", time.monotonic() - resumed))
         finally:
             await close_nats(nc)
 
@@ -80,16 +100,20 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
     rejoined = {v: s for v, what, s in events if what == "rejoined"}
     groups = cfg.training.steps * cfg.training.groups_per_step
     trained_twice = report["trajectories_trained_twice"]  # from the fenced commit script
-    print("\nfault (kill -9 mid-job)      back in the job after")
+    print("\nfault (mid-job)                          recovered after")
     for victim in VICTIMS:
         back = f"{rejoined[victim]:.1f} s" if victim in rejoined else "never"
-        print(f"  {victim:<26} {back}")
+        print(f"  kill -9 {victim:<30} {back} (back in the job)")
+    for victim, pause in PAUSED.items():
+        back = f"{rejoined[victim + ' paused']:.1f} s" if victim + " paused" in rejoined else "never"
+        print(f"  SIGSTOP {victim} {pause:.0f} s{'':<{20 - len(victim)}} {back} (2 more steps after SIGCONT)")
     print(
         f"job {report['status']} in {report['wall_s']:.0f} s; trained ids {trained} of "
         f"{groups * cfg.task.group_size}; trained twice {trained_twice}; "
         f"groups replaced {report['groups_replaced']}; restarts {report['restarts']}"
     )
-    assert set(rejoined) == set(VICTIMS), events  # every kill happened while the job ran
+    faults = set(VICTIMS) | {f"{v} paused" for v in PAUSED}
+    assert set(rejoined) == faults, events  # every fault happened while the job ran, and it moved on
     assert report["status"] == "completed", report["reason"]
     assert report["train_steps"] == cfg.training.steps
     assert report["all_engines_on_final_version"], report["engines"]
