@@ -167,6 +167,23 @@ class Bus:
         headers["Nats-Msg-Id"] = msg_id
         await self.js.publish(self.subject(suffix), msg.SerializeToString(), headers=headers, timeout=10)
 
+    async def publish_durable_until_stored(
+        self, suffix: str, msg: Message, *, msg_id: str, ctx: otel_context.Context | None = None
+    ) -> None:
+        """`publish_durable`, retried with a backoff of 0.5 s per attempt (at most 5 s) until JetStream
+        has stored it: for what must never be lost (completed trajectories, group outcomes)."""
+        attempt = 0
+        while True:
+            try:
+                await self.publish_durable(suffix, msg, msg_id=msg_id, ctx=ctx)
+                return
+            except Exception as err:  # JetStream away (NATS restarting): the msg id makes resends safe
+                attempt += 1
+                self.log.warning(
+                    "publish_retry", subject=suffix, msg_id=msg_id, error=str(err), attempt=attempt
+                )
+                await asyncio.sleep(min(0.5 * attempt, 5.0))
+
     async def pull_consumer(
         self, suffix: str, durable: str, stream: str, *, ack_wait_s: float = 300.0
     ) -> Any:

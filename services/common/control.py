@@ -25,7 +25,7 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.common.bus import close_nats, decode
+from services.common.bus import M, close_nats, decode
 from services.common.config import CommonSettings, ConfigFileError, load_settings
 from services.common.contracts import ev
 from services.common.errors import MalformedMessage
@@ -149,11 +149,17 @@ class JobAgent:
             with contextlib.suppress(Exception):
                 await self.nc.publish(msg.reply, self.status().SerializeToString())
 
-    async def _on_start(self, msg: Msg) -> None:
+    def _decoded(self, msg: Msg, msg_type: type[M]) -> M | None:
+        """The message, or None (logged) when it is not one: the agent serves on."""
         try:
-            spec = decode(ev.JobSpec, msg.data)
+            return decode(msg_type, msg.data)
         except MalformedMessage as err:
             self.log.warning("message_rejected", subject=msg.subject, code=err.code, reason=str(err))
+            return None
+
+    async def _on_start(self, msg: Msg) -> None:
+        spec = self._decoded(msg, ev.JobSpec)
+        if spec is None:
             return
         if spec.targets and self.worker_id not in spec.targets:
             return
@@ -209,10 +215,8 @@ class JobAgent:
             self.log.info("job_finished")
 
     async def _on_stop(self, msg: Msg) -> None:
-        try:
-            spec = decode(ev.JobStop, msg.data)
-        except MalformedMessage as err:
-            self.log.warning("message_rejected", subject=msg.subject, code=err.code, reason=str(err))
+        spec = self._decoded(msg, ev.JobStop)
+        if spec is None:
             return
         job = self.job
         if job is not None and job.spec.run_id == spec.run_id:

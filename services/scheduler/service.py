@@ -495,22 +495,13 @@ class SchedulerService:
         live.span.set_attribute("libra.finish", fin.reason)
         live.span.set_attribute("libra.reward", fin.reward)
         live.span.set_attribute("libra.turns", traj.turns)
-        attempt = 0
-        while True:  # not completed until JetStream has it: the msg id makes every resend safe
-            try:
-                await self.bus.publish_durable(
-                    subjects.TRAJ_COMPLETED,
-                    msg,
-                    msg_id=traj.trajectory_id,
-                    ctx=trace.set_span_in_context(live.span),
-                )
-                break
-            except Exception as err:
-                attempt += 1
-                self.log.warning(
-                    "publish_retry", trajectory_id=traj.trajectory_id, error=str(err), attempt=attempt
-                )
-                await asyncio.sleep(min(0.5 * attempt, 5.0))
+        # not completed until JetStream has it
+        await self.bus.publish_durable_until_stored(
+            subjects.TRAJ_COMPLETED,
+            msg,
+            msg_id=traj.trajectory_id,
+            ctx=trace.set_span_in_context(live.span),
+        )
         await self._durably(self.ledger.published(traj.trajectory_id, live.failure is not None))
         live.span.end()
         self.completed += 1

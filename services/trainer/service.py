@@ -254,19 +254,9 @@ class TrainerService:
     async def _publish_outcome(self, msg: ev.GroupOutcome) -> None:
         """Until JetStream has it (the feed replaces a group only on its outcome); in the background,
         so a NATS outage does not stop training. The msg id makes every resend safe."""
-        attempt = 0
-        while True:
-            try:
-                await self.bus.publish_durable(
-                    subjects.GROUP_OUTCOME, msg, msg_id=f"{msg.group_id}:{msg.outcome}"
-                )
-                return
-            except Exception as err:
-                attempt += 1
-                self.log.warning(
-                    "outcome_publish_retry", group_id=msg.group_id, error=str(err), attempt=attempt
-                )
-                await asyncio.sleep(min(0.5 * attempt, 5.0))
+        await self.bus.publish_durable_until_stored(
+            subjects.GROUP_OUTCOME, msg, msg_id=f"{msg.group_id}:{msg.outcome}"
+        )
 
     async def _drop_stale(self, pendings: list[Pending[Msg]]) -> None:
         groups: dict[str, int] = {}
