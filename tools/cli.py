@@ -51,6 +51,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         STACK_FILE.write_text(json.dumps(stack.state(), indent=2))
         print(f"Libra stack {name} up, idle: submit jobs with `libra run CONFIG`")
         print(f"  nats   {stack.nats_url}\n  redis  {stack.redis_url}\n  logs   {stack.log_dir}")
+        print(f"  credentials  {stack.credentials.root if stack.credentials else 'none'} (mode 0700)")
         for svc, p in stack.procs.items():
             print(f"  {svc:<18} pid {p.pid}")
         print(f"state in {STACK_FILE}; Ctrl-C or `libra down` stops everything.", flush=True)
@@ -101,6 +102,7 @@ def cmd_status(_: argparse.Namespace) -> int:
         print("no stack is up")
         return 1
     print(f"stack {data['name']}  nats {data['nats_url']}  redis {data['redis_url']}")
+    print(f"  credentials {data.get('secrets') or 'none'}")
     procs: dict[str, int] = {**data["services"], **data["infra"]}  # type: ignore[dict-item]
     restarts: dict[str, int] = data.get("restarts") or {}  # type: ignore[assignment]
     for name, pid in procs.items():
@@ -136,6 +138,19 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"what is stuck: see 'stuck' in {report['report_path']}", file=sys.stderr)
     print(f"report: {report['report_path']}")
     return 0 if report["status"] == "completed" and report["all_engines_on_final_version"] else 1
+
+
+def cmd_credentials(args: argparse.Namespace) -> int:
+    import yaml
+
+    from services.common.credentials import generate, k8s_secrets
+
+    creds = generate(Path(args.dir), owner_uid=args.owner)
+    if args.k8s_namespace:
+        print(yaml.safe_dump_all(k8s_secrets(creds, args.k8s_namespace), sort_keys=False), end="")
+    else:
+        print(f"credentials in {creds.root} (one directory per identity; nats/ and redis/ configs)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         "--max-restarts", type=int, default=5, help="embedded stack only: restarts of a service that dies"
     )
     run.set_defaults(fn=cmd_run)
+    creds = sub.add_parser(
+        "credentials",
+        help="write a stack's credentials to DIR (kept if already there; `libra up` does this itself), "
+        "or print them as Kubernetes Secrets",
+    )
+    creds.add_argument("dir", help="where the credentials live (created mode 0700)")
+    creds.add_argument("--owner", type=int, help="hand the services' files to this uid (run as root)")
+    creds.add_argument("--k8s-namespace", help="print the credentials as Secrets of this namespace")
+    creds.set_defaults(fn=cmd_credentials)
     sub.add_parser("sim", help="discrete-event simulator (see `libra sim --help`)")
     sub.add_parser("sandbox", help="run one tool call in the sandbox (see `libra sandbox --help`)")
     args = p.parse_args(argv)

@@ -26,8 +26,10 @@ from typing import Any
 from services.common import control, subjects
 from services.common.bus import Bus, Envelope, close_nats
 from services.common.contracts import ev, ws, ws_grpc
-from services.common.ownership import committed_key
+from services.common.grpc_auth import bearer_metadata
+from services.common.ownership import committed_key, trained_key
 from services.common.runconfig import RunConfig
+from services.scheduler.ledger import read_accounting
 from tools.stack import ROOT, Stack, read_stack_file
 
 SERVICES_NEEDED = ("planner", "scheduler", "trainer", "tool-sandbox")
@@ -67,7 +69,7 @@ class Progress:
             self.in_flight = stats.trajectories_in_flight
 
 
-async def engine_versions(engines: list[ev.WorkerStatus]) -> list[dict[str, Any]]:
+async def engine_versions(engines: list[ev.WorkerStatus], token: str | None = None) -> list[dict[str, Any]]:
     """Asks every engine of the job, over gRPC, which weight version it serves."""
     import grpc
 
@@ -84,7 +86,9 @@ async def engine_versions(engines: list[ev.WorkerStatus]) -> list[dict[str, Any]
         else:
             try:
                 async with grpc.aio.insecure_channel(addr) as ch:
-                    info = await ws_grpc.WeightSyncStub(ch).GetVersion(ws.VersionRequest(), timeout=10)
+                    info = await ws_grpc.WeightSyncStub(ch).GetVersion(
+                        ws.VersionRequest(), timeout=10, metadata=bearer_metadata(token)
+                    )
                 entry.update(weight_version=info.version, checksum=info.checksum)
             except grpc.RpcError as err:
                 entry.update(weight_version=None, error=str(err.code()))
@@ -133,9 +137,12 @@ class JobDriver:
     async def run(self) -> dict[str, Any]:
         import redis.asyncio as aioredis
 
-        self.nc = await control.connect(self.stack.nats_url, f"cli:{os.getpid()}:control")
-        self.bus = await Bus.connect(self.stack.nats_url, self.run_id, "cli", f"cli-{os.getpid()}")
-        self.redis = aioredis.from_url(self.stack.redis_url, decode_responses=True)
+        auth = self.stack.nats_auth("cli")
+        self.nc = await control.connect(self.stack.nats_url, f"cli:{os.getpid()}:control", auth)
+        self.bus = await Bus.connect(self.stack.nats_url, self.run_id, "cli", f"cli-{os.getpid()}", auth)
+        self.redis = aioredis.from_url(
+            self.stack.redis_url, decode_responses=True, password=self.stack.redis_password()
+        )
         start = time.monotonic()
         status, reason, stuck = "failed", "", None
         submitted = False
@@ -359,7 +366,7 @@ class JobDriver:
         return [self.statuses.get(w, st) for w, st in self.targets.items() if st.service == "rollout-engine"]
 
     async def _engines_final(self) -> bool:
-        versions = await engine_versions(self._engines())
+        versions = await engine_versions(self._engines(), self.stack.grpc_token())
         return all(e.get("weight_version") == self.progress.committed_version for e in versions)
 
     async def _stuck(self) -> dict[str, Any]:
@@ -391,7 +398,7 @@ class JobDriver:
         out["services"] = {
             wid: {"state": st.state, **dict(st.detail)} for wid, st in sorted(self.statuses.items())
         }
-        out["engines"] = await engine_versions(self._engines())
+        out["engines"] = await engine_versions(self._engines(), self.stack.grpc_token())
         return out
 
     async def _report(
@@ -414,7 +421,8 @@ class JobDriver:
             with contextlib.suppress(Exception):
                 await self._poll()
         trained = per_step(self.metrics, p.committed_step)
-        engines = await engine_versions(self._engines()) if self.targets else []
+        accounting = await read_accounting(self.redis, self.run_id, trained_key(self.run_id))
+        engines = await engine_versions(self._engines(), self.stack.grpc_token()) if self.targets else []
         stats = self.stats or ev.SchedulerStats()
         report: dict[str, Any] = {
             "run_id": self.run_id,
@@ -436,6 +444,14 @@ class JobDriver:
             "final_weight_version": p.committed_version,
             "checkpoint": p.checkpoint,
             "trajectories_trained_twice": p.trained_twice,
+            "trajectories_lost": len(accounting.lost),
+            "trajectories_accounting": {
+                "handed_to_trainer": accounting.published,
+                "trained": accounting.trained,
+                "dropped_stale_or_failed": accounting.dropped,
+                "open_at_end": accounting.open_at_end,
+                "lost_ids": accounting.lost[:20],
+            },
             "engines": engines,
             "all_engines_on_final_version": bool(engines)
             and all(e.get("weight_version") == p.committed_version for e in engines),
@@ -458,7 +474,11 @@ class JobDriver:
             "groups_replaced": stats.groups_replaced,
             "group_outcomes": dict(stats.group_outcomes),
             "services": {wid: st.pid for wid, st in sorted(self.targets.items())},
-            "restarts": {n: c for n, c in sorted(self.stack.restarts.items()) if n in self.targets},
+            "restarts": {
+                n: c
+                for n, c in sorted(self.stack.restarts.items())
+                if n in self.targets or n in ("nats-server", "redis-server")
+            },
             "rejoined": dict(sorted(self.rejoined.items())),
             "longest_silence_s": {w: round(q, 1) for w, q in sorted(self.silences.items())},
             "stack": self.stack.name,

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.credentials import SERVICES, NatsAuth, StackCredentials
+from services.common.credentials import generate as generate_credentials
 from services.common.localstack import Server, die_with_parent, start_nats, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +29,11 @@ def service_commands(n_engines: int) -> list[tuple[str, str]]:
     cmds += [(f"rollout-engine-{i}", "services.rollout_engine") for i in range(n_engines)]
     cmds += [("trainer", "services.trainer"), ("scheduler", "services.scheduler")]
     return cmds
+
+
+def identity_of(worker_id: str) -> str:
+    """The credentials identity of a worker: its service kind (rollout-engine-3 → rollout-engine)."""
+    return next((s for s in SERVICES if worker_id == s or worker_id.startswith(s + "-")), worker_id)
 
 
 def pid_alive(pid: int) -> bool:
@@ -49,6 +56,8 @@ class Stack:
     redis: Server | None = None
     nats_url: str = ""
     redis_url: str = ""
+    credentials: StackCredentials | None = None
+    """Where this stack's secrets are (services/common/credentials.py); None: no auth (tests)."""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
     """Services of a stack another process supervises (`libra up`), watched by pid only."""
@@ -70,6 +79,7 @@ class Stack:
             log_dir=Path(str(state["logs"])),
             nats_url=str(state["nats_url"]),
             redis_url=str(state["redis_url"]),
+            credentials=StackCredentials(Path(str(state["secrets"]))) if state.get("secrets") else None,
             pids={str(k): int(v) for k, v in services.items()} if isinstance(services, dict) else {},
             restarts={str(k): int(v) for k, v in restarts.items()} if isinstance(restarts, dict) else {},
             gave_up=dict(gave_up) if isinstance(gave_up, dict) else {},
@@ -83,16 +93,28 @@ class Stack:
         fresh = Stack.attach(state)
         self.pids, self.restarts, self.gave_up = fresh.pids, fresh.restarts, fresh.gave_up
 
-    def start_infra(self, reuse: dict[str, str] | None = None) -> None:
-        """Starts nats-server and Redis on free loopback ports, or adopts the URLs of a running stack."""
+    def start_infra(self) -> None:
+        """Generates the stack's credentials and starts nats-server (users with per-service
+        permissions) and Redis (password) on free loopback ports."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if reuse:
-            self.nats_url, self.redis_url = reuse["nats_url"], reuse["redis_url"]
-            return
         data = STATE_DIR / "data" / self.name
-        self.nats = start_nats(data / "nats", self.log_dir / "nats-server.log")
-        self.redis = start_redis(data / "redis", self.log_dir / "redis-server.log")
+        self.credentials = generate_credentials(data / "secrets")
+        self.nats = start_nats(
+            data / "nats", self.log_dir / "nats-server.log", config=self.credentials.nats_conf
+        )
+        self.redis = start_redis(
+            data / "redis", self.log_dir / "redis-server.log", config=self.credentials.redis_conf
+        )
         self.nats_url, self.redis_url = self.nats.url, self.redis.url
+
+    def nats_auth(self, identity: str = "cli") -> NatsAuth | None:
+        return self.credentials.nats_auth(identity) if self.credentials else None
+
+    def redis_password(self) -> str | None:
+        return self.credentials.redis_password() if self.credentials else None
+
+    def grpc_token(self) -> str | None:
+        return self.credentials.weight_sync_token() if self.credentials else None
 
     def env(self, worker_id: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -110,6 +132,11 @@ class Stack:
         )
         if self.otlp_endpoint:
             env["LIBRA_OTLP_ENDPOINT"] = self.otlp_endpoint
+        for name in ("LIBRA_SECRETS_DIR", "LIBRA_NATS_USER", "LIBRA_NATS_PASSWORD", "LIBRA_REDIS_PASSWORD"):
+            env.pop(name, None)  # never the caller's: each service gets only its own
+        env.pop("LIBRA_WEIGHT_SYNC_TOKEN", None)
+        if self.credentials is not None:
+            env["LIBRA_SECRETS_DIR"] = str(self.credentials.identity_dir(identity_of(worker_id)))
         env.pop("LIBRA_CONFIG", None)  # no pinned job: the services wait for jobs on the control plane
         env.pop("LIBRA_RUN_ID", None)
         env.update(self.extra_env)
@@ -136,7 +163,7 @@ class Stack:
         """Restarts services that died, after a backoff of 1, 2, 4, … s (at most 30 s), up to
         `max_restarts` times each, as compose's restart policy and Kubernetes do. Returns the
         services restarted by this call; those it gave up on are in `gave_up`."""
-        restarted = []
+        restarted = self._supervise_infra()
         now = time.monotonic()
         for name, p in list(self.procs.items()):
             code = p.poll()
@@ -152,6 +179,29 @@ class Stack:
             self._due.pop(name)
             self.restarts[name] = n + 1
             self._spawn(name)
+            restarted.append(name)
+        return restarted
+
+    def _supervise_infra(self) -> list[str]:
+        """nats-server and Redis come back at once on the same port, data and credentials (every
+        service waits on them); their restarts count like a service's."""
+        restarted = []
+        for srv in (self.nats, self.redis):
+            if srv is None or srv.proc.poll() is None:
+                continue
+            name = f"{srv.name}-server"
+            n = self.restarts.get(name, 0)
+            if name in self.gave_up:
+                continue
+            if n >= self.max_restarts:
+                self.gave_up[name] = srv.proc.returncode
+                continue
+            self.restarts[name] = n + 1
+            try:
+                srv.restart()
+            except (OSError, TimeoutError):
+                self.gave_up[name] = srv.proc.poll()
+                continue
             restarted.append(name)
         return restarted
 
@@ -195,6 +245,7 @@ class Stack:
             "name": self.name,
             "nats_url": self.nats_url,
             "redis_url": self.redis_url,
+            "secrets": str(self.credentials.root) if self.credentials else None,
             "supervisor_pid": os.getpid(),
             "services": {n: p.pid for n, p in self.procs.items()},
             "restarts": dict(self.restarts),

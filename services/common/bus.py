@@ -23,7 +23,8 @@ from opentelemetry import context as otel_context
 
 from services.common import subjects
 from services.common.contracts import ev
-from services.common.errors import LibraError, MalformedMessage
+from services.common.credentials import NatsAuth
+from services.common.errors import CredentialsRefused, LibraError, MalformedMessage
 from services.common.logging import get_logger
 from services.common.tracing import extract_context, inject_headers
 
@@ -42,6 +43,45 @@ class Envelope:
 
 
 Handler = Callable[[Any, Envelope], Awaitable[Message | None]]
+
+
+async def connect_nats(url: str, name: str, auth: NatsAuth | None = None) -> NATS:
+    """Connects for good: waits for a NATS that is not up yet and reconnects forever (a restarting
+    NATS comes back), with the stack's user and password when it has credentials. Credentials the
+    server refuses are a configuration error at once, not a silent retry loop."""
+    log = get_logger(component="bus")
+    refused = asyncio.Event()
+
+    async def on_error(e: Exception) -> None:
+        log.warning("nats_error", error=str(e))
+        if "authorization violation" in str(e).lower():
+            refused.set()
+
+    creds = {"user": auth.user, "password": auth.password} if auth else {}
+    connecting = asyncio.ensure_future(
+        nats.connect(
+            url,
+            name=name,
+            connect_timeout=5,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            error_cb=on_error,
+            **creds,
+        )
+    )
+    refusal = asyncio.ensure_future(refused.wait())
+    await asyncio.wait({connecting, refusal}, return_when=asyncio.FIRST_COMPLETED)
+    refusal.cancel()
+    if connecting.done():
+        return connecting.result()
+    connecting.cancel()
+    with contextlib.suppress(BaseException):
+        await connecting
+    who = f"user {auth.user!r}" if auth else "a client without credentials"
+    raise CredentialsRefused(
+        f"NATS at {url} refused {who}: set LIBRA_SECRETS_DIR (or LIBRA_NATS_USER/LIBRA_NATS_PASSWORD) "
+        "to this stack's credentials"
+    )
 
 
 def decode(msg_type: type[M], data: bytes) -> M:
@@ -65,21 +105,10 @@ class Bus:
         self.rejected = 0
 
     @classmethod
-    async def connect(cls, url: str, run_id: str, service: str, worker_id: str) -> Bus:
-        log = get_logger(component="bus")
-
-        async def on_error(e: Exception) -> None:
-            log.warning("nats_error", error=str(e))
-
-        nc = await nats.connect(
-            url,
-            name=f"{service}:{worker_id}",
-            connect_timeout=5,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            error_cb=on_error,
-        )
-        return cls(nc, run_id, service, worker_id)
+    async def connect(
+        cls, url: str, run_id: str, service: str, worker_id: str, auth: NatsAuth | None = None
+    ) -> Bus:
+        return cls(await connect_nats(url, f"{service}:{worker_id}", auth), run_id, service, worker_id)
 
     def subject(self, *parts: str) -> str:
         return subjects.subject(self.run_id, *parts)

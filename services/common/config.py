@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.common.credentials import NatsAuth
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -32,6 +36,26 @@ class CommonSettings(BaseSettings):
     """OTLP gRPC endpoint (e.g. http://jaeger:4317); unset keeps spans in-process only."""
     worker_id: str | None = None
     """Stable id of this process; defaults to <service>-<hostname>-<pid>."""
+    nats_user: str | None = None
+    """NATS user (the stack's credentials name one per service); unset connects without auth."""
+    nats_password: SecretStr | None = None
+    """NATS password of `nats_user`."""
+    redis_password: SecretStr | None = None
+    """Redis password (`requirepass`); unset connects without one."""
+    weight_sync_token: SecretStr | None = None
+    """Bearer token of the WeightSync gRPC service (distinct from the trainer's fencing token);
+    engines refuse calls without it when set."""
+
+    def nats_auth(self) -> NatsAuth | None:
+        if self.nats_user is None or self.nats_password is None:
+            return None
+        return NatsAuth(self.nats_user, self.nats_password.get_secret_value())
+
+    def redis_secret(self) -> str | None:
+        return self.redis_password.get_secret_value() if self.redis_password else None
+
+    def grpc_token(self) -> str | None:
+        return self.weight_sync_token.get_secret_value() if self.weight_sync_token else None
 
 
 class ConfigFileError(SystemExit):
@@ -55,7 +79,14 @@ class SettingsError(ConfigFileError):
 
 
 def load_settings(cls: type[S], **overrides: Any) -> S:
-    """Builds `cls` from the environment; a bad value exits with a clear message, never a traceback."""
+    """Builds `cls` from the environment, and from the files in LIBRA_SECRETS_DIR (one file per
+    setting, named like its variable, as Kubernetes and compose mount secrets); a bad value exits
+    with a clear message, never a traceback."""
+    secrets_dir = os.environ.get("LIBRA_SECRETS_DIR")
+    if secrets_dir:
+        if not Path(secrets_dir).is_dir():
+            raise ConfigFileError(f"LIBRA_SECRETS_DIR={secrets_dir} is not a directory")
+        overrides.setdefault("_secrets_dir", secrets_dir)
     try:
         return cls(**overrides)
     except ValidationError as err:

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.common.bus import M, close_nats, decode
+from services.common.bus import connect_nats as connect
 from services.common.config import CommonSettings, ConfigFileError, load_settings
 from services.common.contracts import ev
 from services.common.errors import MalformedMessage
@@ -47,22 +47,6 @@ _detail: dict[str, str] = {}
 def set_detail(**values: object) -> None:
     """What the running job's service wants a watcher to see (shown in stall reports, not trusted)."""
     _detail.update({k: str(v) for k, v in values.items()})
-
-
-async def connect(url: str, name: str) -> NATS:
-    log = get_logger(component="control")
-
-    async def on_error(e: Exception) -> None:
-        log.warning("nats_error", error=str(e))
-
-    return await nats.connect(
-        url,
-        name=name,
-        connect_timeout=5,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        error_cb=on_error,
-    )
 
 
 @dataclass
@@ -90,7 +74,9 @@ class JobAgent:
         self.nc: NATS | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.nc = await connect(self.common.nats_url, f"{self.service}:{self.worker_id}:control")
+        self.nc = await connect(
+            self.common.nats_url, f"{self.service}:{self.worker_id}:control", self.common.nats_auth()
+        )
         await self.nc.subscribe(JOB_START, cb=self._on_start)
         await self.nc.subscribe(JOB_STOP, cb=self._on_stop)
         await self.nc.subscribe(STATUS, cb=self._on_status)

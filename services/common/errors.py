@@ -25,6 +25,12 @@ class StaleToken(LibraError):
     code = "stale_token"
 
 
+class CredentialsRefused(LibraError):
+    """The server (NATS, Redis) refused this process's credentials."""
+
+    code = "unauthenticated"
+
+
 class Unavailable(LibraError):
     code = "unavailable"
 

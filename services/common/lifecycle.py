@@ -17,6 +17,7 @@ from typing import Any
 
 from services.common.config import CommonSettings, load_settings
 from services.common.control import JobAgent, Serve
+from services.common.errors import CredentialsRefused
 from services.common.logging import configure_logging, get_logger
 from services.common.runconfig import load_run_config
 from services.common.tracing import configure_tracing, shutdown_tracing
@@ -72,5 +73,8 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
     log.info("service_starting", nats_url=common.nats_url, redis_url=common.redis_url, pinned_job=pinned)
     try:
         return asyncio.run(main() if pinned else jobs())
+    except CredentialsRefused as err:
+        log.error("credentials_refused", error=str(err))
+        return 2
     finally:
         shutdown_tracing()

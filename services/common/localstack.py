@@ -65,6 +65,8 @@ class Server:
     url: str
     port: int
     proc: subprocess.Popen[bytes]
+    argv: list[str]
+    log_file: Path | None = None
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc.poll() is None:
@@ -75,46 +77,60 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
 
+    def restart(self) -> None:
+        """Starts the same server again: same port, data and credentials, so clients reconnect."""
+        self.stop()
+        self.proc = _launch(self.argv, self.log_file)
+        wait_port(self.port)
 
-def start_nats(data_dir: Path, log_file: Path | None = None, port: int | None = None) -> Server:
+
+def _launch(argv: list[str], log_file: Path | None) -> subprocess.Popen[bytes]:
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    return subprocess.Popen(
+        argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+    )
+
+
+def start_nats(
+    data_dir: Path, log_file: Path | None = None, port: int | None = None, config: Path | None = None
+) -> Server:
+    """nats-server with JetStream; `config` (services/common/credentials.py) adds users and
+    per-service permissions. The command-line options win over the file's."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(
-        [_bin("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
+    argv = [
+        _bin("nats-server"),
+        *(["-c", str(config)] if config else []),
+        *("-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)),
+    ]
+    proc = _launch(argv, log_file)
     wait_port(port)
-    return Server("nats", f"nats://127.0.0.1:{port}", port, proc)
+    return Server("nats", f"nats://127.0.0.1:{port}", port, proc, argv, log_file)
 
 
-def start_redis(data_dir: Path, log_file: Path | None = None, port: int | None = None) -> Server:
+def start_redis(
+    data_dir: Path, log_file: Path | None = None, port: int | None = None, config: Path | None = None
+) -> Server:
+    """A Redis-compatible server with AOF on; `config` carries `requirepass` (kept off the command
+    line, where any local user could read it)."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(
-        [
-            redis_server_binary(),
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",  # fence counters, trained ids and commit records survive a restart
-            "yes",
-            "--appendfsync",
-            "everysec",
-            "--dir",
-            str(data_dir),
-        ],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
+    argv = [
+        redis_server_binary(),
+        *([str(config)] if config else []),
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",  # fence counters, trained ids and commit records survive a restart
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--dir",
+        str(data_dir),
+    ]
+    proc = _launch(argv, log_file)
     wait_port(port)
-    return Server("redis", f"redis://127.0.0.1:{port}/0", port, proc)
+    return Server("redis", f"redis://127.0.0.1:{port}/0", port, proc, argv, log_file)

@@ -78,8 +78,8 @@ class OwnershipStore:
         self._commit = client.register_script(COMMIT)
 
     @classmethod
-    def from_url(cls, url: str, run_id: str) -> OwnershipStore:
-        return cls(aioredis.from_url(url, decode_responses=True), run_id)
+    def from_url(cls, url: str, run_id: str, password: str | None = None) -> OwnershipStore:
+        return cls(aioredis.from_url(url, decode_responses=True, password=password), run_id)
 
     def _key(self, resource: str) -> str:
         return f"libra:{self.run_id}:lease:{resource}"

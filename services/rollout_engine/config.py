@@ -22,6 +22,9 @@ class EngineSettings(BaseSettings):
     machine's hostname when grpc_host is a wildcard."""
     grpc_port: int = Field(0, ge=0, le=65535)
     """WeightSync gRPC port; 0 picks a free one (the address is announced in WorkerHello)."""
+    max_push_bytes: int = Field(64 << 30, gt=0)
+    """Largest weight push accepted (it is buffered in memory before it is applied); a push that
+    announces more is refused before its first byte is kept. Set it a little above the model's size."""
     bucket: str = Field("short", pattern=r"^[a-z0-9_-]{1,32}$")
     """Rollout bucket this replica prefers; the planner's assignment has the final say."""
     tensor_parallel: int = Field(1, ge=1, le=64)

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from services.common.contracts import ws, ws_grpc
+from services.common.grpc_auth import BearerTokenInterceptor
 from services.common.logging import get_logger
 from services.common.membership import TRAINER_ROLE
 from services.common.ownership import OwnershipStore
@@ -26,7 +27,6 @@ from services.common.weights import unpack_state_dict
 from services.rollout_engine.engine import BatchingEngine
 
 MAX_MESSAGE_BYTES = 64 << 20
-MAX_PUSH_BYTES = 64 << 30
 
 
 class PushRejected(Exception):
@@ -36,8 +36,11 @@ class PushRejected(Exception):
 
 
 class WeightSyncServicer(ws_grpc.WeightSyncServicer):
-    def __init__(self, engine: BatchingEngine, store: OwnershipStore, engine_id: str):
+    def __init__(
+        self, engine: BatchingEngine, store: OwnershipStore, engine_id: str, max_push_bytes: int = 64 << 30
+    ):
         self.engine = engine
+        self.max_push_bytes = max_push_bytes
         self.store = store
         self.engine_id = engine_id
         self.highest_token = 0
@@ -141,8 +144,12 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
     def _check_header(self, h: ws.WeightHeader) -> None:
         if h.format not in ("", "safetensors"):
             raise PushRejected("malformed", f"unsupported format {h.format!r}")
-        if h.version <= 0 or h.num_chunks <= 0 or not 0 < h.total_bytes <= MAX_PUSH_BYTES:
+        if h.version <= 0 or h.num_chunks <= 0 or h.total_bytes <= 0:
             raise PushRejected("malformed", "version, num_chunks and total_bytes must be positive")
+        if h.total_bytes > self.max_push_bytes:
+            raise PushRejected(
+                "too_large", f"total_bytes={h.total_bytes} > max_push_bytes={self.max_push_bytes}"
+            )
         if len(h.checksum) != 64 or any(c not in "0123456789abcdefABCDEF" for c in h.checksum):
             raise PushRejected("malformed", "checksum must be a sha256 hex digest")
 
@@ -153,13 +160,17 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
             raise PushRejected("stale_token", f"fencing token {token} is not the live trainer lease")
 
 
-async def start_server(servicer: WeightSyncServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Starts the server; returns it and the bound port (port 0 picks a free one)."""
+async def start_server(
+    servicer: WeightSyncServicer, host: str, port: int, token: str | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Starts the server; returns it and the bound port (port 0 picks a free one). With a `token`,
+    every call must carry it as a bearer token (services/common/grpc_auth.py)."""
     server = grpc.aio.server(
+        interceptors=[BearerTokenInterceptor(token)] if token else None,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
+        ],
     )
     ws_grpc.add_WeightSyncServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -24,6 +24,14 @@ class GroupTicket:
     task: Task
     index: int
 
+    def trajectory_id(self, sample: int) -> str:
+        return f"{self.group_id}-s{sample}"
+
+
+def group_of(trajectory_id: str) -> str:
+    """The group of a trajectory id made by `GroupTicket.trajectory_id`."""
+    return trajectory_id.rsplit("-s", 1)[0]
+
 
 class TaskFeed:
     def __init__(self, tasks: list[Task], *, groups_per_step: int, max_staleness: int, total_steps: int):

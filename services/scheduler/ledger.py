@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.scheduler.feed import GroupTicket, TaskFeed
+from services.scheduler.feed import GroupTicket, TaskFeed, group_of
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Ledger:
         self.outstanding_key = f"{prefix}:outstanding"
         self.published_key = f"{prefix}:published"
         self.outcomes_key = f"{prefix}:outcomes"
+        self.decided_key = f"{prefix}:decided"
 
     async def load(self) -> LedgerState | None:
         """What an earlier scheduler of this run recorded, or None for a fresh run."""
@@ -67,6 +68,7 @@ class Ledger:
             p.hset(self.feed_key, mapping=self._cursor(feed))
             p.hdel(self.outstanding_key, group_id)
             p.hincrby(self.outcomes_key, outcome, 1)
+            p.hset(self.decided_key, group_id, outcome)
             await p.execute()
 
     async def published(self, trajectory_id: str, failed: bool) -> None:
@@ -76,3 +78,48 @@ class Ledger:
             if failed:
                 p.hincrby(self.feed_key, "failed", 1)
             await p.execute()
+
+
+@dataclass
+class Accounting:
+    """Where every trajectory the trainer was handed ended up (the report's lost and open counts)."""
+
+    published: int
+    trained: int
+    dropped: int
+    """In groups the trainer decided `stale` or `failed` (the feed replaced them)."""
+    open_at_end: int
+    """In groups not decided when the job ended (launched beyond the last step, or in flight)."""
+    lost: list[str]
+    """Handed to the trainer, in a group decided `trained`, yet not in the trained set; or in a
+    group the ledger has no record of. Should always be empty."""
+
+
+def account(
+    published: set[str], trained: set[str], decided: dict[str, str], outstanding: set[str]
+) -> Accounting:
+    """Pure: from the ledger's published ids, decided and outstanding groups, and the trainer's
+    committed trained ids."""
+    n_trained = dropped = open_at_end = 0
+    lost = []
+    for tid in sorted(published):
+        group = group_of(tid)
+        if tid in trained:
+            n_trained += 1
+        elif decided.get(group) in ("stale", "failed"):
+            dropped += 1
+        elif group in outstanding:
+            open_at_end += 1
+        else:
+            lost.append(tid)
+    return Accounting(len(published), n_trained, dropped, open_at_end, lost)
+
+
+async def read_accounting(redis: Any, run_id: str, trained_key: str) -> Accounting:
+    ledger = Ledger(redis, run_id)
+    return account(
+        set(await redis.smembers(ledger.published_key)),
+        set(await redis.smembers(trained_key)),
+        dict(await redis.hgetall(ledger.decided_key)),
+        set(await redis.hkeys(ledger.outstanding_key)),
+    )

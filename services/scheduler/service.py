@@ -282,11 +282,11 @@ class SchedulerService:
         size = self.cfg.task.group_size
         launched = 0
         for i in range(size):
-            if f"{ticket.group_id}-s{i}" in skip:
+            if ticket.trajectory_id(i) in skip:
                 continue
             launched += 1
             traj = Trajectory(
-                trajectory_id=f"{ticket.group_id}-s{i}",
+                trajectory_id=ticket.trajectory_id(i),
                 group_id=ticket.group_id,
                 sample_index=i,
                 group_size=size,
@@ -526,9 +526,9 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
     cfg = load_run_config(common.config)
     assert common.worker_id is not None
     prompter = Prompter(load_tokenizer(cfg.model))
-    bus = await Bus.connect(common.nats_url, common.run_id, "scheduler", common.worker_id)
+    bus = await Bus.connect(common.nats_url, common.run_id, "scheduler", common.worker_id, common.nats_auth())
     stack.push_async_callback(bus.close)
-    store = OwnershipStore.from_url(common.redis_url, common.run_id)
+    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret())
     stack.push_async_callback(store.close)
     svc = SchedulerService(common, settings, cfg, bus, store, prompter)
     await svc.start()

@@ -504,7 +504,7 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
                 trained=len(learner.state.trained_ids),
             )
 
-    store = OwnershipStore.from_url(common.redis_url, common.run_id)
+    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret())
     stack.push_async_callback(store.close)
     pusher = WeightPusher(
         worker_id,
@@ -512,9 +512,10 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
         retries=settings.push_retries,
         backoff_s=settings.push_backoff_s,
         timeout_s=settings.push_timeout_s,
+        token=common.grpc_token(),
     )
     stack.push_async_callback(pusher.close)
-    bus = await Bus.connect(common.nats_url, common.run_id, "trainer", worker_id)
+    bus = await Bus.connect(common.nats_url, common.run_id, "trainer", worker_id, common.nats_auth())
     stack.push_async_callback(bus.close)
     membership = Membership(bus, store, ev.WorkerHello(worker_id=worker_id, kind="trainer"))
     await membership.start()

@@ -16,12 +16,13 @@ from typing import Any
 import grpc
 
 from services.common.contracts import ws, ws_grpc
+from services.common.grpc_auth import bearer_metadata
 from services.common.logging import get_logger
 from services.common.tracing import grpc_metadata
 from services.common.weights import checksum, chunks, pack_state_dict
 
 # Codes after which another attempt cannot help: we lost the lease, or the engine refuses the blob.
-_FINAL_CODES = {"stale_token", "stale_version", "malformed"}
+_FINAL_CODES = {"stale_token", "stale_version", "malformed", "too_large", "unauthenticated"}
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,10 @@ class WeightPusher:
         retries: int = 3,
         backoff_s: float = 0.5,
         timeout_s: float = 300.0,
+        token: str | None = None,
     ):
         self.sender_id = sender_id
+        self._auth = bearer_metadata(token)
         self.chunk_bytes = chunk_bytes
         self.retries = retries
         self.backoff_s = backoff_s
@@ -114,12 +117,20 @@ class WeightPusher:
             format="safetensors",
         )
         start = time.perf_counter()
+        refused = await self._refuses_token(addr)
+        if refused:
+            self.log.warning(
+                "weights_push_failed", engine=addr, version=weights.version, code="unauthenticated"
+            )
+            return PushResult(addr, False, "unauthenticated", refused, 0, time.perf_counter() - start, 1)
         code, message = "unavailable", ""
         attempt = 0
         for attempt in range(1, self.retries + 2):
             try:
                 ack = await self._stub(addr).PushWeights(
-                    self._stream(header, weights.blob), metadata=grpc_metadata(), timeout=self.timeout_s
+                    self._stream(header, weights.blob),
+                    metadata=grpc_metadata() + self._auth,
+                    timeout=self.timeout_s,
                 )
                 code, message = ack.code or ("ok" if ack.accepted else "internal"), ack.message
                 if ack.accepted or (code == "stale_version" and ack.version == weights.version):
@@ -129,9 +140,18 @@ class WeightPusher:
                 if code in _FINAL_CODES:
                     break
             except grpc.aio.AioRpcError as err:
-                code, message = "unavailable", f"{err.code().name}: {err.details()}"
+                message = f"{err.code().name}: {err.details()}"
+                if err.code() == grpc.StatusCode.UNAUTHENTICATED:  # a wrong token stays wrong
+                    code = "unauthenticated"
+                    break
+                code = "unavailable"
             self.log.warning(
-                "weights_push_retry", engine=addr, version=weights.version, attempt=attempt, code=code
+                "weights_push_retry",
+                engine=addr,
+                version=weights.version,
+                attempt=attempt,
+                code=code,
+                reason=message[:200],
             )
             if attempt <= self.retries:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
@@ -139,6 +159,16 @@ class WeightPusher:
             "weights_push_failed", engine=addr, version=weights.version, code=code, reason=message
         )
         return PushResult(addr, False, code, message, 0, time.perf_counter() - start, attempt)
+
+    async def _refuses_token(self, addr: str) -> str:
+        """Asks the engine's version first: a wrong token is refused there, cleanly, where a push
+        the server aborts mid-stream can surface as a transient INTERNAL error and be retried."""
+        try:
+            await self._stub(addr).GetVersion(ws.VersionRequest(), metadata=self._auth, timeout=10)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return f"UNAUTHENTICATED: {err.details()}"
+        return ""
 
     async def _stream(self, header: ws.WeightHeader, blob: bytes) -> AsyncIterator[ws.WeightChunk]:
         view = memoryview(blob)

@@ -20,6 +20,7 @@ import yaml
 from services.common import control, subjects
 from services.common.bus import Bus, close_nats
 from services.common.contracts import ev
+from services.common.credentials import IDENTITIES
 from services.common.runconfig import load_run_config
 from tests.otlp_receiver import OtlpReceiver
 from tools.runner import run_job
@@ -69,12 +70,14 @@ def _run(stack: Stack, config: Path, run_id: str, runs: Path) -> dict[str, Any]:
     return run_job(config, cfg, run_id=run_id, runs_dir=runs, timeout_s=600, progress=False, stack=stack)
 
 
-def _meanwhile(stack: Stack, run_id: str, action: Callable[[Bus], Any], on: str = "") -> threading.Thread:
-    """Runs `action` on the job's bus once the job runs on the stack (on worker `on` if given), in a
-    thread beside `run_job`."""
+def _meanwhile(
+    stack: Stack, run_id: str, action: Callable[[dict[str, Bus]], Any], on: str = ""
+) -> threading.Thread:
+    """Runs `action` once the job runs on the stack (on worker `on` if given), in a thread beside
+    `run_job`, with the job's bus as each of the stack's identities (the publishers it authorises)."""
 
     async def go() -> None:
-        nc = await control.connect(stack.nats_url, "test-watch")
+        nc = await control.connect(stack.nats_url, "test-watch", stack.nats_auth("cli"))
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -83,41 +86,51 @@ def _meanwhile(stack: Stack, run_id: str, action: Callable[[Bus], Any], on: str 
                     break
         finally:
             await close_nats(nc)
-        bus = await Bus.connect(stack.nats_url, run_id, "test", "intruder")
+        buses = {
+            i: await Bus.connect(stack.nats_url, run_id, i, f"test-{i}", stack.nats_auth(i))
+            for i in IDENTITIES
+        }
         try:
-            await action(bus)
-            await bus.nc.flush()
+            await action(buses)
+            for bus in buses.values():
+                await bus.nc.flush()
         finally:
-            await bus.close()
+            for bus in buses.values():
+                await bus.close()
+                await close_nats(bus.nc)
 
     t = threading.Thread(target=lambda: asyncio.run(go()), daemon=True)
     t.start()
     return t
 
 
-async def _garbage_and_forgeries(bus: Bus) -> None:
-    plain = [
-        subjects.TURN_RESULT,
-        subjects.TOOL_CALL,
-        subjects.TOOL_RETURN,
-        subjects.ENGINE_LOAD,
-        subjects.WORKER_HELLO,
-        subjects.WEIGHTS_UPDATED,
-        subjects.TRAIN_METRICS,
-        subjects.SCHEDULER_STATS,
-        subjects.PLAN,  # random bytes become the PLAN stream's only message
-        *[f"{subjects.TURN_REQUEST}.rollout-engine-{i}" for i in range(2)],
-    ]
-    for suffix in plain:
-        for blob in GARBAGE:
-            await bus.nc.publish(bus.subject(suffix), blob)
-    await bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
+async def _garbage_and_forgeries(buses: dict[str, Bus]) -> None:
+    """Garbage on every subject from the identity allowed to publish there (a buggy service, not an
+    intruder: strangers are refused by NATS itself, tests/integration/test_auth.py)."""
+    owners = {
+        "rollout-engine": [subjects.TURN_RESULT, subjects.ENGINE_LOAD, subjects.WORKER_HELLO],
+        "scheduler": [subjects.TOOL_CALL, *[f"{subjects.TURN_REQUEST}.rollout-engine-{i}" for i in range(2)]],
+        "tool-sandbox": [subjects.TOOL_RETURN],
+        "trainer": [subjects.WEIGHTS_UPDATED, subjects.TRAIN_METRICS],
+        "cli": [subjects.SCHEDULER_STATS],
+        "planner": [subjects.PLAN],  # random bytes become the PLAN stream's only message
+    }
+    for identity, suffixes in owners.items():
+        bus = buses[identity]
+        for suffix in suffixes:
+            for blob in GARBAGE:
+                await bus.nc.publish(bus.subject(suffix), blob)
+    scheduler = buses["scheduler"]
+    await scheduler.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
     for i, blob in enumerate(GARBAGE):
-        await bus.js.publish(bus.subject(subjects.TRAJ_COMPLETED), blob, headers={"Nats-Msg-Id": f"junk-{i}"})
+        await scheduler.js.publish(
+            scheduler.subject(subjects.TRAJ_COMPLETED), blob, headers={"Nats-Msg-Id": f"junk-{i}"}
+        )
     for nc_subject in (control.JOB_START, control.JOB_STOP, control.STATUS):
-        await bus.nc.publish(nc_subject, GARBAGE[0])
+        await buses["cli"].nc.publish(nc_subject, GARBAGE[0])
     # a forged end of training, at a step and version the trainer never reached
-    await bus.publish(subjects.TRAIN_METRICS, ev.TrainMetrics(step=9, weight_version=10**12, done=True))
+    forged = ev.TrainMetrics(step=9, weight_version=10**12, done=True)
+    await buses["trainer"].publish(subjects.TRAIN_METRICS, forged)
 
 
 def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpReceiver, tmp_path: Path) -> None:
@@ -143,6 +156,13 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
         outcomes = report["group_outcomes"]
         assert outcomes["trained"] == cfg.training.steps * cfg.training.groups_per_step, outcomes
         assert report["groups_replaced"] == sum(n for o, n in outcomes.items() if o != "trained")
+        # every trajectory handed to the trainer is trained, dropped with its group, or still open
+        acc = report["trajectories_accounting"]
+        assert report["trajectories_lost"] == 0 and acc["lost_ids"] == [], acc
+        assert acc["trained"] == cfg.trajectories_per_step * cfg.training.steps, acc
+        assert (
+            acc["handed_to_trainer"] == acc["trained"] + acc["dropped_stale_or_failed"] + acc["open_at_end"]
+        )
     assert first["report_path"] != second["report_path"]
     assert (tmp_path / "latest" / "report.json").resolve() == Path(second["report_path"]).resolve()
     # one set of services served both jobs
@@ -166,10 +186,13 @@ def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path
     config = _config(tmp_path, job={"stall_timeout_s": 8}, training={"steps": 3})
     ghosts = ["ghost-0", "ghost-1"]
 
-    async def forge_plan(bus: Bus) -> None:
+    async def forge_plan(buses: dict[str, Bus]) -> None:
+        bus = buses["planner"]  # a planner gone wrong
         for _ in range(600):  # once some trajectory is in flight
             with contextlib.suppress(Exception):  # the scheduler may not answer yet
-                stats = await bus.request(subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, 2)
+                stats = await buses["cli"].request(
+                    subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, 2
+                )
                 if stats.trajectories_in_flight:
                     break
             await asyncio.sleep(0.1)
@@ -209,7 +232,7 @@ def test_a_killed_service_fails_the_job_with_a_report(tiny_model: Any, tmp_path:
         own.start_services(load_run_config(TINY).rollout.engines)
         config = _config(tmp_path, training={"steps": 50})
 
-        async def kill_scheduler(_: Bus) -> None:
+        async def kill_scheduler(_: dict[str, Bus]) -> None:
             await asyncio.sleep(2.0)
             os.kill(own.procs["scheduler"].pid, signal.SIGKILL)
 

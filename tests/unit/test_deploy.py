@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tools.stack import service_commands
+from tools.stack import identity_of, service_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = {("python", "-m", module) for _, module in service_commands(1)}
@@ -27,13 +27,29 @@ def _bin(name: str) -> str:
 
 def test_compose_runs_native_commands_for_every_service() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    commands = {tuple(s["command"]) for s in compose["services"].values() if "build" in s}
-    assert commands == NATIVE
-    for name, svc in compose["services"].items():
-        if "build" in svc:
-            env = svc["environment"]
-            assert env["LIBRA_NATS_URL"].startswith("nats://") and env["LIBRA_OTLP_ENDPOINT"], name
+    services = {n: s for n, s in compose["services"].items() if "build" in s and n != "credentials"}
+    assert {tuple(s["command"]) for s in services.values()} == NATIVE
+    for name, svc in services.items():
+        env = svc["environment"]
+        assert env["LIBRA_NATS_URL"].startswith("nats://") and env["LIBRA_OTLP_ENDPOINT"], name
     assert "jaeger" in compose["services"]
+
+
+def test_compose_is_secure_by_default() -> None:
+    """Credentials generated once by `libra credentials`, each service mounting only its own; the
+    servers use them; nothing published beyond loopback."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert services["credentials"]["command"][:2] == ["libra", "credentials"]
+    assert "-c" in services["nats"]["command"] and "/secrets/redis.conf" in services["redis"]["command"]
+    for name, svc in services.items():
+        for port in svc.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), (name, port)
+        if "build" in svc and name != "credentials":
+            secrets = [v for v in svc["volumes"] if "compose-secrets" in v]
+            assert secrets == [f"./.libra/compose-secrets/{identity_of(name)}:/run/secrets/libra:ro"], name
+            assert svc["environment"]["LIBRA_SECRETS_DIR"] == "/run/secrets/libra"
+            assert svc["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
 
 
 def test_k8s_manifests_validate_and_run_native_commands() -> None:
@@ -50,6 +66,57 @@ def test_k8s_manifests_validate_and_run_native_commands() -> None:
                     if "command" in c:
                         commands.add(tuple(c["command"]))
     assert commands == NATIVE
+
+
+def test_k8s_mounts_per_service_secrets_behind_a_network_policy() -> None:
+    docs = [
+        d
+        for f in sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
+        for d in yaml.safe_load_all(f.read_text())
+        if d
+    ]
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert policies["default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    workloads = {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"]
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet")
+    }
+    for name, pod in workloads.items():
+        secrets = {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+        if name in ("nats", "redis"):
+            assert secrets == {f"libra-{name}-config"}, name
+            continue
+        assert secrets == {f"libra-{identity_of(name)}-credentials"}, name
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["LIBRA_SECRETS_DIR"] == "/run/secrets/libra", name
+
+
+def test_generated_k8s_secrets_are_the_ones_the_manifests_mount(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "credentials", str(tmp_path / "c"), "--k8s-namespace", "libra"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
+    (tmp_path / "secrets.yaml").write_text(out.stdout)
+    check = subprocess.run(
+        [_bin("kubernetes-validate"), "-k", "1.30.0", str(tmp_path / "secrets.yaml")],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    names = {d["metadata"]["name"] for d in yaml.safe_load_all(out.stdout)}
+    mounted = {
+        v["secret"]["secretName"]
+        for f in (ROOT / "deploy" / "k8s").glob("*.yaml")
+        for d in yaml.safe_load_all(f.read_text())
+        if d and d["kind"] in ("Deployment", "StatefulSet")
+        for v in d["spec"]["template"]["spec"].get("volumes", [])
+        if "secret" in v
+    }
+    assert mounted <= names
 
 
 def test_dockerfiles_pass_hadolint() -> None:
