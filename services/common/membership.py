@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 from services.common import subjects
@@ -18,7 +19,8 @@ from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.ownership import Lease, OwnershipStore
 
-LEASE_TTL_S = 10.0
+DEFAULT_LEASE_TTL_S = 10.0
+"""Until the first plan says otherwise (the run config's job.lease_ttl_s)."""
 TRAINER_ROLE = "role:trainer"
 
 
@@ -44,6 +46,21 @@ class Membership:
         self.assigned = asyncio.Event()
         self.log = get_logger(component="membership")
         self.lease_lost = 0
+        self._valid_until = 0.0
+        self._renew_now = asyncio.Event()
+
+    @property
+    def lease_ttl_s(self) -> float:
+        return (
+            self.plan.lease_ttl_s
+            if self.plan is not None and self.plan.lease_ttl_s > 0
+            else DEFAULT_LEASE_TTL_S
+        )
+
+    def holds_lease(self) -> bool:
+        """Assigned, and the lease was renewed less than a TTL ago: only then may the worker act.
+        A worker paused or cut off from Redis for longer may have been replaced already."""
+        return self.assignment is not None and time.monotonic() < self._valid_until
 
     async def start(self) -> None:
         self.plan_stream = await self.bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
@@ -80,6 +97,9 @@ class Membership:
             )
             self.assignment = mine
             if changed:
+                # the planner has just taken this lease: good for a moment, confirmed by a renewal now
+                self._valid_until = time.monotonic() + self.lease_ttl_s / 4
+                self._renew_now.set()
                 self.log.info(
                     "assignment", role=mine.role, bucket=mine.bucket, fencing_token=mine.fencing_token
                 )
@@ -92,14 +112,16 @@ class Membership:
         while True:
             with contextlib.suppress(Exception):
                 await self.bus.publish(subjects.WORKER_HELLO, self.hello)
-            await asyncio.sleep(0.5 if not self.assigned.is_set() else LEASE_TTL_S / 3)
+            await asyncio.sleep(0.5 if not self.assigned.is_set() else self.lease_ttl_s / 3)
 
     async def _renew_loop(self) -> None:
         first = True
         while True:
             if not first:  # a restarted worker renews the lease it finds in the plan at once
-                await asyncio.sleep(LEASE_TTL_S / 4)
+                with contextlib.suppress(TimeoutError):  # a new assignment is renewed at once
+                    await asyncio.wait_for(self._renew_now.wait(), self.lease_ttl_s / 4)
             first = False
+            self._renew_now.clear()
             a = self.assignment
             if a is None:
                 await asyncio.sleep(0.2)
@@ -107,10 +129,15 @@ class Membership:
                 continue
             lease = Lease(lease_resource(a.role, a.worker_id), a.worker_id, a.fencing_token)
             try:
-                ok = await self.store.renew(lease, LEASE_TTL_S)
+                renewed_at = time.monotonic()
+                ok = await self.store.renew(lease, self.lease_ttl_s)
             except Exception as err:  # Redis down: keep trying, the lease may still be live
                 self.log.warning("lease_renew_failed", error=str(err))
                 continue
-            if not ok:
+            if ok:
+                self._valid_until = renewed_at + self.lease_ttl_s
+            elif self.assignment is not None and self.assignment.fencing_token == a.fencing_token:
+                # (not for an assignment replaced while the renewal was under way)
+                self._valid_until = 0.0
                 self.lease_lost += 1
                 self.log.warning("lease_lost", fencing_token=a.fencing_token)

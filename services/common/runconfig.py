@@ -79,6 +79,11 @@ class JobConfig(_Strict):
     stall_timeout_s: float = Field(600.0, ge=5.0)
     """`libra run` ends the job as timed_out when no trajectory completed and no step was trained for
     this long, and reports what is stuck. Set it above your longest train step plus weight push."""
+    lease_ttl_s: float = Field(10.0, ge=2.0, le=600.0)
+    """Every worker's lease (Redis, fenced): renewed every quarter of it. A worker whose renewals
+    failed for this long stops acting (an engine refuses turns, the trainer starts no step) and the
+    planner takes it out of the plan until it renews under a new token; a hung engine's turns move
+    to other engines after about this long."""
 
 
 class RunConfig(_Strict):

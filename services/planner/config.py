@@ -13,5 +13,3 @@ class PlannerSettings(BaseSettings):
 
     tick_s: float = Field(1.0, gt=0)
     """How often leases are checked and a changed plan is published."""
-    lease_ttl_s: float = Field(10.0, gt=0)
-    """Lease length granted to a worker; it must renew within this time or leave the plan."""

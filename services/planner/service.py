@@ -67,7 +67,7 @@ class PlannerService:
         lease = await self.store.acquire(
             lease_resource(slot.role, slot.worker_id),
             slot.worker_id,
-            self.settings.lease_ttl_s,
+            self.cfg.job.lease_ttl_s,
             meta=slot.role,
         )
         if lease is None:
@@ -101,6 +101,7 @@ class PlannerService:
         plan = ev.Plan(
             plan_version=self.version,
             reason="static",
+            lease_ttl_s=self.cfg.job.lease_ttl_s,
             assignments=[
                 ev.Assignment(
                     worker_id=s.worker_id,

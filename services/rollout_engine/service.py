@@ -163,6 +163,8 @@ class RolloutEngineService:
         try:
             if self.stopping:
                 raise Unavailable("shutdown")
+            if not self.membership.holds_lease():  # it may have been replaced: it does not act
+                raise Unavailable("lease_lost: this engine's lease was not renewed; it waits for a new one")
             gen = validate_turn(req, self.backend, self.settings.max_new_tokens_cap)
         except LibraError as err:
             if req.request_id:

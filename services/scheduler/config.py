@@ -11,8 +11,20 @@ class SchedulerSettings(BaseSettings):
         env_prefix="LIBRA_SCHEDULER_", extra="ignore", use_attribute_docstrings=True
     )
 
-    turn_timeout_s: float = Field(600.0, gt=0)
-    """A turn request with no result after this long is re-sent to another engine."""
+    turn_timeout_s: float | None = Field(None, gt=0)
+    """A turn request with no result after this long is re-sent to another engine. Unset: derived
+    from the turn's token budget, `turn_timeout_base_s + turn_timeout_s_per_token × max_new_tokens`.
+    A last resort: a dead or hung engine's turns move when it leaves the plan or stops reporting them."""
+    turn_timeout_base_s: float = Field(60.0, gt=0)
+    """Fixed part of the derived turn timeout (queueing, prefill, a weight swap)."""
+    turn_timeout_s_per_token: float = Field(0.25, gt=0)
+    """Per-token part of the derived turn timeout: a generous bound on one decode step under load."""
+
+    def turn_timeout(self, max_new_tokens: int) -> float:
+        if self.turn_timeout_s is not None:
+            return self.turn_timeout_s
+        return self.turn_timeout_base_s + self.turn_timeout_s_per_token * max_new_tokens
+
     max_turn_retries: int = Field(2, ge=0)
     """Re-sends of one turn before the trajectory ends with finish=error."""
     tool_grace_s: float = Field(15.0, gt=0)

@@ -329,7 +329,7 @@ class SchedulerService:
         live.engine_id = engine.engine_id
         live.sent_at = time.monotonic()
         live.pending_action = action
-        live.deadline = time.monotonic() + self.settings.turn_timeout_s
+        live.deadline = time.monotonic() + self.settings.turn_timeout(action.max_new_tokens)
         engine.in_flight += 1
         self.by_request[live.request_id] = traj.trajectory_id
         ctx = trace.set_span_in_context(live.span)
@@ -387,7 +387,7 @@ class SchedulerService:
     async def _retry_or_fail(self, live: Live) -> None:
         live.retries += 1
         if live.retries > self.settings.max_turn_retries or live.pending_action is None:
-            why = live.last_error or f"no engine answered within {self.settings.turn_timeout_s:g}s"
+            why = live.last_error or "no engine answered within the turn timeout"
             await self._fail(live, "engine_unavailable", f"turn {live.traj.turns}: {why}")
             return
         if live.engine_id in self.engines:

@@ -137,7 +137,7 @@ class TrainerService:
         return a.fencing_token if a is not None else 0
 
     async def _train_once(self, stop: asyncio.Event) -> None:
-        if not await self._lease_current():
+        if not self.membership.holds_lease() or not await self._lease_current():
             await self._hand_back(self.buffer.drain())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.settings.idle_poll_s)
@@ -313,7 +313,7 @@ class TrainerService:
             except BaseException:
                 await self._hand_back(pendings)
                 raise
-            if not await self._record_commit(ids, str(path)):
+            if not await self._record_commit(ids, str(path), stop):
                 await self._hand_back(pendings)
                 await self._roll_back()
                 return
@@ -353,37 +353,43 @@ class TrainerService:
             "rolled_back", step=self.learner.state.step, checkpoint=str(path or "initial weights")
         )
 
-    async def _record_commit(self, ids: set[str], checkpoint: str) -> bool:
+    async def _record_commit(self, ids: set[str], checkpoint: str, stop: asyncio.Event | None = None) -> bool:
         """Records the committed step in Redis (the job's authoritative progress) under the lease.
 
-        False when the lease moved on: this trainer must not ack what it trained. A Redis outage is
-        retried, then only logged: the checkpoint already holds the ids.
+        False when the lease moved on: this trainer must not ack what it trained. Redis away is
+        waited out (with a backoff of at most 5 s): nothing is acked before the record holds the
+        step; stopping meanwhile counts as not committed, and the step is rolled back.
         """
         state = self.learner.state
+        token = self._fencing_token()
         record: dict[str, str | int] = {
             "step": state.step,
             "version": state.version,
             "checkpoint": checkpoint,
             "trained": len(state.trained_ids),
             "worker_id": self.bus.worker_id,
-            "fencing_token": self._fencing_token(),
+            "fencing_token": token,
         }
-        for attempt in range(3):
+        attempt = 0
+        while True:
             try:
-                ok = await self.store.fenced_commit(TRAINER_ROLE, self._fencing_token(), record, ids)
+                if attempt and await self._already_committed(state.step, token):
+                    return True  # the earlier attempt reached Redis; only its answer was lost
+                ok = await self.store.fenced_commit(TRAINER_ROLE, token, record, ids)
+                break
             except Exception as err:
+                attempt += 1
                 self.log.warning("commit_record_failed", error=str(err), attempt=attempt)
-                await asyncio.sleep(0.5 * (attempt + 1))
-                continue
-            if not ok:
-                self.log.error(
-                    "commit_refused",
-                    step=state.step,
-                    fencing_token=self._fencing_token(),
-                    reason="lease lost",
-                )
-            return ok
-        return True
+                if stop is not None and stop.is_set():
+                    return False
+                await asyncio.sleep(min(0.5 * attempt, 5.0))
+        if not ok:
+            self.log.error("commit_refused", step=state.step, fencing_token=token, reason="lease lost")
+        return ok
+
+    async def _already_committed(self, step: int, token: int) -> bool:
+        record = await self.store.committed()
+        return record.get("step") == str(step) and record.get("fencing_token") == str(token)
 
     async def _push_current(self, only_missing: bool = False) -> tuple[float, int, dict[str, PushResult]]:
         """Pushes the current version to the plan's engines (or those lacking it) under `weights.push`."""
@@ -459,8 +465,13 @@ class TrainerService:
         if now - self._last_resync < self.settings.resync_interval_s:
             return
         self._last_resync = now
-        if self.version > 0 and not self._all_engines_synced():
-            await self._push_current(only_missing=True)
+        if self.version > 0:
+            # what the engines say, not what this trainer remembers pushing: an engine restarted at
+            # the same address (a pod keeps its name and port) is back at version 0
+            addrs = [a.weight_sync_addr for a in self.membership.peers(*ENGINE_ROLES) if a.weight_sync_addr]
+            self.synced.update(await self.pusher.versions(addrs))
+            if not self._all_engines_synced():
+                await self._push_current(only_missing=True)
         if self.finished and not self.done_published and self._all_engines_synced():
             final = ev.TrainMetrics()
             if self.last_metrics is not None:

@@ -160,6 +160,19 @@ class WeightPusher:
         )
         return PushResult(addr, False, code, message, 0, time.perf_counter() - start, attempt)
 
+    async def versions(self, addrs: Sequence[str]) -> dict[str, int]:
+        """The weight version each engine says it serves (those that answered)."""
+
+        async def one(addr: str) -> tuple[str, int | None]:
+            try:
+                info = await self._stub(addr).GetVersion(ws.VersionRequest(), metadata=self._auth, timeout=5)
+            except grpc.aio.AioRpcError:
+                return addr, None
+            return addr, int(info.version)
+
+        answers = await asyncio.gather(*(one(a) for a in addrs))
+        return {a: v for a, v in answers if v is not None}
+
     async def _refuses_token(self, addr: str) -> str:
         """Asks the engine's version first: a wrong token is refused there, cleanly, where a push
         the server aborts mid-stream can surface as a transient INTERNAL error and be retried."""

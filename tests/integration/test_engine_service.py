@@ -206,6 +206,49 @@ async def test_serves_turns_refuses_bad_input_and_keeps_serving(engine: Any) -> 
     assert proc.poll() is None
 
 
+async def test_an_engine_that_lost_its_lease_refuses_turns_until_leased_again(
+    engine: Any, redis_server: Server, run_id: str
+) -> None:
+    """Another owner took the engine's lease (it was paused, cut off): it must not act any more."""
+    proc, h = engine
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    resource = lease_resource("rollout", WORKER)
+    await store.r.delete(f"libra:{run_id}:lease:{resource}")
+    assert await store.acquire(resource, "usurper", 30) is not None
+    refused = None
+    async with asyncio.timeout(20):  # its next renewal (every quarter of the 10 s TTL) fails
+        for i in range(1000):
+            await h.send(turn(f"probe-{i}"))
+            res, _ = await h.result(f"probe-{i}")
+            if res.HasField("error"):
+                refused = res
+                break
+            await asyncio.sleep(0.2)
+    assert refused is not None and refused.error.code == "unavailable"
+    assert "lease_lost" in refused.error.message and not refused.token_ids
+
+    # the planner leases it again under a new token: it serves again
+    await store.r.delete(f"libra:{run_id}:lease:{resource}")
+    lease = await store.acquire(resource, WORKER, 10)
+    assert lease is not None
+    a = ev.Assignment(worker_id=WORKER, role="rollout", bucket="short", fencing_token=lease.token)
+    await h.bus.publish_durable(
+        subjects.PLAN, ev.Plan(plan_version=2, assignments=[a]), msg_id=f"{run_id}-p2"
+    )
+    served = None
+    async with asyncio.timeout(20):
+        for i in range(1000):
+            await h.send(turn(f"again-{i}"))
+            res, _ = await h.result(f"again-{i}")
+            if not res.HasField("error"):
+                served = res
+                break
+            await asyncio.sleep(0.2)
+    assert served is not None and len(served.token_ids) > 0
+    assert proc.poll() is None
+    await store.close()
+
+
 async def test_shutdown_answers_every_accepted_request(engine: Any) -> None:
     proc, h = engine
     ids = [f"drain-{i}" for i in range(12)]

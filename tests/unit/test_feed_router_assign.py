@@ -72,3 +72,12 @@ def test_feed_replaces_every_group_that_was_not_trained() -> None:
     step2 = feed.take(trained_version=1)
     assert len(step2) == 2 and feed.exhausted
     assert set(feed.outstanding) == {again[0].group_id} | {t.group_id for t in step2}
+
+
+def test_turn_timeout_follows_the_token_budget_unless_set() -> None:
+    from services.scheduler.config import SchedulerSettings
+
+    derived = SchedulerSettings()
+    assert derived.turn_timeout(40) == 60.0 + 0.25 * 40
+    assert derived.turn_timeout(4096) > derived.turn_timeout(40)
+    assert SchedulerSettings(turn_timeout_s=5.0).turn_timeout(4096) == 5.0

@@ -217,14 +217,16 @@ class Assignment(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., bucket: _Optional[str] = ..., fencing_token: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("plan_version", "assignments", "reason")
+    __slots__ = ("plan_version", "assignments", "reason", "lease_ttl_s")
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     plan_version: int
     assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
     reason: str
-    def __init__(self, plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class RoleChange(_message.Message):
     __slots__ = ("worker_id", "from_role", "to_role", "bucket", "fencing_token")
