@@ -46,7 +46,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         stack.start_infra()
-        stack.start_services(engines)
+        stack.start_services(engines, args.standby_trainers)
         STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
         STACK_FILE.write_text(json.dumps(stack.state(), indent=2))
         print(f"Libra stack {name} up, idle: submit jobs with `libra run CONFIG`")
@@ -178,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         help="sizes the stack (rollout.engines) and prepares its model; jobs bring their own config",
     )
     up.add_argument("--engines", type=int, help="rollout engines to start (default: the config's)")
+    up.add_argument(
+        "--standby-trainers",
+        type=int,
+        default=0,
+        help="trainers that stand by and take over when the active one's lease runs out (default 0)",
+    )
     up.add_argument(
         "--max-restarts",
         type=int,

@@ -162,15 +162,14 @@ class JobDriver:
         finally:
             wall = time.monotonic() - start
             report = await self._report(status, reason, stuck, wall)  # engines asked before they stop
+            dead = sorted(set(self.stack.dead()) & set(self.targets))  # a trainer a standby replaced
+            alive = [t for t in self.targets if t not in dead]
             if submitted:
                 stopped = await control.command(
-                    self.nc,
-                    control.JOB_STOP,
-                    ev.JobStop(run_id=self.run_id, reason=status),
-                    list(self.targets),
-                    30,
+                    self.nc, control.JOB_STOP, ev.JobStop(run_id=self.run_id, reason=status), alive, 30
                 )
-            report["services_not_stopped"] = sorted(set(self.targets) - set(stopped))
+            report["services_not_stopped"] = sorted(set(alive) - set(stopped))
+            report["services_dead"] = dead
             await self.bus.close()
             await close_nats(self.nc)
             with contextlib.suppress(Exception):
@@ -195,7 +194,10 @@ class JobDriver:
     # --- phases --------------------------------------------------------------------------------
 
     def _fail_if_dead(self) -> None:
-        for name, code in self.stack.dead().items():
+        dead = self.stack.dead()
+        for name, code in dead.items():
+            if self._has_standby(name, dead):
+                continue
             tail = self.stack.log_tail(name)
             how = f"exited with code {code}" if code is not None else "exited"
             n = self.stack.restarts.get(name, 0)
@@ -208,9 +210,18 @@ class JobDriver:
             )
             raise JobEnded("failed", f"service {name} {how}{after}; last log lines:\n{tail}")
 
+    def _has_standby(self, name: str, dead: dict[str, int | None]) -> bool:
+        """A dead trainer is not the end of the job while another trainer of it lives (a standby
+        takes the role when the dead one's lease runs out)."""
+        st = self.targets.get(name)
+        if st is None or st.service != "trainer":
+            return False
+        return any(w not in dead for w, o in self.targets.items() if o.service == "trainer" and w != name)
+
     async def _choose_workers(self) -> None:
-        """Picks idle services for the job: one planner, scheduler and trainer, every tool sandbox and
-        exactly `rollout.engines` engines; waits for them while the stack is starting."""
+        """Picks idle services for the job: one planner and scheduler, every trainer (the planner
+        gives one the role, the others stand by), every tool sandbox and exactly `rollout.engines`
+        engines; waits for them while the stack is starting."""
         need_engines = self.cfg.rollout.engines
         deadline = time.monotonic() + READY_S
         problem = "no service answered on the control plane"
@@ -227,8 +238,8 @@ class JobDriver:
             missing = [k for k in SERVICES_NEEDED if not by_kind.get(k)]
             engines = by_kind.get("rollout-engine", [])
             if not missing and len(engines) >= need_engines:
-                chosen = [by_kind[k][0] for k in ("planner", "scheduler", "trainer")]
-                chosen += by_kind["tool-sandbox"] + engines[:need_engines]
+                chosen = [by_kind[k][0] for k in ("planner", "scheduler")]
+                chosen += by_kind["trainer"] + by_kind["tool-sandbox"] + engines[:need_engines]
                 self.targets = {st.worker_id: st for st in chosen}
                 self.pids = {st.worker_id: st.pid for st in chosen}
                 now = time.monotonic()
@@ -328,8 +339,11 @@ class JobDriver:
                 await self._rejoin(wid, st)
                 self.pids[wid] = st.pid
             quiet = now - self.seen.get(wid, now)
-            if quiet > LIVENESS_S and self.targets[wid].service in SINGLETONS:
-                raise JobEnded("failed", f"{wid} stopped answering (no heartbeat for {LIVENESS_S:.0f}s)")
+            service = self.targets[wid].service
+            if quiet > LIVENESS_S and service in SINGLETONS:
+                peers = [w for w, st in self.targets.items() if st.service == service]
+                if all(now - self.seen.get(w, now) > LIVENESS_S for w in peers):
+                    raise JobEnded("failed", f"{wid} stopped answering (no heartbeat for {LIVENESS_S:.0f}s)")
             if quiet > 3 * control.HEARTBEAT_S:
                 self.silences[wid] = max(self.silences.get(wid, 0.0), quiet)
 

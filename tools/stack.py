@@ -23,11 +23,13 @@ STATE_DIR = ROOT / ".libra"
 STACK_FILE = STATE_DIR / "stack.json"
 
 
-def service_commands(n_engines: int) -> list[tuple[str, str]]:
+def service_commands(n_engines: int, standby_trainers: int = 0) -> list[tuple[str, str]]:
     """(worker id, module) for every process of a stack, in start order."""
     cmds = [("planner", "services.planner"), ("tool-sandbox", "services.tool_sandbox")]
     cmds += [(f"rollout-engine-{i}", "services.rollout_engine") for i in range(n_engines)]
-    cmds += [("trainer", "services.trainer"), ("scheduler", "services.scheduler")]
+    cmds += [("trainer", "services.trainer")]
+    cmds += [(f"trainer-standby-{i}", "services.trainer") for i in range(standby_trainers)]
+    cmds += [("scheduler", "services.scheduler")]
     return cmds
 
 
@@ -142,8 +144,8 @@ class Stack:
         env.update(self.extra_env)
         return env
 
-    def start_services(self, n_engines: int) -> None:
-        for worker_id, module in service_commands(n_engines):
+    def start_services(self, n_engines: int, standby_trainers: int = 0) -> None:
+        for worker_id, module in service_commands(n_engines, standby_trainers):
             self._modules[worker_id] = module
             self._spawn(worker_id)
 

@@ -12,7 +12,7 @@ from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
 from services.common.errors import require
 from services.common.logging import get_logger
-from services.common.membership import lease_resource
+from services.common.membership import TRAINER_ROLE, lease_resource
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig, load_run_config
 from services.planner.assign import Slot, StaticAssigner
@@ -93,8 +93,27 @@ class PlannerService:
                     self.slots.pop(slot.worker_id)
                     self.dirty = True
                     self.log.warning("worker_lease_expired", worker_id=slot.worker_id, role=slot.role)
+            if not any(s.role == "train" for s in self.slots.values()):
+                await self._promote_standby()
             if self.dirty:
                 await self._publish()
+
+    async def _promote_standby(self) -> None:
+        """The trainer's lease expired (dead, paused, cut off): a standby trainer takes the role under
+        a new token and resumes from the last committed checkpoint; the old one, if it comes back,
+        is fenced out and becomes a standby itself."""
+        for slot in sorted(self.slots.values(), key=lambda s: s.worker_id):
+            if slot.role != "standby":
+                continue
+            lease = await self.store.acquire(
+                TRAINER_ROLE, slot.worker_id, self.cfg.job.lease_ttl_s, meta="train"
+            )
+            if lease is None:
+                return  # the role is still leased (the old trainer's lease has not run out)
+            slot.role, slot.fencing_token = "train", lease.token
+            self.dirty = True
+            self.log.warning("standby_promoted", worker_id=slot.worker_id, fencing_token=lease.token)
+            return
 
     async def _publish(self) -> None:
         self.version += 1

@@ -1,8 +1,10 @@
 """Atomic trainer checkpoints: model, optimizer, weight version, step and the trained trajectory ids.
 
-A checkpoint is one file `step_<n>.pt`, written to a temporary name, fsynced and renamed, so a crash
-leaves either the previous checkpoint or the new one, never a torn file. The trained ids travel with
-the weights they produced: after a restart the trainer skips exactly what its weights already saw.
+A checkpoint is one file `step_<n>-e<epoch>.pt`, written to a temporary name, fsynced and renamed,
+so a crash leaves either the previous checkpoint or the new one, never a torn file. The epoch is the
+writer's fencing token: a trainer that lost its lease (paused, partitioned) and writes step n anyway
+cannot overwrite the step n its successor committed. The trained ids travel with the weights they
+produced: after a restart the trainer skips exactly what its weights already saw.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-_NAME = re.compile(r"^step_(\d{8})\.pt$")
+_NAME = re.compile(r"^step_(\d{8})(?:-e(\d+))?\.pt$")
 
 
 @dataclass
@@ -29,24 +31,51 @@ def checkpoint_dir(template: str, run_id: str) -> Path:
     return Path(template.format(run_id=run_id))
 
 
-def latest(directory: Path) -> Path | None:
+def _key(path: Path) -> tuple[int, int] | None:
+    """(step, epoch) of a checkpoint file, None for anything else."""
+    m = _NAME.match(path.name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """Every checkpoint, oldest step first (and, within a step, lowest epoch first)."""
     if not directory.is_dir():
-        return None
-    found = sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+        return []
+    return sorted((p for p in directory.iterdir() if _key(p)), key=lambda p: _key(p) or (0, 0))
+
+
+def latest(directory: Path) -> Path | None:
+    found = checkpoints(directory)
     return found[-1] if found else None
+
+
+def step_of(path: Path) -> int:
+    key = _key(path)
+    if key is None:
+        raise ValueError(f"{path} is not a checkpoint")
+    return key[0]
 
 
 def newer_than(directory: Path, step: int) -> list[Path]:
     """Checkpoints of steps after `step`."""
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.iterdir() if (m := _NAME.match(p.name)) and int(m.group(1)) > step)
+    return [p for p in checkpoints(directory) if step_of(p) > step]
 
 
-def save(directory: Path, state: TrainerState, model: torch.nn.Module, optimizer: Any, keep: int = 2) -> Path:
-    """Writes `step_<n>.pt` atomically and prunes all but the newest `keep` checkpoints."""
+def save(
+    directory: Path,
+    state: TrainerState,
+    model: torch.nn.Module,
+    optimizer: Any,
+    keep: int = 2,
+    epoch: int = 0,
+) -> Path:
+    """Writes `step_<n>-e<epoch>.pt` atomically, then prunes: of this epoch's checkpoints all but the
+    newest `keep`, and, once `keep` of its own are there, any other epoch's older than the oldest
+    kept. Only a writer's newest checkpoint can be uncommitted (the next is written after the
+    commit), so with `keep` ≥ 2 the last committed one always survives; a stale writer lags, so it
+    never prunes what its successor wrote since."""
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"step_{state.step:08d}.pt"
+    final = directory / f"step_{state.step:08d}-e{epoch}.pt"
     tmp = final.with_name(final.name + ".tmp")
     payload = {
         "step": state.step,
@@ -65,9 +94,11 @@ def save(directory: Path, state: TrainerState, model: torch.nn.Module, optimizer
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    olds = sorted(p for p in directory.iterdir() if _NAME.match(p.name))
-    for p in olds[: max(len(olds) - keep, 0)]:
-        p.unlink(missing_ok=True)
+    own = [p for p in checkpoints(directory) if (_key(p) or (0, 0))[1] == epoch]
+    kept = own[-keep:]
+    for p in checkpoints(directory):
+        if p not in kept and (p in own or (len(kept) >= keep and step_of(p) < step_of(kept[0]))):
+            p.unlink(missing_ok=True)
     return final
 
 

@@ -30,7 +30,8 @@ class Learner:
         self.model = load_model(run.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=run.training.lr)
         self.state = checkpoint.TrainerState()
-        self.resumed_from: Path | None = None
+        self.loaded: Path | None = None
+        """The checkpoint the weights in memory are (None: the initial weights)."""
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.pad_id = int(self.tokenizer.pad_token_id)
 
@@ -38,23 +39,30 @@ class Learner:
         path = checkpoint.latest(self.ckpt_dir)
         if path is not None:
             self.state = checkpoint.restore(path, self.model, self.optimizer)
-            self.resumed_from = path
+            self.loaded = path
         return path
 
-    def rollback(self, committed_step: int) -> Path | None:
+    def rollback(self, committed_step: int, committed_path: str = "") -> Path | None:
         """Returns to the last committed step: checkpoints past it (written, then refused by the
-        fenced commit, or left by a trainer that lost its lease) are deleted and the newest one left
-        is loaded, or the initial weights when none is."""
-        for path in checkpoint.newer_than(self.ckpt_dir, committed_step):
-            path.unlink(missing_ok=True)
-        found = checkpoint.latest(self.ckpt_dir)
+        fenced commit, or left by a trainer that lost its lease) and other epochs' files at that
+        step are deleted, and the committed checkpoint is loaded (the one the commit record names,
+        else the newest left), or the initial weights when there is none. A standby taking over
+        uses the same path to load its predecessor's last committed step."""
+        named = Path(committed_path) if committed_path else None
+        if named is not None and not named.exists():
+            named = None
+        for path in checkpoint.checkpoints(self.ckpt_dir):
+            step = checkpoint.step_of(path)
+            if step > committed_step or (named is not None and step == committed_step and path != named):
+                path.unlink(missing_ok=True)
+        found = named or checkpoint.latest(self.ckpt_dir)
         if found is not None:
             self.state = checkpoint.restore(found, self.model, self.optimizer)
         else:
             self.model = load_model(self.run.model)
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.run.training.lr)
             self.state = checkpoint.TrainerState()
-        self.resumed_from = found
+        self.loaded = found
         return found
 
     def step(self, samples: Sequence[Sample], should_abort: Callable[[], bool] = lambda: False) -> StepStats:
@@ -71,12 +79,13 @@ class Learner:
             should_abort=should_abort,
         )
 
-    def commit(self, trajectory_ids: set[str]) -> Path:
-        """Advances version and step, records the ids that produced them and writes the checkpoint."""
+    def commit(self, trajectory_ids: set[str], epoch: int = 0) -> Path:
+        """Advances version and step, records the ids that produced them and writes the checkpoint
+        under this trainer's epoch (its fencing token)."""
         s = self.state
         new = checkpoint.TrainerState(s.step + 1, s.version + 1, s.trained_ids | trajectory_ids)
-        path = checkpoint.save(self.ckpt_dir, new, self.model, self.optimizer, keep=self.keep)
-        self.state = new
+        path = checkpoint.save(self.ckpt_dir, new, self.model, self.optimizer, keep=self.keep, epoch=epoch)
+        self.state, self.loaded = new, path
         return path
 
     def pack(self) -> PackedWeights:

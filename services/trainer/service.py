@@ -68,6 +68,8 @@ class TrainerService:
         self.done_published = False
         self._last_resync = float("-inf")
         self._leader: bool | None = None
+        self._epoch = -1
+        """The fencing token under which this trainer last adopted the commit record."""
         self.decided: OrderedDict[str, None] = OrderedDict()
         self.stepping: list[Pending[Msg]] = []
         self.counts = {"trained": 0, "duplicate": 0, "stale": 0, "invalid": 0, "failed": 0}
@@ -121,8 +123,6 @@ class TrainerService:
             a = self.membership.assignment
             if a is not None and a.role == "train":
                 self.log.info("trainer_assigned", fencing_token=a.fencing_token)
-                if self.learner.state.step > 0:  # resumed: the job's progress is what the checkpoint holds
-                    await self._record_commit(set(), str(self.learner.resumed_from or ""))
                 self._show_progress()
                 return True
             await asyncio.sleep(0.2)
@@ -142,6 +142,11 @@ class TrainerService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.settings.idle_poll_s)
             return
+        token = self._fencing_token()
+        if token != self._epoch:  # a new epoch (first assignment, a restart, a takeover)
+            if not await self._adopt_committed(stop):
+                return
+            self._epoch = token
         try:
             fetched = await self.bus.fetch(
                 self.psub, ev.CompletedTrajectory, self.settings.fetch_batch, self.settings.idle_poll_s
@@ -305,7 +310,7 @@ class TrainerService:
             samples = [to_sample(p.traj) for p in pendings]
             try:
                 stats = await asyncio.to_thread(self.learner.step, samples, stop.is_set)
-                path = await asyncio.to_thread(self.learner.commit, ids)
+                path = await asyncio.to_thread(self.learner.commit, ids, self._fencing_token())
             except StepAborted:
                 self.log.info("train_step_abandoned", trajectories=len(pendings))
                 await self._hand_back(pendings)
@@ -340,18 +345,42 @@ class TrainerService:
                 push_s, push_bytes, _ = await self._push_current()
         await self._publish_step(stats, push_s, push_bytes)
 
-    async def _roll_back(self) -> None:
-        """After a refused commit: back to the step the job's commit record holds."""
+    async def _roll_back(self, record: dict[str, str] | None = None) -> None:
+        """Back to (or, for a standby taking over, on to) the step the job's commit record holds."""
         try:
-            step = int((await self.store.committed()).get("step", 0))
+            record = record if record is not None else await self.store.committed()
         except Exception as err:
             self.log.error("rollback_failed", error=str(err))
             return
-        path = await asyncio.to_thread(self.learner.rollback, step)
+        step, named = int(record.get("step", 0)), record.get("checkpoint", "")
+        path = await asyncio.to_thread(self.learner.rollback, step, named)
         self.packed = None
         self.log.warning(
             "rolled_back", step=self.learner.state.step, checkpoint=str(path or "initial weights")
         )
+
+    async def _adopt_committed(self, stop: asyncio.Event) -> bool:
+        """The job's progress is the commit record's: a trainer that starts, restarts or takes over
+        from another loads the checkpoint the record names unless that is what it holds (checkpoints
+        the record does not cover are not the job's). Waits out a Redis outage; False if stopped."""
+        attempt = 0
+        record: dict[str, str] | None = None
+        while record is None:
+            if stop.is_set():
+                return False
+            try:
+                record = await self.store.committed()
+            except Exception as err:
+                attempt += 1
+                self.log.warning("commit_record_unreadable", error=str(err), attempt=attempt)
+                await asyncio.sleep(min(0.5 * attempt, 5.0))
+        step, named = int(record.get("step", 0)), record.get("checkpoint", "")
+        holds = self.learner.state.step == step and (
+            not named or (self.learner.loaded is not None and str(self.learner.loaded) == named)
+        )
+        if not holds:
+            await self._roll_back(record)
+        return True
 
     async def _record_commit(self, ids: set[str], checkpoint: str, stop: asyncio.Event | None = None) -> bool:
         """Records the committed step in Redis (the job's authoritative progress) under the lease.
@@ -460,7 +489,10 @@ class TrainerService:
             self._announce_done()
 
     async def _resync(self) -> None:
-        """Brings engines that lack the current weights up to date; then, if finished, announces done."""
+        """Brings engines that lack the current weights up to date; then, if finished, announces done.
+        Only the trainer holding the role does: a standby's weights are not the job's."""
+        if not self._leader or self._epoch != self._fencing_token():
+            return
         now = time.monotonic()
         if now - self._last_resync < self.settings.resync_interval_s:
             return
@@ -532,9 +564,6 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
     await membership.start()
 
     service = TrainerService(common, settings, run, learner, bus, store, membership, pusher)
-    committed = int((await store.committed()).get("step", 0))
-    if learner.state.step > committed:  # checkpoints this job never committed: not ours to resume
-        await service._roll_back()
     await service.open_consumer()
     log.info("trainer_ready", step=learner.state.step, policy_version=learner.state.version)
     await service.run_until(stop)

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
 
 from services.common import control, subjects
 from services.common.bus import Bus, close_nats
 from services.common.contracts import ev
 from services.common.credentials import IDENTITIES
+from services.common.ownership import committed_key
 from services.common.runconfig import load_run_config
 from tests.otlp_receiver import OtlpReceiver
 from tools.runner import run_job
@@ -247,3 +249,40 @@ def test_a_killed_service_fails_the_job_with_a_report(tiny_model: Any, tmp_path:
     assert report["train_steps"] < 50
     assert (tmp_path / f"job-killed-{RUN}" / "report.json").exists()
     assert not [p for p in report["services"].values() if pid_alive(p)], "orphan service processes"
+
+
+def test_a_standby_trainer_takes_over_a_dead_one(tiny_model: Any, tmp_path: Path) -> None:
+    """Restarts off, one standby: the trainer is killed mid-job; when its lease runs out the planner
+    gives the role to the standby, which resumes from the last committed checkpoint."""
+    own = Stack(f"e2e-standby-{int(time.time())}", tmp_path / "logs", max_restarts=0)
+    own.start_infra()
+    run_id = f"job-standby-{RUN}"
+    try:
+        own.start_services(load_run_config(TINY).rollout.engines, standby_trainers=1)
+        config = _config(tmp_path, training={"steps": 12}, job={"lease_ttl_s": 4})
+
+        async def kill_trainer(buses: dict[str, Bus]) -> None:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # once a few steps are committed
+                with contextlib.suppress(Exception):
+                    stats = await buses["cli"].request(
+                        subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, 2
+                    )
+                    if stats.trained_version >= 3:
+                        break
+                await asyncio.sleep(0.2)
+            os.kill(own.procs["trainer"].pid, signal.SIGKILL)
+
+        intruder = _meanwhile(own, run_id, kill_trainer, on="trainer")
+        report = _run(own, config, run_id, tmp_path)
+        intruder.join(60)
+        r = redis.Redis.from_url(own.redis_url, decode_responses=True, password=own.redis_password())
+        record = r.hgetall(committed_key(run_id))
+    finally:
+        own.stop()
+    assert report["status"] == "completed", report["reason"]
+    assert report["train_steps"] == 12 and report["all_engines_on_final_version"], report["engines"]
+    assert report["services_dead"] == ["trainer"]
+    assert record["worker_id"] == "trainer-standby-0", record  # the standby committed the last steps
+    assert report["trajectories_trained_twice"] == 0 and report["trajectories_lost"] == 0
+    assert Path(report["checkpoint"]).name.startswith("step_00000012-e")

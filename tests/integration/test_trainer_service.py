@@ -312,7 +312,7 @@ async def test_trainer_trains_once_pushes_and_resumes(
         await stop_trainer(stop, task, stack)
 
         ckpt = latest(tmp_path / "ckpt" / run_id)
-        assert ckpt is not None and ckpt.name == "step_00000001.pt"
+        assert ckpt is not None and ckpt.name == f"step_00000001-e{lease.token}.pt"  # its epoch
 
         assert await store.renew(lease, 30)  # the planner keeps the lease while the trainer restarts
         stop, task, stack = await start_trainer()
@@ -337,7 +337,7 @@ async def test_trainer_trains_once_pushes_and_resumes(
         step_spans = [s for s in spans.get_finished_spans() if s.name == "train.step"]
         assert len(step_spans) == 2
         await stop_trainer(stop, task, stack)
-        assert latest(tmp_path / "ckpt" / run_id).name == "step_00000002.pt"  # type: ignore[union-attr]
+        assert latest(tmp_path / "ckpt" / run_id).name == f"step_00000002-e{lease.token}.pt"  # type: ignore[union-attr]
     finally:
         await bus.close()
         await store.close()
