@@ -29,7 +29,7 @@ from services.common.contracts import ev, ws, ws_grpc
 from services.common.grpc_auth import bearer_metadata
 from services.common.ownership import committed_key, trained_key
 from services.common.runconfig import RunConfig
-from services.scheduler.ledger import read_accounting
+from services.scheduler.ledger import Accounting, read_accounting
 from tools.stack import ROOT, Stack, read_stack_file
 
 SERVICES_NEEDED = ("planner", "scheduler", "trainer", "tool-sandbox")
@@ -435,7 +435,13 @@ class JobDriver:
             with contextlib.suppress(Exception):
                 await self._poll()
         trained = per_step(self.metrics, p.committed_step)
-        accounting = await read_accounting(self.redis, self.run_id, trained_key(self.run_id))
+        accounting_error = ""
+        try:
+            accounting: Accounting | None = await read_accounting(
+                self.redis, self.run_id, trained_key(self.run_id)
+            )
+        except Exception as err:  # Redis away: the report still gets written, saying so
+            accounting, accounting_error = None, f"{type(err).__name__}: {err}"
         engines = await engine_versions(self._engines(), self.stack.grpc_token()) if self.targets else []
         stats = self.stats or ev.SchedulerStats()
         report: dict[str, Any] = {
@@ -458,14 +464,16 @@ class JobDriver:
             "final_weight_version": p.committed_version,
             "checkpoint": p.checkpoint,
             "trajectories_trained_twice": p.trained_twice,
-            "trajectories_lost": len(accounting.lost),
+            "trajectories_lost": len(accounting.lost) if accounting else None,
             "trajectories_accounting": {
                 "handed_to_trainer": accounting.published,
                 "trained": accounting.trained,
                 "dropped_stale_or_failed": accounting.dropped,
                 "open_at_end": accounting.open_at_end,
                 "lost_ids": accounting.lost[:20],
-            },
+            }
+            if accounting
+            else {"error": f"the ledger could not be read: {accounting_error}"},
             "engines": engines,
             "all_engines_on_final_version": bool(engines)
             and all(e.get("weight_version") == p.committed_version for e in engines),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -45,7 +46,9 @@ class Envelope:
 Handler = Callable[[Any, Envelope], Awaitable[Message | None]]
 
 
-async def connect_nats(url: str, name: str, auth: NatsAuth | None = None) -> NATS:
+async def connect_nats(
+    url: str, name: str, auth: NatsAuth | None = None, tls: ssl.SSLContext | None = None
+) -> NATS:
     """Connects for good: waits for a NATS that is not up yet and reconnects forever (a restarting
     NATS comes back), with the stack's user and password when it has credentials. Credentials the
     server refuses are a configuration error at once, not a silent retry loop."""
@@ -54,10 +57,12 @@ async def connect_nats(url: str, name: str, auth: NatsAuth | None = None) -> NAT
 
     async def on_error(e: Exception) -> None:
         log.warning("nats_error", error=str(e))
-        if "authorization violation" in str(e).lower():
+        if "authorization violation" in str(e).lower() or isinstance(e, ssl.SSLCertVerificationError):
             refused.set()
 
-    creds = {"user": auth.user, "password": auth.password} if auth else {}
+    creds: dict[str, Any] = {"user": auth.user, "password": auth.password} if auth else {}
+    if tls is not None:
+        creds["tls"] = tls
     connecting = asyncio.ensure_future(
         nats.connect(
             url,
@@ -79,8 +84,9 @@ async def connect_nats(url: str, name: str, auth: NatsAuth | None = None) -> NAT
         await connecting
     who = f"user {auth.user!r}" if auth else "a client without credentials"
     raise CredentialsRefused(
-        f"NATS at {url} refused {who}: set LIBRA_SECRETS_DIR (or LIBRA_NATS_USER/LIBRA_NATS_PASSWORD) "
-        "to this stack's credentials"
+        f"NATS at {url} refused {who}, or its TLS certificate did not verify: set LIBRA_SECRETS_DIR "
+        "(or LIBRA_NATS_USER/LIBRA_NATS_PASSWORD) to this stack's credentials and LIBRA_TLS_CA_FILE to "
+        "the CA that signed the server's certificate"
     )
 
 
@@ -106,9 +112,15 @@ class Bus:
 
     @classmethod
     async def connect(
-        cls, url: str, run_id: str, service: str, worker_id: str, auth: NatsAuth | None = None
+        cls,
+        url: str,
+        run_id: str,
+        service: str,
+        worker_id: str,
+        auth: NatsAuth | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> Bus:
-        return cls(await connect_nats(url, f"{service}:{worker_id}", auth), run_id, service, worker_id)
+        return cls(await connect_nats(url, f"{service}:{worker_id}", auth, tls), run_id, service, worker_id)
 
     def subject(self, *parts: str) -> str:
         return subjects.subject(self.run_id, *parts)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import ssl
 import sys
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.credentials import NatsAuth
+from services.common.tls import TlsFiles
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -45,6 +47,29 @@ class CommonSettings(BaseSettings):
     weight_sync_token: SecretStr | None = None
     """Bearer token of the WeightSync gRPC service (distinct from the trainer's fencing token);
     engines refuse calls without it when set."""
+
+    tls_ca_file: str | None = None
+    """CA bundle that verifies NATS, Redis (rediss:// URLs) and WeightSync servers; set it to use TLS
+    between machines (docs/security.md)."""
+    tls_cert_file: str | None = None
+    """This process's certificate: engines serve WeightSync with it; clients present it where a
+    server asks for one (mutual TLS)."""
+    tls_key_file: str | None = None
+    """Private key of `tls_cert_file`."""
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> CommonSettings:
+        self.tls()  # files exist, cert and key together
+        return self
+
+    def tls(self) -> TlsFiles | None:
+        if not (self.tls_ca_file or self.tls_cert_file):
+            return None
+        return TlsFiles(self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
+
+    def nats_tls(self) -> ssl.SSLContext | None:
+        tls = self.tls()
+        return tls.client_ssl() if tls is not None else None
 
     def nats_auth(self) -> NatsAuth | None:
         if self.nats_user is None or self.nats_password is None:

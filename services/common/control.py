@@ -75,7 +75,10 @@ class JobAgent:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.nc = await connect(
-            self.common.nats_url, f"{self.service}:{self.worker_id}:control", self.common.nats_auth()
+            self.common.nats_url,
+            f"{self.service}:{self.worker_id}:control",
+            self.common.nats_auth(),
+            self.common.nats_tls(),
         )
         await self.nc.subscribe(JOB_START, cb=self._on_start)
         await self.nc.subscribe(JOB_STOP, cb=self._on_stop)

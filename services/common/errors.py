@@ -31,6 +31,12 @@ class CredentialsRefused(LibraError):
     code = "unauthenticated"
 
 
+class DurableStateLost(LibraError):
+    """What the job's durable record points at is gone (a checkpoint volume lost or not mounted)."""
+
+    code = "state_lost"
+
+
 class Unavailable(LibraError):
     code = "unavailable"
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from services.common.tls import TlsFiles
+
 ACQUIRE = """
 local cur = redis.call('HGET', KEYS[1], 'owner')
 if cur and cur ~= ARGV[1] then return {0, tonumber(redis.call('HGET', KEYS[1], 'token'))} end
@@ -78,8 +80,11 @@ class OwnershipStore:
         self._commit = client.register_script(COMMIT)
 
     @classmethod
-    def from_url(cls, url: str, run_id: str, password: str | None = None) -> OwnershipStore:
-        return cls(aioredis.from_url(url, decode_responses=True, password=password), run_id)
+    def from_url(
+        cls, url: str, run_id: str, password: str | None = None, tls: TlsFiles | None = None
+    ) -> OwnershipStore:
+        options = tls.redis_options(url) if tls is not None else {}
+        return cls(aioredis.from_url(url, decode_responses=True, password=password, **options), run_id)
 
     def _key(self, resource: str) -> str:
         return f"libra:{self.run_id}:lease:{resource}"

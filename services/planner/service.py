@@ -142,9 +142,11 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
     settings = load_settings(PlannerSettings)
     cfg = load_run_config(common.config)
     assert common.worker_id is not None
-    bus = await Bus.connect(common.nats_url, common.run_id, "planner", common.worker_id, common.nats_auth())
+    bus = await Bus.connect(
+        common.nats_url, common.run_id, "planner", common.worker_id, common.nats_auth(), common.nats_tls()
+    )
     stack.push_async_callback(bus.close)
-    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret())
+    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret(), common.tls())
     stack.push_async_callback(store.close)
     await PlannerService(settings, cfg, bus, store).start()
     get_logger().info("planner_ready", buckets=[b.name for b in cfg.rollout.buckets])

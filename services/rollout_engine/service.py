@@ -94,20 +94,29 @@ class RolloutEngineService:
             self.log.warning("emulated_backend", detail="outputs are random tokens; control-plane tests only")
         self.engine.start()
         self.store = OwnershipStore.from_url(
-            self.common.redis_url, self.common.run_id, self.common.redis_secret()
+            self.common.redis_url, self.common.run_id, self.common.redis_secret(), self.common.tls()
         )
         self.servicer = WeightSyncServicer(
             self.engine, self.store, self.worker_id, self.settings.max_push_bytes
         )
         self.server, port = await start_server(
-            self.servicer, self.settings.grpc_host, self.settings.grpc_port, self.common.grpc_token()
+            self.servicer,
+            self.settings.grpc_host,
+            self.settings.grpc_port,
+            self.common.grpc_token(),
+            self.common.tls(),
         )
         host = self.settings.advertise_host or self.settings.grpc_host
         if host in ("0.0.0.0", "::"):
             host = socket.gethostname()
         self.weight_sync_addr = f"{host}:{port}"
         self.bus = await Bus.connect(
-            self.common.nats_url, self.common.run_id, SERVICE, self.worker_id, self.common.nats_auth()
+            self.common.nats_url,
+            self.common.run_id,
+            SERVICE,
+            self.worker_id,
+            self.common.nats_auth(),
+            self.common.nats_tls(),
         )
         hello = ev.WorkerHello(
             worker_id=self.worker_id,

@@ -22,6 +22,7 @@ from services.common.grpc_auth import BearerTokenInterceptor
 from services.common.logging import get_logger
 from services.common.membership import TRAINER_ROLE
 from services.common.ownership import OwnershipStore
+from services.common.tls import TlsFiles
 from services.common.tracing import context_from_grpc, tracer
 from services.common.weights import unpack_state_dict
 from services.rollout_engine.engine import BatchingEngine
@@ -161,7 +162,7 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
 
 
 async def start_server(
-    servicer: WeightSyncServicer, host: str, port: int, token: str | None = None
+    servicer: WeightSyncServicer, host: str, port: int, token: str | None = None, tls: TlsFiles | None = None
 ) -> tuple[grpc.aio.Server, int]:
     """Starts the server; returns it and the bound port (port 0 picks a free one). With a `token`,
     every call must carry it as a bearer token (services/common/grpc_auth.py)."""
@@ -173,7 +174,9 @@ async def start_server(
         ],
     )
     ws_grpc.add_WeightSyncServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    creds = tls.grpc_server_credentials() if tls is not None else None
+    addr = f"{host}:{port}"
+    bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
     if bound == 0:
         raise SystemExit(f"cannot bind the WeightSync server to {host}:{port}")
     await server.start()

@@ -526,9 +526,11 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
     cfg = load_run_config(common.config)
     assert common.worker_id is not None
     prompter = Prompter(load_tokenizer(cfg.model))
-    bus = await Bus.connect(common.nats_url, common.run_id, "scheduler", common.worker_id, common.nats_auth())
+    bus = await Bus.connect(
+        common.nats_url, common.run_id, "scheduler", common.worker_id, common.nats_auth(), common.nats_tls()
+    )
     stack.push_async_callback(bus.close)
-    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret())
+    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret(), common.tls())
     stack.push_async_callback(store.close)
     svc = SchedulerService(common, settings, cfg, bus, store, prompter)
     await svc.start()

@@ -112,10 +112,15 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
     await executor.start()
     stack.push_async_callback(executor.close)
     bus = await Bus.connect(
-        common.nats_url, common.run_id, "tool-sandbox", common.worker_id, common.nats_auth()
+        common.nats_url,
+        common.run_id,
+        "tool-sandbox",
+        common.worker_id,
+        common.nats_auth(),
+        common.nats_tls(),
     )
     stack.push_async_callback(bus.close)
-    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret())
+    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret(), common.tls())
     stack.push_async_callback(store.close)
     await Membership(bus, store, ev.WorkerHello(worker_id=common.worker_id, kind="tool-sandbox")).start()
     await ToolSandboxService(bus, executor).start()

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
@@ -21,7 +22,7 @@ from services.common import control, subjects
 from services.common.bus import Bus
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
-from services.common.errors import InvalidMessage
+from services.common.errors import DurableStateLost, InvalidMessage
 from services.common.logging import get_logger
 from services.common.membership import TRAINER_ROLE, Membership
 from services.common.ownership import OwnershipStore, trained_key
@@ -375,6 +376,12 @@ class TrainerService:
                 self.log.warning("commit_record_unreadable", error=str(err), attempt=attempt)
                 await asyncio.sleep(min(0.5 * attempt, 5.0))
         step, named = int(record.get("step", 0)), record.get("checkpoint", "")
+        if step > 0 and named and not Path(named).exists():
+            raise DurableStateLost(
+                f"the commit record says step {step} is committed in {named}, which is not there (the "
+                "checkpoint directory was lost, or is not shared with this trainer): not training on "
+                "from older weights"
+            )
         holds = self.learner.state.step == step and (
             not named or (self.learner.loaded is not None and str(self.learner.loaded) == named)
         )
@@ -547,7 +554,7 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
                 trained=len(learner.state.trained_ids),
             )
 
-    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret())
+    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret(), common.tls())
     stack.push_async_callback(store.close)
     pusher = WeightPusher(
         worker_id,
@@ -556,9 +563,12 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
         backoff_s=settings.push_backoff_s,
         timeout_s=settings.push_timeout_s,
         token=common.grpc_token(),
+        tls=common.tls(),
     )
     stack.push_async_callback(pusher.close)
-    bus = await Bus.connect(common.nats_url, common.run_id, "trainer", worker_id, common.nats_auth())
+    bus = await Bus.connect(
+        common.nats_url, common.run_id, "trainer", worker_id, common.nats_auth(), common.nats_tls()
+    )
     stack.push_async_callback(bus.close)
     membership = Membership(bus, store, ev.WorkerHello(worker_id=worker_id, kind="trainer"))
     await membership.start()

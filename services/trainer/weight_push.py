@@ -18,6 +18,7 @@ import grpc
 from services.common.contracts import ws, ws_grpc
 from services.common.grpc_auth import bearer_metadata
 from services.common.logging import get_logger
+from services.common.tls import TlsFiles, grpc_channel
 from services.common.tracing import grpc_metadata
 from services.common.weights import checksum, chunks, pack_state_dict
 
@@ -77,8 +78,10 @@ class WeightPusher:
         backoff_s: float = 0.5,
         timeout_s: float = 300.0,
         token: str | None = None,
+        tls: TlsFiles | None = None,
     ):
         self.sender_id = sender_id
+        self.tls = tls
         self._auth = bearer_metadata(token)
         self.chunk_bytes = chunk_bytes
         self.retries = retries
@@ -95,7 +98,7 @@ class WeightPusher:
     def _stub(self, addr: str) -> ws_grpc.WeightSyncStub:
         ch = self._channels.get(addr)
         if ch is None:
-            ch = grpc.aio.insecure_channel(addr, options=self._options)
+            ch = grpc_channel(addr, self.tls, self._options)
             self._channels[addr] = ch
         return ws_grpc.WeightSyncStub(ch)
 

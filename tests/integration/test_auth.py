@@ -20,14 +20,10 @@ from services.common.contracts import ev, ws, ws_grpc
 from services.common.credentials import IDENTITIES, NatsAuth, StackCredentials, generate
 from services.common.errors import CredentialsRefused
 from services.common.localstack import Server, start_nats, start_redis
-from services.common.membership import TRAINER_ROLE
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
-from services.common.weights import checksum, pack_state_dict
-from services.rollout_engine.backends.hf import HFBackend
-from services.rollout_engine.engine import BatchingEngine
-from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
-from services.trainer.weight_push import PackedWeights, WeightPusher
+from services.trainer.weight_push import WeightPusher
+from tests.weight_rig import nudged_weights, weight_sync_rig
 
 pytestmark = pytest.mark.integration
 
@@ -168,32 +164,21 @@ async def test_redis_wants_the_password(secure_redis: Server, creds: StackCreden
 async def engine_rig(
     tiny_model: ModelConfig, secure_redis: Server, creds: StackCredentials, run_id: str
 ) -> AsyncIterator[dict[str, Any]]:
-    backend = HFBackend(tiny_model, torch_threads=2, seed=0)
-    await backend.start()
-    engine = BatchingEngine(backend, max_batch=2)
-    engine.start()
-    store = OwnershipStore.from_url(secure_redis.url, run_id, creds.redis_password())
-    servicer = WeightSyncServicer(engine, store, "engine-a", max_push_bytes=1 << 30)
-    server, port = await start_server(servicer, "127.0.0.1", 0, creds.weight_sync_token())
-    lease = await store.acquire(TRAINER_ROLE, "trainer-1", 30)
-    assert lease is not None
-    yield {"engine": engine, "backend": backend, "addr": f"127.0.0.1:{port}", "token": lease.token}
-    await server.stop(grace=0)
-    await engine.close(timeout=5)
-    await store.close()
-
-
-def _weights(backend: HFBackend, version: int) -> PackedWeights:
-    sd = {k: v + 0.01 for k, v in backend.model.state_dict().items()}
-    blob = pack_state_dict(sd)
-    return PackedWeights(version, blob, checksum(blob))
+    async with weight_sync_rig(
+        tiny_model,
+        secure_redis.url,
+        run_id,
+        redis_password=creds.redis_password(),
+        token=creds.weight_sync_token(),
+    ) as rig:
+        yield rig
 
 
 async def test_weight_push_needs_the_bearer_token(
     engine_rig: dict[str, Any], creds: StackCredentials
 ) -> None:
     engine, addr, fence = engine_rig["engine"], engine_rig["addr"], engine_rig["token"]
-    weights = _weights(engine_rig["backend"], 1)
+    weights = nudged_weights(engine_rig["backend"], 1)
     # the live fencing token alone is not enough: it travels in every plan
     for token in (None, "wrong"):
         pusher = WeightPusher("intruder", 1 << 20, retries=2, backoff_s=0.01, token=token)

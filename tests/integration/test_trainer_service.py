@@ -29,6 +29,7 @@ from services.common import subjects
 from services.common.bus import Bus
 from services.common.config import CommonSettings
 from services.common.contracts import ev, ws, ws_grpc
+from services.common.errors import DurableStateLost
 from services.common.membership import TRAINER_ROLE
 from services.common.models import load_model
 from services.common.ownership import OwnershipStore, trained_key
@@ -338,6 +339,16 @@ async def test_trainer_trains_once_pushes_and_resumes(
         assert len(step_spans) == 2
         await stop_trainer(stop, task, stack)
         assert latest(tmp_path / "ckpt" / run_id).name == f"step_00000002-e{lease.token}.pt"  # type: ignore[union-attr]
+
+        # the checkpoint volume is lost: a trainer must not quietly train on from the initial weights
+        for path in (tmp_path / "ckpt" / run_id).iterdir():
+            path.unlink()
+        assert await store.renew(lease, 30)
+        stop, task, stack = await start_trainer()
+        with pytest.raises(DurableStateLost, match="not there"):
+            await asyncio.wait_for(task, 60)
+        await stack.aclose()
+        assert (await store.committed())["step"] == "2"  # the record is left as it was
     finally:
         await bus.close()
         await store.close()
