@@ -415,6 +415,28 @@ class JobDriver:
         out["engines"] = await engine_versions(self._engines(), self.stack.grpc_token())
         return out
 
+    async def _buckets(self) -> list[dict[str, Any]]:
+        """The rollout buckets of the job's last plan, with the engines assigned to each."""
+        with contextlib.suppress(Exception):
+            plan = await self.bus.last_message(
+                subjects.PLAN, subjects.stream_name(self.run_id, "PLAN"), ev.Plan
+            )
+            if plan is not None:
+                return [
+                    {
+                        "name": b.name,
+                        "tensor_parallel": b.tensor_parallel,
+                        "max_context_tokens": b.max_context_tokens,
+                        "engines": sorted(
+                            a.worker_id
+                            for a in plan.assignments
+                            if a.role == "rollout" and a.bucket == b.name
+                        ),
+                    }
+                    for b in plan.buckets
+                ]
+        return []
+
     async def _report(
         self,
         status: str,
@@ -443,6 +465,7 @@ class JobDriver:
         except Exception as err:  # Redis away: the report still gets written, saying so
             accounting, accounting_error = None, f"{type(err).__name__}: {err}"
         engines = await engine_versions(self._engines(), self.stack.grpc_token()) if self.targets else []
+        buckets = await self._buckets()
         stats = self.stats or ev.SchedulerStats()
         report: dict[str, Any] = {
             "run_id": self.run_id,
@@ -495,6 +518,8 @@ class JobDriver:
             "trajectories_failed": stats.trajectories_failed,
             "groups_replaced": stats.groups_replaced,
             "group_outcomes": dict(stats.group_outcomes),
+            "buckets": buckets,
+            "migrations": stats.migrations,
             "services": {wid: st.pid for wid, st in sorted(self.targets.items())},
             "restarts": {
                 n: c

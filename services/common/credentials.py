@@ -28,7 +28,12 @@ _RUN = "libra.v1.*"
 _COMMON = ("worker.hello", "errors")
 _PUBLISHES: dict[str, tuple[str, ...]] = {
     "planner": (subjects.PLAN, subjects.ROLE_CHANGE),
-    "scheduler": (f"{subjects.TURN_REQUEST}.*", subjects.TOOL_CALL, subjects.TRAJ_COMPLETED),
+    "scheduler": (
+        f"{subjects.TURN_REQUEST}.*",
+        subjects.TOOL_CALL,
+        subjects.TRAJ_COMPLETED,
+        subjects.WORKLOAD_STATS,
+    ),
     "rollout-engine": (subjects.TURN_RESULT, subjects.ENGINE_LOAD),
     "tool-sandbox": (subjects.TOOL_RETURN,),
     "trainer": (subjects.WEIGHTS_UPDATED, subjects.TRAIN_METRICS, subjects.GROUP_OUTCOME),

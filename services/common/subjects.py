@@ -17,6 +17,7 @@ TRAIN_METRICS = "train.metrics"
 METRICS = "metrics"  # .<service>
 ERRORS = "errors"
 SCHEDULER_STATS = "scheduler.stats"
+WORKLOAD_STATS = "workload.stats"
 
 
 def subject(run_id: str, *parts: str) -> str:

@@ -121,6 +121,12 @@ class PlannerService:
             plan_version=self.version,
             reason="static",
             lease_ttl_s=self.cfg.job.lease_ttl_s,
+            buckets=[
+                ev.BucketSpec(
+                    name=b.name, tensor_parallel=b.tensor_parallel, max_context_tokens=b.max_context_tokens
+                )
+                for b in self.cfg.rollout.buckets
+            ],
             assignments=[
                 ev.Assignment(
                     worker_id=s.worker_id,

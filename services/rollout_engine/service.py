@@ -265,6 +265,10 @@ class RolloutEngineService:
             weight_version=self.engine.version,
             weight_sync_addr=self.weight_sync_addr,
             request_ids=sorted(self.holding),
+            tensor_parallel=self.settings.tensor_parallel,
+            capacity_seqs=self.engine.max_batch,
+            free_kv_tokens=self.backend.free_kv_tokens(),
+            backend=self.backend.name,
         )
 
     async def _load_loop(self) -> None:

@@ -38,3 +38,7 @@ class SchedulerSettings(BaseSettings):
     """How long to wait for the configured number of engines before starting with fewer."""
     tick_s: float = Field(0.2, gt=0)
     """Period of the feed and watchdog loop."""
+    stats_interval_s: float = Field(5.0, gt=0)
+    """Period of the workload-stats event (`workload.stats`) for the planner."""
+    stats_window_s: float = Field(60.0, gt=0)
+    """The workload stats cover this much of the recent past."""

@@ -31,6 +31,7 @@ from services.scheduler.ledger import Ledger
 from services.scheduler.prompting import Prompter
 from services.scheduler.router import EngineView, pick_least_loaded
 from services.scheduler.trajectory import Action, CallTool, Finish, Generate, Trajectory
+from services.scheduler.workload import WorkloadWindow
 
 
 @dataclass
@@ -83,6 +84,11 @@ class SchedulerService:
         self.rewards: list[float] = []
         self.tool_statuses: Counter[str] = Counter()
         self.started = time.monotonic()
+        self.workload = WorkloadWindow(settings.stats_window_s)
+        self._stats_published = 0.0
+        self.migrations = 0
+        """Trajectories moved to another bucket between turns (none yet: the live scheduler keeps
+        each trajectory in its first bucket until C-MLFQ routes it)."""
         self.ledger = Ledger(store.r, common.run_id)
         self.membership = Membership(
             bus,
@@ -174,6 +180,7 @@ class SchedulerService:
             groups_replaced=self.feed.replaced,
             group_outcomes=dict(self.feed.outcomes),
             trajectories_failed=self.failed,
+            migrations=self.migrations,
             oldest_in_flight=[
                 ev.InFlight(
                     trajectory_id=lv.traj.trajectory_id,
@@ -213,6 +220,17 @@ class SchedulerService:
             for ticket in tickets:
                 self._launch_group(ticket)
             await self._watchdog()
+            if time.monotonic() - self._stats_published > self.settings.stats_interval_s:
+                await self._publish_workload()
+
+    async def _publish_workload(self) -> None:
+        self._stats_published = time.monotonic()
+        queued: Counter[str] = Counter(
+            lv.bucket for lv in self.live.values() if lv.request_id in self.by_request
+        )
+        stats = self.workload.stats(self._stats_published, dict(queued), self.trained_version)
+        with contextlib.suppress(Exception):  # NATS away: the next one goes out in a few seconds
+            await self.bus.publish(subjects.WORKLOAD_STATS, stats)
 
     async def _check_committed(self) -> None:
         """The trainer's commit record is the floor of the trained version: a `weights.updated`
@@ -378,6 +396,7 @@ class SchedulerService:
             await self._retry_or_fail(live)
             return
         self.turns += 1
+        self.workload.turn(time.monotonic(), len(res.token_ids), res.context_tokens)
         eos = (
             res.finish_reason == "stop" and bool(res.token_ids) and res.token_ids[-1] == self.prompter.eos_id
         )
@@ -432,6 +451,7 @@ class SchedulerService:
 
     async def _tool_returned(self, live: Live, status: str, payload: str) -> None:
         self.tool_statuses[status] += 1
+        self.workload.tool_return(time.monotonic(), status)
         if live.step_span is not None:
             live.step_span.set_attribute("libra.tool_status", status)
             live.step_span.end()
@@ -504,6 +524,7 @@ class SchedulerService:
         )
         await self._durably(self.ledger.published(traj.trajectory_id, live.failure is not None))
         live.span.end()
+        self.workload.trajectory(time.monotonic(), traj.turns, latency)
         self.completed += 1
         self.failed += live.failure is not None
         self.rewards.append(fin.reward)

@@ -142,7 +142,21 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
     intruder = _meanwhile(stack, job_a, _garbage_and_forgeries)
     first = _run(stack, _config(tmp_path), job_a, tmp_path)
     intruder.join(60)
+    workload: list[ev.WorkloadStats] = []
+
+    async def watch_workload(buses: dict[str, Bus]) -> None:
+        async def on_stats(m: ev.WorkloadStats, _: Any) -> None:
+            if m.new_tokens_per_turn.count:
+                workload.append(m)
+
+        await buses["cli"].subscribe(subjects.WORKLOAD_STATS, ev.WorkloadStats, on_stats)
+        deadline = time.monotonic() + 90
+        while not workload and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+
+    watcher = _meanwhile(stack, job_b, watch_workload)
     second = _run(stack, _config(tmp_path), job_b, tmp_path)
+    watcher.join(60)
 
     for report in (first, second):
         assert report["status"] == "completed", report["reason"]
@@ -158,6 +172,12 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
         outcomes = report["group_outcomes"]
         assert outcomes["trained"] == cfg.training.steps * cfg.training.groups_per_step, outcomes
         assert report["groups_replaced"] == sum(n for o, n in outcomes.items() if o != "trained")
+        # the plan's buckets, with the engines in each; no migrations (one bucket)
+        engines = sorted(f"rollout-engine-{i}" for i in range(cfg.rollout.engines))
+        assert [(b["name"], b["tensor_parallel"], b["engines"]) for b in report["buckets"]] == [
+            (cfg.rollout.buckets[0].name, 1, engines)
+        ]
+        assert report["migrations"] == 0
         # every trajectory handed to the trainer is trained, dropped with its group, or still open
         acc = report["trajectories_accounting"]
         assert report["trajectories_lost"] == 0 and acc["lost_ids"] == [], acc
@@ -165,6 +185,11 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
         assert (
             acc["handed_to_trainer"] == acc["trained"] + acc["dropped_stale_or_failed"] + acc["open_at_end"]
         )
+    # the scheduler's workload stats for the planner: turn lengths within the token budget
+    assert workload, "no workload.stats with turns in it"
+    w = workload[-1]
+    assert 0 < w.new_tokens_per_turn.max <= cfg.task.max_new_tokens
+    assert w.context_tokens_per_turn.p50 > 0 and w.trained_version >= 0
     assert first["report_path"] != second["report_path"]
     assert (tmp_path / "latest" / "report.json").resolve() == Path(second["report_path"]).resolve()
     # one set of services served both jobs

@@ -72,6 +72,11 @@ class Backend(abc.ABC):
     def decode(self, token_ids: list[int]) -> str:
         """Text of generated tokens, special tokens skipped."""
 
+    def free_kv_tokens(self) -> int:
+        """KV-cache tokens free now, for the scheduler's placement; -1 when the backend cannot tell
+        (hf allocates its cache per batch, the emulated backend has none)."""
+        return -1
+
     def abort(self) -> None:
         """Asks a running `generate` to give up soon (shutdown past its grace); it then raises
         GenerationAborted. Called from the event loop while generate may run in a thread."""

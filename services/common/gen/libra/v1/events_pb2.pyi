@@ -167,7 +167,7 @@ class GroupOutcome(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., trajectories: _Optional[int] = ..., weight_version: _Optional[int] = ..., train_step: _Optional[int] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("engine_id", "bucket", "running", "waiting", "tokens_per_s", "weight_version", "weight_sync_addr", "request_ids")
+    __slots__ = ("engine_id", "bucket", "running", "waiting", "tokens_per_s", "weight_version", "weight_sync_addr", "request_ids", "tensor_parallel", "capacity_seqs", "free_kv_tokens", "backend")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,10 @@ class EngineLoad(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_ADDR_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_SEQS_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     bucket: str
     running: int
@@ -184,7 +188,11 @@ class EngineLoad(_message.Message):
     weight_version: int
     weight_sync_addr: str
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    tensor_parallel: int
+    capacity_seqs: int
+    free_kv_tokens: int
+    backend: str
+    def __init__(self, engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., capacity_seqs: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
     __slots__ = ("worker_id", "kind", "weight_sync_addr", "tensor_parallel", "preferred_bucket")
@@ -216,17 +224,79 @@ class Assignment(_message.Message):
     tensor_parallel: int
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., bucket: _Optional[str] = ..., fencing_token: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
 
+class BucketSpec(_message.Message):
+    __slots__ = ("name", "tensor_parallel", "max_context_tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor_parallel: int
+    max_context_tokens: int
+    def __init__(self, name: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., max_context_tokens: _Optional[int] = ...) -> None: ...
+
 class Plan(_message.Message):
-    __slots__ = ("plan_version", "assignments", "reason", "lease_ttl_s")
+    __slots__ = ("plan_version", "assignments", "reason", "lease_ttl_s", "buckets")
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
     plan_version: int
     assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
     reason: str
     lease_ttl_s: float
-    def __init__(self, plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    buckets: _containers.RepeatedCompositeFieldContainer[BucketSpec]
+    def __init__(self, plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ...) -> None: ...
+
+class LengthQuantiles(_message.Message):
+    __slots__ = ("count", "p50", "p90", "p99", "max")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    P50_FIELD_NUMBER: _ClassVar[int]
+    P90_FIELD_NUMBER: _ClassVar[int]
+    P99_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    def __init__(self, count: _Optional[int] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
+
+class WorkloadStats(_message.Message):
+    __slots__ = ("window_s", "new_tokens_per_turn", "context_tokens_per_turn", "turns_per_trajectory", "trajectory_latency_s", "queued_turns_by_bucket", "tool_returns_by_status", "trajectories_per_s", "trained_version")
+    class QueuedTurnsByBucketEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ToolReturnsByStatusEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_PER_TURN_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_PER_TURN_FIELD_NUMBER: _ClassVar[int]
+    TURNS_PER_TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TURNS_BY_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    TOOL_RETURNS_BY_STATUS_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    window_s: float
+    new_tokens_per_turn: LengthQuantiles
+    context_tokens_per_turn: LengthQuantiles
+    turns_per_trajectory: LengthQuantiles
+    trajectory_latency_s: LengthQuantiles
+    queued_turns_by_bucket: _containers.ScalarMap[str, int]
+    tool_returns_by_status: _containers.ScalarMap[str, int]
+    trajectories_per_s: float
+    trained_version: int
+    def __init__(self, window_s: _Optional[float] = ..., new_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., context_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., turns_per_trajectory: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., trajectory_latency_s: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., queued_turns_by_bucket: _Optional[_Mapping[str, int]] = ..., tool_returns_by_status: _Optional[_Mapping[str, int]] = ..., trajectories_per_s: _Optional[float] = ..., trained_version: _Optional[int] = ...) -> None: ...
 
 class RoleChange(_message.Message):
     __slots__ = ("worker_id", "from_role", "to_role", "bucket", "fencing_token")
@@ -330,7 +400,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("trajectories_completed", "trajectories_in_flight", "tool_calls_by_status", "turns", "dropped_stale", "reward_mean", "groups_launched", "groups_total", "trained_version", "engines", "oldest_in_flight", "groups_replaced", "group_outcomes", "trajectories_failed")
+    __slots__ = ("trajectories_completed", "trajectories_in_flight", "tool_calls_by_status", "turns", "dropped_stale", "reward_mean", "groups_launched", "groups_total", "trained_version", "engines", "oldest_in_flight", "groups_replaced", "group_outcomes", "trajectories_failed", "migrations")
     class ToolCallsByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +429,7 @@ class SchedulerStats(_message.Message):
     GROUPS_REPLACED_FIELD_NUMBER: _ClassVar[int]
     GROUP_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     trajectories_completed: int
     trajectories_in_flight: int
     tool_calls_by_status: _containers.ScalarMap[str, int]
@@ -373,7 +444,8 @@ class SchedulerStats(_message.Message):
     groups_replaced: int
     group_outcomes: _containers.ScalarMap[str, int]
     trajectories_failed: int
-    def __init__(self, trajectories_completed: _Optional[int] = ..., trajectories_in_flight: _Optional[int] = ..., tool_calls_by_status: _Optional[_Mapping[str, int]] = ..., turns: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., reward_mean: _Optional[float] = ..., groups_launched: _Optional[int] = ..., groups_total: _Optional[int] = ..., trained_version: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ..., oldest_in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., groups_replaced: _Optional[int] = ..., group_outcomes: _Optional[_Mapping[str, int]] = ..., trajectories_failed: _Optional[int] = ...) -> None: ...
+    migrations: int
+    def __init__(self, trajectories_completed: _Optional[int] = ..., trajectories_in_flight: _Optional[int] = ..., tool_calls_by_status: _Optional[_Mapping[str, int]] = ..., turns: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., reward_mean: _Optional[float] = ..., groups_launched: _Optional[int] = ..., groups_total: _Optional[int] = ..., trained_version: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ..., oldest_in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., groups_replaced: _Optional[int] = ..., group_outcomes: _Optional[_Mapping[str, int]] = ..., trajectories_failed: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class InFlight(_message.Message):
     __slots__ = ("trajectory_id", "group_id", "state", "engine_id", "turns", "age_s", "idle_s")

@@ -1,0 +1,60 @@
+"""What the scheduler sees of the workload, over a sliding window: the planner's input for sizing
+buckets and the rollout/training split. Pure: the caller passes `now`."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+
+from services.common.contracts import ev
+
+
+def quantiles(values: Iterable[float]) -> ev.LengthQuantiles:
+    """Nearest-rank quantiles (p50, p90, p99) and the maximum; all zero for no values."""
+    xs = sorted(values)
+    if not xs:
+        return ev.LengthQuantiles()
+
+    def rank(q: float) -> float:
+        return xs[min(len(xs) - 1, max(0, int(-(-q * len(xs) // 1)) - 1))]
+
+    return ev.LengthQuantiles(count=len(xs), p50=rank(0.5), p90=rank(0.9), p99=rank(0.99), max=xs[-1])
+
+
+class WorkloadWindow:
+    def __init__(self, window_s: float = 60.0):
+        if window_s <= 0:
+            raise ValueError("window_s must be positive")
+        self.window_s = window_s
+        self._turns: deque[tuple[float, int, int]] = deque()
+        self._trajs: deque[tuple[float, int, float]] = deque()
+        self._tools: deque[tuple[float, str]] = deque()
+
+    def turn(self, now: float, new_tokens: int, context_tokens: int) -> None:
+        self._turns.append((now, new_tokens, context_tokens))
+
+    def trajectory(self, now: float, turns: int, latency_s: float) -> None:
+        self._trajs.append((now, turns, latency_s))
+
+    def tool_return(self, now: float, status: str) -> None:
+        self._tools.append((now, status))
+
+    def _trim(self, now: float) -> None:
+        edge = now - self.window_s
+        for q in (self._turns, self._trajs, self._tools):
+            while q and q[0][0] < edge:
+                q.popleft()
+
+    def stats(self, now: float, queued_by_bucket: dict[str, int], trained_version: int) -> ev.WorkloadStats:
+        self._trim(now)
+        return ev.WorkloadStats(
+            window_s=self.window_s,
+            new_tokens_per_turn=quantiles(n for _, n, _ in self._turns),
+            context_tokens_per_turn=quantiles(c for _, _, c in self._turns),
+            turns_per_trajectory=quantiles(t for _, t, _ in self._trajs),
+            trajectory_latency_s=quantiles(lat for _, _, lat in self._trajs),
+            queued_turns_by_bucket=queued_by_bucket,
+            tool_returns_by_status=dict(Counter(s for _, s in self._tools)),
+            trajectories_per_s=len(self._trajs) / self.window_s,
+            trained_version=trained_version,
+        )

@@ -1,0 +1,34 @@
+"""The scheduler's workload window: quantiles over what happened in the last `window_s` only."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.workload import WorkloadWindow, quantiles
+
+
+def test_nearest_rank_quantiles() -> None:
+    q = quantiles(range(1, 101))
+    assert (q.count, q.p50, q.p90, q.p99, q.max) == (100, 50, 90, 99, 100)
+    assert quantiles([7]).p99 == 7 and quantiles([]).count == 0
+
+
+def test_window_forgets_what_is_older_than_it() -> None:
+    w = WorkloadWindow(window_s=10.0)
+    w.turn(0.0, new_tokens=1000, context_tokens=5000)  # falls out of the window
+    for i in range(10):
+        w.turn(5.0 + i * 0.1, new_tokens=10 + i, context_tokens=100)
+    w.trajectory(6.0, turns=3, latency_s=2.5)
+    w.trajectory(7.0, turns=5, latency_s=4.0)
+    w.tool_return(6.0, "ok")
+    w.tool_return(6.5, "error")
+    w.tool_return(6.6, "ok")
+    s = w.stats(12.0, {"short": 3}, trained_version=4)
+    assert s.new_tokens_per_turn.count == 10 and s.new_tokens_per_turn.max == 19
+    assert s.context_tokens_per_turn.p99 == 100
+    assert (s.turns_per_trajectory.p50, s.turns_per_trajectory.max) == (3, 5)
+    assert s.trajectory_latency_s.max == 4.0
+    assert dict(s.tool_returns_by_status) == {"ok": 2, "error": 1}
+    assert dict(s.queued_turns_by_bucket) == {"short": 3}
+    assert s.trajectories_per_s == pytest.approx(0.2) and s.trained_version == 4
+    assert w.stats(30.0, {}, 4).new_tokens_per_turn.count == 0
