@@ -87,16 +87,24 @@ class PlannerService:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.tick_s)
-            for slot in list(self.slots.values()):
-                held = await self.store.holder(lease_resource(slot.role, slot.worker_id))
-                if held is None or held.token != slot.fencing_token:
-                    self.slots.pop(slot.worker_id)
-                    self.dirty = True
-                    self.log.warning("worker_lease_expired", worker_id=slot.worker_id, role=slot.role)
-            if not any(s.role == "train" for s in self.slots.values()):
-                await self._promote_standby()
-            if self.dirty:
-                await self._publish()
+            try:
+                await self._tick()
+            except Exception as err:  # Redis or NATS away: the plan stands, the next tick tries again
+                self.log.warning("planner_tick_failed", error=f"{type(err).__name__}: {err}")
+
+    async def _tick(self) -> None:
+        """Drops workers whose lease ran out, promotes a standby trainer if the role is free, and
+        publishes the plan if it changed."""
+        for slot in list(self.slots.values()):
+            held = await self.store.holder(lease_resource(slot.role, slot.worker_id))
+            if held is None or held.token != slot.fencing_token:
+                self.slots.pop(slot.worker_id)
+                self.dirty = True
+                self.log.warning("worker_lease_expired", worker_id=slot.worker_id, role=slot.role)
+        if not any(s.role == "train" for s in self.slots.values()):
+            await self._promote_standby()
+        if self.dirty:
+            await self._publish()
 
     async def _promote_standby(self) -> None:
         """The trainer's lease expired (dead, paused, cut off): a standby trainer takes the role under

@@ -211,17 +211,24 @@ class SchedulerService:
                 not enough and time.monotonic() - waited_since < self.settings.engine_wait_s
             ):
                 continue
-            await self._consume_outcomes()
-            if time.monotonic() - self._committed_checked > 2.0:
-                await self._check_committed()
-            tickets = self.feed.take(self.trained_version)
-            if tickets:
-                await self._durably(self.ledger.launched(self.feed, tickets))
-            for ticket in tickets:
-                self._launch_group(ticket)
-            await self._watchdog()
-            if time.monotonic() - self._stats_published > self.settings.stats_interval_s:
-                await self._publish_workload()
+            try:
+                await self._tick()
+            except Exception:  # one bad tick (NATS away mid-publish) must not end the loop
+                self.log.exception("scheduler_tick_failed")
+
+    async def _tick(self) -> None:
+        """Outcomes in, new groups out, lost turns and tools re-sent, workload stats published."""
+        await self._consume_outcomes()
+        if time.monotonic() - self._committed_checked > 2.0:
+            await self._check_committed()
+        tickets = self.feed.take(self.trained_version)
+        if tickets:
+            await self._durably(self.ledger.launched(self.feed, tickets))
+        for ticket in tickets:
+            self._launch_group(ticket)
+        await self._watchdog()
+        if time.monotonic() - self._stats_published > self.settings.stats_interval_s:
+            await self._publish_workload()
 
     async def _publish_workload(self) -> None:
         self._stats_published = time.monotonic()
