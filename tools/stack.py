@@ -33,6 +33,15 @@ def service_commands(n_engines: int, standby_trainers: int = 0) -> list[tuple[st
     return cmds
 
 
+CALLER_SECRETS = (
+    "LIBRA_SECRETS_DIR",
+    "LIBRA_NATS_USER",
+    "LIBRA_NATS_PASSWORD",
+    "LIBRA_REDIS_PASSWORD",
+    "LIBRA_WEIGHT_SYNC_TOKEN",
+)
+
+
 def identity_of(worker_id: str) -> str:
     """The credentials identity of a worker: its service kind (rollout-engine-3 → rollout-engine)."""
     return next((s for s in SERVICES if worker_id == s or worker_id.startswith(s + "-")), worker_id)
@@ -134,9 +143,8 @@ class Stack:
         )
         if self.otlp_endpoint:
             env["LIBRA_OTLP_ENDPOINT"] = self.otlp_endpoint
-        for name in ("LIBRA_SECRETS_DIR", "LIBRA_NATS_USER", "LIBRA_NATS_PASSWORD", "LIBRA_REDIS_PASSWORD"):
-            env.pop(name, None)  # never the caller's: each service gets only its own
-        env.pop("LIBRA_WEIGHT_SYNC_TOKEN", None)
+        for name in CALLER_SECRETS:  # never the caller's: each service gets only its own
+            env.pop(name, None)
         if self.credentials is not None:
             env["LIBRA_SECRETS_DIR"] = str(self.credentials.identity_dir(identity_of(worker_id)))
         env.pop("LIBRA_CONFIG", None)  # no pinned job: the services wait for jobs on the control plane
