@@ -12,7 +12,7 @@ from services.common.runconfig import ModelConfig
 from services.common.tls import TlsFiles
 from services.common.weights import checksum, pack_state_dict
 from services.rollout_engine.backends.hf import HFBackend
-from services.rollout_engine.engine import BatchingEngine
+from services.rollout_engine.engine import ContinuousEngine
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 from services.trainer.weight_push import PackedWeights
 
@@ -30,7 +30,7 @@ async def weight_sync_rig(
 ) -> AsyncIterator[dict[str, Any]]:
     backend = HFBackend(model, torch_threads=2, seed=0)
     await backend.start()
-    engine = BatchingEngine(backend, max_batch=2)
+    engine = ContinuousEngine(backend, max_batch=2)
     engine.start()
     store = OwnershipStore.from_url(redis_url, run_id, redis_password)
     servicer = WeightSyncServicer(engine, store, "engine-a", max_push_bytes=max_push_bytes)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.planner.cost_model import CostModel, GPUSpec, ModelSpec
+from services.common.cost_model import CostModel, GPUSpec, ModelSpec
 
 
 @dataclass(frozen=True, slots=True)

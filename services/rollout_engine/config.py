@@ -6,8 +6,10 @@ what is here is per process: where the weight-sync server listens and how this r
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.common.cost_model import preset_names
 
 
 class EngineSettings(BaseSettings):
@@ -37,11 +39,23 @@ class EngineSettings(BaseSettings):
     """Upper bound on a request's max_new_tokens; larger requests are refused as invalid."""
     assignment_timeout_s: float = Field(0.0, ge=0.0)
     """Give up when no plan assigns this worker within this time; 0 waits until stopped."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """vllm backend: fraction of GPU memory vLLM may take for weights, activations and KV cache."""
     seed: int | None = None
     """Sampling seed (hf, emulated); unset draws fresh randomness per process."""
-    emulated_prefill_s_per_token: float = Field(0.0001, ge=0.0)
-    """Emulated backend: seconds per context token of a batch's prefill."""
-    emulated_decode_s_per_step: float = Field(0.01, ge=0.0)
-    """Emulated backend: fixed seconds of one decode step of a batch (weight reads)."""
-    emulated_decode_s_per_seq: float = Field(0.0005, ge=0.0)
-    """Emulated backend: extra seconds per running sequence in one decode step (KV reads)."""
+    emulated_gpu: str = "H100"
+    """Emulated backend: the GPU preset (services/common/presets/hardware.yaml) it pretends to be."""
+    emulated_model: str = "qwen3-14b"
+    """Emulated backend: the model preset (services/common/presets/models.yaml) it pretends to serve."""
+    emulated_time_scale: float = Field(1.0, gt=0.0, le=1000.0)
+    """Emulated backend: wall seconds per emulated second (0.1 runs ten times faster than the GPU
+    it pretends to be)."""
+
+    @model_validator(mode="after")
+    def _known_presets(self) -> EngineSettings:
+        gpus, models = preset_names()
+        if self.emulated_gpu not in gpus:
+            raise ValueError(f"unknown GPU preset {self.emulated_gpu!r}; known: {', '.join(gpus)}")
+        if self.emulated_model not in models:
+            raise ValueError(f"unknown model preset {self.emulated_model!r}; known: {', '.join(models)}")
+        return self

@@ -1,53 +1,119 @@
-"""The batching engine: a queue of requests in front of one backend, and the weight version.
+"""The continuous batcher: iteration-level scheduling of requests over one step backend.
 
-One loop takes up to `max_batch` waiting requests, runs them as one batch, and resolves their
-futures; new requests queue meanwhile and form the next batch. Weight swaps take the same lock as
-a batch, so new weights land between batches and every output names the version that produced it.
+Every iteration the loop drops the rows that finished, admits waiting requests (lowest priority
+value first, then first come) while the batch has room, and asks the backend for one more token per
+row. A request therefore joins a running batch at the next iteration and leaves it the moment it
+ends, with its own stop strings and token budget; a long request never holds short ones back.
+
+New weights land between two iterations (`swap_weights` takes the same lock as an iteration), and
+running requests go on with them: each token records the weight version that sampled it. Unless
+the backend says otherwise, running rows re-prefill their context with the new weights, since their
+KV cache was computed with the old ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from services.common.logging import get_logger
-from services.rollout_engine.backends.base import Backend, GenerationAborted, GenOutput, GenRequest
+from services.rollout_engine.backends.base import Backend, GenOutput, GenRequest, Join, StepBackend
+from services.rollout_engine.sampling import StopMatcher
 
 
 class EngineClosed(Exception):
-    """The engine stopped before the request ran; the caller hands it back."""
+    """The engine stopped before the request finished; the caller hands it back."""
 
 
 @dataclass
 class Finished:
     output: GenOutput
     policy_version: int
+    """Version of the request's first generated token (the oldest; see `output.token_versions`)."""
     queue_s: float
     generate_s: float
 
 
+class Engine(Protocol):
+    """What the service drives: the continuous batcher below, or a backend with its own (vllm)."""
+
+    version: int
+    checksum: str
+    tokens_generated: int
+    max_batch: int
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def submit(self, req: GenRequest) -> Finished: ...
+
+    async def wait_for_version(self, version: int, timeout: float) -> bool: ...
+
+    async def swap_weights(self, state_dict: dict[str, Any], version: int, checksum: str) -> bool: ...
+
+    async def close(self, timeout: float) -> None: ...
+
+
+def engine_for(backend: Backend, max_batch: int) -> Engine:
+    """The continuous batcher over a step backend; a backend that schedules its own iterations is
+    its own engine."""
+    if isinstance(backend, StepBackend):
+        return ContinuousEngine(backend, max_batch)
+    engine: Engine = backend.make_engine(max_batch)
+    return engine
+
+
 @dataclass
-class _Queued:
+class _Request:
     req: GenRequest
     enqueued: float
     future: asyncio.Future[Finished] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    slot: int = -1
+    started: float = 0.0
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    stop: StopMatcher | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.req.prompt_ids) + len(self.ids)
+
+    def result(self, finish: str) -> Finished:
+        out = GenOutput(self.ids, self.logprobs, finish, self.versions)
+        version = self.versions[0] if self.versions else -1
+        return Finished(out, version, self.started - self.enqueued, time.monotonic() - self.started)
 
 
-class BatchingEngine:
-    def __init__(self, backend: Backend, max_batch: int):
+class ContinuousEngine:
+    def __init__(self, backend: StepBackend, max_batch: int, static_batches: bool = False):
         self.backend = backend
         self.max_batch = max_batch
+        self.static_batches = static_batches
+        """Baseline for benchmarks: admit only into an empty batch, so a batch runs until its
+        longest row ends (static batching)."""
         self.version = 0
         self.checksum = ""
-        self.running = 0
         self.tokens_generated = 0
-        self._queue: deque[_Queued] = deque()
+        self.iterations = 0
+        self._queue: list[tuple[int, int, _Request]] = []
+        self._order = itertools.count()
+        self._slots = itertools.count()
+        self._running: dict[int, _Request] = {}
+        self._leaving: list[int] = []
+        self._reset = True  # the backend may hold rows of an earlier engine: start from an empty batch
         self._wake = asyncio.Event()
         self._version_changed = asyncio.Condition()
         self._step = asyncio.Lock()
@@ -56,17 +122,21 @@ class BatchingEngine:
         self.log = get_logger(component="engine")
 
     @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
     def waiting(self) -> int:
         return len(self._queue)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="batching-engine")
+        self._task = asyncio.create_task(self._loop(), name="continuous-engine")
 
     async def submit(self, req: GenRequest) -> Finished:
         if self._closed:
             raise EngineClosed("engine is shutting down")
-        item = _Queued(req, time.monotonic())
-        self._queue.append(item)
+        item = _Request(req, time.monotonic())
+        heapq.heappush(self._queue, (req.priority, next(self._order), item))
         self._wake.set()
         return await item.future
 
@@ -84,75 +154,121 @@ class BatchingEngine:
         return self.version >= version
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int, checksum: str) -> bool:
-        """Applies new weights between batches; False (nothing changed) if `version` is not newer."""
+        """Applies new weights between two iterations; False (nothing changed) if `version` is not
+        newer. Running requests continue on the new weights."""
         async with self._step:
             if version <= self.version:
                 return False
             await self.backend.swap_weights(state_dict, version)
             self.version, self.checksum = version, checksum
+            self._reset = self.backend.recompute_on_swap and bool(self._running)
         async with self._version_changed:
             self._version_changed.notify_all()
-        self.log.info("weights_swapped", policy_version=version)
+        self.log.info("weights_swapped", policy_version=version, running=len(self._running))
         return True
 
     async def close(self, timeout: float) -> None:
-        """Stops taking work, fails queued requests with EngineClosed, lets the running batch end."""
+        """Stops taking work, fails queued requests with EngineClosed, lets running ones finish for
+        up to `timeout` seconds, then fails those too."""
         self._closed = True
         while self._queue:
-            item = self._queue.popleft()
+            _, _, item = heapq.heappop(self._queue)
             if not item.future.done():
                 item.future.set_exception(EngineClosed("engine is shutting down"))
         async with self._version_changed:
             self._version_changed.notify_all()
         self._wake.set()
-        if self._task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), timeout)
-            except TimeoutError:
-                self.log.warning("batch_aborted", running=self.running)
-                self.backend.abort()
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._task), timeout)
-                except TimeoutError:
-                    self._task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await self._task
+        if self._task is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        if not self._task.done():
+            self.log.warning("requests_aborted", running=len(self._running))
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_running(EngineClosed("engine is shutting down"))
+
+    def _fail_running(self, err: BaseException) -> None:
+        for item in self._running.values():
+            if not item.future.done():
+                item.future.set_exception(err)
+        self._running.clear()
 
     async def _loop(self) -> None:
-        with contextlib.suppress(GenerationAborted):
-            await self._serve_batches()
-
-    async def _serve_batches(self) -> None:
-        while not self._closed:
-            if not self._queue:
+        while True:
+            if not self._running and not self._leaving and (self._closed or not self._queue):
+                if self._closed:
+                    return
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
-            await self._run(batch)
-
-    async def _run(self, batch: list[_Queued]) -> None:
-        async with self._step:
-            started = time.monotonic()
-            self.running = len(batch)
             try:
-                outputs = await self.backend.generate([b.req for b in batch])
-            except (GenerationAborted, asyncio.CancelledError) as err:
-                for b in batch:
-                    if not b.future.done():
-                        b.future.set_exception(EngineClosed(f"engine is shutting down: {err}"))
+                await self._iterate()
+            except asyncio.CancelledError:
                 raise
             except Exception as err:
-                self.log.exception("batch_failed", batch=len(batch))
-                for b in batch:
-                    if not b.future.done():
-                        b.future.set_exception(err)
-                return
-            finally:
-                self.running = 0
+                self.log.exception("iteration_failed", running=len(self._running))
+                self._fail_running(err)
+                self._leaving.clear()
+                self._reset = True
+
+    def _admit(self) -> list[Join]:
+        joins: list[Join] = []
+        if self.static_batches and self._running:
+            return joins
+        held = sum(r.tokens for r in self._running.values())
+        while self._queue and not self._closed and len(self._running) < self.max_batch:
+            item = self._queue[0][2]
+            ctx = len(item.req.prompt_ids)
+            if self._running and not self.backend.admits(held, ctx):
+                break
+            heapq.heappop(self._queue)
+            if item.future.done():  # its caller gave up
+                continue
+            item.slot, item.started = next(self._slots), time.monotonic()
+            item.stop = StopMatcher(item.req.stop, self.backend.decode)
+            self._running[item.slot] = item
+            held += ctx
+            joins.append(Join(item.slot, list(item.req.prompt_ids), item.req.temperature, item.req))
+        return joins
+
+    async def _iterate(self) -> None:
+        async with self._step:
+            reset, self._reset = self._reset, False
+            leaves, self._leaving = self._leaving, []
+            rejoins = (
+                [
+                    Join(r.slot, r.req.prompt_ids + r.ids, r.req.temperature, r.req)
+                    for r in self._running.values()
+                ]
+                if reset
+                else []
+            )
+            joins = rejoins + self._admit()
+            sampled = await self.backend.step(joins, leaves, reset)
             version = self.version
-        took = time.monotonic() - started
-        for b, out in zip(batch, outputs, strict=True):
-            self.tokens_generated += len(out.token_ids)
-            if not b.future.done():
-                b.future.set_result(Finished(out, version, started - b.enqueued, took))
+        self.iterations += 1
+        eos = self.backend.eos_token_ids
+        for slot, (token, logprob) in sampled.items():
+            item = self._running.get(slot)
+            if item is None:
+                continue
+            if item.future.done():  # cancelled by its caller: it leaves without a result
+                del self._running[slot]
+                self._leaving.append(slot)
+                continue
+            item.ids.append(token)
+            item.logprobs.append(logprob)
+            item.versions.append(version)
+            self.tokens_generated += 1
+            finish = None
+            if token in eos or (item.stop is not None and item.stop.matches(item.ids)):
+                finish = "stop"
+            elif len(item.ids) >= item.req.max_new_tokens:
+                finish = "length"
+            if finish is not None:
+                del self._running[slot]
+                self._leaving.append(slot)
+                if not item.future.done():
+                    item.future.set_result(item.result(finish))

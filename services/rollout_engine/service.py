@@ -30,7 +30,7 @@ from services.common.tracing import tracer
 from services.rollout_engine.backends import create_backend
 from services.rollout_engine.backends.base import Backend, GenRequest
 from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.engine import BatchingEngine, EngineClosed
+from services.rollout_engine.engine import EngineClosed, engine_for
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 
 SERVICE = "rollout-engine"
@@ -66,7 +66,7 @@ def validate_turn(req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int
         f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters",
     )
     budget = min(req.max_new_tokens, backend.max_positions - len(ctx))
-    return GenRequest(ctx, budget, float(req.temperature), list(req.stop))
+    return GenRequest(ctx, budget, float(req.temperature), list(req.stop), int(req.priority))
 
 
 class RolloutEngineService:
@@ -78,7 +78,7 @@ class RolloutEngineService:
         self.worker_id = common.worker_id
         self.log = get_logger(component="service")
         self.backend = create_backend(run, settings)
-        self.engine = BatchingEngine(self.backend, run.rollout.max_batch)
+        self.engine = engine_for(self.backend, run.rollout.max_batch)
         self.held = 0
         self.stopping = False
         self._turns: set[asyncio.Task[None]] = set()
@@ -230,6 +230,7 @@ class RolloutEngineService:
                 token_ids=out.token_ids,
                 logprobs=out.logprobs,
                 policy_version=done.policy_version,
+                token_versions=out.token_versions,
                 finish_reason=out.finish_reason,
                 context_tokens=len(gen.prompt_ids),
                 queue_s=max(0.0, time.monotonic() - received - done.generate_s),

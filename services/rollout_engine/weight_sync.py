@@ -25,7 +25,7 @@ from services.common.ownership import OwnershipStore
 from services.common.tls import TlsFiles
 from services.common.tracing import context_from_grpc, tracer
 from services.common.weights import unpack_state_dict
-from services.rollout_engine.engine import BatchingEngine
+from services.rollout_engine.engine import Engine
 
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -37,9 +37,7 @@ class PushRejected(Exception):
 
 
 class WeightSyncServicer(ws_grpc.WeightSyncServicer):
-    def __init__(
-        self, engine: BatchingEngine, store: OwnershipStore, engine_id: str, max_push_bytes: int = 64 << 30
-    ):
+    def __init__(self, engine: Engine, store: OwnershipStore, engine_id: str, max_push_bytes: int = 64 << 30):
         self.engine = engine
         self.max_push_bytes = max_push_bytes
         self.store = store

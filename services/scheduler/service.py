@@ -30,7 +30,7 @@ from services.scheduler.feed import GroupTicket, build_feed
 from services.scheduler.ledger import Ledger
 from services.scheduler.prompting import Prompter
 from services.scheduler.router import EngineView, pick_least_loaded
-from services.scheduler.trajectory import Action, CallTool, Finish, Generate, Trajectory
+from services.scheduler.trajectory import Action, CallTool, Finish, Generate, Trajectory, check_turn
 from services.scheduler.workload import WorkloadWindow
 
 
@@ -402,12 +402,20 @@ class SchedulerService:
             live.last_error = f"{res.engine_id}: {res.error.code}: {res.error.message}"
             await self._retry_or_fail(live)
             return
+        versions = list(res.token_versions) or [res.policy_version] * len(res.token_ids)
+        try:
+            check_turn(list(res.token_ids), list(res.logprobs), versions)
+        except ValueError as err:
+            self.log.warning("turn_result_malformed", trajectory_id=traj_id, reason=str(err))
+            live.last_error = f"{res.engine_id}: malformed result: {err}"
+            await self._retry_or_fail(live)
+            return
         self.turns += 1
         self.workload.turn(time.monotonic(), len(res.token_ids), res.context_tokens)
         eos = (
             res.finish_reason == "stop" and bool(res.token_ids) and res.token_ids[-1] == self.prompter.eos_id
         )
-        action = live.traj.on_turn(list(res.token_ids), list(res.logprobs), res.text, res.policy_version, eos)
+        action = live.traj.on_turn(list(res.token_ids), list(res.logprobs), res.text, versions, eos)
         await self._execute(live, action)
 
     async def _retry_or_fail(self, live: Live) -> None:

@@ -31,6 +31,19 @@ class Segment:
     policy_version: int = -1
 
 
+def check_turn(token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+    """Raises ValueError unless there is one logprob and one version per token, versions never
+    going back (weights only move forward on an engine)."""
+    if not len(token_ids) == len(logprobs) == len(versions):
+        raise ValueError(
+            f"{len(token_ids)} tokens, {len(logprobs)} logprobs and {len(versions)} versions differ in length"
+        )
+    if any(b < a for a, b in zip(versions, versions[1:], strict=False)):
+        raise ValueError("token versions go back")
+    if versions and versions[0] < 0:
+        raise ValueError("negative token version")
+
+
 @dataclass(frozen=True)
 class Generate:
     context: list[int]
@@ -86,15 +99,27 @@ class Trajectory:
         return self._next_generation()
 
     def on_turn(
-        self, token_ids: list[int], logprobs: list[float], text: str, version: int, eos: bool
+        self, token_ids: list[int], logprobs: list[float], text: str, versions: list[int], eos: bool
     ) -> Action:
-        """A generation turn finished: decide whether to call a tool or finish."""
+        """A generation turn finished: decide whether to call a tool or finish. `versions` names the
+        weight version of each token; a turn that ran across a weight swap becomes one generated
+        segment per version, so the trainer sees which policy sampled which token."""
         if self.state is not State.GENERATING:
             raise IllegalTransition(f"turn result in state {self.state.value}")
-        if len(token_ids) != len(logprobs):
-            raise ValueError("token_ids and logprobs differ in length")
+        check_turn(token_ids, logprobs, versions)
         self.turns += 1
-        self.segments.append(Segment(list(token_ids), list(logprobs), generated=True, policy_version=version))
+        start = 0
+        for end in range(1, len(token_ids) + 1):
+            if end == len(token_ids) or versions[end] != versions[start]:
+                self.segments.append(
+                    Segment(
+                        list(token_ids[start:end]),
+                        list(logprobs[start:end]),
+                        generated=True,
+                        policy_version=versions[start],
+                    )
+                )
+                start = end
         self.texts.append(text)
         self.ended_with_eos = eos
         request = parse_action(text)

@@ -18,7 +18,7 @@ from services.common.runconfig import ModelConfig
 from services.common.weights import checksum, chunks, pack_state_dict
 from services.rollout_engine.backends.base import GenRequest
 from services.rollout_engine.backends.hf import HFBackend
-from services.rollout_engine.engine import BatchingEngine
+from services.rollout_engine.engine import ContinuousEngine
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 
 pytestmark = pytest.mark.integration
@@ -41,7 +41,7 @@ def store(redis_server: Server, run_id: str) -> Iterator[OwnershipStore]:
 
 @pytest.fixture
 async def rig(backend: HFBackend, store: OwnershipStore) -> AsyncIterator[dict[str, Any]]:
-    engine = BatchingEngine(backend, max_batch=4)
+    engine = ContinuousEngine(backend, max_batch=4)
     engine.start()
     server, port = await start_server(WeightSyncServicer(engine, store, "engine-a"), "127.0.0.1", 0)
     opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -89,7 +89,7 @@ async def push(stub: Any, msgs: list[ws.WeightChunk]) -> ws.PushAck:
     return await stub.PushWeights(gen(), timeout=30)
 
 
-async def greedy(engine: BatchingEngine) -> list[int]:
+async def greedy(engine: ContinuousEngine) -> list[int]:
     return (await engine.submit(PROMPT)).output.token_ids
 
 

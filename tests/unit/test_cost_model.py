@@ -1,6 +1,6 @@
 import pytest
 
-from services.planner.cost_model import CostModel, GPUSpec, ModelSpec, Profile
+from services.common.cost_model import CostModel, GPUSpec, ModelSpec, Profile
 
 GPU = GPUSpec("A800", flops=312e12, mem_bw=2.039e12, mem_bytes=80e9)
 MODEL = ModelSpec("14b", 14.8e9, 14.8e9, layers=40, hidden=5120, kv_heads=8, head_dim=128)

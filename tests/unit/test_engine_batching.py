@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from services.common.contracts import ev
+from services.common.cost_model import load_presets
 from services.common.errors import InvalidMessage
 from services.common.runconfig import ModelConfig
-from services.rollout_engine.backends.base import Backend, GenOutput, GenRequest
-from services.rollout_engine.backends.emulated import EmulatedBackend, batch_seconds
+from services.rollout_engine.backends.base import GenOutput, GenRequest, Join, StepBackend
+from services.rollout_engine.backends.emulated import EmulatedBackend
 from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.engine import BatchingEngine, EngineClosed
+from services.rollout_engine.engine import ContinuousEngine, EngineClosed
 from services.rollout_engine.sampling import StopMatcher, left_pad, sample_next
 from services.rollout_engine.service import validate_turn
 
@@ -53,12 +54,24 @@ def test_stop_matcher_sees_a_stop_string_split_over_tokens() -> None:
     assert not StopMatcher([], lambda ids: "").matches([1])
 
 
-def test_emulated_cost_model_charges_prefill_and_running_sequences() -> None:
-    s = EngineSettings(
-        emulated_prefill_s_per_token=0.01, emulated_decode_s_per_step=0.1, emulated_decode_s_per_seq=1.0
+def test_emulated_iteration_time_is_the_cost_models_prefill_plus_decode() -> None:
+    backend = EmulatedBackend(
+        EngineSettings(tensor_parallel=2, emulated_gpu="A800", emulated_model="qwen3-14b")
     )
-    # prefill 0.01*30; step 0: 0.1 + 2*1.0; step 1: 0.1 + 1*1.0
-    assert batch_seconds([10, 20], [2, 1], s) == pytest.approx(0.3 + 2.1 + 1.1)
+    cm = load_presets("A800", "qwen3-14b")
+    got = backend.iteration_s([100, 300], [1000, 3000, 2000])
+    want = cm.prefill_s(100, 0, 2) + cm.prefill_s(300, 0, 2) + cm.decode_step_s(3, 2000.0, 2)
+    assert got == pytest.approx(want)
+    assert backend.free_kv_tokens() == cm.kv_capacity_tokens(2)
+    assert backend.admits(cm.kv_capacity_tokens(2) - 10, 10)
+    assert not backend.admits(cm.kv_capacity_tokens(2) - 10, 11)
+
+
+def test_unknown_emulated_presets_are_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown GPU preset"):
+        EngineSettings(emulated_gpu="TPU9")
+    with pytest.raises(ValueError, match="unknown model preset"):
+        EngineSettings(emulated_model="gpt-9")
 
 
 def _turn(**kw: Any) -> ev.TurnRequest:
@@ -79,7 +92,7 @@ def _turn(**kw: Any) -> ev.TurnRequest:
         {"max_new_tokens": 5000},
         {"context_token_ids": [1, 49152]},
         {"context_token_ids": [1, -1]},
-        {"context_token_ids": [1] * 8192},
+        {"context_token_ids": [1] * 40960},
         {"temperature": float("nan")},
         {"temperature": -1.0},
         {"stop": ["x" * 300]},
@@ -92,71 +105,186 @@ def test_validate_turn_refuses_broken_requests(bad: dict[str, Any]) -> None:
 
 def test_validate_turn_clips_generation_to_the_model_positions() -> None:
     gen = validate_turn(
-        _turn(context_token_ids=[1] * 8190, max_new_tokens=100), EmulatedBackend(EngineSettings()), 4096
+        _turn(context_token_ids=[1] * 40958, max_new_tokens=100), EmulatedBackend(EngineSettings()), 4096
     )
     assert gen.max_new_tokens == 2 and gen.temperature == 1.0
 
 
-class RecordingBackend(Backend):
-    """Records the order of batches and swaps; a batch blocks until released."""
+class ScriptedBackend(StepBackend):
+    """Pure logic stand-in: every row emits its slot's next token from a counter; an iteration
+    blocks while `gate` is clear, and every call is recorded."""
 
-    name = "recording"
+    name = "scripted"
 
     def __init__(self) -> None:
-        self.events: list[str] = []
-        self.release = asyncio.Event()
+        self.calls: list[tuple[list[int], list[int], bool]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.rows: set[int] = set()
         self.weights = 0
+        self.capacity = 10**9
+        self.held: dict[int, int] = {}
+        self.at_gate = False
 
     vocab_size = 100  # type: ignore[assignment]
     max_positions = 100  # type: ignore[assignment]
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({99})
+
     async def start(self) -> None:
         return None
 
-    async def generate(self, batch: list[GenRequest]) -> list[GenOutput]:
-        self.events.append(f"batch_start:{len(batch)}")
-        await self.release.wait()
-        self.events.append("batch_end")
-        return [GenOutput([self.weights], [0.0], "length") for _ in batch]
+    async def step(self, joins: list[Join], leaves: list[int], reset: bool) -> dict[int, tuple[int, float]]:
+        self.calls.append(([j.slot for j in joins], list(leaves), reset))
+        self.at_gate = not self.gate.is_set()
+        await self.gate.wait()
+        self.at_gate = False
+        await asyncio.sleep(0.001)  # an iteration takes time, as on a real device
+        if reset:
+            self.rows.clear()
+        self.rows -= set(leaves)
+        self.rows |= {j.slot for j in joins}
+        for j in joins:
+            self.held[j.slot] = len(j.context)
+        return {s: (self.weights, -0.5) for s in self.rows}
+
+    def admits(self, running_tokens: int, context: int) -> bool:
+        return running_tokens + context <= self.capacity
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        self.events.append(f"swap:{version}")
         self.weights = version
 
     def decode(self, token_ids: list[int]) -> str:
-        return ""
+        return "".join("x" if t != 98 else "STOP" for t in token_ids)
 
 
-async def test_weights_swap_between_batches_and_outputs_name_their_version() -> None:
-    backend = RecordingBackend()
-    engine = BatchingEngine(backend, max_batch=2)
+async def _until(cond: Any, timeout: float = 5.0) -> None:
+    async def poll() -> None:
+        while not cond():
+            await asyncio.sleep(0.002)
+
+    await asyncio.wait_for(poll(), timeout)
+
+
+async def test_a_request_joins_a_running_batch_and_leaves_before_the_longest_row() -> None:
+    backend = ScriptedBackend()
+    engine = ContinuousEngine(backend, max_batch=4)
     engine.start()
-    first = [asyncio.create_task(engine.submit(GenRequest([1], 1))) for _ in range(3)]
-    await asyncio.sleep(0.05)
+    long = asyncio.create_task(engine.submit(GenRequest([1, 2], 400)))
+    await _until(lambda: engine.iterations >= 3)
+    short = await engine.submit(GenRequest([3], 5))
+    assert not long.done() and engine.running == 1
+    assert len(short.output.token_ids) == 5 and short.output.finish_reason == "length"
+    joined_at = next(i for i, (joins, _, _) in enumerate(backend.calls) if joins and i > 0)
+    assert joined_at >= 3, "the short request joined mid-way, not with the first batch"
+    await engine.close(timeout=0)
+    with pytest.raises(EngineClosed):
+        await long
+
+
+async def test_stop_strings_eos_and_budgets_are_per_request() -> None:
+    backend = ScriptedBackend()
+    engine = ContinuousEngine(backend, max_batch=4)
+    engine.start()
+    backend.weights = 98  # every token decodes to "STOP"
+    stopped, budget = await asyncio.gather(
+        engine.submit(GenRequest([1], 10, stop=["STOP"])), engine.submit(GenRequest([1], 3))
+    )
+    assert (stopped.output.token_ids, stopped.output.finish_reason) == ([98], "stop")
+    assert (len(budget.output.token_ids), budget.output.finish_reason) == (3, "length")
+    backend.weights = 99  # EOS
+    eos = await engine.submit(GenRequest([1], 10))
+    assert (eos.output.token_ids, eos.output.finish_reason) == ([99], "stop")
+    await engine.close(timeout=1)
+
+
+async def test_waiting_requests_are_admitted_lowest_priority_value_first() -> None:
+    backend = ScriptedBackend()
+    engine = ContinuousEngine(backend, max_batch=1)
+    engine.start()
+    order: list[str] = []
+
+    async def run(name: str, priority: int, n: int) -> None:
+        await engine.submit(GenRequest([1], n, priority=priority))
+        order.append(name)
+
+    first = asyncio.create_task(run("first", 5, 20))
+    await _until(lambda: engine.running == 1)
+    rest = [asyncio.create_task(run(n, p, 2)) for n, p in (("low", 3), ("high", 0), ("mid", 1))]
+    await asyncio.gather(first, *rest)
+    assert order == ["first", "high", "mid", "low"]
+    await engine.close(timeout=1)
+
+
+async def test_a_request_waits_while_the_kv_cache_is_full() -> None:
+    backend = ScriptedBackend()
+    backend.capacity = 10
+    engine = ContinuousEngine(backend, max_batch=8)
+    engine.start()
+    big = asyncio.create_task(engine.submit(GenRequest([1] * 8, 200)))
+    await _until(lambda: engine.running == 1)
+    small = asyncio.create_task(engine.submit(GenRequest([1] * 4, 2)))
+    await _until(lambda: engine.iterations >= 10)
+    assert engine.waiting == 1 and not small.done() and not big.done()
+    await big
+    assert len((await small).output.token_ids) == 2
+    await engine.close(timeout=1)
+
+
+async def test_weights_swap_between_iterations_and_running_requests_continue_on_them() -> None:
+    backend = ScriptedBackend()
+    engine = ContinuousEngine(backend, max_batch=2)
+    engine.start()
+    running = asyncio.create_task(engine.submit(GenRequest([1, 2], 40)))
+    await _until(lambda: engine.iterations >= 5)
+    backend.gate.clear()
+    await _until(lambda: backend.at_gate)  # an iteration is in flight
     swap = asyncio.create_task(engine.swap_weights({}, 1, "c1"))
     await asyncio.sleep(0.05)
-    assert not swap.done() and engine.version == 0
-    backend.release.set()
-    results = await asyncio.gather(*first)
+    assert not swap.done() and engine.version == 0, "the swap waits for the iteration to end"
+    backend.gate.set()
     assert await swap
-    assert backend.events[:3] == ["batch_start:2", "batch_end", "swap:1"]
-    assert [r.policy_version for r in results[:2]] == [0, 0]
-    assert results[2].policy_version == 1 and results[2].output.token_ids == [1]
+    done = await running
+    versions = done.output.token_versions
+    assert len(versions) == 40 and versions[0] == 0 and versions[-1] == 1
+    assert versions == sorted(versions) and done.policy_version == 0
+    cut = versions.index(1)
+    assert done.output.token_ids[:cut] == [0] * cut and set(done.output.token_ids[cut:]) == {1}
+    rejoin = next(c for c in backend.calls[1:] if c[2])
+    assert rejoin[0] == [0], "the running row re-prefilled its context with the new weights"
+    assert backend.held[0] == 2 + cut, "the re-prefilled context is the prompt plus what it generated"
     assert not await engine.swap_weights({}, 1, "again")
     await engine.close(timeout=1)
 
 
-async def test_close_hands_back_queued_requests_and_wakes_waiters() -> None:
-    backend = RecordingBackend()
-    engine = BatchingEngine(backend, max_batch=1)
+async def test_a_cancelled_request_leaves_the_batch() -> None:
+    backend = ScriptedBackend()
+    engine = ContinuousEngine(backend, max_batch=2)
     engine.start()
-    running = asyncio.create_task(engine.submit(GenRequest([1], 1)))
+    task = asyncio.create_task(engine.submit(GenRequest([1], 1000)))
+    await _until(lambda: engine.running == 1)
+    task.cancel()
+    await _until(lambda: engine.running == 0)
+    assert any(0 in leaves for _, leaves, _ in backend.calls) or backend.rows == set()
+    await engine.close(timeout=1)
+
+
+async def test_close_hands_back_queued_requests_and_wakes_waiters() -> None:
+    backend = ScriptedBackend()
+    engine = ContinuousEngine(backend, max_batch=1)
+    engine.start()
+    running = asyncio.create_task(engine.submit(GenRequest([1], 50)))
+    await _until(lambda: engine.running == 1)
+    backend.gate.clear()
+    await _until(lambda: backend.at_gate)
     queued = asyncio.create_task(engine.submit(GenRequest([1], 1)))
     waiter = asyncio.create_task(engine.wait_for_version(5, timeout=30))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.02)
     closing = asyncio.create_task(engine.close(timeout=5))
-    await asyncio.sleep(0.05)
-    backend.release.set()
+    await asyncio.sleep(0.02)
+    backend.gate.set()
     await closing
     assert (await running).output.finish_reason == "length"
     with pytest.raises(EngineClosed):
@@ -183,32 +311,59 @@ def _recomputed_logprobs(backend: Any, req: GenRequest, out: GenOutput) -> list[
     return [logp[p - 1 + j, tok].item() for j, tok in enumerate(out.token_ids)]
 
 
-def test_hf_logprobs_match_a_recomputed_forward_in_a_padded_batch(hf_backend: Any) -> None:
+async def _generate(backend: Any, reqs: list[GenRequest], join_every: int = 0) -> list[GenOutput]:
+    """Runs `reqs` on a fresh continuous batcher; with `join_every` > 0 each request after the
+    first joins `join_every` iterations after the previous one, into the running batch."""
+    engine = ContinuousEngine(backend, max_batch=8)
+    engine.start()
+    tasks = []
+    for i, req in enumerate(reqs):
+        if i and join_every:
+            target = engine.iterations + join_every
+            await _until(lambda t=target: engine.iterations >= t)  # type: ignore[misc]
+        tasks.append(asyncio.create_task(engine.submit(req)))
+    outs = [f.output for f in await asyncio.gather(*tasks)]
+    await engine.close(timeout=5)
+    return outs
+
+
+async def test_hf_logprobs_match_a_recomputed_forward_while_rows_join_and_leave(hf_backend: Any) -> None:
     reqs = [
         GenRequest(list(range(100, 112)), 12, 1.0),
         GenRequest([7, 8, 9], 6, 0.7),
-        GenRequest(list(range(300, 305)), 9, 0.0),
+        GenRequest(list(range(300, 330)), 9, 0.0),
+        GenRequest([11, 12], 5, 1.3),
+        GenRequest(list(range(400, 420)), 14, 0.9),
     ]
-    outs = hf_backend.generate_sync(reqs)
+    outs = await _generate(hf_backend, reqs, join_every=3)
     for req, out in zip(reqs, outs, strict=True):
-        assert len(out.token_ids) == len(out.logprobs) == req.max_new_tokens
-        assert out.finish_reason == "length"
+        assert len(out.token_ids) == len(out.logprobs) == len(out.token_versions) == req.max_new_tokens
+        assert out.finish_reason == "length" and set(out.token_versions) == {0}
         assert all(math.isfinite(x) and x <= 0 for x in out.logprobs)
         assert out.logprobs == pytest.approx(_recomputed_logprobs(hf_backend, req, out), abs=1e-4)
 
 
-def test_hf_stops_at_a_stop_string_and_keeps_it(hf_backend: Any) -> None:
+async def test_hf_greedy_tokens_are_the_same_alone_and_joining_a_running_batch(hf_backend: Any) -> None:
+    probe = GenRequest(list(range(500, 517)), 10, 0.0)
+    alone = (await _generate(hf_backend, [probe]))[0]
+    busy = [GenRequest(list(range(600, 640)), 30, 1.0), GenRequest([3, 4, 5], 25, 1.0)]
+    joined = (await _generate(hf_backend, [*busy, probe], join_every=4))[2]
+    assert joined.token_ids == alone.token_ids
+    assert joined.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+
+
+async def test_hf_stops_at_a_stop_string_and_keeps_it(hf_backend: Any) -> None:
     prompt = list(range(500, 510))
-    greedy = hf_backend.generate_sync([GenRequest(prompt, 10, 0.0)])[0]
+    greedy = (await _generate(hf_backend, [GenRequest(prompt, 10, 0.0)]))[0]
     stop_text = hf_backend.tok.decode(greedy.token_ids[3:5])
     assert stop_text.strip(), "the tiny model's greedy tokens decode to text"
-    out = hf_backend.generate_sync([GenRequest(prompt, 10, 0.0, [stop_text])])[0]
+    out = (await _generate(hf_backend, [GenRequest(prompt, 10, 0.0, [stop_text])]))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == greedy.token_ids[: len(out.token_ids)]
     assert len(out.token_ids) <= 5 and stop_text in hf_backend.tok.decode(out.token_ids)
 
 
-def test_hf_stops_at_eos(hf_backend: Any) -> None:
+async def test_hf_stops_at_eos(hf_backend: Any) -> None:
     eos = min(hf_backend.eos)
     with torch.no_grad():
         bias = torch.zeros(hf_backend.vocab_size)
@@ -217,10 +372,40 @@ def test_hf_stops_at_eos(hf_backend: Any) -> None:
         saved = head.bias
         head.bias = torch.nn.Parameter(bias)
     try:
-        out = hf_backend.generate_sync([GenRequest([1, 2, 3], 10, 1.0)])[0]
+        out = (await _generate(hf_backend, [GenRequest([1, 2, 3], 10, 1.0)]))[0]
     finally:
         head.bias = saved
     assert out.token_ids == [eos] and out.finish_reason == "stop"
+
+
+async def test_hf_weight_swap_under_load_loses_no_request_and_names_each_tokens_version(
+    tiny_model: ModelConfig,
+) -> None:
+    from services.rollout_engine.backends.hf import HFBackend
+
+    backend = HFBackend(tiny_model, torch_threads=2, seed=1)
+    await backend.start()
+    old = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    g = torch.Generator().manual_seed(3)
+    new = {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in old.items()}
+    engine = ContinuousEngine(backend, max_batch=8)
+    engine.start()
+    reqs = [GenRequest(list(range(100 + 10 * i, 110 + 12 * i)), 24, 1.0) for i in range(5)]
+    tasks = [asyncio.create_task(engine.submit(r)) for r in reqs]
+    await _until(lambda: engine.iterations >= 8)
+    assert await engine.swap_weights(new, 1, "v1")
+    done = await asyncio.gather(*tasks)
+    await engine.close(timeout=5)
+    for req, d in zip(reqs, done, strict=True):
+        out = d.output
+        assert len(out.token_ids) == 24 and out.finish_reason == "length"
+        cut = out.token_versions.index(1)
+        assert 0 < cut < 24 and out.token_versions == [0] * cut + [1] * (24 - cut)
+        # tokens before the swap came from the old weights, after it from the new ones, KV included
+        backend.model.load_state_dict(old)
+        assert out.logprobs[:cut] == pytest.approx(_recomputed_logprobs(backend, req, out)[:cut], abs=1e-4)
+        backend.model.load_state_dict(new)
+        assert out.logprobs[cut:] == pytest.approx(_recomputed_logprobs(backend, req, out)[cut:], abs=1e-4)
 
 
 def test_help_lists_settings_without_importing_torch() -> None:

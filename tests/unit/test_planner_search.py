@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from services.planner.cost_model import CostModel, GPUSpec, ModelSpec
+from services.common.cost_model import CostModel, GPUSpec, ModelSpec
 from services.planner.search import (
     BucketPlan,
     ClusterSpec,

@@ -4,11 +4,11 @@ from collections import Counter
 
 import pytest
 
+from services.common.cost_model import load_presets
 from services.planner.search import BucketPlan, Plan
 from tools.sim.cli import main
 from tools.sim.engine import Engine, Request
 from tools.sim.ledger import CATEGORIES
-from tools.sim.runner import load_presets
 from tools.sim.simulator import Simulator
 from tools.sim.stats import mean_ci, paired_ratio
 from tools.sim.systems import SYSTEMS, Env, baseline_system, libra_system

@@ -15,13 +15,13 @@ def test_tool_loop_then_answer() -> None:
     t = make()
     first = t.first_action()
     assert isinstance(first, Generate) and first.context == [1, 2, 3] and first.max_new_tokens == 8
-    act = t.on_turn([10, 11], [-0.1, -0.2], "<calc>2+3</calc>", version=0, eos=False)
+    act = t.on_turn([10, 11], [-0.1, -0.2], "<calc>2+3</calc>", versions=[0, 0], eos=False)
     assert isinstance(act, CallTool) and act.request.tool == "calculator"
     assert act.request.args == {"expression": "2+3"}
     assert t.state is State.TOOL_PENDING
     nxt = t.on_tool_return("ok", [20, 21, 22])
     assert isinstance(nxt, Generate) and nxt.context == [1, 2, 3, 10, 11, 20, 21, 22]
-    fin = t.on_turn([12], [-0.3], "<answer>5</answer>", version=1, eos=True)
+    fin = t.on_turn([12], [-0.3], "<answer>5</answer>", versions=[1], eos=True)
     assert isinstance(fin, Finish) and fin.reason == "answer"
     assert fin.reward == pytest.approx(1.1)  # correct + tool shaping
     assert t.versions == [0, 1]
@@ -31,14 +31,14 @@ def test_tool_loop_then_answer() -> None:
 def test_max_turns_ends_even_with_tool_call() -> None:
     t = make(max_turns=1)
     t.first_action()
-    fin = t.on_turn([10], [-0.1], "<calc>1+1</calc>", version=0, eos=False)
+    fin = t.on_turn([10], [-0.1], "<calc>1+1</calc>", versions=[0], eos=False)
     assert isinstance(fin, Finish) and fin.reason == "max_turns" and fin.reward == 0.0
 
 
 def test_context_budget_ends_with_length() -> None:
     t = make(max_ctx=6)
     t.first_action()
-    assert isinstance(t.on_turn([10, 11], [-1.0, -1.0], "<calc>1</calc>", 0, False), CallTool)
+    assert isinstance(t.on_turn([10, 11], [-1.0, -1.0], "<calc>1</calc>", [0, 0], False), CallTool)
     assert isinstance(t.on_tool_return("ok", [5, 5]), Finish)
     assert t.finish is not None and t.finish.reason == "length"
 
@@ -49,7 +49,7 @@ def test_illegal_transitions_are_refused() -> None:
     with pytest.raises(IllegalTransition):
         t.on_tool_return("ok", [1])
     with pytest.raises(ValueError):
-        t.on_turn([1, 2], [-0.1], "x", 0, False)
+        t.on_turn([1, 2], [-0.1], "x", [0, 0], False)
 
 
 def test_parse_action_kinds() -> None:
@@ -78,3 +78,25 @@ def test_tasks_are_reproducible_and_correct() -> None:
     assert a == b
     assert len({t.prompt_id for t in a}) == 20
     assert all(t.answer >= 0 for t in a)
+
+
+def test_a_turn_across_a_weight_swap_becomes_one_segment_per_version() -> None:
+    t = make()
+    t.first_action()
+    fin = t.on_turn([5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.4], "<answer>5</answer>", [3, 3, 4, 4], eos=True)
+    assert isinstance(fin, Finish)
+    generated = [s for s in t.segments if s.generated]
+    assert [(s.token_ids, s.logprobs, s.policy_version) for s in generated] == [
+        ([5, 6], [-0.1, -0.2], 3),
+        ([7, 8], [-0.3, -0.4], 4),
+    ]
+    assert t.versions == [3, 4]
+
+
+@pytest.mark.parametrize("versions", [[1], [2, 1], [-1, 0]])
+def test_a_turn_with_missing_or_backward_versions_is_refused(versions: list[int]) -> None:
+    t = make()
+    t.first_action()
+    with pytest.raises(ValueError):
+        t.on_turn([5, 6], [-0.1, -0.2], "x", versions, eos=False)
+    assert t.turns == 0 and len(t.segments) == 1

@@ -19,7 +19,7 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from services.planner.cost_model import CostModel
+from services.common.cost_model import CostModel
 
 
 @dataclass(slots=True)

@@ -3,29 +3,12 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from services.planner.cost_model import CostModel, GPUSpec, ModelSpec
+from services.common.cost_model import CostModel
 from tools.sim.ledger import CATEGORIES
 from tools.sim.simulator import Simulator, SystemConfig
 from tools.sim.workload import Workload
-
-PRESET_DIR = Path(__file__).parent / "presets"
-
-
-def load_presets(gpu: str, model: str) -> CostModel:
-    with open(PRESET_DIR / "hardware.yaml") as f:
-        gpus = yaml.safe_load(f)
-    with open(PRESET_DIR / "models.yaml") as f:
-        models = yaml.safe_load(f)
-    if gpu not in gpus:
-        raise KeyError(f"unknown GPU preset {gpu!r}; known: {', '.join(gpus)}")
-    if model not in models:
-        raise KeyError(f"unknown model preset {model!r}; known: {', '.join(models)}")
-    return CostModel(GPUSpec.from_dict(gpus[gpu]), ModelSpec.from_dict(models[model]))
 
 
 def _pct(xs: list[float], q: float) -> float:

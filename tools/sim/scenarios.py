@@ -15,8 +15,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.cost_model import load_presets
 from services.planner.search import Plan, SearchOptions, search
-from tools.sim.runner import load_presets, run_system
+from tools.sim.runner import run_system
 from tools.sim.simulator import SystemConfig
 from tools.sim.stats import mean_ci, paired_ratio
 from tools.sim.systems import (

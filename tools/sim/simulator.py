@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.planner.cost_model import CostModel
+from services.common.cost_model import CostModel
 from services.planner.hybrid_pool import HybridPool, PoolPolicy, Role
 from services.planner.replan import ReplanPolicy, ReplanSignals
 from services.planner.search import BucketPlan, SearchOptions, WorkloadStats, rollout_time

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.planner.cost_model import CostModel
+from services.common.cost_model import CostModel
 from services.planner.hybrid_pool import PoolPolicy
 from services.planner.replan import ReplanPolicy
 from services.planner.search import (

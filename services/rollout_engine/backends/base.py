@@ -1,7 +1,13 @@
-"""The interface every rollout backend implements, and the plain types it speaks.
+"""The interfaces rollout backends implement, and the plain types they speak.
 
-The batching engine hands a backend whole batches and swaps weights only between them, so a
-backend never needs its own locking: `generate` and `swap_weights` are never called concurrently.
+Two shapes of backend:
+
+- A `StepBackend` (hf, emulated) is driven one decode iteration at a time by the engine's
+  continuous batcher (`services.rollout_engine.engine.ContinuousEngine`): between two iterations
+  requests join and leave, and new weights land. It never runs two calls at once, so it needs no
+  locking of its own.
+- A backend with its own iteration-level scheduler (vllm's AsyncLLM) implements the engine
+  interface itself (see `backends/vllm.py`).
 """
 
 from __future__ import annotations
@@ -13,36 +19,37 @@ from typing import Any
 
 @dataclass
 class GenRequest:
-    """One sequence to continue. `temperature <= 0` means greedy decoding."""
+    """One sequence to continue. `temperature <= 0` means greedy decoding. Lower `priority` is
+    admitted first (the scheduler's C-MLFQ level); equal priorities are first come, first served."""
 
     prompt_ids: list[int]
     max_new_tokens: int
     temperature: float = 1.0
     stop: list[str] = field(default_factory=list)
+    priority: int = 0
 
 
 @dataclass
 class GenOutput:
-    """Generated tokens and, per token, its logprob under the sampling distribution.
+    """Generated tokens and, per token, its logprob under the sampling distribution and the weight
+    version that sampled it.
 
     The contract shared with the trainer: for a sampled token t at temperature T > 0,
-    `logprob = log_softmax(logits / T)[t]`, with top-k/top-p off, computed in float32 from the same
-    weights (`policy_version`) that sampled it. For greedy requests (T <= 0) it is
+    `logprob = log_softmax(logits / T)[t]`, with top-k/top-p off, computed in float32 from the
+    weights named by that token's `token_versions` entry. For greedy requests (T <= 0) it is
     `log_softmax(logits)[t]`. Stop strings stay in the output (the tokens completing them were
-    sampled and are trained on).
+    sampled and are trained on). A request that was running when new weights arrived continues on
+    them: its tokens before the swap carry the old version, those after it the new one.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
-
-
-class GenerationAborted(Exception):
-    """A batch stopped early because the engine is shutting down."""
+    token_versions: list[int] = field(default_factory=list)
 
 
 class Backend(abc.ABC):
-    """A model replica: generates batches and takes new weights between them."""
+    """A model replica: what every backend tells the service about itself."""
 
     name: str = "base"
     emulated: bool = False
@@ -61,12 +68,9 @@ class Backend(abc.ABC):
         """Loads the model (may take long: call once, before serving)."""
 
     @abc.abstractmethod
-    async def generate(self, batch: list[GenRequest]) -> list[GenOutput]:
-        """Generates every request of the batch to completion; outputs are in request order."""
-
-    @abc.abstractmethod
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        """Replaces (a subset of) the weights; raises ValueError when names or shapes do not fit."""
+        """Replaces (a subset of) the weights; raises ValueError when names or shapes do not fit,
+        and then changes nothing."""
 
     @abc.abstractmethod
     def decode(self, token_ids: list[int]) -> str:
@@ -74,13 +78,47 @@ class Backend(abc.ABC):
 
     def free_kv_tokens(self) -> int:
         """KV-cache tokens free now, for the scheduler's placement; -1 when the backend cannot tell
-        (hf allocates its cache per batch, the emulated backend has none)."""
+        (hf grows its cache per request and reports a capacity in sequences instead)."""
         return -1
 
-    def abort(self) -> None:
-        """Asks a running `generate` to give up soon (shutdown past its grace); it then raises
-        GenerationAborted. Called from the event loop while generate may run in a thread."""
-        return None
+    def make_engine(self, max_batch: int) -> Any:
+        """A backend that schedules its own iterations returns its engine here (see
+        `services.rollout_engine.engine.Engine`); step backends run under the continuous batcher."""
+        raise TypeError(f"backend {self.name!r} is neither a StepBackend nor brings an engine")
 
     async def close(self) -> None:
         return None
+
+
+@dataclass
+class Join:
+    """A row entering the running batch: its whole context is prefilled, then it decodes."""
+
+    slot: int
+    context: list[int]
+    temperature: float
+    request: GenRequest | None = None
+
+
+class StepBackend(Backend):
+    """A backend the continuous batcher drives one iteration at a time."""
+
+    recompute_on_swap: bool = True
+    """After new weights land, running rows re-prefill their context with them (their KV was
+    computed by the old weights), as AReaL's interruptible generation does; the engine then passes
+    every running row as a join with `reset=True`."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset()
+
+    @abc.abstractmethod
+    async def step(self, joins: list[Join], leaves: list[int], reset: bool) -> dict[int, tuple[int, float]]:
+        """One iteration. First drops the rows in `leaves` (or every row, when `reset`), then
+        samples one token for each row still running and prefills `joins`, sampling each one's
+        first token. Returns slot -> (token id, logprob) for every row running after the step."""
+
+    def admits(self, running_tokens: int, context: int) -> bool:
+        """Whether a request with `context` tokens fits next to rows holding `running_tokens`
+        tokens of KV (the engine's batch size limit applies on top)."""
+        return True

@@ -1,13 +1,17 @@
-"""EMULATED backend: random tokens with timing from a cost model, for control-plane scale tests only.
+"""EMULATED backend: random tokens with iteration timing from the cost model, for control-plane
+scale tests only.
 
-No model is loaded and nothing it outputs means anything; it exists so hundreds of engines can run on
-one machine to exercise routing, planning and weight sync. A batch takes
+No model is loaded and nothing it outputs means anything; it exists so dozens of engines, each
+pretending to be one GPU replica of a named model at a named tensor-parallel degree on a named GPU
+(`services/common/presets/`), can run on one small machine to exercise routing, planning and
+weight sync. It runs under the same continuous batcher as the hf backend; one iteration takes
 
-    prefill_s_per_token * sum(context lengths)
-      + sum over decode steps of (decode_s_per_step + decode_s_per_seq * sequences still running)
+    time_scale * (prefill_s(tokens of the rows that join) + decode_step_s(rows decoding, their mean context))
 
-Output lengths are uniform in 1..max_new_tokens ("length" at the budget, else "stop"), and each
-token's logprob is that of a uniform draw, -log(vocab_size).
+with both terms from `services.common.cost_model.CostModel` (the simulator's and the planner's
+model), and a request is admitted only while the KV cache of that replica has room for its context.
+Output lengths are uniform in 1..max_new_tokens: the last token is EOS ("stop"), unless the length
+drawn is the whole budget ("length"). Every token's logprob is that of a uniform draw, -log(vocab_size).
 """
 
 from __future__ import annotations
@@ -17,31 +21,28 @@ import math
 import random
 from typing import Any
 
+from services.common.cost_model import CostModel, load_presets
 from services.common.runconfig import RunConfig
-from services.rollout_engine.backends.base import Backend, GenOutput, GenRequest
+from services.rollout_engine.backends.base import Join, StepBackend
 from services.rollout_engine.config import EngineSettings
 
 VOCAB_SIZE = 49152
-MAX_POSITIONS = 8192
+EOS = 0
 
 
-def batch_seconds(context_lens: list[int], output_lens: list[int], s: EngineSettings) -> float:
-    """The cost model above, as a pure function."""
-    prefill = s.emulated_prefill_s_per_token * sum(context_lens)
-    decode = 0.0
-    for step in range(max(output_lens, default=0)):
-        running = sum(1 for n in output_lens if n > step)
-        decode += s.emulated_decode_s_per_step + s.emulated_decode_s_per_seq * running
-    return prefill + decode
-
-
-class EmulatedBackend(Backend):
+class EmulatedBackend(StepBackend):
     name = "emulated"
     emulated = True
 
     def __init__(self, settings: EngineSettings):
         self.settings = settings
+        self.tp = settings.tensor_parallel
+        self.cm: CostModel = load_presets(settings.emulated_gpu, settings.emulated_model)
+        self.kv_capacity = self.cm.kv_capacity_tokens(self.tp)
         self.rng = random.Random(settings.seed)
+        self.rows: dict[int, list[int]] = {}
+        """slot -> [tokens held (context + generated), tokens left to generate, 1 if the last is EOS]"""
+        self.emulated_s = 0.0
 
     @property
     def vocab_size(self) -> int:
@@ -49,23 +50,54 @@ class EmulatedBackend(Backend):
 
     @property
     def max_positions(self) -> int:
-        return MAX_POSITIONS
+        return self.cm.model.max_context or 1 << 20
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset({EOS})
 
     async def start(self) -> None:
         return None
 
-    async def generate(self, batch: list[GenRequest]) -> list[GenOutput]:
-        lens = [self.rng.randint(1, r.max_new_tokens) for r in batch]
-        await asyncio.sleep(batch_seconds([len(r.prompt_ids) for r in batch], lens, self.settings))
+    def iteration_s(self, join_tokens: list[int], decode_contexts: list[int]) -> float:
+        """Emulated seconds of one iteration (before `time_scale`)."""
+        prefill = sum(self.cm.prefill_s(n, 0, self.tp) for n in join_tokens)
+        decode = 0.0
+        if decode_contexts:
+            avg = sum(decode_contexts) / len(decode_contexts)
+            decode = self.cm.decode_step_s(len(decode_contexts), avg, self.tp)
+        return prefill + decode
+
+    async def step(self, joins: list[Join], leaves: list[int], reset: bool) -> dict[int, tuple[int, float]]:
+        previous: dict[int, list[int]] = {}
+        if reset:
+            previous, self.rows = self.rows, {}
+        for slot in leaves:
+            self.rows.pop(slot, None)
+        decoding = [row[0] for row in self.rows.values()]
+        for j in joins:
+            if j.slot in previous:  # re-prefilled after new weights: same length as planned
+                self.rows[j.slot] = [len(j.context), *previous[j.slot][1:]]
+                continue
+            budget = j.request.max_new_tokens if j.request is not None else 1
+            n = self.rng.randint(1, budget)
+            self.rows[j.slot] = [len(j.context), n, int(n < budget)]
+        seconds = self.iteration_s([len(j.context) for j in joins], decoding)
+        self.emulated_s += seconds
+        await asyncio.sleep(seconds * self.settings.emulated_time_scale)
         lp = -math.log(VOCAB_SIZE)
-        return [
-            GenOutput(
-                [self.rng.randrange(VOCAB_SIZE) for _ in range(n)],
-                [lp] * n,
-                "length" if n >= r.max_new_tokens else "stop",
-            )
-            for r, n in zip(batch, lens, strict=True)
-        ]
+        out: dict[int, tuple[int, float]] = {}
+        for slot, row in self.rows.items():
+            row[0] += 1
+            row[1] -= 1
+            out[slot] = (EOS if row[1] <= 0 and row[2] else self.rng.randrange(1, VOCAB_SIZE), lp)
+        return out
+
+    def admits(self, running_tokens: int, context: int) -> bool:
+        return running_tokens + context <= self.kv_capacity
+
+    def free_kv_tokens(self) -> int:
+        return max(0, self.kv_capacity - sum(row[0] for row in self.rows.values()))
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
         return None

@@ -1,23 +1,31 @@
-"""Hugging Face backend (torch + transformers, CPU or GPU): a manual KV-cache decode loop.
+"""Hugging Face backend (torch + transformers, CPU or GPU): one continuous-batching iteration per step.
 
-Each batch is left-padded and prefilled once, then decoded one token per step for all rows; a row
-stops at EOS, its own max_new_tokens or a stop string, and the batch ends when every row has. The
-torch work runs in a worker thread so the event loop keeps serving NATS and gRPC meanwhile.
+The running rows share one KV cache, right-aligned: each row's tokens end at the last column and
+the attention mask hides the padding on their left, while position ids count each row's own
+tokens, so a row computes exactly what it would alone. A step drops the rows that left (trimming
+columns nobody uses any more), decodes one token for every running row, and prefills the rows that
+join in a batch of their own whose cache is then padded and stacked onto the running one. The torch
+work runs in a worker thread so the event loop keeps serving NATS and gRPC meanwhile.
+
+Only full-attention caches (`DynamicLayer`) can be stacked this way; a model with sliding-window or
+linear-attention layers is refused with a clear error when the first row joins a running batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from services.common.logging import get_logger
 from services.common.models import load_model, load_tokenizer
 from services.common.runconfig import ModelConfig, RunConfig
-from services.rollout_engine.backends.base import Backend, GenerationAborted, GenOutput, GenRequest
+from services.rollout_engine.backends.base import Join, StepBackend
 from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.sampling import StopMatcher, left_pad, sample_next
+from services.rollout_engine.sampling import left_pad, sample_next
 
 
 def _eos_ids(model: Any, tok: Any) -> set[int]:
@@ -30,7 +38,88 @@ def _eos_ids(model: Any, tok: Any) -> set[int]:
     return ids
 
 
-class HFBackend(Backend):
+def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers = list(cache.layers)
+    if not all(type(layer) is DynamicLayer for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        raise NotImplementedError(
+            f"hf continuous batching needs a full-attention KV cache, this model uses {kinds}"
+        )
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def _left_pad_kv(kv: torch.Tensor, width: int) -> torch.Tensor:
+    """Pads a (batch, heads, columns, dim) tensor with zero columns on the left up to `width`."""
+    missing = width - kv.shape[2]
+    if missing <= 0:
+        return kv
+    return torch.cat([kv.new_zeros((kv.shape[0], kv.shape[1], missing, kv.shape[3])), kv], dim=2)
+
+
+@dataclass
+class _Batch:
+    """The running rows: slot ids, their shared right-aligned KV cache and attention mask (one
+    column per cache column), each row's next position, last sampled token (not yet in the cache)
+    and temperature."""
+
+    slots: list[int]
+    cache: Any
+    mask: torch.Tensor
+    next_pos: torch.Tensor
+    last: torch.Tensor
+    temps: torch.Tensor
+
+    @classmethod
+    def empty(cls, device: torch.device) -> _Batch:
+        none = torch.zeros((0,), dtype=torch.long, device=device)
+        return cls([], None, none.view(0, 0), none, none, none.float())
+
+    def without(self, leaving: set[int]) -> _Batch:
+        keep = [i for i, s in enumerate(self.slots) if s not in leaving]
+        if len(keep) == len(self.slots):
+            return self
+        if not keep:
+            return _Batch.empty(self.mask.device)
+        idx = torch.tensor(keep, device=self.mask.device)
+        mask = self.mask[idx]
+        used = mask.any(dim=0).nonzero()
+        first = int(used[0]) if len(used) else mask.shape[1]
+        kv = [(k[idx, :, first:], v[idx, :, first:]) for k, v in _layers(self.cache)]
+        return _Batch(
+            [self.slots[i] for i in keep],
+            DynamicCache(ddp_cache_data=kv),
+            mask[:, first:],
+            self.next_pos[idx],
+            self.last[idx],
+            self.temps[idx],
+        )
+
+    def merged(self, other: _Batch) -> _Batch:
+        if not self.slots:
+            return other
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        kv = [
+            (
+                torch.cat([_left_pad_kv(ka, width), _left_pad_kv(kb, width)]),
+                torch.cat([_left_pad_kv(va, width), _left_pad_kv(vb, width)]),
+            )
+            for (ka, va), (kb, vb) in zip(_layers(self.cache), _layers(other.cache), strict=True)
+        ]
+
+        def pad_mask(m: torch.Tensor) -> torch.Tensor:
+            return torch.cat([m.new_zeros((m.shape[0], width - m.shape[1])), m], dim=1)
+
+        return _Batch(
+            self.slots + other.slots,
+            DynamicCache(ddp_cache_data=kv),
+            torch.cat([pad_mask(self.mask), pad_mask(other.mask)]),
+            torch.cat([self.next_pos, other.next_pos]),
+            torch.cat([self.last, other.last]),
+            torch.cat([self.temps, other.temps]),
+        )
+
+
+class HFBackend(StepBackend):
     name = "hf"
 
     def __init__(self, model_cfg: ModelConfig, torch_threads: int, seed: int | None = None):
@@ -41,7 +130,7 @@ class HFBackend(Backend):
         self.tok: Any = None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.generator: torch.Generator | None = None
-        self._abort = False
+        self.batch = _Batch.empty(self.device)
         self.log = get_logger(component="hf_backend")
 
     @property
@@ -72,55 +161,49 @@ class HFBackend(Backend):
             torch_threads=self.torch_threads,
         )
 
-    async def generate(self, batch: list[GenRequest]) -> list[GenOutput]:
-        return await asyncio.to_thread(self.generate_sync, batch)
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.eos)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tok.decode(token_ids, skip_special_tokens=True))
 
-    @torch.inference_mode()
-    def generate_sync(self, batch: list[GenRequest]) -> list[GenOutput]:
-        n = len(batch)
-        ids, mask, pos = left_pad([r.prompt_ids for r in batch], self.pad_id)
-        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        temps = torch.tensor([r.temperature for r in batch], device=self.device)
-        stops = [StopMatcher(r.stop, lambda t: str(self.tok.decode(t))) for r in batch]
-        out_ids: list[list[int]] = [[] for _ in batch]
-        out_lp: list[list[float]] = [[] for _ in batch]
-        finish: list[str | None] = [None] * n
+    async def step(self, joins: list[Join], leaves: list[int], reset: bool) -> dict[int, tuple[int, float]]:
+        return await asyncio.to_thread(self.step_sync, joins, leaves, reset)
 
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
-        )
-        for _ in range(max(r.max_new_tokens for r in batch)):
-            tokens, logprobs = sample_next(out.logits[:, -1, :], temps, self.generator)
-            tok_list, lp_list = tokens.tolist(), logprobs.tolist()
-            for i in range(n):
-                if finish[i] is not None:
-                    continue
-                out_ids[i].append(tok_list[i])
-                out_lp[i].append(lp_list[i])
-                if tok_list[i] in self.eos or stops[i].matches(out_ids[i]):
-                    finish[i] = "stop"
-                elif len(out_ids[i]) >= batch[i].max_new_tokens:
-                    finish[i] = "length"
-            if all(f is not None for f in finish):
-                break
-            if self._abort:
-                raise GenerationAborted(f"aborted after {len(out_ids[0])} decode steps")
-            mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
-            pos = pos[:, -1:] + 1
+    @torch.inference_mode()
+    def step_sync(self, joins: list[Join], leaves: list[int], reset: bool) -> dict[int, tuple[int, float]]:
+        if reset:
+            self.batch = _Batch.empty(self.device)
+        elif leaves:
+            self.batch = self.batch.without(set(leaves))
+        sampled: dict[int, tuple[int, float]] = {}
+        b = self.batch
+        if b.slots:
+            mask = torch.cat([b.mask, b.mask.new_ones((len(b.slots), 1))], dim=1)
             out = self.model(
-                input_ids=tokens.unsqueeze(-1),
+                input_ids=b.last.unsqueeze(-1),
                 attention_mask=mask,
-                position_ids=pos,
-                past_key_values=out.past_key_values,
+                position_ids=b.next_pos.unsqueeze(-1),
+                past_key_values=b.cache,
                 use_cache=True,
             )
-        return [GenOutput(out_ids[i], out_lp[i], finish[i] or "length") for i in range(n)]
-
-    def abort(self) -> None:
-        self._abort = True
+            tokens, logprobs = sample_next(out.logits[:, -1, :], b.temps, self.generator)
+            self.batch = _Batch(b.slots, out.past_key_values, mask, b.next_pos + 1, tokens, b.temps)
+            sampled.update(zip(b.slots, zip(tokens.tolist(), logprobs.tolist(), strict=True), strict=True))
+        if joins:
+            ids, mask, pos = left_pad([j.context for j in joins], self.pad_id)
+            ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
+            temps = torch.tensor([j.temperature for j in joins], device=self.device)
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
+            )
+            tokens, logprobs = sample_next(out.logits[:, -1, :], temps, self.generator)
+            slots = [j.slot for j in joins]
+            joined = _Batch(slots, out.past_key_values, mask, pos[:, -1] + 1, tokens, temps)
+            self.batch = self.batch.merged(joined)
+            sampled.update(zip(slots, zip(tokens.tolist(), logprobs.tolist(), strict=True), strict=True))
+        return sampled
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
         await asyncio.to_thread(self._copy_weights, state_dict)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TurnRequest(_message.Message):
-    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "bucket", "context_token_ids", "max_new_tokens", "temperature", "min_policy_version", "stop")
+    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "bucket", "context_token_ids", "max_new_tokens", "temperature", "min_policy_version", "stop", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class TurnRequest(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     trajectory_id: str
     turn_index: int
@@ -28,10 +29,11 @@ class TurnRequest(_message.Message):
     temperature: float
     min_policy_version: int
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., min_policy_version: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., min_policy_version: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class TurnResult(_message.Message):
-    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "token_ids", "logprobs", "policy_version", "finish_reason", "context_tokens", "queue_s", "generate_s", "text", "error")
+    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "token_ids", "logprobs", "policy_version", "finish_reason", "context_tokens", "queue_s", "generate_s", "text", "error", "token_versions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,7 @@ class TurnResult(_message.Message):
     GENERATE_S_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     trajectory_id: str
     turn_index: int
@@ -58,7 +61,8 @@ class TurnResult(_message.Message):
     generate_s: float
     text: str
     error: ErrorInfo
-    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., context_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., text: _Optional[str] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ...) -> None: ...
+    token_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., context_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., text: _Optional[str] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ..., token_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("call_id", "trajectory_id", "tool", "args_json", "timeout_s")

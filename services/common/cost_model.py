@@ -11,7 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
+
+import yaml
+
+PRESET_DIR = Path(__file__).parent / "presets"
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,3 +251,24 @@ class CostModel:
                 setattr(base, kind, sum(rs) / len(rs))
         self.calib = base
         return base
+
+
+def preset_names() -> tuple[list[str], list[str]]:
+    """(GPU presets, model presets) known to `load_presets`."""
+    return list(_read_presets("hardware")), list(_read_presets("models"))
+
+
+def _read_presets(kind: str) -> dict[str, Any]:
+    with open(PRESET_DIR / f"{kind}.yaml") as f:
+        data: dict[str, Any] = yaml.safe_load(f)
+    return data
+
+
+def load_presets(gpu: str, model: str) -> CostModel:
+    """The cost model of a named GPU and model from `presets/` (hardware.yaml, models.yaml)."""
+    gpus, models = _read_presets("hardware"), _read_presets("models")
+    if gpu not in gpus:
+        raise KeyError(f"unknown GPU preset {gpu!r}; known: {', '.join(gpus)}")
+    if model not in models:
+        raise KeyError(f"unknown model preset {model!r}; known: {', '.join(models)}")
+    return CostModel(GPUSpec.from_dict(gpus[gpu]), ModelSpec.from_dict(models[model]))
