@@ -113,6 +113,14 @@ class Calibration:
     """Fixed part of a weight push to rollout engines (coordination, engine pause/resume)."""
 
 
+def relative_tpot(tp: int, calib: Calibration | None = None) -> float:
+    """Time per output token of a TP-`tp` replica relative to TP1, where decoding reads the
+    weights (memory-bound): TP splits the reads, at `tp_decode_efficiency` per doubling. Used
+    where no GPU or model is known (the live scheduler pricing a migration)."""
+    c = calib or Calibration()
+    return 1.0 / (tp * c.tp_decode_efficiency ** math.log2(max(1, tp)))
+
+
 @dataclass(frozen=True, slots=True)
 class Profile:
     """One measured sample: kind in {decode, prefill, train}, its inputs and the seconds it took."""

@@ -48,6 +48,9 @@ class BucketConfig(_Strict):
     name: str = Field(pattern=r"^[a-z0-9_-]{1,32}$")
     tensor_parallel: int = Field(1, ge=1)
     max_context_tokens: int = Field(4096, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1)
+    """C-MLFQ: trajectories predicted to generate at most this many output tokens in all belong
+    here; unset takes everything (only the last bucket may leave it unset)."""
 
 
 class RolloutConfig(_Strict):
@@ -55,6 +58,11 @@ class RolloutConfig(_Strict):
     """Rollout-engine processes `libra up` starts."""
     backend: Literal["hf", "vllm", "emulated"] = "hf"
     buckets: list[BucketConfig] = Field(default_factory=lambda: [BucketConfig(name="short")])
+    """Rollout buckets, shortest first: C-MLFQ starts every trajectory in the first and moves it
+    by its tool returns."""
+    policy: Literal["cmlfq", "least_loaded"] = "cmlfq"
+    """Routing of turns to engines: Libra's C-MLFQ, or least-loaded with sticky sessions in the
+    first bucket (the homogeneous baseline)."""
     max_batch: int = Field(8, ge=1, le=1024)
     """Concurrent sequences one engine decodes together."""
     torch_threads: int = Field(1, ge=1, le=256)
@@ -100,6 +108,15 @@ class RunConfig(_Strict):
             raise ValueError("model.path is required when model.source is 'path'")
         if self.rollout.engines < len(self.rollout.buckets):
             raise ValueError("rollout.engines must be at least the number of buckets")
+        buckets = self.rollout.buckets
+        if len({b.name for b in buckets}) != len(buckets):
+            raise ValueError("rollout.buckets: names must be unique")
+        limits = [b.max_output_tokens for b in buckets[:-1]]
+        if any(x is None for x in limits):
+            raise ValueError("rollout.buckets: every bucket but the last needs max_output_tokens")
+        caps = [b.max_output_tokens for b in buckets if b.max_output_tokens is not None]
+        if any(b <= a for a, b in zip(caps, caps[1:], strict=False)):
+            raise ValueError("rollout.buckets: max_output_tokens must grow from bucket to bucket")
         return self
 
     @property

@@ -131,7 +131,10 @@ class PlannerService:
             lease_ttl_s=self.cfg.job.lease_ttl_s,
             buckets=[
                 ev.BucketSpec(
-                    name=b.name, tensor_parallel=b.tensor_parallel, max_context_tokens=b.max_context_tokens
+                    name=b.name,
+                    tensor_parallel=b.tensor_parallel,
+                    max_context_tokens=b.max_context_tokens,
+                    max_output_tokens=b.max_output_tokens or 0,
                 )
                 for b in self.cfg.rollout.buckets
             ],

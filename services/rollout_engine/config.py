@@ -27,8 +27,9 @@ class EngineSettings(BaseSettings):
     max_push_bytes: int = Field(64 << 30, gt=0)
     """Largest weight push accepted (it is buffered in memory before it is applied); a push that
     announces more is refused before its first byte is kept. Set it a little above the model's size."""
-    bucket: str = Field("short", pattern=r"^[a-z0-9_-]{1,32}$")
-    """Rollout bucket this replica prefers; the planner's assignment has the final say."""
+    bucket: str = Field("", pattern=r"^[a-z0-9_-]{0,32}$")
+    """Rollout bucket this replica prefers; empty lets the planner put it in the emptiest bucket of
+    the job, and the planner's assignment has the final say."""
     tensor_parallel: int = Field(1, ge=1, le=64)
     """GPUs this replica spans (vllm backend); reported to the planner."""
     load_report_interval_s: float = Field(1.0, gt=0.0, le=60.0)

@@ -42,3 +42,5 @@ class SchedulerSettings(BaseSettings):
     """Period of the workload-stats event (`workload.stats`) for the planner."""
     stats_window_s: float = Field(60.0, gt=0)
     """The workload stats cover this much of the recent past."""
+    policy_save_s: float = Field(10.0, gt=0)
+    """How often what the routing policy learned (C-MLFQ's prefix trees) is saved to Redis."""

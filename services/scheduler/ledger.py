@@ -9,6 +9,7 @@ JetStream's message id, and by the trainer's trained ids) and nothing is lost.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,15 @@ class Ledger:
         self.published_key = f"{prefix}:published"
         self.outcomes_key = f"{prefix}:outcomes"
         self.decided_key = f"{prefix}:decided"
+        self.policy_key = f"{prefix}:policy"
+
+    async def save_policy(self, state: dict[str, Any]) -> None:
+        """What the routing policy learned (C-MLFQ's prefix trees), for a restarted scheduler."""
+        await self.r.set(self.policy_key, json.dumps(state))
+
+    async def load_policy(self) -> dict[str, Any] | None:
+        raw = await self.r.get(self.policy_key)
+        return None if raw is None else dict(json.loads(raw))
 
     async def load(self) -> LedgerState | None:
         """What an earlier scheduler of this run recorded, or None for a fresh run."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections import Counter
@@ -26,10 +27,11 @@ from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.scheduler.agent import STOP_STRINGS, observation
 from services.scheduler.config import SchedulerSettings
+from services.scheduler.dispatch import build_dispatcher
 from services.scheduler.feed import GroupTicket, build_feed
 from services.scheduler.ledger import Ledger
+from services.scheduler.prefix_tree import ToolSignal, map_sandbox_status, size_class
 from services.scheduler.prompting import Prompter
-from services.scheduler.router import EngineView, pick_least_loaded
 from services.scheduler.trajectory import Action, CallTool, Finish, Generate, Trajectory, check_turn
 from services.scheduler.workload import WorkloadWindow
 
@@ -71,7 +73,9 @@ class SchedulerService:
         self.bus, self.store, self.prompter = bus, store, prompter
         self.log = get_logger(component="scheduler")
         self.feed = build_feed(cfg)
-        self.engines: dict[str, EngineView] = {}
+        self.dispatch = build_dispatcher(cfg.rollout.buckets, cfg.rollout.policy, cfg.rollout.max_batch)
+        self.bucket_level = {b.name: i for i, b in enumerate(cfg.rollout.buckets)}
+        self._policy_saved = time.monotonic()
         self.engine_tokens: dict[str, int] = {}
         self._committed_checked = float("-inf")
         self.live: dict[str, Live] = {}
@@ -86,9 +90,6 @@ class SchedulerService:
         self.started = time.monotonic()
         self.workload = WorkloadWindow(settings.stats_window_s)
         self._stats_published = 0.0
-        self.migrations = 0
-        """Trajectories moved to another bucket between turns (none yet: the live scheduler keeps
-        each trajectory in its first bucket until C-MLFQ routes it)."""
         self.ledger = Ledger(store.r, common.run_id)
         self.membership = Membership(
             bus,
@@ -109,6 +110,7 @@ class SchedulerService:
         await self.bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self._on_weights)
         await self.bus.subscribe(subjects.SCHEDULER_STATS, ev.StatsRequest, self._on_stats)
         await self._resume()
+        await self._load_policy()
         await self.membership.start()
         self.bus.spawn(self._loop())
 
@@ -118,16 +120,16 @@ class SchedulerService:
         # whatever turns it was running
         gone = [
             wid
-            for wid in self.engines
+            for wid in self.dispatch.engines
             if wid not in current or current[wid].fencing_token != self.engine_tokens.get(wid)
         ]
-        for wid in gone:
-            self.engines.pop(wid)
+        self.dispatch.set_engines({wid: a.bucket for wid, a in current.items() if wid not in gone})
+        self.dispatch.set_engines({wid: a.bucket for wid, a in current.items()})
         self.engine_tokens = {wid: a.fencing_token for wid, a in current.items()}
-        for wid, a in current.items():
-            view = self.engines.setdefault(wid, EngineView(wid, a.bucket))
-            view.bucket = a.bucket
-        self.log.info("engines_updated", engines=sorted(self.engines))
+        self.log.info(
+            "engines_updated",
+            engines={wid: e.bucket for wid, e in sorted(self.dispatch.engines.items())},
+        )
         for live in list(self.live.values()):  # turns on an engine that left are re-sent at once
             if live.engine_id in gone and live.request_id in self.by_request and live.pending_action:
                 self.by_request.pop(live.request_id, None)
@@ -135,12 +137,12 @@ class SchedulerService:
                     "turn_redispatched", trajectory_id=live.traj.trajectory_id, engine_id=live.engine_id
                 )
                 await self._send_turn(live, live.pending_action)
+        await self._drain_all()
 
     async def _on_engine_load(self, load: ev.EngineLoad, _: Envelope) -> None:
-        view = self.engines.get(load.engine_id)
-        if view is None:
+        if load.engine_id not in self.dispatch.engines:
             return
-        view.reported_waiting = load.waiting
+        self.dispatch.set_capacity(load.engine_id, load.capacity_seqs)
         # a turn the engine does not hold, two reports in a row, was lost on the way there or back
         # (a NATS restart, a dropped message): re-sent now rather than after the turn timeout
         held = set(load.request_ids)
@@ -153,8 +155,7 @@ class SchedulerService:
                 continue
             live.missing += 1
             if live.missing >= 2 and live.pending_action is not None:
-                self.by_request.pop(live.request_id, None)
-                view.in_flight = max(0, view.in_flight - 1)
+                self._forget_turn(live)
                 self.log.warning("turn_lost", trajectory_id=live.traj.trajectory_id, engine_id=load.engine_id)
                 live.missing = 0
                 await self._send_turn(live, live.pending_action)
@@ -176,11 +177,11 @@ class SchedulerService:
             groups_launched=self.feed.launched,
             groups_total=self.feed.total_groups,
             trained_version=self.trained_version,
-            engines=sorted(self.engines),
+            engines=sorted(self.dispatch.engines),
             groups_replaced=self.feed.replaced,
             group_outcomes=dict(self.feed.outcomes),
             trajectories_failed=self.failed,
-            migrations=self.migrations,
+            migrations=self.dispatch.migrations,
             oldest_in_flight=[
                 ev.InFlight(
                     trajectory_id=lv.traj.trajectory_id,
@@ -200,14 +201,16 @@ class SchedulerService:
             return "tool"
         if live.request_id and live.request_id in self.by_request:
             return "generating"
+        if live.traj.trajectory_id in self.dispatch.queued:
+            return "queued"
         return "waiting_for_engine"
 
     async def _loop(self) -> None:
         waited_since = time.monotonic()
         while True:
             await asyncio.sleep(self.settings.tick_s)
-            enough = len(self.engines) >= self.cfg.rollout.engines
-            if not self.engines or (
+            enough = len(self.dispatch.engines) >= self.cfg.rollout.engines
+            if not self.dispatch.engines or (
                 not enough and time.monotonic() - waited_since < self.settings.engine_wait_s
             ):
                 continue
@@ -226,16 +229,30 @@ class SchedulerService:
             await self._durably(self.ledger.launched(self.feed, tickets))
         for ticket in tickets:
             self._launch_group(ticket)
+        await self._drain_all()
         await self._watchdog()
         if time.monotonic() - self._stats_published > self.settings.stats_interval_s:
             await self._publish_workload()
+        if time.monotonic() - self._policy_saved > self.settings.policy_save_s:
+            self._policy_saved = time.monotonic()
+            await self._durably(self.ledger.save_policy(self.dispatch.router.to_dict()))
+
+    async def _load_policy(self) -> None:
+        """What an earlier scheduler of this job learned (C-MLFQ's prefix trees), if it saved any."""
+        try:
+            state = await self.ledger.load_policy()
+        except Exception as err:
+            self.log.warning("policy_state_unavailable", error=str(err))
+            return
+        if state:
+            self.dispatch.router.load_dict(state)
+            self.log.info("policy_state_restored")
 
     async def _publish_workload(self) -> None:
         self._stats_published = time.monotonic()
-        queued: Counter[str] = Counter(
-            lv.bucket for lv in self.live.values() if lv.request_id in self.by_request
+        stats = self.workload.stats(
+            self._stats_published, self.dispatch.queued_by_bucket(), self.trained_version
         )
-        stats = self.workload.stats(self._stats_published, dict(queued), self.trained_version)
         with contextlib.suppress(Exception):  # NATS away: the next one goes out in a few seconds
             await self.bus.publish(subjects.WORKLOAD_STATS, stats)
 
@@ -331,7 +348,7 @@ class SchedulerService:
                     "libra.run_id": self.common.run_id,
                 },
             )
-            bucket = self.cfg.rollout.buckets[0].name
+            bucket = self.dispatch.admit(traj.trajectory_id, ticket.task.prompt_id, time.monotonic())
             self.live[traj.trajectory_id] = Live(traj, span, bucket)
             self.bus.spawn(self._execute(self.live[traj.trajectory_id], traj.first_action()))
         return launched
@@ -345,17 +362,44 @@ class SchedulerService:
             await self._finish(live, action)
 
     async def _send_turn(self, live: Live, action: Generate) -> None:
-        traj = live.traj
-        engine = pick_least_loaded(list(self.engines.values()), live.bucket)
-        if engine is None:
-            live.pending_action, live.deadline = action, time.monotonic() + 1.0
-            return
-        live.request_id = uuid.uuid4().hex
-        live.engine_id = engine.engine_id
-        live.sent_at = time.monotonic()
+        """Places the turn: on an engine with a free slot the policy picks, else in its bucket's
+        queue until a slot frees (`_drain`)."""
         live.pending_action = action
+        if not self.dispatch.engines:
+            live.deadline = time.monotonic() + 1.0
+            return
+        engine_id = self.dispatch.place(live.traj.trajectory_id, time.monotonic())
+        if engine_id is None:
+            live.deadline = math.inf  # queued: waits for a slot, however long the tail ahead of it
+            return
+        await self._dispatch(live, engine_id)
+
+    async def _drain(self, engine_id: str) -> None:
+        """Gives the engine's free slots to the turns the policy picks from the queues."""
+        while (traj_id := self.dispatch.next_for(engine_id, time.monotonic())) is not None:
+            live = self.live.get(traj_id)
+            if live is None or live.pending_action is None:
+                self.dispatch.release(engine_id)
+                continue
+            await self._dispatch(live, engine_id)
+
+    async def _drain_all(self) -> None:
+        for engine_id in list(self.dispatch.engines):
+            await self._drain(engine_id)
+
+    def _forget_turn(self, live: Live) -> None:
+        """The turn in flight is over (answered, lost or timed out): its engine slot frees."""
+        if self.by_request.pop(live.request_id, None) is not None:
+            self.dispatch.release(live.engine_id)
+
+    async def _dispatch(self, live: Live, engine_id: str) -> None:
+        traj, action = live.traj, live.pending_action
+        assert action is not None
+        live.bucket = self.dispatch.where.get(traj.trajectory_id, live.bucket)
+        live.request_id = uuid.uuid4().hex
+        live.engine_id = engine_id
+        live.sent_at = time.monotonic()
         live.deadline = time.monotonic() + self.settings.turn_timeout(action.max_new_tokens)
-        engine.in_flight += 1
         self.by_request[live.request_id] = traj.trajectory_id
         ctx = trace.set_span_in_context(live.span)
         live.step_span = tracer().start_span(
@@ -363,7 +407,7 @@ class SchedulerService:
             context=ctx,
             attributes={
                 "libra.turn": traj.turns,
-                "libra.engine_id": engine.engine_id,
+                "libra.engine_id": engine_id,
                 "libra.bucket": live.bucket,
             },
         )
@@ -371,26 +415,32 @@ class SchedulerService:
             request_id=live.request_id,
             trajectory_id=traj.trajectory_id,
             turn_index=traj.turns,
-            engine_id=engine.engine_id,
+            engine_id=engine_id,
             bucket=live.bucket,
             context_token_ids=action.context,
             max_new_tokens=action.max_new_tokens,
             temperature=self.cfg.task.temperature,
             min_policy_version=max(traj.versions, default=0),
             stop=STOP_STRINGS,
+            priority=self.bucket_level.get(live.bucket, 0),
         )
         await self.bus.publish(
-            f"{subjects.TURN_REQUEST}.{engine.engine_id}", req, ctx=trace.set_span_in_context(live.step_span)
+            f"{subjects.TURN_REQUEST}.{engine_id}", req, ctx=trace.set_span_in_context(live.step_span)
         )
 
     async def _on_turn_result(self, res: ev.TurnResult, _: Envelope) -> None:
-        traj_id = self.by_request.pop(res.request_id, None)
+        traj_id = self.by_request.get(res.request_id)
         if traj_id is None:
             return  # a late answer to a request we already re-sent, or another run's
         live = self.live[traj_id]
-        engine = self.engines.get(res.engine_id)
-        if engine is not None:
-            engine.in_flight = max(0, engine.in_flight - 1)
+        self._forget_turn(live)
+        try:
+            await self._turn_result(live, res)
+        finally:
+            await self._drain(live.engine_id)
+
+    async def _turn_result(self, live: Live, res: ev.TurnResult) -> None:
+        traj_id = live.traj.trajectory_id
         if live.step_span is not None:
             live.step_span.set_attribute("libra.tokens", len(res.token_ids))
             live.step_span.set_attribute("libra.policy_version", res.policy_version)
@@ -424,8 +474,6 @@ class SchedulerService:
             why = live.last_error or "no engine answered within the turn timeout"
             await self._fail(live, "engine_unavailable", f"turn {live.traj.turns}: {why}")
             return
-        if live.engine_id in self.engines:
-            self.engines[live.engine_id].in_flight = max(0, self.engines[live.engine_id].in_flight - 1)
         await self._send_turn(live, live.pending_action)
 
     async def _fail(self, live: Live, code: str, message: str) -> None:
@@ -462,16 +510,40 @@ class SchedulerService:
         traj_id = self.by_call.pop(ret.call_id, None)
         if traj_id is None:
             return
-        await self._tool_returned(self.live[traj_id], ret.status or "error", ret.payload)
+        live = self.live[traj_id]
+        status = ret.status or "error"
+        size = ret.size_class or size_class(ret.payload_bytes or len(ret.payload))
+        tool = ret.tool or (live.pending_tool.request.tool if live.pending_tool else "unknown")
+        await self._tool_returned(
+            live, status, ret.payload, ToolSignal(tool, size, map_sandbox_status(status))
+        )
 
-    async def _tool_returned(self, live: Live, status: str, payload: str) -> None:
+    async def _tool_returned(self, live: Live, status: str, payload: str, signal: ToolSignal) -> None:
         self.tool_statuses[status] += 1
-        self.workload.tool_return(time.monotonic(), status)
+        now = time.monotonic()
+        self.workload.tool_return(now, status)
         if live.step_span is not None:
             live.step_span.set_attribute("libra.tool_status", status)
             live.step_span.end()
-        obs = self.prompter.observation_ids(observation(status, payload), live.traj.ended_with_eos)
-        await self._execute(live, live.traj.on_tool_return(status, obs))
+        traj = live.traj
+        obs = self.prompter.observation_ids(observation(status, payload), traj.ended_with_eos)
+        decision = self.dispatch.tool_return(
+            traj.trajectory_id, signal, traj.output_tokens, len(traj.context) + len(obs), now
+        )
+        if decision.bucket != live.bucket:
+            self.log.info(
+                "trajectory_migrated",
+                trajectory_id=traj.trajectory_id,
+                source=live.bucket,
+                target=decision.bucket,
+                reason=decision.reason,
+            )
+            live.span.add_event(
+                "migrated",
+                {"libra.from": live.bucket, "libra.to": decision.bucket, "libra.reason": decision.reason},
+            )
+            live.bucket = decision.bucket
+        await self._execute(live, traj.on_tool_return(status, obs))
 
     async def _watchdog(self) -> None:
         now = time.monotonic()
@@ -489,7 +561,7 @@ class SchedulerService:
                 else:
                     await self._fail(live, "tool_sandbox_unavailable", "no tool-sandbox answered in time")
             elif live.request_id in self.by_request or (live.pending_action and not live.request_id):
-                self.by_request.pop(live.request_id, None)
+                self._forget_turn(live)
                 self.log.warning(
                     "turn_timeout", trajectory_id=live.traj.trajectory_id, engine_id=live.engine_id
                 )
@@ -498,6 +570,9 @@ class SchedulerService:
     async def _finish(self, live: Live, fin: Finish) -> None:
         traj = live.traj
         self.live.pop(traj.trajectory_id, None)
+        self.dispatch.finish(
+            traj.trajectory_id, traj.output_tokens, time.monotonic(), live.failure is not None
+        )
         latency = time.monotonic() - traj.started_at
         versions = traj.versions or [0]
         msg = ev.CompletedTrajectory(

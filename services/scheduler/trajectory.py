@@ -92,6 +92,10 @@ class Trajectory:
         return [t for s in self.segments for t in s.token_ids]
 
     @property
+    def output_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments if s.generated)
+
+    @property
     def versions(self) -> list[int]:
         return [s.policy_version for s in self.segments if s.generated]
 

@@ -2,7 +2,6 @@ import pytest
 
 from services.planner.assign import Slot, StaticAssigner
 from services.scheduler.feed import TaskFeed
-from services.scheduler.router import EngineView, pick_least_loaded
 from services.scheduler.task import arithmetic_tasks
 
 
@@ -21,20 +20,6 @@ def test_feed_respects_staleness_budget() -> None:
 def test_feed_needs_tasks() -> None:
     with pytest.raises(ValueError):
         TaskFeed([], groups_per_step=1, max_staleness=0, total_steps=1)
-
-
-def test_least_loaded_prefers_bucket_and_skips_unhealthy() -> None:
-    engines = [
-        EngineView("a", "short", in_flight=3),
-        EngineView("b", "short", in_flight=1, reported_waiting=1),
-        EngineView("c", "long", in_flight=0),
-        EngineView("d", "short", in_flight=0, healthy=False),
-    ]
-    pick = pick_least_loaded(engines, "short")
-    assert pick is not None and pick.engine_id == "b"
-    pick = pick_least_loaded(engines, "medium")  # no engine in that bucket: any healthy one
-    assert pick is not None and pick.engine_id == "c"
-    assert pick_least_loaded([EngineView("x", "short", healthy=False)]) is None
 
 
 def test_static_assigner_roles_and_buckets() -> None:

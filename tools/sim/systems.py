@@ -27,7 +27,7 @@ from services.planner.search import (
     train_time,
 )
 from services.scheduler.cmlfq import CMLFQ, Bucket, CMLFQConfig
-from tools.sim.routers import CMLFQRouter, StaticRouter
+from services.scheduler.routing import CMLFQRouter, StaticRouter
 from tools.sim.simulator import SystemConfig, workload_stats
 from tools.sim.workload import Workload
 

@@ -229,14 +229,16 @@ class Assignment(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., bucket: _Optional[str] = ..., fencing_token: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ..., tensor_parallel: _Optional[int] = ...) -> None: ...
 
 class BucketSpec(_message.Message):
-    __slots__ = ("name", "tensor_parallel", "max_context_tokens")
+    __slots__ = ("name", "tensor_parallel", "max_context_tokens", "max_output_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     tensor_parallel: int
     max_context_tokens: int
-    def __init__(self, name: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., max_context_tokens: _Optional[int] = ...) -> None: ...
+    max_output_tokens: int
+    def __init__(self, name: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("plan_version", "assignments", "reason", "lease_ttl_s", "buckets")

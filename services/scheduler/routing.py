@@ -1,7 +1,9 @@
-"""Routing policies the simulator can drive: C-MLFQ itself and the baselines' routers.
+"""Routing policies: C-MLFQ itself and the baselines' routers, driven by the live scheduler and by
+the simulator alike.
 
 All expose the C-MLFQ call shapes (admit / on_tool_return / finish / pick_engine / enqueue /
-dequeue), so the simulator treats Libra and the baselines the same way.
+dequeue), so the live scheduler and the simulator treat Libra and the baselines the same way:
+the same objects decide in both.
 """
 
 from __future__ import annotations
@@ -11,9 +13,60 @@ import math
 import random
 from collections import deque
 from collections.abc import Sequence
+from typing import Any, Protocol
 
-from services.scheduler.cmlfq import CMLFQ, EngineView, RouteDecision
+from services.common.cost_model import relative_tpot
+from services.common.runconfig import BucketConfig
+from services.scheduler.cmlfq import CMLFQ, Bucket, CMLFQConfig, EngineView, RouteDecision
 from services.scheduler.prefix_tree import ToolSignal
+
+
+class Router(Protocol):
+    def admit(self, traj_id: str, prompt_id: str, now: float, true_tokens: int) -> str: ...
+
+    def on_tool_return(
+        self, traj_id: str, signal: ToolSignal, tokens: int, context: int, now: float
+    ) -> RouteDecision: ...
+
+    def finish(self, traj_id: str, total: int, now: float) -> None: ...
+
+    def drop(self, traj_id: str) -> None: ...
+
+    def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None: ...
+
+    def enqueue(self, traj_id: str, now: float) -> None: ...
+
+    def dequeue(self, bucket: str, now: float) -> str | None: ...
+
+    def bucket_of(self, traj_id: str) -> str: ...
+
+    def queued(self, bucket: str | None = None) -> int: ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """What it learned, worth keeping across a restart (C-MLFQ's prefix trees)."""
+        ...
+
+    def load_dict(self, data: dict[str, Any]) -> None: ...
+
+
+POLICIES = ("cmlfq", "least_loaded")
+
+
+def build_router(buckets: Sequence[BucketConfig], policy: str) -> Router:
+    """The live scheduler's router for a run config's buckets: C-MLFQ ('cmlfq', Libra's policy) or
+    the homogeneous baseline ('least_loaded': every trajectory stays in the first bucket, least
+    connections with sticky sessions, as AReaL, slime and verl's agent loop route). A bucket
+    without `max_output_tokens` takes everything (the last one)."""
+    limits = [float(b.max_output_tokens) if b.max_output_tokens else math.inf for b in buckets]
+    if policy == "least_loaded":
+        return StaticRouter([(b.name, hi) for b, hi in zip(buckets, limits, strict=True)])
+    if policy != "cmlfq":
+        raise ValueError(f"unknown routing policy {policy!r}; known: {', '.join(POLICIES)}")
+    core = [
+        Bucket(b.name, b.tensor_parallel, hi, relative_tpot(b.tensor_parallel))
+        for b, hi in zip(buckets, limits, strict=True)
+    ]
+    return CMLFQRouter(CMLFQ(CMLFQConfig(core)))
 
 
 class CMLFQRouter:
@@ -48,6 +101,12 @@ class CMLFQRouter:
 
     def queued(self, bucket: str | None = None) -> int:
         return self.core.queued(bucket)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.core.to_dict()
+
+    def load_dict(self, data: dict[str, Any]) -> None:
+        self.core.load_dict(data)
 
 
 class StaticRouter:
@@ -129,3 +188,9 @@ class StaticRouter:
         if bucket is None:
             return sum(len(q) for q in self.queues.values())
         return len(self.queues[bucket])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_dict(self, data: dict[str, Any]) -> None:
+        return None

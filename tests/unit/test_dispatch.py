@@ -1,0 +1,107 @@
+"""The live scheduler's queues and routing decisions (pure): capacity, C-MLFQ moves, the baseline."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.runconfig import BucketConfig, RunConfig
+from services.scheduler.dispatch import Dispatcher, build_dispatcher
+from services.scheduler.prefix_tree import ToolSignal
+from services.scheduler.routing import build_router
+
+TWO = [
+    BucketConfig(name="short", tensor_parallel=1, max_output_tokens=64),
+    BucketConfig(name="long", tensor_parallel=4),
+]
+OK = ToolSignal("python", "small", "success")
+
+
+def _two_buckets(policy: str = "cmlfq", capacity: int = 1) -> Dispatcher:
+    d = build_dispatcher(TWO, policy, capacity)
+    d.set_engines({"e-short": "short", "e-long": "long"})
+    return d
+
+
+def test_turns_beyond_an_engines_capacity_wait_and_take_the_slot_that_frees() -> None:
+    d = _two_buckets()
+    for t in ("a", "b"):
+        assert d.admit(t, "p", 0.0) == "short"
+    assert d.place("a", 0.0) == "e-short"
+    assert d.place("b", 0.0) is None and d.queued == {"b"}
+    assert d.queued_by_bucket() == {"short": 1}
+    assert d.next_for("e-short", 1.0) is None, "no free slot yet"
+    d.release("e-short")
+    assert d.next_for("e-short", 1.0) == "b" and not d.queued
+    assert d.engines["e-short"].in_flight == 1 and d.migrations == 0
+
+
+def test_a_tool_return_past_the_bucket_budget_moves_the_trajectory_to_the_long_bucket() -> None:
+    d = _two_buckets(capacity=4)
+    d.admit("a", "p", 0.0)
+    assert d.place("a", 0.0) == "e-short"
+    d.release("e-short")
+    decision = d.tool_return("a", OK, 100, 300, 1.0)
+    assert decision.migrate and decision.bucket == "long" and decision.reason == "demote:attained"
+    assert d.where["a"] == "long" and d.migrations == 1
+    assert d.place("a", 1.0) == "e-long"
+
+
+def test_an_idle_bucket_steals_an_aged_turn_and_the_move_counts() -> None:
+    d = _two_buckets()
+    for t in ("a", "b"):
+        d.admit(t, "p", 0.0)
+    assert d.place("a", 0.0) == "e-short"
+    d.release("e-short")
+    d.tool_return("a", OK, 100, 300, 1.0)  # a moves to long
+    assert d.place("a", 1.0) == "e-long"
+    d.admit("c", "p", 1.0)
+    d.tool_return("c", OK, 200, 300, 1.0)
+    assert d.place("c", 1.0) is None  # long is full: c waits there
+    assert d.place("b", 1.0) == "e-short"
+    d.release("e-short")
+    assert d.next_for("e-short", 2.0) is None, "too young to steal"
+    migrations = d.migrations
+    assert d.next_for("e-short", 60.0) == "c"
+    assert d.where["c"] == "short" and d.migrations == migrations + 1
+
+
+def test_the_least_loaded_baseline_pools_every_engine_and_never_moves() -> None:
+    d = _two_buckets("least_loaded")
+    for t in ("a", "b", "c"):
+        d.admit(t, "p", 0.0)
+    assert {d.place("a", 0.0), d.place("b", 0.0)} == {"e-short", "e-long"}
+    assert d.place("c", 0.0) is None
+    assert not d.tool_return("a", OK, 10_000, 300, 1.0).migrate and d.migrations == 0
+    d.release("e-long")
+    assert d.next_for("e-long", 1.0) == "c"
+
+
+def test_what_cmlfq_learned_survives_a_restart() -> None:
+    first = build_router(TWO, "cmlfq")
+    for i in range(12):
+        t = f"t{i}"
+        first.admit(t, "p", 0.0, 0)
+        first.on_tool_return(t, OK, 10, 100, 1.0)
+        first.finish(t, 500, 2.0)
+    second = build_router(TWO, "cmlfq")
+    second.load_dict(first.to_dict())
+    second.admit("new", "p", 3.0, 0)
+    decision = second.on_tool_return("new", OK, 10, 100, 3.0)
+    assert decision.estimate is not None and decision.estimate.mean == pytest.approx(490)
+    assert decision.bucket == "long" and decision.reason == "demote:predicted"
+
+
+@pytest.mark.parametrize(
+    "buckets, error",
+    [
+        ([{"name": "a"}, {"name": "b"}], "every bucket but the last needs max_output_tokens"),
+        (
+            [{"name": "a", "max_output_tokens": 100}, {"name": "b", "max_output_tokens": 50}],
+            "must grow",
+        ),
+        ([{"name": "a", "max_output_tokens": 10}, {"name": "a"}], "unique"),
+    ],
+)
+def test_bucket_configs_that_cmlfq_cannot_use_are_refused(buckets: list[dict], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        RunConfig.model_validate({"rollout": {"engines": 2, "buckets": buckets}})
