@@ -28,8 +28,13 @@ class ModelConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    dataset: Literal["arithmetic"] = "arithmetic"
-    """Built-in generator of arithmetic word problems solved with python/calculator tools."""
+    dataset: Literal["arithmetic", "synthetic"] = "arithmetic"
+    """`arithmetic`: built-in word problems solved with python/calculator tools. `synthetic`:
+    trajectories drawn from a simulator workload (`workload`): turn lengths, tool kinds, latencies,
+    outcomes and payload sizes as the simulator samples them, tools run by the sandbox's
+    `synthetic` tool; for control-plane and fidelity runs (nothing is learned from it)."""
+    workload: str | None = None
+    """`synthetic` only: a workload name under services/common/workloads or a YAML path."""
     num_prompts: int = Field(64, ge=1, le=1_000_000)
     """Prompts generated for the run; the feed cycles through them."""
     seed: int = 0
@@ -53,6 +58,27 @@ class BucketConfig(_Strict):
     here; unset takes everything (only the last bucket may leave it unset)."""
 
 
+class EmulatedConfig(_Strict):
+    gpu: str = "H100"
+    """GPU preset (services/common/presets/hardware.yaml) an emulated engine pretends to be."""
+    model: str = "qwen3-14b"
+    """Model preset (services/common/presets/models.yaml) it pretends to serve."""
+    time_scale: float = Field(1.0, gt=0.0, le=1000.0)
+    """Wall seconds per emulated second, for emulated engines and the synthetic task's tool
+    latencies alike (0.1 runs ten times faster than the hardware it pretends to be)."""
+
+    @model_validator(mode="after")
+    def _known(self) -> EmulatedConfig:
+        from services.common.cost_model import preset_names
+
+        gpus, models = preset_names()
+        if self.gpu not in gpus:
+            raise ValueError(f"unknown GPU preset {self.gpu!r}; known: {', '.join(gpus)}")
+        if self.model not in models:
+            raise ValueError(f"unknown model preset {self.model!r}; known: {', '.join(models)}")
+        return self
+
+
 class RolloutConfig(_Strict):
     engines: int = Field(2, ge=1, le=64)
     """Rollout-engine processes `libra up` starts."""
@@ -65,6 +91,8 @@ class RolloutConfig(_Strict):
     first bucket (the homogeneous baseline)."""
     max_batch: int = Field(8, ge=1, le=1024)
     """Concurrent sequences one engine decodes together."""
+    emulated: EmulatedConfig = Field(default_factory=EmulatedConfig)
+    """`emulated` backend only: what its engines pretend to be; each takes the TP of its bucket."""
     torch_threads: int = Field(1, ge=1, le=256)
 
 
@@ -106,6 +134,14 @@ class RunConfig(_Strict):
     def _check(self) -> RunConfig:
         if self.model.source == "path" and not self.model.path:
             raise ValueError("model.path is required when model.source is 'path'")
+        if self.task.dataset == "synthetic":
+            if not self.task.workload:
+                raise ValueError("task.workload is required when task.dataset is 'synthetic'")
+            from services.common.synthetic import Workload
+
+            Workload.load(self.task.workload)  # a missing or malformed workload is an error now
+        elif self.task.workload:
+            raise ValueError("task.workload is only for task.dataset 'synthetic'")
         if self.rollout.engines < len(self.rollout.buckets):
             raise ValueError("rollout.engines must be at least the number of buckets")
         buckets = self.rollout.buckets

@@ -6,10 +6,8 @@ what is here is per process: where the weight-sync server listens and how this r
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from services.common.cost_model import preset_names
 
 
 class EngineSettings(BaseSettings):
@@ -44,19 +42,3 @@ class EngineSettings(BaseSettings):
     """vllm backend: fraction of GPU memory vLLM may take for weights, activations and KV cache."""
     seed: int | None = None
     """Sampling seed (hf, emulated); unset draws fresh randomness per process."""
-    emulated_gpu: str = "H100"
-    """Emulated backend: the GPU preset (services/common/presets/hardware.yaml) it pretends to be."""
-    emulated_model: str = "qwen3-14b"
-    """Emulated backend: the model preset (services/common/presets/models.yaml) it pretends to serve."""
-    emulated_time_scale: float = Field(1.0, gt=0.0, le=1000.0)
-    """Emulated backend: wall seconds per emulated second (0.1 runs ten times faster than the GPU
-    it pretends to be)."""
-
-    @model_validator(mode="after")
-    def _known_presets(self) -> EngineSettings:
-        gpus, models = preset_names()
-        if self.emulated_gpu not in gpus:
-            raise ValueError(f"unknown GPU preset {self.emulated_gpu!r}; known: {', '.join(gpus)}")
-        if self.emulated_model not in models:
-            raise ValueError(f"unknown model preset {self.emulated_model!r}; known: {', '.join(models)}")
-        return self

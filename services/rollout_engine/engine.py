@@ -246,7 +246,8 @@ class ContinuousEngine:
                 else []
             )
             joins = rejoins + self._admit()
-            sampled = await self.backend.step(joins, leaves, reset)
+            no_eos = frozenset(slot for slot, r in self._running.items() if len(r.ids) < r.req.min_new_tokens)
+            sampled = await self.backend.step(joins, leaves, reset, no_eos)
             version = self.version
         self.iterations += 1
         eos = self.backend.eos_token_ids
@@ -263,7 +264,8 @@ class ContinuousEngine:
             item.versions.append(version)
             self.tokens_generated += 1
             finish = None
-            if token in eos or (item.stop is not None and item.stop.matches(item.ids)):
+            early = len(item.ids) < item.req.min_new_tokens
+            if not early and (token in eos or (item.stop is not None and item.stop.matches(item.ids))):
                 finish = "stop"
             elif len(item.ids) >= item.req.max_new_tokens:
                 finish = "length"

@@ -29,6 +29,7 @@ from services.common.runconfig import RunConfig, load_run_config
 from services.common.tracing import tracer
 from services.rollout_engine.backends import create_backend
 from services.rollout_engine.backends.base import Backend, GenRequest
+from services.rollout_engine.backends.emulated import EmulatedBackend
 from services.rollout_engine.config import EngineSettings
 from services.rollout_engine.engine import EngineClosed, engine_for
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
@@ -66,7 +67,15 @@ def validate_turn(req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int
         f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters",
     )
     budget = min(req.max_new_tokens, backend.max_positions - len(ctx))
-    return GenRequest(ctx, budget, float(req.temperature), list(req.stop), int(req.priority))
+    require(req.min_new_tokens >= 0, f"min_new_tokens must be >= 0, got {req.min_new_tokens}")
+    return GenRequest(
+        ctx,
+        budget,
+        float(req.temperature),
+        list(req.stop),
+        int(req.priority),
+        min(req.min_new_tokens, budget),
+    )
 
 
 class RolloutEngineService:
@@ -146,6 +155,10 @@ class RolloutEngineService:
         self.log.info("serving", subject=f"{subjects.TURN_REQUEST}.{self.worker_id}", bucket=self.bucket)
 
     @property
+    def tensor_parallel(self) -> int:
+        return self.backend.tp if isinstance(self.backend, EmulatedBackend) else self.settings.tensor_parallel
+
+    @property
     def bucket(self) -> str:
         a = self.membership.assignment
         return a.bucket if a is not None and a.bucket else self.settings.bucket
@@ -153,6 +166,11 @@ class RolloutEngineService:
     async def _on_plan(self, plan: ev.Plan) -> None:
         a = self.membership.assignment
         if a is not None and a.role in SERVING_ROLES:
+            spec = next((b for b in plan.buckets if b.name == a.bucket), None)
+            if isinstance(self.backend, EmulatedBackend) and spec is not None and spec.tensor_parallel > 0:
+                self.backend.set_tensor_parallel(
+                    spec.tensor_parallel
+                )  # it pretends to span its bucket's GPUs
             self._serving_role.set()
         elif a is not None:
             self.log.warning("not_a_rollout_role", role=a.role)
@@ -266,7 +284,7 @@ class RolloutEngineService:
             weight_version=self.engine.version,
             weight_sync_addr=self.weight_sync_addr,
             request_ids=sorted(self.holding),
-            tensor_parallel=self.settings.tensor_parallel,
+            tensor_parallel=self.tensor_parallel,
             capacity_seqs=self.engine.max_batch,
             free_kv_tokens=self.backend.free_kv_tokens(),
             backend=self.backend.name,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 _CALC = re.compile(r"<calc>(.*?)(?:</calc>|$)", re.S)
 _PYTHON = re.compile(r"```(?:python|py)\s*\n(.*?)(?:```|$)", re.S)
@@ -17,7 +18,7 @@ MAX_OBSERVATION_CHARS = 400
 @dataclass(frozen=True)
 class ToolRequest:
     tool: str
-    args: dict[str, str]
+    args: dict[str, Any]
 
     @property
     def args_json(self) -> str:

@@ -101,8 +101,13 @@ class TaskFeed:
 
 def build_feed(cfg: RunConfig) -> TaskFeed:
     """The feed of a run config's task: what the scheduler releases, group by group."""
+    from services.scheduler.synthetic_task import synthetic_tasks
+
+    synthetic = cfg.task.dataset == "synthetic"
     return TaskFeed(
-        arithmetic_tasks(cfg.task.num_prompts, cfg.task.seed),
+        synthetic_tasks(cfg.task.num_prompts)
+        if synthetic
+        else arithmetic_tasks(cfg.task.num_prompts, cfg.task.seed),
         groups_per_step=cfg.training.groups_per_step,
         max_staleness=cfg.training.max_staleness,
         total_steps=cfg.training.steps,

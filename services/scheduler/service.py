@@ -32,6 +32,7 @@ from services.scheduler.feed import GroupTicket, build_feed
 from services.scheduler.ledger import Ledger
 from services.scheduler.prefix_tree import ToolSignal, map_sandbox_status, size_class
 from services.scheduler.prompting import Prompter
+from services.scheduler.synthetic_task import SyntheticTask
 from services.scheduler.trajectory import Action, CallTool, Finish, Generate, Trajectory, check_turn
 from services.scheduler.workload import WorkloadWindow
 
@@ -73,6 +74,7 @@ class SchedulerService:
         self.bus, self.store, self.prompter = bus, store, prompter
         self.log = get_logger(component="scheduler")
         self.feed = build_feed(cfg)
+        self.synthetic = SyntheticTask(cfg) if cfg.task.dataset == "synthetic" else None
         self.dispatch = build_dispatcher(cfg.rollout.buckets, cfg.rollout.policy, cfg.rollout.max_batch)
         self.bucket_level = {b.name: i for i, b in enumerate(cfg.rollout.buckets)}
         self._policy_saved = time.monotonic()
@@ -320,13 +322,18 @@ class SchedulerService:
 
     def _launch_group(self, ticket: GroupTicket, skip: Collection[str] = ()) -> int:
         """Starts the group's trajectories (but those in `skip`, already with the trainer)."""
-        prompt_ids = self.prompter.prompt_ids(ticket.task)
         size = self.cfg.task.group_size
+        specs = self.synthetic.group(ticket) if self.synthetic else []
+        prompt_ids = [] if self.synthetic else self.prompter.prompt_ids(ticket.task)
         launched = 0
         for i in range(size):
             if ticket.trajectory_id(i) in skip:
                 continue
             launched += 1
+            script = None
+            if self.synthetic is not None:
+                script = self.synthetic.script(specs[i])
+                prompt_ids = self.synthetic.prompt_ids(specs[i])
             traj = Trajectory(
                 trajectory_id=ticket.trajectory_id(i),
                 group_id=ticket.group_id,
@@ -334,10 +341,11 @@ class SchedulerService:
                 group_size=size,
                 task=ticket.task,
                 prompt_ids=prompt_ids,
-                max_turns=self.cfg.task.max_turns,
+                max_turns=len(script) if script else self.cfg.task.max_turns,
                 max_new_tokens=self.cfg.task.max_new_tokens,
                 max_context_tokens=self.cfg.task.max_context_tokens,
                 started_at=time.monotonic(),
+                script=script,
             )
             span = tracer().start_span(
                 "trajectory",
@@ -419,6 +427,7 @@ class SchedulerService:
             bucket=live.bucket,
             context_token_ids=action.context,
             max_new_tokens=action.max_new_tokens,
+            min_new_tokens=action.min_new_tokens,
             temperature=self.cfg.task.temperature,
             min_policy_version=max(traj.versions, default=0),
             stop=STOP_STRINGS,
@@ -526,7 +535,10 @@ class SchedulerService:
             live.step_span.set_attribute("libra.tool_status", status)
             live.step_span.end()
         traj = live.traj
-        obs = self.prompter.observation_ids(observation(status, payload), traj.ended_with_eos)
+        if self.synthetic is not None:
+            obs = self.synthetic.observation_ids(signal.size)
+        else:
+            obs = self.prompter.observation_ids(observation(status, payload), traj.ended_with_eos)
         decision = self.dispatch.tool_return(
             traj.trajectory_id, signal, traj.output_tokens, len(traj.context) + len(obs), now
         )

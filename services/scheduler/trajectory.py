@@ -48,6 +48,16 @@ def check_turn(token_ids: list[int], logprobs: list[float], versions: list[int])
 class Generate:
     context: list[int]
     max_new_tokens: int
+    min_new_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ScriptedTurn:
+    """A synthetic trajectory's turn: exactly this many output tokens, then this tool call (None:
+    the turn is the final answer)."""
+
+    output_tokens: int
+    tool: ToolRequest | None
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,8 @@ class Trajectory:
     tool_statuses: list[str] = field(default_factory=list)
     finish: Finish | None = None
     ended_with_eos: bool = False
+    script: list[ScriptedTurn] | None = None
+    """Synthetic trajectories follow a script drawn from a workload instead of parsing the text."""
 
     def __post_init__(self) -> None:
         self.segments.append(Segment(list(self.prompt_ids), [], generated=False))
@@ -126,7 +138,10 @@ class Trajectory:
                 start = end
         self.texts.append(text)
         self.ended_with_eos = eos
-        request = parse_action(text)
+        if self.script is not None:
+            request = self.script[min(self.turns, len(self.script)) - 1].tool
+        else:
+            request = parse_action(text)
         if request is None:
             return self._finish("answer")
         if self.turns >= self.max_turns:
@@ -151,12 +166,20 @@ class Trajectory:
         if len(ctx) + 1 > self.max_context_tokens:
             return self._finish("length")
         budget = min(self.max_new_tokens, self.max_context_tokens - len(ctx))
+        if self.script is not None:
+            exact = min(budget, self.script[min(self.turns, len(self.script) - 1)].output_tokens)
+            return Generate(ctx, exact, exact)
         return Generate(ctx, budget)
 
     def _finish(self, reason: str) -> Finish:
         final_text = self.texts[-1] if self.texts else ""
         ok_tools = sum(1 for s in self.tool_statuses if s == "ok")
-        reward = 0.0 if reason == "error" else score(final_text, self.task.answer, ok_tools)
+        if reason == "error":
+            reward = 0.0
+        elif self.script is not None:  # synthetic: 1 when the last tool worked (or none was needed)
+            reward = float(not self.tool_statuses or self.tool_statuses[-1] == "ok")
+        else:
+            reward = score(final_text, self.task.answer, ok_tools)
         self.finish = Finish(reason, reward)
         self.state = State.DONE
         return self.finish

@@ -31,6 +31,7 @@ from tools.stack import ROOT, Stack, pid_alive
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TINY = ROOT / "configs" / "tiny.yaml"
+TOOLS_WORKLOAD = Path(__file__).parent / "workloads" / "tiny_tools.yaml"
 GARBAGE = [b"\xff\xfe garbage \x00\x01", b"", b"\x08" * 7]
 
 
@@ -207,6 +208,52 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
     step_links = {link for s in otlp.spans if s.name == "train.step" for link in s.links}
     assert step_links & {r.trace_id for r in roots}, "train steps link to the trajectories they trained on"
     assert os.path.exists(stack.log_dir / "scheduler.log")
+
+
+def test_trajectories_move_between_buckets_after_tool_returns_and_keep_their_versions(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """A synthetic workload with tool calls over two buckets: C-MLFQ moves trajectories to the long
+    bucket after their first tool return (their output passed the short bucket's budget), every
+    turn has exactly its scripted length, and the trainer gets one segment per weight version."""
+    config = _config(
+        tmp_path,
+        task={"dataset": "synthetic", "workload": str(TOOLS_WORKLOAD), "max_context_tokens": 512},
+        rollout={"buckets": [{"name": "short", "max_output_tokens": 4}, {"name": "long"}]},
+    )
+    cfg = load_run_config(config)
+    run_id = f"job-buckets-{RUN}"
+    completed: list[ev.CompletedTrajectory] = []
+
+    async def collect(buses: dict[str, Bus]) -> None:
+        async def on_traj(m: ev.CompletedTrajectory, _: Any) -> None:
+            completed.append(m)
+
+        await buses["cli"].subscribe(subjects.TRAJ_COMPLETED, ev.CompletedTrajectory, on_traj)
+        deadline = time.monotonic() + 240
+        while len(completed) < cfg.trajectories_per_step * cfg.training.steps and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+
+    watcher = _meanwhile(stack, run_id, collect)
+    report = _run(stack, config, run_id, tmp_path)
+    watcher.join(60)
+    assert report["status"] == "completed", report["reason"]
+    assert report["trajectories_lost"] == 0
+    buckets = {b["name"]: b["engines"] for b in report["buckets"]}
+    assert sorted(buckets) == ["long", "short"] and all(len(e) == 1 for e in buckets.values()), buckets
+    assert report["migrations"] >= cfg.trajectories_per_step, "trajectories moved to the long bucket"
+    assert report["tool_calls"].get("ok", 0) > 0, report["tool_calls"]
+    assert completed, "no completed trajectory seen on the bus"
+    for traj in completed:
+        assert traj.num_turns == 3 and traj.finish == "answer", (traj.num_turns, traj.finish)
+        generated = [s for s in traj.segments if s.generated]
+        versions = [s.policy_version for s in generated]
+        assert versions == sorted(versions) and min(versions) >= 0
+        assert (traj.min_policy_version, traj.max_policy_version) == (min(versions), max(versions))
+        assert all(len(s.logprobs) == len(s.token_ids) > 0 for s in generated)
+        # turns split at a weight swap only: consecutive generated segments differ in version
+        prompts_and_tools = [s for s in traj.segments if not s.generated]
+        assert len(prompts_and_tools) == 3, "the prompt and two tool returns"
 
 
 def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -70,6 +71,23 @@ async def test_calculator(executor: SandboxExecutor) -> None:
     assert (out.status, out.payload) == ("ok", "1028")
     bad = await executor.execute("calculator", {"expression": "__import__('os')"})
     assert bad.status == "error" and "unsupported" in bad.error
+
+
+@pytest.mark.parametrize(
+    "status, size, outcome",
+    [("success", "small", "ok"), ("failure", "large", "error"), ("timeout", "medium", "timeout")],
+)
+async def test_synthetic_tool_returns_the_drawn_outcome_and_size_class(
+    executor: SandboxExecutor, status: str, size: str, outcome: str
+) -> None:
+    seconds = 9.0 if status == "timeout" else 0.05
+    start = time.monotonic()
+    out = await executor.execute("synthetic", {"seconds": seconds, "size": size, "status": status}, 0.3)
+    took = time.monotonic() - start
+    assert (out.status, out.size_class) == (outcome, size)
+    assert took < 3.0, "the call's timeout bounds the wait"
+    bad = await executor.execute("synthetic", {"seconds": -1, "size": "huge", "status": "ok"})
+    assert bad.status == "rejected"
 
 
 async def test_search(executor: SandboxExecutor) -> None:

@@ -12,7 +12,7 @@ import torch
 from services.common.contracts import ev
 from services.common.cost_model import load_presets
 from services.common.errors import InvalidMessage
-from services.common.runconfig import ModelConfig
+from services.common.runconfig import EmulatedConfig, ModelConfig
 from services.rollout_engine.backends.base import GenOutput, GenRequest, Join, StepBackend
 from services.rollout_engine.backends.emulated import EmulatedBackend
 from services.rollout_engine.config import EngineSettings
@@ -56,7 +56,7 @@ def test_stop_matcher_sees_a_stop_string_split_over_tokens() -> None:
 
 def test_emulated_iteration_time_is_the_cost_models_prefill_plus_decode() -> None:
     backend = EmulatedBackend(
-        EngineSettings(tensor_parallel=2, emulated_gpu="A800", emulated_model="qwen3-14b")
+        EngineSettings(tensor_parallel=2), EmulatedConfig(gpu="A800", model="qwen3-14b")
     )
     cm = load_presets("A800", "qwen3-14b")
     got = backend.iteration_s([100, 300], [1000, 3000, 2000])
@@ -69,9 +69,18 @@ def test_emulated_iteration_time_is_the_cost_models_prefill_plus_decode() -> Non
 
 def test_unknown_emulated_presets_are_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown GPU preset"):
-        EngineSettings(emulated_gpu="TPU9")
+        EmulatedConfig(gpu="TPU9")
     with pytest.raises(ValueError, match="unknown model preset"):
-        EngineSettings(emulated_model="gpt-9")
+        EmulatedConfig(model="gpt-9")
+
+
+async def test_emulated_turns_have_exactly_the_length_asked_for_and_take_their_bucket_tp() -> None:
+    backend = EmulatedBackend(EngineSettings(seed=0), EmulatedConfig(time_scale=0.001))
+    backend.set_tensor_parallel(4)
+    assert backend.kv_capacity == backend.cm.kv_capacity_tokens(4)
+    outs = await _generate(backend, [GenRequest([5] * 100, n, 1.0, min_new_tokens=n) for n in (1, 7, 30)])
+    assert [len(o.token_ids) for o in outs] == [1, 7, 30]
+    assert backend.emulated_s > 0
 
 
 def _turn(**kw: Any) -> ev.TurnRequest:
@@ -125,6 +134,7 @@ class ScriptedBackend(StepBackend):
         self.capacity = 10**9
         self.held: dict[int, int] = {}
         self.at_gate = False
+        self.no_eos: list[frozenset[int]] = []
 
     vocab_size = 100  # type: ignore[assignment]
     max_positions = 100  # type: ignore[assignment]
@@ -136,8 +146,11 @@ class ScriptedBackend(StepBackend):
     async def start(self) -> None:
         return None
 
-    async def step(self, joins: list[Join], leaves: list[int], reset: bool) -> dict[int, tuple[int, float]]:
+    async def step(
+        self, joins: list[Join], leaves: list[int], reset: bool, no_eos: frozenset[int] = frozenset()
+    ) -> dict[int, tuple[int, float]]:
         self.calls.append(([j.slot for j in joins], list(leaves), reset))
+        self.no_eos.append(no_eos)
         self.at_gate = not self.gate.is_set()
         await self.gate.wait()
         self.at_gate = False
@@ -197,6 +210,19 @@ async def test_stop_strings_eos_and_budgets_are_per_request() -> None:
     backend.weights = 99  # EOS
     eos = await engine.submit(GenRequest([1], 10))
     assert (eos.output.token_ids, eos.output.finish_reason) == ([99], "stop")
+    await engine.close(timeout=1)
+
+
+async def test_min_new_tokens_holds_off_eos_and_stop_strings() -> None:
+    backend = ScriptedBackend()
+    engine = ContinuousEngine(backend, max_batch=2)
+    engine.start()
+    backend.weights = 99  # EOS every step; a real backend would not sample it while banned
+    out = (await engine.submit(GenRequest([1], 10, stop=["x"], min_new_tokens=4))).output
+    assert (len(out.token_ids), out.finish_reason) == (4, "stop")
+    assert [0 in banned for banned in backend.no_eos[:4]] == [True] * 4, "EOS banned for tokens 1-4"
+    exact = (await engine.submit(GenRequest([1], 6, min_new_tokens=6))).output
+    assert (len(exact.token_ids), exact.finish_reason) == (6, "stop")
     await engine.close(timeout=1)
 
 
@@ -376,6 +402,32 @@ async def test_hf_stops_at_eos(hf_backend: Any) -> None:
     finally:
         head.bias = saved
     assert out.token_ids == [eos] and out.finish_reason == "stop"
+
+
+async def test_hf_min_new_tokens_masks_eos_out_of_the_distribution(hf_backend: Any) -> None:
+    eos = min(hf_backend.eos)
+    head = hf_backend.model.get_output_embeddings()
+    saved = head.bias
+    bias = torch.zeros(hf_backend.vocab_size)
+    bias[eos] = 15.0  # EOS nearly certain at every step, unless masked
+    head.bias = torch.nn.Parameter(bias)
+    try:
+        req = GenRequest([1, 2, 3], 12, 1.0, min_new_tokens=7)
+        out = (await _generate(hf_backend, [req]))[0]
+        free = (await _generate(hf_backend, [GenRequest([1, 2, 3], 12, 1.0)]))[0]
+    finally:
+        head.bias = saved
+    assert eos not in out.token_ids[:7] and len(out.token_ids) >= 7
+    assert len(free.token_ids) < 7, "without the minimum EOS comes early"
+    # the reported logprobs are those of the distribution without EOS
+    with torch.no_grad():
+        head.bias = torch.nn.Parameter(bias)
+        logits = hf_backend.model(torch.tensor([req.prompt_ids + out.token_ids])).logits[0].float()
+        head.bias = saved
+    logits[:, eos] = -math.inf
+    logp = torch.log_softmax(logits, -1)
+    want = [logp[2 + j, t].item() for j, t in enumerate(out.token_ids[:7])]
+    assert out.logprobs[:7] == pytest.approx(want, abs=1e-4)
 
 
 async def test_hf_weight_swap_under_load_loses_no_request_and_names_each_tokens_version(

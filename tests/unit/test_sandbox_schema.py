@@ -41,7 +41,7 @@ def test_invalid_arguments_are_reported(args: object, fragment: str) -> None:
 
 def test_every_tool_has_an_object_schema() -> None:
     tools = build_tools(SandboxSettings())
-    assert set(tools) == {"python", "calculator", "search", "shell"}
+    assert set(tools) == {"python", "calculator", "search", "shell", "synthetic"}
     for tool in tools.values():
         schema = tool.schema()
         assert schema["type"] == "object" and schema["required"] and schema["additionalProperties"] is False

@@ -5,6 +5,7 @@ from collections import Counter
 import pytest
 
 from services.common.cost_model import load_presets
+from services.common.synthetic import Workload
 from services.planner.search import BucketPlan, Plan
 from tools.sim.cli import main
 from tools.sim.engine import Engine, Request
@@ -12,7 +13,6 @@ from tools.sim.ledger import CATEGORIES
 from tools.sim.simulator import Simulator
 from tools.sim.stats import mean_ci, paired_ratio
 from tools.sim.systems import SYSTEMS, Env, baseline_system, libra_system
-from tools.sim.workload import Workload
 
 N_GPUS = 16
 STEPS = 3

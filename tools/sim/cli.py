@@ -11,15 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.common.synthetic import Workload
 from tools.sim.scenarios import SCENARIOS, Runner, Scenario, default_jobs, resolve, run, sweep_size
 from tools.sim.systems import ALIASES, SYSTEMS
-from tools.sim.workload import Workload
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="libra sim", description=__doc__)
     p.add_argument("--scenario", choices=sorted(SCENARIOS), help="a named scenario")
-    p.add_argument("--workload", help="workload YAML file (or a name under tools/sim/workloads)")
+    p.add_argument("--workload", help="workload YAML file (or a name under services/common/workloads)")
     p.add_argument("--gpus", type=int, default=48, help="cluster size for --workload")
     p.add_argument("--gpu", default="A800", help="hardware preset for --workload (A800, H100, H200)")
     p.add_argument("--model", default="qwen3-14b", help="model preset for --workload")

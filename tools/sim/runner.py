@@ -6,9 +6,9 @@ import time
 from typing import Any
 
 from services.common.cost_model import CostModel
+from services.common.synthetic import Workload
 from tools.sim.ledger import CATEGORIES
 from tools.sim.simulator import Simulator, SystemConfig
-from tools.sim.workload import Workload
 
 
 def _pct(xs: list[float], q: float) -> float:

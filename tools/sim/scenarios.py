@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.cost_model import load_presets
+from services.common.synthetic import Workload
 from services.planner.search import Plan, SearchOptions, search
 from tools.sim.runner import run_system
 from tools.sim.simulator import SystemConfig
@@ -36,7 +37,6 @@ from tools.sim.systems import (
     plan_key,
     sweep_grid,
 )
-from tools.sim.workload import Workload
 
 LIBRA_FAMILY = ("libra", "libra-no-ehp", "libra-no-cmlfq")
 

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.cost_model import CostModel
+from services.common.synthetic import TrajectorySpec, Workload
 from services.planner.hybrid_pool import HybridPool, PoolPolicy, Role
 from services.planner.replan import ReplanPolicy, ReplanSignals
 from services.planner.search import BucketPlan, SearchOptions, WorkloadStats, rollout_time
 from services.scheduler.cmlfq import EngineView
 from tools.sim.engine import Engine, Request
 from tools.sim.ledger import Ledger, Meter
-from tools.sim.workload import TrajectorySpec, Workload
 
 ENGINE, TOOL, TRAIN_DONE, SYNC_DONE, FETCHED, TICK = range(6)
 KV_RESERVE = 2048

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.cost_model import CostModel
+from services.common.synthetic import Workload
 from services.planner.hybrid_pool import PoolPolicy
 from services.planner.replan import ReplanPolicy
 from services.planner.search import (
@@ -29,7 +30,6 @@ from services.planner.search import (
 from services.scheduler.cmlfq import CMLFQ, Bucket, CMLFQConfig
 from services.scheduler.routing import CMLFQRouter, StaticRouter
 from tools.sim.simulator import SystemConfig, workload_stats
-from tools.sim.workload import Workload
 
 BASELINES = ("verl", "areal", "homogeneous-lb", "disaggregated-static", "length-aware")
 ABLATIONS = ("libra-no-ehp", "libra-no-grp", "libra-no-cmlfq")

@@ -27,6 +27,9 @@ class GenRequest:
     temperature: float = 1.0
     stop: list[str] = field(default_factory=list)
     priority: int = 0
+    min_new_tokens: int = 0
+    """No EOS and no stop string ends the request before this many tokens (EOS is masked out of
+    the sampling distribution until then, as vLLM's `min_tokens` does)."""
 
 
 @dataclass
@@ -113,10 +116,13 @@ class StepBackend(Backend):
         return frozenset()
 
     @abc.abstractmethod
-    async def step(self, joins: list[Join], leaves: list[int], reset: bool) -> dict[int, tuple[int, float]]:
+    async def step(
+        self, joins: list[Join], leaves: list[int], reset: bool, no_eos: frozenset[int] = frozenset()
+    ) -> dict[int, tuple[int, float]]:
         """One iteration. First drops the rows in `leaves` (or every row, when `reset`), then
         samples one token for each row still running and prefills `joins`, sampling each one's
-        first token. Returns slot -> (token id, logprob) for every row running after the step."""
+        first token; rows in `no_eos` may not sample EOS (below their min_new_tokens). Returns
+        slot -> (token id, logprob) for every row running after the step."""
 
     def admits(self, running_tokens: int, context: int) -> bool:
         """Whether a request with `context` tokens fits next to rows holding `running_tokens`

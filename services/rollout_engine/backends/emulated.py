@@ -2,16 +2,17 @@
 scale tests only.
 
 No model is loaded and nothing it outputs means anything; it exists so dozens of engines, each
-pretending to be one GPU replica of a named model at a named tensor-parallel degree on a named GPU
-(`services/common/presets/`), can run on one small machine to exercise routing, planning and
+pretending to be one GPU replica of a named model on a named GPU (`rollout.emulated`, presets in
+`services/common/presets/`) at its bucket's tensor-parallel degree, can run on one small machine to exercise routing, planning and
 weight sync. It runs under the same continuous batcher as the hf backend; one iteration takes
 
     time_scale * (prefill_s(tokens of the rows that join) + decode_step_s(rows decoding, their mean context))
 
 with both terms from `services.common.cost_model.CostModel` (the simulator's and the planner's
 model), and a request is admitted only while the KV cache of that replica has room for its context.
-Output lengths are uniform in 1..max_new_tokens: the last token is EOS ("stop"), unless the length
-drawn is the whole budget ("length"). Every token's logprob is that of a uniform draw, -log(vocab_size).
+Output lengths are uniform in min_new_tokens..max_new_tokens (exact when the two are equal, as the
+synthetic task asks): the last token is EOS ("stop"), unless the length drawn is the whole budget
+("length"). Every token's logprob is that of a uniform draw, -log(vocab_size).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import random
 from typing import Any
 
 from services.common.cost_model import CostModel, load_presets
-from services.common.runconfig import RunConfig
+from services.common.runconfig import EmulatedConfig, RunConfig
 from services.rollout_engine.backends.base import Join, StepBackend
 from services.rollout_engine.config import EngineSettings
 
@@ -34,15 +35,20 @@ class EmulatedBackend(StepBackend):
     name = "emulated"
     emulated = True
 
-    def __init__(self, settings: EngineSettings):
+    def __init__(self, settings: EngineSettings, emulated: EmulatedConfig | None = None):
         self.settings = settings
-        self.tp = settings.tensor_parallel
-        self.cm: CostModel = load_presets(settings.emulated_gpu, settings.emulated_model)
-        self.kv_capacity = self.cm.kv_capacity_tokens(self.tp)
+        self.config = emulated or EmulatedConfig()
+        self.cm: CostModel = load_presets(self.config.gpu, self.config.model)
+        self.set_tensor_parallel(settings.tensor_parallel)
         self.rng = random.Random(settings.seed)
         self.rows: dict[int, list[int]] = {}
         """slot -> [tokens held (context + generated), tokens left to generate, 1 if the last is EOS]"""
         self.emulated_s = 0.0
+
+    def set_tensor_parallel(self, tp: int) -> None:
+        """The TP this replica pretends to span: its bucket's, once the planner assigns one."""
+        self.tp = tp
+        self.kv_capacity = self.cm.kv_capacity_tokens(tp)
 
     @property
     def vocab_size(self) -> int:
@@ -68,7 +74,9 @@ class EmulatedBackend(StepBackend):
             decode = self.cm.decode_step_s(len(decode_contexts), avg, self.tp)
         return prefill + decode
 
-    async def step(self, joins: list[Join], leaves: list[int], reset: bool) -> dict[int, tuple[int, float]]:
+    async def step(
+        self, joins: list[Join], leaves: list[int], reset: bool, no_eos: frozenset[int] = frozenset()
+    ) -> dict[int, tuple[int, float]]:
         previous: dict[int, list[int]] = {}
         if reset:
             previous, self.rows = self.rows, {}
@@ -80,11 +88,12 @@ class EmulatedBackend(StepBackend):
                 self.rows[j.slot] = [len(j.context), *previous[j.slot][1:]]
                 continue
             budget = j.request.max_new_tokens if j.request is not None else 1
-            n = self.rng.randint(1, budget)
+            least = min(budget, j.request.min_new_tokens) if j.request is not None else 1
+            n = self.rng.randint(max(1, least), budget)
             self.rows[j.slot] = [len(j.context), n, int(n < budget)]
         seconds = self.iteration_s([len(j.context) for j in joins], decoding)
         self.emulated_s += seconds
-        await asyncio.sleep(seconds * self.settings.emulated_time_scale)
+        await asyncio.sleep(seconds * self.config.time_scale)
         lp = -math.log(VOCAB_SIZE)
         out: dict[int, tuple[int, float]] = {}
         for slot, row in self.rows.items():
@@ -107,4 +116,4 @@ class EmulatedBackend(StepBackend):
 
 
 def create(run: RunConfig, settings: EngineSettings) -> EmulatedBackend:
-    return EmulatedBackend(settings)
+    return EmulatedBackend(settings, run.rollout.emulated)

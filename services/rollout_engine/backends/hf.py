@@ -14,6 +14,7 @@ linear-attention layers is refused with a clear error when the first row joins a
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,11 +169,27 @@ class HFBackend(StepBackend):
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tok.decode(token_ids, skip_special_tokens=True))
 
-    async def step(self, joins: list[Join], leaves: list[int], reset: bool) -> dict[int, tuple[int, float]]:
-        return await asyncio.to_thread(self.step_sync, joins, leaves, reset)
+    async def step(
+        self, joins: list[Join], leaves: list[int], reset: bool, no_eos: frozenset[int] = frozenset()
+    ) -> dict[int, tuple[int, float]]:
+        return await asyncio.to_thread(self.step_sync, joins, leaves, reset, no_eos)
+
+    def _logits(self, logits: torch.Tensor, slots: list[int], no_eos: frozenset[int]) -> torch.Tensor:
+        """Masks EOS for rows below their min_new_tokens (the sampling distribution, logprobs
+        included, is then the one without EOS, as with vLLM's min_tokens)."""
+        rows = [i for i, s in enumerate(slots) if s in no_eos]
+        if not rows:
+            return logits
+        logits = logits.float().clone()
+        logits[
+            torch.tensor(rows, device=logits.device).unsqueeze(-1), torch.tensor(sorted(self.eos))
+        ] = -math.inf
+        return logits
 
     @torch.inference_mode()
-    def step_sync(self, joins: list[Join], leaves: list[int], reset: bool) -> dict[int, tuple[int, float]]:
+    def step_sync(
+        self, joins: list[Join], leaves: list[int], reset: bool, no_eos: frozenset[int] = frozenset()
+    ) -> dict[int, tuple[int, float]]:
         if reset:
             self.batch = _Batch.empty(self.device)
         elif leaves:
@@ -188,7 +205,8 @@ class HFBackend(StepBackend):
                 past_key_values=b.cache,
                 use_cache=True,
             )
-            tokens, logprobs = sample_next(out.logits[:, -1, :], b.temps, self.generator)
+            logits = self._logits(out.logits[:, -1, :], b.slots, no_eos)
+            tokens, logprobs = sample_next(logits, b.temps, self.generator)
             self.batch = _Batch(b.slots, out.past_key_values, mask, b.next_pos + 1, tokens, b.temps)
             sampled.update(zip(b.slots, zip(tokens.tolist(), logprobs.tolist(), strict=True), strict=True))
         if joins:
@@ -198,8 +216,9 @@ class HFBackend(StepBackend):
             out = self.model(
                 input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
             )
-            tokens, logprobs = sample_next(out.logits[:, -1, :], temps, self.generator)
             slots = [j.slot for j in joins]
+            logits = self._logits(out.logits[:, -1, :], slots, no_eos)
+            tokens, logprobs = sample_next(logits, temps, self.generator)
             joined = _Batch(slots, out.past_key_values, mask, pos[:, -1] + 1, tokens, temps)
             self.batch = self.batch.merged(joined)
             sampled.update(zip(slots, zip(tokens.tolist(), logprobs.tolist(), strict=True), strict=True))

@@ -184,6 +184,7 @@ class VllmEngine:
         params = SamplingParams(
             temperature=max(req.temperature, 0.0),
             max_tokens=req.max_new_tokens,
+            min_tokens=min(req.min_new_tokens, req.max_new_tokens),
             stop=req.stop or None,
             include_stop_str_in_output=True,
             logprobs=0,

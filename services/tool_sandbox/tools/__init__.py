@@ -8,8 +8,11 @@ from services.tool_sandbox.tools.calculator import CalculatorTool
 from services.tool_sandbox.tools.python import PythonTool
 from services.tool_sandbox.tools.search import SearchTool
 from services.tool_sandbox.tools.shell import ShellTool
+from services.tool_sandbox.tools.synthetic import SyntheticTool
 
-TOOLS: dict[str, type[Tool]] = {cls.name: cls for cls in (PythonTool, CalculatorTool, SearchTool, ShellTool)}
+TOOLS: dict[str, type[Tool]] = {
+    cls.name: cls for cls in (PythonTool, CalculatorTool, SearchTool, ShellTool, SyntheticTool)
+}
 
 
 def build_tools(settings: SandboxSettings) -> dict[str, Tool]:

@@ -1,4 +1,7 @@
-"""Agentic workloads as data: trajectories are sampled from a YAML description.
+"""Agentic workloads as data: trajectories are sampled from a YAML description (`workloads/`).
+
+The simulator samples its trajectories here, and the live scheduler's synthetic task
+(`task.dataset: synthetic`) draws the same trajectories, so both run the same workload.
 
 A prompt has a latent difficulty d ~ Beta(a, b) shared by its GRPO samples. Each turn emits
 lognormal output tokens; then either the trajectory answers (probability `stop[previous status]`)
@@ -20,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from services.scheduler.prefix_tree import ToolSignal
+from services.common.signals import ToolSignal
 
 WORKLOAD_DIR = Path(__file__).parent / "workloads"
 STATUSES = ("success", "failure", "timeout")
@@ -167,6 +170,11 @@ class Workload:
         p = Path(name_or_path)
         if not p.exists():
             p = WORKLOAD_DIR / f"{name_or_path}.yaml"
+        if not p.is_file():
+            shipped = ", ".join(sorted(f.stem for f in WORKLOAD_DIR.glob("*.yaml")))
+            raise ValueError(
+                f"workload {str(name_or_path)!r} is neither a file nor a shipped workload ({shipped})"
+            )
         with open(p) as f:
             try:
                 spec = yaml.safe_load(f)

@@ -1,0 +1,66 @@
+"""The synthetic task: a simulator workload (`services/common/workloads/`) on the live stack.
+
+Each GRPO group draws its trajectories from the workload exactly as the simulator does (a shared
+difficulty, lognormal turn lengths, tool kinds, latencies, outcomes and payload size classes,
+drift by RL step), deterministically from the run's seed and the group id, so a restarted
+scheduler re-issues the same trajectories. A trajectory then follows that script: every turn asks
+the engine for exactly its drawn length (min = max new tokens), every tool call goes to the
+sandbox's `synthetic` tool with its drawn latency (times `rollout.emulated.time_scale`), outcome
+and size class, and the tool's return adds the workload's token count for the size class the
+sandbox reports. Prompt and observation tokens are filler: nothing is learned from this task.
+"""
+
+from __future__ import annotations
+
+import random
+
+from services.common.runconfig import RunConfig
+from services.common.synthetic import TrajectorySpec, Workload
+from services.scheduler.agent import ToolRequest
+from services.scheduler.feed import GroupTicket
+from services.scheduler.task import Task
+from services.scheduler.trajectory import ScriptedTurn
+
+FILLER = tuple(range(1000, 1064))
+"""Token ids used for prompts and observations (valid in every vocabulary we ship)."""
+
+
+def synthetic_tasks(n: int) -> list[Task]:
+    return [Task(f"w{i}", "", 0) for i in range(n)]
+
+
+class SyntheticTask:
+    def __init__(self, cfg: RunConfig):
+        assert cfg.task.workload is not None, "validated by RunConfig"
+        self.cfg = cfg
+        self.workload = Workload.load(cfg.task.workload).with_overrides(
+            max_context=cfg.task.max_context_tokens, group_size=cfg.task.group_size
+        )
+        self.time_scale = cfg.rollout.emulated.time_scale
+        self.payload_tokens = {k: int(v) for k, v in self.workload.spec["payload_tokens"].items()}
+
+    def group(self, ticket: GroupTicket) -> list[TrajectorySpec]:
+        rng = random.Random(f"{self.cfg.task.seed}:{ticket.group_id}")
+        step = ticket.index // self.cfg.training.groups_per_step
+        return self.workload.sample_group(rng, ticket.task.prompt_id, step)
+
+    def script(self, spec: TrajectorySpec) -> list[ScriptedTurn]:
+        out = []
+        for turn in spec.turns:
+            request = None
+            if turn.tool is not None:
+                sig = turn.tool.signal
+                args = {"seconds": round(turn.tool.latency_s * self.time_scale, 4), "size": sig.size}
+                request = ToolRequest("synthetic", {**args, "status": sig.status})
+            out.append(ScriptedTurn(turn.output_tokens, request))
+        return out
+
+    @staticmethod
+    def filler(n: int) -> list[int]:
+        return [FILLER[i % len(FILLER)] for i in range(n)]
+
+    def prompt_ids(self, spec: TrajectorySpec) -> list[int]:
+        return self.filler(spec.prompt_tokens)
+
+    def observation_ids(self, size_class: str) -> list[int]:
+        return self.filler(self.payload_tokens.get(size_class, self.payload_tokens["small"]))

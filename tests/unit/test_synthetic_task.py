@@ -1,0 +1,66 @@
+"""The synthetic task: simulator workloads drawn deterministically and played as scripts."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.runconfig import RunConfig
+from services.scheduler.feed import build_feed
+from services.scheduler.synthetic_task import SyntheticTask
+from services.scheduler.trajectory import CallTool, Finish, Generate, Trajectory
+
+
+def _cfg(**task: object) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "task": {"dataset": "synthetic", "workload": "r2e_gym", "max_context_tokens": 40960, **task},
+            "rollout": {"emulated": {"time_scale": 0.1}},
+        }
+    )
+
+
+def test_a_group_is_drawn_the_same_way_every_time_and_as_the_simulator_draws_it() -> None:
+    cfg = _cfg(group_size=4)
+    task = SyntheticTask(cfg)
+    ticket = build_feed(cfg).take(0)[0]
+    first, again = task.group(ticket), task.group(ticket)
+    assert first == again and len(first) == 4
+    assert len({s.prompt_tokens for s in first}) == 1, "a group shares its prompt"
+    script = task.script(first[0])
+    assert [t.output_tokens for t in script] == [t.output_tokens for t in first[0].turns]
+    tools = [t.tool for t in script if t.tool is not None]
+    for turn, tool in zip([t for t in first[0].turns if t.tool], tools, strict=True):
+        assert tool.tool == "synthetic" and tool.args["size"] == turn.tool.signal.size
+        assert tool.args["status"] == turn.tool.signal.status
+        assert tool.args["seconds"] == pytest.approx(turn.tool.latency_s * 0.1, abs=1e-4)
+    assert script[-1].tool is None, "the last turn answers"
+
+
+def test_a_scripted_trajectory_asks_for_exact_turn_lengths_and_calls_the_drawn_tools() -> None:
+    cfg = _cfg(group_size=2, max_new_tokens=4096)
+    task = SyntheticTask(cfg)
+    ticket = build_feed(cfg).take(0)[0]
+    spec = next(s for s in task.group(ticket) if len(s.turns) >= 2)
+    script = task.script(spec)
+    t = Trajectory(
+        "t", "g", 0, 2, ticket.task, task.prompt_ids(spec), len(script), 4096, 40960, 0.0, script=script
+    )
+    action = t.first_action()
+    for i, turn in enumerate(script):
+        assert isinstance(action, Generate)
+        assert action.max_new_tokens == action.min_new_tokens == min(turn.output_tokens, 4096)
+        n = action.max_new_tokens
+        action = t.on_turn([7] * n, [-1.0] * n, "", [0] * n, eos=False)
+        if turn.tool is None:
+            assert isinstance(action, Finish) and i == len(script) - 1
+            break
+        assert isinstance(action, CallTool) and action.request == turn.tool
+        action = t.on_tool_return("ok", task.observation_ids("small"))
+    assert t.finish is not None and t.finish.reward == 1.0
+
+
+def test_a_synthetic_task_needs_a_workload_that_loads() -> None:
+    with pytest.raises(ValueError, match="task.workload is required"):
+        RunConfig.model_validate({"task": {"dataset": "synthetic"}})
+    with pytest.raises(ValueError, match="no-such-workload"):
+        RunConfig.model_validate({"task": {"dataset": "synthetic", "workload": "no-such-workload"}})
