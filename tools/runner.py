@@ -479,6 +479,12 @@ class JobDriver:
                 if cfg.rollout.backend == "emulated"
                 else ""
             ),
+            "training_backend": cfg.training.backend
+            + (
+                " (emulated: step times from the cost model, no weight changes)"
+                if cfg.training.backend == "emulated"
+                else ""
+            ),
             "wall_s": round(wall, 2),
             "trajectories_completed": stats.trajectories_completed,
             "trajectories_per_s": round(stats.trajectories_completed / wall, 4) if wall > 0 else 0.0,

@@ -109,6 +109,13 @@ class TrainingConfig(_Strict):
     torch_threads: int = Field(2, ge=1, le=256)
     checkpoint_dir: str = "runs/{run_id}/checkpoints"
     push_chunk_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    backend: Literal["torch", "emulated"] = "torch"
+    """`emulated` (control-plane and fidelity runs only, labelled in the report): a step sleeps
+    the cost model's time to train its batch on `emulated_gpus` GPUs at TP `emulated_tp` of
+    `rollout.emulated`'s GPU and model (times its time_scale) and changes no weight; the model is
+    still loaded, checkpointed and pushed, so versions, fencing and weight sync run for real."""
+    emulated_gpus: int = Field(8, ge=1, le=100_000)
+    emulated_tp: int = Field(1, ge=1, le=64)
 
 
 class JobConfig(_Strict):

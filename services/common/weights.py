@@ -19,6 +19,26 @@ def unpack_state_dict(blob: bytes) -> dict[str, Any]:
     return load(blob)
 
 
+def read_header(blob: bytes) -> dict[str, Any]:
+    """The tensor names and shapes of a safetensors blob, checked without torch (an emulated engine
+    validates what it is pushed but keeps no tensors); ValueError when it is not safetensors."""
+    import json
+    import struct
+
+    if len(blob) < 8:
+        raise ValueError("shorter than a safetensors header")
+    (size,) = struct.unpack("<Q", blob[:8])
+    if size > len(blob) - 8:
+        raise ValueError("header length past the end of the blob")
+    try:
+        header = json.loads(blob[8 : 8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"header is not JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a mapping")
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
 def checksum(blob: bytes) -> str:
     return hashlib.sha256(blob).hexdigest()
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from services.common.logging import get_logger
 from services.rollout_engine.backends.base import Backend, GenOutput, GenRequest, Join, StepBackend
-from services.rollout_engine.sampling import StopMatcher
+from services.rollout_engine.stops import StopMatcher
 
 
 class EngineClosed(Exception):

@@ -1,11 +1,11 @@
-"""Pure pieces of batched decoding: left padding, temperature sampling with logprobs, stop checks.
+"""Pure pieces of batched decoding: left padding, temperature sampling with logprobs.
 
 Kept free of models and I/O so the unit tests pin down exactly what the engine reports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -39,22 +39,3 @@ def sample_next(
     sampled = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     tokens = torch.where(greedy, logits.argmax(-1), sampled)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-class StopMatcher:
-    """Finds a stop string in the tail of generated text without re-decoding the whole output.
-
-    A stop string of n characters is completed by at most the last n tokens (every token decodes to
-    at least one character), so decoding the last `max(len(stop)) + 1` tokens is enough.
-    """
-
-    def __init__(self, stops: Sequence[str], decode: Callable[[list[int]], str]):
-        self.stops = [s for s in stops if s]
-        self.decode = decode
-        self.window = max((len(s) for s in self.stops), default=0) + 1
-
-    def matches(self, generated: list[int]) -> bool:
-        if not self.stops:
-            return False
-        tail = self.decode(generated[-self.window :])
-        return any(s in tail for s in self.stops)

@@ -106,7 +106,11 @@ class RolloutEngineService:
             self.common.redis_url, self.common.run_id, self.common.redis_secret(), self.common.tls()
         )
         self.servicer = WeightSyncServicer(
-            self.engine, self.store, self.worker_id, self.settings.max_push_bytes
+            self.engine,
+            self.store,
+            self.worker_id,
+            self.settings.max_push_bytes,
+            keep_tensors=not self.backend.emulated,
         )
         self.server, port = await start_server(
             self.servicer,

@@ -24,7 +24,7 @@ from services.common.membership import TRAINER_ROLE
 from services.common.ownership import OwnershipStore
 from services.common.tls import TlsFiles
 from services.common.tracing import context_from_grpc, tracer
-from services.common.weights import unpack_state_dict
+from services.common.weights import read_header, unpack_state_dict
 from services.rollout_engine.engine import Engine
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -37,8 +37,18 @@ class PushRejected(Exception):
 
 
 class WeightSyncServicer(ws_grpc.WeightSyncServicer):
-    def __init__(self, engine: Engine, store: OwnershipStore, engine_id: str, max_push_bytes: int = 64 << 30):
+    def __init__(
+        self,
+        engine: Engine,
+        store: OwnershipStore,
+        engine_id: str,
+        max_push_bytes: int = 64 << 30,
+        keep_tensors: bool = True,
+    ):
+        """`keep_tensors=False` (emulated engines) checks a push's safetensors header and hands the
+        engine names and shapes only, so the engine never imports torch."""
         self.engine = engine
+        self.decode = unpack_state_dict if keep_tensors else read_header
         self.max_push_bytes = max_push_bytes
         self.store = store
         self.engine_id = engine_id
@@ -124,7 +134,7 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
         blob = b"".join(parts)
         parts.clear()
         try:
-            state_dict = await asyncio.to_thread(unpack_state_dict, blob)
+            state_dict = await asyncio.to_thread(self.decode, blob)
         except Exception as err:
             raise PushRejected("malformed", f"not a safetensors blob: {err}") from None
         async with self._apply:

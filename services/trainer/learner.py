@@ -7,16 +7,19 @@ the shell's start-up) avoid importing torch.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from services.common.cost_model import load_presets
 from services.common.models import load_model, load_tokenizer
 from services.common.runconfig import RunConfig
 from services.trainer import checkpoint
 from services.trainer.data import Sample
-from services.trainer.step import StepStats, train_step
+from services.trainer.step import StepAborted, StepStats, train_step
 from services.trainer.weight_push import PackedWeights, pack
 
 
@@ -68,6 +71,8 @@ class Learner:
     def step(self, samples: Sequence[Sample], should_abort: Callable[[], bool] = lambda: False) -> StepStats:
         """Updates the weights in memory; nothing is durable until `commit`."""
         t = self.run.training
+        if t.backend == "emulated":
+            return self.emulated_step(samples, should_abort)
         return train_step(
             self.model,
             self.optimizer,
@@ -77,6 +82,33 @@ class Learner:
             micro_batch=t.micro_batch,
             pad_id=self.pad_id,
             should_abort=should_abort,
+        )
+
+    def emulated_step(self, samples: Sequence[Sample], should_abort: Callable[[], bool]) -> StepStats:
+        """EMULATED: waits what the cost model says the step takes on the emulated GPUs (their
+        compute at the real model-parallel degree plus the gradient all-reduce) and changes no weight."""
+        t, e = self.run.training, self.run.rollout.emulated
+        cm = load_presets(e.gpu, e.model)
+        lengths = [len(s.input_ids) for s in samples] or [0]
+        tokens = sum(lengths)
+        seconds = cm.train_step_s(tokens, tokens / len(lengths), t.emulated_gpus, t.emulated_tp, max(lengths))
+        deadline = time.monotonic() + seconds * e.time_scale
+        while (left := deadline - time.monotonic()) > 0:
+            if should_abort():
+                raise StepAborted("emulated step abandoned")
+            time.sleep(min(left, 0.1))
+        rewards = [s.reward for s in samples] or [0.0]
+        return StepStats(
+            loss=0.0,
+            tokens=sum(s.num_generated for s in samples),
+            trajectories=len(samples),
+            reward_mean=statistics.fmean(rewards),
+            reward_std=statistics.pstdev(rewards),
+            kl=0.0,
+            clip_fraction=0.0,
+            ratio_mean=1.0,
+            grad_norm=0.0,
+            seconds=seconds * e.time_scale,
         )
 
     def commit(self, trajectory_ids: set[str], epoch: int = 0) -> Path:

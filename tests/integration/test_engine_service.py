@@ -324,6 +324,18 @@ async def test_emulated_engine_is_labelled_and_holds_requests_until_weights_arri
         assert ack.accepted, ack.message
         res, _ = await h.result("e2")
         assert not res.HasField("error") and res.policy_version == 1
+        # it checks what it is pushed without torch: garbage is refused and changes nothing
+        async with grpc.aio.insecure_channel(hello.weight_sync_addr) as ch:
+            bad = b"\xff" * 64
+            h2 = ws.WeightHeader(
+                version=2,
+                total_bytes=len(bad),
+                num_chunks=1,
+                checksum=checksum(bad),
+                fencing_token=lease.token,
+            )
+            nack = await ws_grpc.WeightSyncStub(ch).PushWeights(iter([ws.WeightChunk(header=h2, data=bad)]))
+        assert (nack.accepted, nack.code, nack.version) == (False, "malformed", 1)
     finally:
         stop.set()
         if not starting.done():

@@ -17,8 +17,9 @@ from services.rollout_engine.backends.base import GenOutput, GenRequest, Join, S
 from services.rollout_engine.backends.emulated import EmulatedBackend
 from services.rollout_engine.config import EngineSettings
 from services.rollout_engine.engine import ContinuousEngine, EngineClosed
-from services.rollout_engine.sampling import StopMatcher, left_pad, sample_next
+from services.rollout_engine.sampling import left_pad, sample_next
 from services.rollout_engine.service import validate_turn
+from services.rollout_engine.stops import StopMatcher
 
 
 def test_left_pad_aligns_rows_at_the_end_and_counts_positions_from_real_tokens() -> None:
