@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         from tools.sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    if argv[:2] == ["bench", "live"]:
+        from tools.bench_live import main as bench_live_main
+
+        return bench_live_main(argv[2:])
     if argv[:1] == ["sandbox"]:
         from services.tool_sandbox.cli import main as sandbox_main
 
@@ -224,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     creds.set_defaults(fn=cmd_credentials)
     sub.add_parser("sim", help="discrete-event simulator (see `libra sim --help`)")
     sub.add_parser("sandbox", help="run one tool call in the sandbox (see `libra sandbox --help`)")
+    sub.add_parser(
+        "bench",
+        help="`libra bench live`: the live stack (emulated engines) against the simulator's prediction "
+        "(see `libra bench live --help`)",
+    )
     args = p.parse_args(argv)
     return int(args.fn(args))
 

@@ -526,6 +526,14 @@ class JobDriver:
             "group_outcomes": dict(stats.group_outcomes),
             "buckets": buckets,
             "migrations": stats.migrations,
+            "routing_policy": cfg.rollout.policy,
+            "scheduler": {
+                "decisions": stats.decisions,
+                "decision_p50_us": round(stats.decision_p50_us, 1),
+                "decision_p99_us": round(stats.decision_p99_us, 1),
+                "messages_received": stats.messages_received,
+                "messages_published": stats.messages_published,
+            },
             "services": {wid: st.pid for wid, st in sorted(self.targets.items())},
             "restarts": {
                 n: c

@@ -109,6 +109,10 @@ class Bus:
         self.log = get_logger(component="bus")
         self._tasks: set[asyncio.Task[None]] = set()
         self.rejected = 0
+        self.published = 0
+        """Core-NATS messages this bus published (replies included)."""
+        self.received = 0
+        """Messages handed to this bus's subscription handlers."""
 
     @classmethod
     async def connect(
@@ -131,6 +135,7 @@ class Bus:
         await self.nc.publish(
             self.subject(suffix), msg.SerializeToString(), reply=reply, headers=inject_headers(ctx)
         )
+        self.published += 1
 
     async def request(self, suffix: str, msg: Message, resp_type: type[M], timeout: float = 5.0) -> M:
         resp = await self.nc.request(
@@ -143,9 +148,11 @@ class Bus:
         subj = self.subject(suffix)
 
         async def on_msg(raw: Msg) -> None:
+            self.received += 1
             out = await self._dispatch(raw, msg_type, handler)
             if raw.reply and out is not None:
                 await self.nc.publish(raw.reply, out.SerializeToString())
+                self.published += 1
 
         sub = await self.nc.subscribe(subj, queue=queue, cb=on_msg)
         await self.nc.flush()  # the server knows the subscription before we report it ready

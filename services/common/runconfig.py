@@ -41,8 +41,9 @@ class TaskConfig(_Strict):
     group_size: int = Field(4, ge=2)
     """GRPO group: samples per prompt."""
     max_turns: int = Field(3, ge=1, le=32)
-    max_new_tokens: int = Field(48, ge=1, le=4096)
-    """Generation budget of one turn."""
+    max_new_tokens: int = Field(48, ge=1, le=65536)
+    """Generation budget of one turn (engines refuse more than their
+    LIBRA_ROLLOUT_ENGINE_MAX_NEW_TOKENS_CAP, 4096 unless raised)."""
     max_context_tokens: int = Field(640, ge=32)
     """A trajectory whose context would exceed this ends with finish=length."""
     temperature: float = Field(1.0, gt=0.0, le=2.0)

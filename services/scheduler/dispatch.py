@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from services.common.runconfig import BucketConfig
 from services.scheduler.cmlfq import EngineView, RouteDecision
 from services.scheduler.prefix_tree import ToolSignal
-from services.scheduler.routing import Router, build_router
+from services.scheduler.routing import POOL, Router, build_router
 
 
 @dataclass
@@ -145,4 +145,4 @@ def build_dispatcher(buckets: Sequence[BucketConfig], policy: str, capacity: int
     """The live scheduler's queues for a run config's buckets and policy; the baseline pools every
     engine into its one bucket."""
     router = build_router(buckets, policy)
-    return Dispatcher(router, capacity, pool=buckets[0].name if policy == "least_loaded" else None)
+    return Dispatcher(router, capacity, pool=POOL if policy == "least_loaded" else None)

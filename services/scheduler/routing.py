@@ -50,16 +50,18 @@ class Router(Protocol):
 
 
 POLICIES = ("cmlfq", "least_loaded")
+POOL = "all"
+"""The one bucket of the pooled baseline (the simulator's name for it too)."""
 
 
 def build_router(buckets: Sequence[BucketConfig], policy: str) -> Router:
     """The live scheduler's router for a run config's buckets: C-MLFQ ('cmlfq', Libra's policy) or
-    the homogeneous baseline ('least_loaded': every trajectory stays in the first bucket, least
-    connections with sticky sessions, as AReaL, slime and verl's agent loop route). A bucket
+    the homogeneous baseline ('least_loaded': one pool of every engine, least connections with
+    sticky sessions, as AReaL, slime and verl's agent loop route). A bucket
     without `max_output_tokens` takes everything (the last one)."""
     limits = [float(b.max_output_tokens) if b.max_output_tokens else math.inf for b in buckets]
     if policy == "least_loaded":
-        return StaticRouter([(b.name, hi) for b, hi in zip(buckets, limits, strict=True)])
+        return StaticRouter([(POOL, math.inf)])
     if policy != "cmlfq":
         raise ValueError(f"unknown routing policy {policy!r}; known: {', '.join(POLICIES)}")
     core = [

@@ -8,10 +8,10 @@ import contextlib
 import math
 import time
 import uuid
-from collections import Counter
-from collections.abc import Collection
+from collections import Counter, deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry import trace
 
@@ -35,6 +35,8 @@ from services.scheduler.prompting import Prompter
 from services.scheduler.synthetic_task import SyntheticTask
 from services.scheduler.trajectory import Action, CallTool, Finish, Generate, Trajectory, check_turn
 from services.scheduler.workload import WorkloadWindow
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -78,6 +80,8 @@ class SchedulerService:
         self.dispatch = build_dispatcher(cfg.rollout.buckets, cfg.rollout.policy, cfg.rollout.max_batch)
         self.bucket_level = {b.name: i for i, b in enumerate(cfg.rollout.buckets)}
         self._policy_saved = time.monotonic()
+        self.decision_us: deque[float] = deque(maxlen=20_000)
+        """Latency of the most recent routing decisions (the policy's own work, in microseconds)."""
         self.engine_tokens: dict[str, int] = {}
         self._committed_checked = float("-inf")
         self.live: dict[str, Live] = {}
@@ -184,6 +188,11 @@ class SchedulerService:
             group_outcomes=dict(self.feed.outcomes),
             trajectories_failed=self.failed,
             migrations=self.dispatch.migrations,
+            decisions=self.dispatch.decisions,
+            decision_p50_us=self._decision_quantile(0.5),
+            decision_p99_us=self._decision_quantile(0.99),
+            messages_received=self.bus.received,
+            messages_published=self.bus.published,
             oldest_in_flight=[
                 ev.InFlight(
                     trajectory_id=lv.traj.trajectory_id,
@@ -376,7 +385,7 @@ class SchedulerService:
         if not self.dispatch.engines:
             live.deadline = time.monotonic() + 1.0
             return
-        engine_id = self.dispatch.place(live.traj.trajectory_id, time.monotonic())
+        engine_id = self._decide(self.dispatch.place, live.traj.trajectory_id, time.monotonic())
         if engine_id is None:
             live.deadline = math.inf  # queued: waits for a slot, however long the tail ahead of it
             return
@@ -384,12 +393,25 @@ class SchedulerService:
 
     async def _drain(self, engine_id: str) -> None:
         """Gives the engine's free slots to the turns the policy picks from the queues."""
-        while (traj_id := self.dispatch.next_for(engine_id, time.monotonic())) is not None:
+        while (traj_id := self._decide(self.dispatch.next_for, engine_id, time.monotonic())) is not None:
             live = self.live.get(traj_id)
             if live is None or live.pending_action is None:
                 self.dispatch.release(engine_id)
                 continue
             await self._dispatch(live, engine_id)
+
+    def _decide(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs one routing decision and records how long the policy took."""
+        began = time.perf_counter()
+        out = fn(*args)
+        self.decision_us.append((time.perf_counter() - began) * 1e6)
+        return out
+
+    def _decision_quantile(self, q: float) -> float:
+        if not self.decision_us:
+            return 0.0
+        ordered = sorted(self.decision_us)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     async def _drain_all(self) -> None:
         for engine_id in list(self.dispatch.engines):
@@ -539,8 +561,13 @@ class SchedulerService:
             obs = self.synthetic.observation_ids(signal.size)
         else:
             obs = self.prompter.observation_ids(observation(status, payload), traj.ended_with_eos)
-        decision = self.dispatch.tool_return(
-            traj.trajectory_id, signal, traj.output_tokens, len(traj.context) + len(obs), now
+        decision = self._decide(
+            self.dispatch.tool_return,
+            traj.trajectory_id,
+            signal,
+            traj.output_tokens,
+            len(traj.context) + len(obs),
+            now,
         )
         if decision.bucket != live.bucket:
             self.log.info(

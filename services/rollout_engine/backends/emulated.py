@@ -10,6 +10,8 @@ weight sync. It runs under the same continuous batcher as the hf backend; one it
 
 with both terms from `services.common.cost_model.CostModel` (the simulator's and the planner's
 model), and a request is admitted only while the KV cache of that replica has room for its context.
+Taking new weights stalls the replica for `engine_load_s(tp)` (times time_scale), as the
+simulator charges it.
 Output lengths are uniform in min_new_tokens..max_new_tokens (exact when the two are equal, as the
 synthetic task asks): the last token is EOS ("stop"), unless the length drawn is the whole budget
 ("length"). Every token's logprob is that of a uniform draw, -log(vocab_size).
@@ -44,6 +46,8 @@ class EmulatedBackend(StepBackend):
         self.rows: dict[int, list[int]] = {}
         """slot -> [tokens held (context + generated), tokens left to generate, 1 if the last is EOS]"""
         self.emulated_s = 0.0
+        self.load_s = 0.0
+        self._clock = float("-inf")
 
     def set_tensor_parallel(self, tp: int) -> None:
         """The TP this replica pretends to span: its bucket's, once the planner assigns one."""
@@ -93,7 +97,7 @@ class EmulatedBackend(StepBackend):
             self.rows[j.slot] = [len(j.context), n, int(n < budget)]
         seconds = self.iteration_s([len(j.context) for j in joins], decoding)
         self.emulated_s += seconds
-        await asyncio.sleep(seconds * self.config.time_scale)
+        await self._advance(seconds)
         lp = -math.log(VOCAB_SIZE)
         out: dict[int, tuple[int, float]] = {}
         for slot, row in self.rows.items():
@@ -102,6 +106,18 @@ class EmulatedBackend(StepBackend):
             out[slot] = (EOS if row[1] <= 0 and row[2] else self.rng.randrange(1, VOCAB_SIZE), lp)
         return out
 
+    async def _advance(self, seconds: float) -> None:
+        """Sleeps until the replica's own clock has moved `seconds` (times time_scale) past where
+        the previous iteration ended, so the event loop's wake-up delays and this process's own
+        work do not add up into a slower replica than the one it pretends to be. A clock more than
+        a second behind (the engine was idle, or the machine could not keep up) starts afresh."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._clock < now - 1.0:
+            self._clock = now
+        self._clock += seconds * self.config.time_scale
+        await asyncio.sleep(max(0.0, self._clock - loop.time()))
+
     def admits(self, running_tokens: int, context: int) -> bool:
         return running_tokens + context <= self.kv_capacity
 
@@ -109,7 +125,12 @@ class EmulatedBackend(StepBackend):
         return max(0, self.kv_capacity - sum(row[0] for row in self.rows.values()))
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        return None
+        """Stalls as long as the replica it pretends to be takes to receive and load the full
+        weights (`engine_load_s`: each TP shard over the network in parallel, plus the fixed
+        coordination cost); the tensors pushed (a small stand-in model) are not kept."""
+        self.load_s = self.cm.engine_load_s(self.tp)
+        self.emulated_s += self.load_s
+        await self._advance(self.load_s)
 
     def decode(self, token_ids: list[int]) -> str:
         return f"<emulated {len(token_ids)} tokens>"

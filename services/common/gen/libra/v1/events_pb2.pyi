@@ -408,7 +408,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("trajectories_completed", "trajectories_in_flight", "tool_calls_by_status", "turns", "dropped_stale", "reward_mean", "groups_launched", "groups_total", "trained_version", "engines", "oldest_in_flight", "groups_replaced", "group_outcomes", "trajectories_failed", "migrations")
+    __slots__ = ("trajectories_completed", "trajectories_in_flight", "tool_calls_by_status", "turns", "dropped_stale", "reward_mean", "groups_launched", "groups_total", "trained_version", "engines", "oldest_in_flight", "groups_replaced", "group_outcomes", "trajectories_failed", "migrations", "decisions", "decision_p50_us", "decision_p99_us", "messages_received", "messages_published")
     class ToolCallsByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +438,11 @@ class SchedulerStats(_message.Message):
     GROUP_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_FAILED_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    DECISION_P50_US_FIELD_NUMBER: _ClassVar[int]
+    DECISION_P99_US_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     trajectories_completed: int
     trajectories_in_flight: int
     tool_calls_by_status: _containers.ScalarMap[str, int]
@@ -453,7 +458,12 @@ class SchedulerStats(_message.Message):
     group_outcomes: _containers.ScalarMap[str, int]
     trajectories_failed: int
     migrations: int
-    def __init__(self, trajectories_completed: _Optional[int] = ..., trajectories_in_flight: _Optional[int] = ..., tool_calls_by_status: _Optional[_Mapping[str, int]] = ..., turns: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., reward_mean: _Optional[float] = ..., groups_launched: _Optional[int] = ..., groups_total: _Optional[int] = ..., trained_version: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ..., oldest_in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., groups_replaced: _Optional[int] = ..., group_outcomes: _Optional[_Mapping[str, int]] = ..., trajectories_failed: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
+    decisions: int
+    decision_p50_us: float
+    decision_p99_us: float
+    messages_received: int
+    messages_published: int
+    def __init__(self, trajectories_completed: _Optional[int] = ..., trajectories_in_flight: _Optional[int] = ..., tool_calls_by_status: _Optional[_Mapping[str, int]] = ..., turns: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., reward_mean: _Optional[float] = ..., groups_launched: _Optional[int] = ..., groups_total: _Optional[int] = ..., trained_version: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ..., oldest_in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., groups_replaced: _Optional[int] = ..., group_outcomes: _Optional[_Mapping[str, int]] = ..., trajectories_failed: _Optional[int] = ..., migrations: _Optional[int] = ..., decisions: _Optional[int] = ..., decision_p50_us: _Optional[float] = ..., decision_p99_us: _Optional[float] = ..., messages_received: _Optional[int] = ..., messages_published: _Optional[int] = ...) -> None: ...
 
 class InFlight(_message.Message):
     __slots__ = ("trajectory_id", "group_id", "state", "engine_id", "turns", "age_s", "idle_s")

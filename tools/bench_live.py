@@ -1,0 +1,328 @@
+"""`libra bench live`: does the simulator predict the live stack?
+
+Starts the real stack (nats-server, Redis, the five services, N emulated engines in the plan's
+buckets), runs a simulator workload on it (`task.dataset: synthetic`) with Libra's policy
+(C-MLFQ) and with plain least-loaded on the same engines, one job after the other, then runs the
+simulator on the same configuration (same buckets and TPs, same routers, same batch size,
+staleness, steps and emulated training GPUs) over several seeds, and writes `DIR/live.json`:
+per policy, measured and predicted trajectories/s and p50/p99 trajectory latency, migrations and
+the relative errors; and the scheduler's control-plane cost (decisions/s, decision latency,
+NATS messages/s).
+
+Everything is EMULATED: engines time their iterations with the cost model and the trainer its
+steps; only the control plane (bus, scheduler, sandbox, weight sync, fencing) is real. Measured
+times are converted to emulated seconds (wall / time_scale), the simulator's unit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.common import subjects
+from services.common.bus import Bus, close_nats
+from services.common.contracts import ev
+from services.common.cost_model import load_presets
+from services.common.runconfig import RunConfig
+from services.common.synthetic import Workload
+from services.planner.search import BucketPlan
+from services.scheduler.routing import build_router
+from tools.runner import run_job
+from tools.stack import Stack
+
+POLICIES = {"libra": "cmlfq", "least_loaded": "least_loaded"}
+TARGETS = {"throughput_error": 0.05, "p99_error": 0.10}
+
+
+def live_config(ns: argparse.Namespace, workload: Workload, policy: str) -> dict[str, Any]:
+    """The job: the workload on `engines` emulated engines in two buckets, emulated training."""
+    short_limit = ns.short_bucket_tokens or _median_output(workload)
+    return {
+        "name": f"bench-live-{policy}",
+        "model": {"source": "tiny-random"},
+        "task": {
+            "dataset": "synthetic",
+            "workload": ns.workload,
+            "num_prompts": 10_000,
+            "seed": ns.seed,
+            "group_size": ns.group_size,
+            "max_new_tokens": 32768,
+            "max_context_tokens": workload.max_context if workload.max_context < 1 << 62 else 40960,
+            "tool_timeout_s": 300,
+        },
+        "rollout": {
+            "engines": ns.engines,
+            "backend": "emulated",
+            "buckets": [
+                {"name": "short", "tensor_parallel": 1, "max_output_tokens": short_limit},
+                {"name": "long", "tensor_parallel": ns.long_tp},
+            ],
+            "policy": policy,
+            "max_batch": ns.max_batch,
+            "emulated": {"gpu": ns.gpu, "model": ns.model, "time_scale": ns.time_scale},
+        },
+        "training": {
+            "backend": "emulated",
+            "steps": ns.steps,
+            "groups_per_step": ns.groups_per_step,
+            "max_staleness": ns.staleness,
+            "emulated_gpus": ns.train_gpus,
+            "emulated_tp": ns.train_tp,
+            "micro_batch": 64,
+            "torch_threads": 1,
+        },
+        "job": {"stall_timeout_s": 600},
+    }
+
+
+def _median_output(workload: Workload) -> int:
+    import random
+
+    rng = random.Random(0)
+    outs = [s.output_tokens for g in range(64) for s in workload.sample_group(rng, f"q{g}", 0)]
+    return max(1, int(statistics.median(outs)))
+
+
+@dataclass
+class Watch:
+    """Completed trajectories and train steps of one job, as they go by on the bus."""
+
+    latencies: list[float] = field(default_factory=list)
+    failed: int = 0
+    step_ends: dict[int, float] = field(default_factory=dict)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def _watch(stack: Stack, run_id: str, watch: Watch) -> threading.Thread:
+    async def go() -> None:
+        bus = await Bus.connect(stack.nats_url, run_id, "cli", "bench-live", stack.nats_auth("cli"))
+
+        async def on_traj(m: ev.CompletedTrajectory, _: Any) -> None:
+            if m.failure.code:
+                watch.failed += 1
+            else:
+                watch.latencies.append(m.latency_s)
+
+        async def on_step(m: ev.TrainMetrics, _: Any) -> None:
+            if m.step > 0 and m.step not in watch.step_ends:
+                watch.step_ends[m.step] = time.monotonic()
+
+        await bus.subscribe(subjects.TRAJ_COMPLETED, ev.CompletedTrajectory, on_traj)
+        await bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, on_step)
+        try:
+            while not watch.stop.is_set():
+                await asyncio.sleep(0.2)
+        finally:
+            await bus.close()
+            await close_nats(bus.nc)
+
+    t = threading.Thread(target=lambda: asyncio.run(go()), daemon=True)
+    t.start()
+    return t
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
+    """Emulated-time figures of a live job, defined as the simulator defines them: throughput is
+    trained trajectories per second between the first and the last step's end."""
+    scale = cfg.rollout.emulated.time_scale
+    ends = [watch.step_ends[s] for s in sorted(watch.step_ends)]
+    per_step = cfg.trajectories_per_step
+    steady = per_step * (len(ends) - 1) / ((ends[-1] - ends[0]) / scale) if len(ends) > 1 else 0.0
+    lat = [x / scale for x in watch.latencies]
+    sched = report.get("scheduler", {})
+    wall = float(report.get("wall_s") or 0.0) or 1e-9
+    return {
+        "trajectories_per_s": steady,
+        "latency_p50_s": _pct(lat, 0.5),
+        "latency_p99_s": _pct(lat, 0.99),
+        "trajectories": len(lat),
+        "failed": watch.failed,
+        "steps_seen": len(ends),
+        "migrations": report.get("migrations", 0),
+        "status": report.get("status"),
+        "wall_s": wall,
+        "decisions_per_s": sched.get("decisions", 0) / wall,
+        "decision_p50_us": sched.get("decision_p50_us", 0.0),
+        "decision_p99_us": sched.get("decision_p99_us", 0.0),
+        "messages_per_s": (sched.get("messages_received", 0) + sched.get("messages_published", 0)) / wall,
+    }
+
+
+def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
+    """The simulator on the live job's configuration, mean over `seeds` seeds."""
+    from tools.sim.runner import run_system
+    from tools.sim.simulator import SystemConfig
+
+    r = cfg.rollout
+    cm = load_presets(r.emulated.gpu, r.emulated.model)
+    n = r.engines
+    replicas = [n // len(r.buckets) + (1 if i < n % len(r.buckets) else 0) for i in range(len(r.buckets))]
+    buckets = [
+        BucketPlan(b.name, b.tensor_parallel, k, float(b.max_output_tokens or math.inf))
+        for b, k in zip(r.buckets, replicas, strict=True)
+    ]
+    t = cfg.training
+    wl = workload.with_overrides(
+        max_context=cfg.task.max_context_tokens,
+        group_size=cfg.task.group_size,
+        prompts_per_step=t.groups_per_step,
+    )
+    n_gpus = sum(b.gpus for b in buckets) + t.emulated_gpus
+    runs = []
+    for seed in range(seeds):
+        system = SystemConfig(
+            f"live-{r.policy}",
+            "async",
+            t.emulated_gpus,
+            t.emulated_tp,
+            buckets,
+            build_router(r.buckets, r.policy),
+            staleness=t.max_staleness,
+            max_seqs=r.max_batch,
+            pooled_routing=r.policy == "least_loaded",
+            update_mode="recompute",
+        )
+        out, _ = run_system(system, wl, cm, n_gpus, t.steps, seed)
+        runs.append(out)
+
+    def mean(key: str) -> float:
+        return statistics.fmean(float(o[key]) for o in runs)
+
+    return {
+        "trajectories_per_s": mean("trajectories_per_s"),
+        "latency_p50_s": mean("rollout_latency_p50_s"),
+        "latency_p99_s": mean("rollout_latency_p99_s"),
+        "migrations": mean("bucket_migrations"),
+        "seeds": seeds,
+        "per_seed_trajectories_per_s": [o["trajectories_per_s"] for o in runs],
+        "n_gpus": n_gpus,
+    }
+
+
+def _error(m: float, p: float) -> float | None:
+    return abs(m - p) / p if p > 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="libra bench live", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="r2e_gym", help="simulator workload (name or YAML path)")
+    p.add_argument("--engines", type=int, default=16, help="emulated rollout engines (default 16)")
+    p.add_argument("--out", required=True, type=Path, help="directory for live.json, configs and logs")
+    p.add_argument("--time-scale", type=float, default=0.15, help="wall seconds per emulated second")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--groups-per-step", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--staleness", type=int, default=1)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--long-tp", type=int, default=2, help="TP of the long bucket (the short one is TP1)")
+    p.add_argument("--short-bucket-tokens", type=int, help="C-MLFQ threshold (default: median output)")
+    p.add_argument("--train-gpus", type=int, default=8)
+    p.add_argument("--train-tp", type=int, default=2)
+    p.add_argument("--gpu", default="H100")
+    p.add_argument("--model", default="qwen3-14b")
+    p.add_argument("--sim-seeds", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", default="libra,least_loaded")
+    ns = p.parse_args(argv)
+    policies = [x.strip() for x in ns.policies.split(",") if x.strip()]
+    unknown = [x for x in policies if x not in POLICIES]
+    if unknown:
+        p.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    try:
+        workload = Workload.load(ns.workload)
+    except ValueError as err:
+        p.error(str(err))
+    out: Path = ns.out
+    out.mkdir(parents=True, exist_ok=True)
+    configs = {}
+    for name in policies:
+        data = live_config(ns, workload, POLICIES[name])
+        path = out / f"config-{name}.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        configs[name] = (path, RunConfig.model_validate(data))
+
+    stack = Stack(
+        f"bench-live-{int(time.time())}",
+        out / "logs",
+        extra_env={
+            "LIBRA_SCHEDULER_STATS_INTERVAL_S": "2",
+            "LIBRA_ROLLOUT_ENGINE_MAX_NEW_TOKENS_CAP": "32768",
+        },
+    )
+    results: dict[str, Any] = {}
+    stack.start_infra()
+    try:
+        stack.start_services(ns.engines)
+        for name in policies:
+            path, cfg = configs[name]
+            run_id = f"live-{name}-{int(time.time())}"
+            watch = Watch()
+            watcher = _watch(stack, run_id, watch)
+            print(f"bench live: {name} ({cfg.rollout.policy}) on {ns.engines} emulated engines …", flush=True)
+            report = run_job(path, cfg, run_id=run_id, runs_dir=out / "runs", progress=True, stack=stack)
+            watch.stop.set()
+            watcher.join(10)
+            results[name] = {"measured": measured(watch, report, cfg), "report": report.get("report_path")}
+    finally:
+        stack.stop()
+
+    for name in policies:
+        _, cfg = configs[name]
+        print(f"bench live: simulating {name} ({ns.sim_seeds} seeds) …", flush=True)
+        pred = predicted(cfg, workload, ns.sim_seeds)
+        m = results[name]["measured"]
+        results[name]["predicted"] = pred
+        results[name]["throughput_error"] = _error(m["trajectories_per_s"], pred["trajectories_per_s"])
+        results[name]["p50_error"] = _error(m["latency_p50_s"], pred["latency_p50_s"])
+        results[name]["p99_error"] = _error(m["latency_p99_s"], pred["latency_p99_s"])
+        results[name]["migrations"] = m["migrations"]
+    first = results[policies[0]]["measured"]
+    doc = {
+        "workload": ns.workload,
+        "engines": ns.engines,
+        "emulated": True,
+        "note": "engines and training are EMULATED (cost-model timings); the control plane is real",
+        "time_scale": ns.time_scale,
+        "settings": {k: v for k, v in vars(ns).items() if k != "out"} | {"out": str(out)},
+        "targets": TARGETS,
+        "policies": results,
+        "scheduler": {
+            "policy": policies[0],
+            "decisions_per_s": first["decisions_per_s"],
+            "decision_p50_us": first["decision_p50_us"],
+            "decision_p99_us": first["decision_p99_us"],
+            "messages_per_s": first["messages_per_s"],
+        },
+    }
+    (out / "live.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    for name in policies:
+        r = results[name]
+        m, pr = r["measured"], r["predicted"]
+        print(
+            f"{name:>12}: measured {m['trajectories_per_s']:.4f} traj/s, p99 {m['latency_p99_s']:.0f} s | "
+            f"predicted {pr['trajectories_per_s']:.4f} traj/s, p99 {pr['latency_p99_s']:.0f} s | "
+            f"errors: throughput {r['throughput_error']}, p99 {r['p99_error']}; migrations {r['migrations']}"
+        )
+    print(f"wrote {out / 'live.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
