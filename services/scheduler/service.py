@@ -33,7 +33,15 @@ from services.scheduler.ledger import Ledger
 from services.scheduler.prefix_tree import ToolSignal, map_sandbox_status, size_class
 from services.scheduler.prompting import Prompter
 from services.scheduler.synthetic_task import SyntheticTask
-from services.scheduler.trajectory import Action, CallTool, Finish, Generate, Trajectory, check_turn
+from services.scheduler.trajectory import (
+    Action,
+    CallTool,
+    Finish,
+    Generate,
+    Trajectory,
+    check_turn,
+    doomed_groups,
+)
 from services.scheduler.workload import WorkloadWindow
 
 T = TypeVar("T")
@@ -80,6 +88,8 @@ class SchedulerService:
         self.dispatch = build_dispatcher(cfg.rollout.buckets, cfg.rollout.policy, cfg.rollout.max_batch)
         self.bucket_level = {b.name: i for i, b in enumerate(cfg.rollout.buckets)}
         self._policy_saved = time.monotonic()
+        self.aborted_groups = 0
+        """Groups ended early because the trainer could no longer take them (`_abort_hopeless`)."""
         self.decision_us: deque[float] = deque(maxlen=20_000)
         """Latency of the most recent routing decisions (the policy's own work, in microseconds)."""
         self.engine_tokens: dict[str, int] = {}
@@ -235,6 +245,7 @@ class SchedulerService:
         await self._consume_outcomes()
         if time.monotonic() - self._committed_checked > 2.0:
             await self._check_committed()
+        await self._abort_hopeless()
         tickets = self.feed.take(self.trained_version)
         if tickets:
             await self._durably(self.ledger.launched(self.feed, tickets))
@@ -247,6 +258,29 @@ class SchedulerService:
         if time.monotonic() - self._policy_saved > self.settings.policy_save_s:
             self._policy_saved = time.monotonic()
             await self._durably(self.ledger.save_policy(self.dispatch.router.to_dict()))
+
+    async def _abort_hopeless(self) -> None:
+        """Ends the in-flight trajectories of groups the trainer can no longer take: a member's
+        first tokens are older than the staleness bound allows at the trained version (the bound
+        only tightens), so the whole group would be dropped when it completes. They end as failed
+        (`stale`, never trained), their engine slots free at once, and the feed replaces the group,
+        instead of the group running to the end for nothing (the simulator aborts them the same way)."""
+        trajs = [lv.traj for lv in self.live.values()]
+        doomed = doomed_groups(trajs, self.trained_version, self.cfg.training.max_staleness)
+        if not doomed:
+            return
+        for live in [lv for lv in self.live.values() if lv.traj.group_id in doomed]:
+            self._forget_turn(live)
+            self.by_call.pop(live.call_id, None)
+            if live.step_span is not None:
+                live.step_span.end()
+            await self._fail(
+                live,
+                "stale",
+                f"group {live.traj.group_id} can no longer be trained at version {self.trained_version} "
+                f"(max_staleness {self.cfg.training.max_staleness})",
+            )
+        self.aborted_groups += len(doomed)
 
     async def _load_policy(self) -> None:
         """What an earlier scheduler of this job learned (C-MLFQ's prefix trees), if it saved any."""
@@ -510,9 +544,8 @@ class SchedulerService:
     async def _fail(self, live: Live, code: str, message: str) -> None:
         """Ends a trajectory the infrastructure could not carry; its group will not be trained."""
         live.failure = ev.ErrorInfo(code=code, message=message[:500])
-        self.log.warning(
-            "trajectory_failed", trajectory_id=live.traj.trajectory_id, code=code, reason=message
-        )
+        log = self.log.info if code == "stale" else self.log.warning  # stale: routine, not a fault
+        log("trajectory_failed", trajectory_id=live.traj.trajectory_id, code=code, reason=message)
         await self._finish(live, live.traj.fail())
 
     async def _send_tool(self, live: Live, action: CallTool) -> None:

@@ -60,7 +60,10 @@ class SyntheticTask:
         return [FILLER[i % len(FILLER)] for i in range(n)]
 
     def prompt_ids(self, spec: TrajectorySpec) -> list[int]:
-        return self.filler(spec.prompt_tokens)
+        """Tokens of the prompt, the same for every sample of a group and different between
+        prompts (so a prefix cache shares what real prompts would share, and no more)."""
+        rng = random.Random(f"prompt:{spec.prompt_id}")
+        return [rng.randrange(FILLER[0], 30_000) for _ in range(spec.prompt_tokens)]
 
     def observation_ids(self, size_class: str) -> list[int]:
         return self.filler(self.payload_tokens.get(size_class, self.payload_tokens["small"]))

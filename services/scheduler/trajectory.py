@@ -44,6 +44,14 @@ def check_turn(token_ids: list[int], logprobs: list[float], versions: list[int])
         raise ValueError("negative token version")
 
 
+def doomed_groups(trajs: list[Trajectory], trained_version: int, max_staleness: int) -> set[str]:
+    """Groups the trainer can no longer take at `trained_version`: a member's first generated
+    tokens are older than `max_staleness` allows (the trainer drops a group with any such member,
+    and the bound only tightens as versions grow)."""
+    floor = trained_version - max_staleness
+    return {t.group_id for t in trajs if t.versions and min(t.versions) < floor}
+
+
 @dataclass(frozen=True)
 class Generate:
     context: list[int]

@@ -84,6 +84,25 @@ async def test_emulated_turns_have_exactly_the_length_asked_for_and_take_their_b
     assert backend.emulated_s > 0
 
 
+async def test_emulated_prefix_cache_prefills_only_what_is_new_and_new_weights_clear_it() -> None:
+    backend = EmulatedBackend(EngineSettings(seed=0), EmulatedConfig(time_scale=0.001))
+    engine = ContinuousEngine(backend, max_batch=4)
+    engine.start()
+    first = list(range(1000, 1100))
+    out = (await engine.submit(GenRequest(first, 20, 1.0, min_new_tokens=20))).output
+    await _until(lambda: not backend.rows and len(backend.cache) > 0)  # it left the batch
+    follow_up = first + out.token_ids + [7] * 30  # the next turn: context, its output, a tool return
+    cached = backend._cached_prefix(follow_up)
+    assert cached == (len(first) + 20) // 16 * 16, "whole blocks of what was computed before"
+    assert backend._cached_prefix(list(range(2000, 2100))) == 0, "another prompt shares nothing"
+    cost_cached = backend.iteration_s([len(follow_up) - cached], [], [cached])
+    assert cost_cached < backend.iteration_s([len(follow_up)], [])
+    assert await engine.swap_weights({}, 1, "v1")
+    await engine.submit(GenRequest([5] * 40, 2, 1.0))
+    assert backend._cached_prefix(follow_up) == 0, "new weights invalidate the cache"
+    await engine.close(timeout=1)
+
+
 def _turn(**kw: Any) -> ev.TurnRequest:
     base: dict[str, Any] = dict(
         request_id="r1", trajectory_id="t1", context_token_ids=[1, 2, 3], max_new_tokens=8, temperature=1.0

@@ -100,3 +100,19 @@ def test_a_turn_with_missing_or_backward_versions_is_refused(versions: list[int]
     with pytest.raises(ValueError):
         t.on_turn([5, 6], [-0.1, -0.2], "x", versions, eos=False)
     assert t.turns == 0 and len(t.segments) == 1
+
+
+def test_groups_with_a_member_older_than_the_staleness_bound_are_doomed() -> None:
+    from services.scheduler.trajectory import doomed_groups
+
+    def traj(group: str, versions: list[int]) -> Trajectory:
+        t = Trajectory(f"{group}-{len(versions)}", group, 0, 2, TASK, [1, 2, 3], 3, 8, 100, 0.0)
+        t.first_action()
+        if versions:
+            t.on_turn([5] * len(versions), [-0.1] * len(versions), "<calc>1</calc>", versions, eos=False)
+        return t
+
+    trajs = [traj("old", [1, 2]), traj("old", []), traj("fresh", [3]), traj("new", []), traj("edge", [2])]
+    assert doomed_groups(trajs, trained_version=3, max_staleness=1) == {"old"}
+    assert doomed_groups(trajs, trained_version=4, max_staleness=1) == {"old", "edge"}
+    assert doomed_groups(trajs, trained_version=4, max_staleness=3) == set()

@@ -11,7 +11,10 @@ weight sync. It runs under the same continuous batcher as the hf backend; one it
 with both terms from `services.common.cost_model.CostModel` (the simulator's and the planner's
 model), and a request is admitted only while the KV cache of that replica has room for its context.
 Taking new weights stalls the replica for `engine_load_s(tp)` (times time_scale), as the
-simulator charges it.
+simulator charges it. Like vLLM, it keeps a prefix cache of 16-token KV blocks (chained hashes of
+the token ids): a finished request's blocks stay cached while the KV cache has room, least
+recently used evicted first, so a trajectory's next turn on the same engine prefills only what is
+new (its tool return); new weights clear the cache.
 Output lengths are uniform in min_new_tokens..max_new_tokens (exact when the two are equal, as the
 synthetic task asks): the last token is EOS ("stop"), unless the length drawn is the whole budget
 ("length"). Every token's logprob is that of a uniform draw, -log(vocab_size).
@@ -22,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.cost_model import CostModel, load_presets
@@ -31,6 +36,18 @@ from services.rollout_engine.config import EngineSettings
 
 VOCAB_SIZE = 49152
 EOS = 0
+BLOCK = 16
+"""KV-cache block size in tokens (vLLM's default): the prefix cache's unit."""
+
+
+@dataclass
+class _Row:
+    held: int
+    """Tokens in the KV cache: context plus generated so far."""
+    left: int
+    """Tokens still to generate."""
+    eos_at_end: bool
+    ids: list[int]
 
 
 class EmulatedBackend(StepBackend):
@@ -43,8 +60,9 @@ class EmulatedBackend(StepBackend):
         self.cm: CostModel = load_presets(self.config.gpu, self.config.model)
         self.set_tensor_parallel(settings.tensor_parallel)
         self.rng = random.Random(settings.seed)
-        self.rows: dict[int, list[int]] = {}
-        """slot -> [tokens held (context + generated), tokens left to generate, 1 if the last is EOS]"""
+        self.rows: dict[int, _Row] = {}
+        self.cache: OrderedDict[int, None] = OrderedDict()
+        """Prefix cache: hashes of cached KV blocks, least recently used first."""
         self.emulated_s = 0.0
         self.load_s = 0.0
         self._clock = float("-inf")
@@ -69,9 +87,13 @@ class EmulatedBackend(StepBackend):
     async def start(self) -> None:
         return None
 
-    def iteration_s(self, join_tokens: list[int], decode_contexts: list[int]) -> float:
-        """Emulated seconds of one iteration (before `time_scale`)."""
-        prefill = sum(self.cm.prefill_s(n, 0, self.tp) for n in join_tokens)
+    def iteration_s(
+        self, join_tokens: list[int], decode_contexts: list[int], cached: list[int] | None = None
+    ) -> float:
+        """Emulated seconds of one iteration (before `time_scale`): prefill of the joining rows'
+        tokens not in the prefix cache (`cached` of each are), and one decode step of the others."""
+        before = cached or [0] * len(join_tokens)
+        prefill = sum(self.cm.prefill_s(n, c, self.tp) for n, c in zip(join_tokens, before, strict=True))
         decode = 0.0
         if decode_contexts:
             avg = sum(decode_contexts) / len(decode_contexts)
@@ -81,30 +103,67 @@ class EmulatedBackend(StepBackend):
     async def step(
         self, joins: list[Join], leaves: list[int], reset: bool, no_eos: frozenset[int] = frozenset()
     ) -> dict[int, tuple[int, float]]:
-        previous: dict[int, list[int]] = {}
-        if reset:
+        previous: dict[int, _Row] = {}
+        if reset:  # new weights: running rows re-prefill everything
             previous, self.rows = self.rows, {}
         for slot in leaves:
-            self.rows.pop(slot, None)
-        decoding = [row[0] for row in self.rows.values()]
+            row = self.rows.pop(slot, None)
+            if row is not None:
+                self._remember(row.ids)
+        decoding = [row.held for row in self.rows.values()]
+        new_tokens, cached = [], []
         for j in joins:
+            hit = 0 if j.slot in previous else self._cached_prefix(j.context)
+            new_tokens.append(len(j.context) - hit)
+            cached.append(hit)
             if j.slot in previous:  # re-prefilled after new weights: same length as planned
-                self.rows[j.slot] = [len(j.context), *previous[j.slot][1:]]
+                old = previous[j.slot]
+                self.rows[j.slot] = _Row(len(j.context), old.left, old.eos_at_end, list(j.context))
                 continue
             budget = j.request.max_new_tokens if j.request is not None else 1
             least = min(budget, j.request.min_new_tokens) if j.request is not None else 1
             n = self.rng.randint(max(1, least), budget)
-            self.rows[j.slot] = [len(j.context), n, int(n < budget)]
-        seconds = self.iteration_s([len(j.context) for j in joins], decoding)
+            self.rows[j.slot] = _Row(len(j.context), n, n < budget, list(j.context))
+        seconds = self.iteration_s(new_tokens, decoding, cached)
         self.emulated_s += seconds
         await self._advance(seconds)
         lp = -math.log(VOCAB_SIZE)
         out: dict[int, tuple[int, float]] = {}
         for slot, row in self.rows.items():
-            row[0] += 1
-            row[1] -= 1
-            out[slot] = (EOS if row[1] <= 0 and row[2] else self.rng.randrange(1, VOCAB_SIZE), lp)
+            row.held += 1
+            row.left -= 1
+            token = EOS if row.left <= 0 and row.eos_at_end else self.rng.randrange(1, VOCAB_SIZE)
+            row.ids.append(token)
+            out[slot] = (token, lp)
         return out
+
+    def _hashes(self, ids: list[int]) -> list[int]:
+        """Chained hashes of the full KV blocks of a token sequence (vLLM's prefix-cache keys)."""
+        out, h = [], 0
+        for i in range(0, len(ids) - len(ids) % BLOCK, BLOCK):
+            h = hash((h, tuple(ids[i : i + BLOCK])))
+            out.append(h)
+        return out
+
+    def _cached_prefix(self, context: list[int]) -> int:
+        """Tokens of `context` whose KV is in the prefix cache (whole blocks from the start)."""
+        hit = 0
+        for h in self._hashes(context):
+            if h not in self.cache:
+                break
+            self.cache.move_to_end(h)
+            hit += BLOCK
+        return min(hit, len(context) - 1)  # the last token is always computed
+
+    def _remember(self, ids: list[int]) -> None:
+        """A finished request's blocks stay cached, least recently used evicted first, in the KV
+        cache the running rows leave free."""
+        for h in self._hashes(ids):
+            self.cache[h] = None
+            self.cache.move_to_end(h)
+        room = max(0, (self.kv_capacity - sum(r.held for r in self.rows.values())) // BLOCK)
+        while len(self.cache) > room:
+            self.cache.popitem(last=False)
 
     async def _advance(self, seconds: float) -> None:
         """Sleeps until the replica's own clock has moved `seconds` (times time_scale) past where
@@ -122,12 +181,13 @@ class EmulatedBackend(StepBackend):
         return running_tokens + context <= self.kv_capacity
 
     def free_kv_tokens(self) -> int:
-        return max(0, self.kv_capacity - sum(row[0] for row in self.rows.values()))
+        return max(0, self.kv_capacity - sum(row.held for row in self.rows.values()))
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Stalls as long as the replica it pretends to be takes to receive and load the full
         weights (`engine_load_s`: each TP shard over the network in parallel, plus the fixed
         coordination cost); the tensors pushed (a small stand-in model) are not kept."""
+        self.cache.clear()  # KV computed with the old weights is worthless (vLLM resets its cache)
         self.load_s = self.cm.engine_load_s(self.tp)
         self.emulated_s += self.load_s
         await self._advance(self.load_s)
