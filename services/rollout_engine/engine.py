@@ -97,15 +97,42 @@ class _Request:
         return Finished(out, version, self.started - self.enqueued, time.monotonic() - self.started)
 
 
-class ContinuousEngine:
+class VersionGate:
+    """The weight version an engine serves, and waiting for a newer one (shared by every engine)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.checksum = ""
+        self._closed = False
+        self._version_changed = asyncio.Condition()
+
+    async def wait_for_version(self, version: int, timeout: float) -> bool:
+        """Waits until weights of at least `version` are live; False on timeout or shutdown."""
+
+        async def reached() -> None:
+            async with self._version_changed:
+                await self._version_changed.wait_for(lambda: self.version >= version or self._closed)
+
+        try:
+            await asyncio.wait_for(reached(), timeout)
+        except TimeoutError:
+            return False
+        return self.version >= version
+
+    async def _announce(self) -> None:
+        """Wakes the waiters after the version changed or the engine began to close."""
+        async with self._version_changed:
+            self._version_changed.notify_all()
+
+
+class ContinuousEngine(VersionGate):
     def __init__(self, backend: StepBackend, max_batch: int, static_batches: bool = False):
+        super().__init__()
         self.backend = backend
         self.max_batch = max_batch
         self.static_batches = static_batches
         """Baseline for benchmarks: admit only into an empty batch, so a batch runs until its
         longest row ends (static batching)."""
-        self.version = 0
-        self.checksum = ""
         self.tokens_generated = 0
         self.iterations = 0
         self._queue: list[tuple[int, int, _Request]] = []
@@ -115,9 +142,7 @@ class ContinuousEngine:
         self._leaving: list[int] = []
         self._reset = True  # the backend may hold rows of an earlier engine: start from an empty batch
         self._wake = asyncio.Event()
-        self._version_changed = asyncio.Condition()
         self._step = asyncio.Lock()
-        self._closed = False
         self._task: asyncio.Task[None] | None = None
         self.log = get_logger(component="engine")
 
@@ -140,19 +165,6 @@ class ContinuousEngine:
         self._wake.set()
         return await item.future
 
-    async def wait_for_version(self, version: int, timeout: float) -> bool:
-        """Waits until weights of at least `version` are live; False on timeout or shutdown."""
-
-        async def reached() -> None:
-            async with self._version_changed:
-                await self._version_changed.wait_for(lambda: self.version >= version or self._closed)
-
-        try:
-            await asyncio.wait_for(reached(), timeout)
-        except TimeoutError:
-            return False
-        return self.version >= version
-
     async def swap_weights(self, state_dict: dict[str, Any], version: int, checksum: str) -> bool:
         """Applies new weights between two iterations; False (nothing changed) if `version` is not
         newer. Running requests continue on the new weights."""
@@ -162,8 +174,7 @@ class ContinuousEngine:
             await self.backend.swap_weights(state_dict, version)
             self.version, self.checksum = version, checksum
             self._reset = self.backend.recompute_on_swap and bool(self._running)
-        async with self._version_changed:
-            self._version_changed.notify_all()
+        await self._announce()
         self.log.info("weights_swapped", policy_version=version, running=len(self._running))
         return True
 
@@ -175,8 +186,7 @@ class ContinuousEngine:
             _, _, item = heapq.heappop(self._queue)
             if not item.future.done():
                 item.future.set_exception(EngineClosed("engine is shutting down"))
-        async with self._version_changed:
-            self._version_changed.notify_all()
+        await self._announce()
         self._wake.set()
         if self._task is None:
             return

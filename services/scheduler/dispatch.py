@@ -59,6 +59,11 @@ class Dispatcher:
             slot = self.engines.setdefault(wid, EngineSlot(wid, bucket, self.default_capacity))
             slot.bucket = bucket
 
+    def forget(self, engine_ids: list[str]) -> None:
+        """Engines that left the plan or restarted: whatever they were running is gone."""
+        for wid in engine_ids:
+            self.engines.pop(wid, None)
+
     def set_capacity(self, engine_id: str, capacity: int) -> None:
         slot = self.engines.get(engine_id)
         if slot is not None and capacity > 0:

@@ -139,7 +139,7 @@ class SchedulerService:
             for wid in self.dispatch.engines
             if wid not in current or current[wid].fencing_token != self.engine_tokens.get(wid)
         ]
-        self.dispatch.set_engines({wid: a.bucket for wid, a in current.items() if wid not in gone})
+        self.dispatch.forget(gone)  # a restarted engine comes back with no turns in flight
         self.dispatch.set_engines({wid: a.bucket for wid, a in current.items()})
         self.engine_tokens = {wid: a.fencing_token for wid, a in current.items()}
         self.log.info(

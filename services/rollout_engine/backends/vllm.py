@@ -35,7 +35,7 @@ from services.common.models import resolve_model_dir
 from services.common.runconfig import RunConfig
 from services.rollout_engine.backends.base import Backend, GenOutput, GenRequest
 from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.engine import EngineClosed, Finished
+from services.rollout_engine.engine import EngineClosed, Finished, VersionGate
 
 
 def _load_weights_on_worker(worker: Any, items: list[tuple[str, Any]]) -> int:
@@ -134,22 +134,19 @@ class VllmBackend(Backend):
             await asyncio.to_thread(self.llm.shutdown)
 
 
-class VllmEngine:
+class VllmEngine(VersionGate):
     """The engine interface over AsyncLLM: one streaming `generate` per request."""
 
     def __init__(self, backend: VllmBackend, max_batch: int):
+        super().__init__()
         self.backend = backend
         self.max_batch = max_batch
-        self.version = 0
-        self.checksum = ""
         self.tokens_generated = 0
         self.in_flight = 0
         self._sampling_version = 0
         self._ids = itertools.count()
         self._swap = asyncio.Lock()
-        self._version_changed = asyncio.Condition()
         self._active: set[str] = set()
-        self._closed = False
         self.log = get_logger(component="vllm_engine")
 
     @property
@@ -224,25 +221,13 @@ class VllmEngine:
         # vLLM does not report queueing apart: time to the first token counts as generation
         return Finished(output, versions[0] if versions else self.version, 0.0, now - started)
 
-    async def wait_for_version(self, version: int, timeout: float) -> bool:
-        async def reached() -> None:
-            async with self._version_changed:
-                await self._version_changed.wait_for(lambda: self.version >= version or self._closed)
-
-        try:
-            await asyncio.wait_for(reached(), timeout)
-        except TimeoutError:
-            return False
-        return self.version >= version
-
     async def swap_weights(self, state_dict: dict[str, Any], version: int, checksum: str) -> bool:
         async with self._swap:
             if version <= self.version:
                 return False
             await self.backend.swap_weights(state_dict, version)
             self.version, self.checksum, self._sampling_version = version, checksum, version
-        async with self._version_changed:
-            self._version_changed.notify_all()
+        await self._announce()
         self.log.info("weights_swapped", policy_version=version, running=self.running)
         return True
 
@@ -250,8 +235,7 @@ class VllmEngine:
         """Stops taking work and lets running requests finish for up to `timeout` seconds; then
         aborts the rest in vLLM, and their callers get EngineClosed."""
         self._closed = True
-        async with self._version_changed:
-            self._version_changed.notify_all()
+        await self._announce()
         deadline = time.monotonic() + timeout
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
