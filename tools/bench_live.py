@@ -38,6 +38,8 @@ from services.common.synthetic import Workload
 from services.planner.search import BucketPlan
 from services.scheduler.routing import build_router
 from tools.runner import run_job
+from tools.sim.runner import percentile, run_system
+from tools.sim.simulator import SystemConfig
 from tools.stack import Stack
 
 POLICIES = {"libra": "cmlfq", "least_loaded": "least_loaded"}
@@ -131,16 +133,10 @@ def _watch(stack: Stack, run_id: str, watch: Watch) -> threading.Thread:
     return t
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
     """Emulated-time figures of a live job, defined as the simulator defines them: throughput is
-    trained trajectories per second between the first and the last step's end."""
+    trained trajectories per second between the first and the last step's end, and latency
+    quantiles by the simulator's own `percentile`."""
     scale = cfg.rollout.emulated.time_scale
     ends = [watch.step_ends[s] for s in sorted(watch.step_ends)]
     per_step = cfg.trajectories_per_step
@@ -150,8 +146,8 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
     wall = float(report.get("wall_s") or 0.0) or 1e-9
     return {
         "trajectories_per_s": steady,
-        "latency_p50_s": _pct(lat, 0.5),
-        "latency_p99_s": _pct(lat, 0.99),
+        "latency_p50_s": percentile(lat, 0.5),
+        "latency_p99_s": percentile(lat, 0.99),
         "trajectories": len(lat),
         "failed": watch.failed,
         "steps_seen": len(ends),
@@ -167,9 +163,6 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
 
 def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
     """The simulator on the live job's configuration, mean over `seeds` seeds."""
-    from tools.sim.runner import run_system
-    from tools.sim.simulator import SystemConfig
-
     r = cfg.rollout
     cm = load_presets(r.emulated.gpu, r.emulated.model)
     n = r.engines

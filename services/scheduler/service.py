@@ -599,7 +599,7 @@ class SchedulerService:
             traj.trajectory_id,
             signal,
             traj.output_tokens,
-            len(traj.context) + len(obs),
+            traj.context_tokens + len(obs),
             now,
         )
         if decision.bucket != live.bucket:

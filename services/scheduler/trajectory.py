@@ -112,6 +112,11 @@ class Trajectory:
         return [t for s in self.segments for t in s.token_ids]
 
     @property
+    def context_tokens(self) -> int:
+        """len(self.context), without building it."""
+        return sum(len(s.token_ids) for s in self.segments)
+
+    @property
     def output_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.segments if s.generated)
 

@@ -11,7 +11,8 @@ from tools.sim.ledger import CATEGORIES
 from tools.sim.simulator import Simulator, SystemConfig
 
 
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
+    """The q-quantile as the simulator reports it (nearest rank, no interpolation)."""
     if not xs:
         return 0.0
     s = sorted(xs)
@@ -60,8 +61,8 @@ def summarize(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "gpu_fraction": busy,
         "gpu_seconds_accounted": sim.ledger.total(),
         "gpu_seconds_total": gpu_s,
-        "rollout_latency_p50_s": _pct(sim.latencies, 0.5),
-        "rollout_latency_p99_s": _pct(sim.latencies, 0.99),
+        "rollout_latency_p50_s": percentile(sim.latencies, 0.5),
+        "rollout_latency_p99_s": percentile(sim.latencies, 0.99),
         "trajectories_finished": sim.finished,
         "trajectories_trained": trained,
         "dropped_stale_groups": sim.dropped_groups,
