@@ -40,6 +40,7 @@ from services.scheduler.routing import build_router
 from tools.runner import run_job
 from tools.sim.runner import percentile, run_system
 from tools.sim.simulator import SystemConfig
+from tools.sim.stats import mean_ci
 from tools.stack import Stack
 
 POLICIES = {"libra": "cmlfq", "least_loaded": "least_loaded"}
@@ -100,6 +101,7 @@ class Watch:
     """Completed trajectories and train steps of one job, as they go by on the bus."""
 
     latencies: list[float] = field(default_factory=list)
+    breakdowns: list[ev.LatencyBreakdown] = field(default_factory=list)
     failed: int = 0
     step_ends: dict[int, float] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -114,6 +116,7 @@ def _watch(stack: Stack, run_id: str, watch: Watch) -> threading.Thread:
                 watch.failed += 1
             else:
                 watch.latencies.append(m.latency_s)
+                watch.breakdowns.append(m.breakdown)
 
         async def on_step(m: ev.TrainMetrics, _: Any) -> None:
             if m.step > 0 and m.step not in watch.step_ends:
@@ -148,6 +151,7 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
         "trajectories_per_s": steady,
         "latency_p50_s": percentile(lat, 0.5),
         "latency_p99_s": percentile(lat, 0.99),
+        "latency_breakdown_mean_s": _breakdown(watch, scale),
         "trajectories": len(lat),
         "failed": watch.failed,
         "steps_seen": len(ends),
@@ -161,8 +165,30 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
     }
 
 
+def _breakdown(watch: Watch, scale: float) -> dict[str, float]:
+    """Mean emulated seconds per trajectory by where they went; `queue_s` and `generate_s` as the
+    simulator counts them (waiting for a slot; in an engine's batch), the engine-side wait for a
+    batch slot and the rest (bus, scheduler, retries) apart, as the simulator has neither."""
+    n = len(watch.breakdowns) or 1
+
+    def mean(xs: Any) -> float:
+        return sum(xs) / n / scale
+
+    out = {
+        "queue_s": mean(b.scheduler_queue_s for b in watch.breakdowns),
+        "engine_queue_s": mean(b.engine_queue_s for b in watch.breakdowns),
+        "generate_s": mean(b.generate_s for b in watch.breakdowns),
+        "tool_s": mean(b.tool_s for b in watch.breakdowns),
+    }
+    out["other_s"] = sum(watch.latencies) / n / scale - sum(out.values())
+    return out
+
+
 def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
-    """The simulator on the live job's configuration, mean over `seeds` seeds."""
+    """The simulator on the live job's configuration: with the live job's seed, so the same groups
+    are drawn in the same admission order (common random numbers; the errors are against this
+    run), and over `seeds` seeds from it (mean and 95% confidence interval: how much a different
+    sample of the workload alone moves the figures)."""
     r = cfg.rollout
     cm = load_presets(r.emulated.gpu, r.emulated.model)
     n = r.engines
@@ -179,7 +205,7 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
     )
     n_gpus = sum(b.gpus for b in buckets) + t.emulated_gpus
     runs = []
-    for seed in range(seeds):
+    for seed in range(cfg.task.seed, cfg.task.seed + max(1, seeds)):
         system = SystemConfig(
             f"live-{r.policy}",
             "async",
@@ -195,18 +221,31 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
         out, _ = run_system(system, wl, cm, n_gpus, t.steps, seed)
         runs.append(out)
 
-    def mean(key: str) -> float:
-        return statistics.fmean(float(o[key]) for o in runs)
+    def over_seeds(key: str) -> dict[str, Any]:
+        m, ci = mean_ci([float(o[key]) for o in runs])
+        return {"mean": m, "ci95": list(ci)}
 
+    same = runs[0]
     return {
-        "trajectories_per_s": mean("trajectories_per_s"),
-        "latency_p50_s": mean("rollout_latency_p50_s"),
-        "latency_p99_s": mean("rollout_latency_p99_s"),
-        "migrations": mean("bucket_migrations"),
-        "seeds": seeds,
+        "seed": cfg.task.seed,
+        "trajectories_per_s": same["trajectories_per_s"],
+        "latency_p50_s": same["rollout_latency_p50_s"],
+        "latency_p99_s": same["rollout_latency_p99_s"],
+        "migrations": same["bucket_migrations"],
+        "latency_breakdown_mean_s": same["rollout_latency_breakdown_mean_s"],
+        "over_seeds": {
+            "seeds": len(runs),
+            "trajectories_per_s": over_seeds("trajectories_per_s"),
+            "latency_p50_s": over_seeds("rollout_latency_p50_s"),
+            "latency_p99_s": over_seeds("rollout_latency_p99_s"),
+        },
         "per_seed_trajectories_per_s": [o["trajectories_per_s"] for o in runs],
         "n_gpus": n_gpus,
     }
+
+
+def _fmt(breakdown: dict[str, float]) -> str:
+    return ", ".join(f"{k.removesuffix('_s')} {v:.0f}" for k, v in breakdown.items())
 
 
 def _error(m: float, p: float) -> float | None:
@@ -313,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             f"predicted {pr['trajectories_per_s']:.4f} traj/s, p99 {pr['latency_p99_s']:.0f} s | "
             f"errors: throughput {r['throughput_error']}, p99 {r['p99_error']}; migrations {r['migrations']}"
         )
+        print(f"{'':>12}  mean s per trajectory, measured {_fmt(m['latency_breakdown_mean_s'])}")
+        print(f"{'':>12}  mean s per trajectory, predicted {_fmt(pr['latency_breakdown_mean_s'])}")
     print(f"wrote {out / 'live.json'}")
     return 0
 

@@ -186,6 +186,12 @@ class Workload:
             raise ValueError(str(e)) from e
         return cls(spec)
 
+    def group_for(self, seed: int, index: int, step: int, prompt_id: str) -> list[TrajectorySpec]:
+        """The `index`-th group a run admits (counting replacements), drawn at RL step `step`: the
+        same draw in the simulator and on the live stack for the same seed (common random numbers),
+        whatever the timing."""
+        return self.sample_group(random.Random(f"{seed}:{index}"), prompt_id, step)
+
     def sample_group(self, rng: random.Random, prompt_id: str, step: int) -> list[TrajectorySpec]:
         s = self.spec
         d = rng.betavariate(float(s["difficulty"]["a"]), float(s["difficulty"]["b"]))

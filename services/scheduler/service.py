@@ -68,6 +68,11 @@ class Live:
     failure: ev.ErrorInfo | None = None
     last_error: str = ""
     history: list[str] = field(default_factory=list)
+    queued_at: float | None = None
+    """When its pending turn entered a bucket queue (None: not queued)."""
+    queue_span: trace.Span | None = None
+    times: ev.LatencyBreakdown = field(default_factory=ev.LatencyBreakdown)
+    """Where its time went so far (CompletedTrajectory.breakdown)."""
 
 
 class SchedulerService:
@@ -366,7 +371,7 @@ class SchedulerService:
     def _launch_group(self, ticket: GroupTicket, skip: Collection[str] = ()) -> int:
         """Starts the group's trajectories (but those in `skip`, already with the trainer)."""
         size = self.cfg.task.group_size
-        specs = self.synthetic.group(ticket) if self.synthetic else []
+        specs = self.synthetic.group(ticket, self.trained_version) if self.synthetic else []
         prompt_ids = [] if self.synthetic else self.prompter.prompt_ids(ticket.task)
         launched = 0
         for i in range(size):
@@ -389,6 +394,7 @@ class SchedulerService:
                 max_context_tokens=self.cfg.task.max_context_tokens,
                 started_at=time.monotonic(),
                 script=script,
+                launch_version=self.trained_version,
             )
             span = tracer().start_span(
                 "trajectory",
@@ -422,6 +428,13 @@ class SchedulerService:
         engine_id = self._decide(self.dispatch.place, live.traj.trajectory_id, time.monotonic())
         if engine_id is None:
             live.deadline = math.inf  # queued: waits for a slot, however long the tail ahead of it
+            if live.queued_at is None:
+                live.queued_at = time.monotonic()
+                live.queue_span = tracer().start_span(
+                    "turn.queued",
+                    context=trace.set_span_in_context(live.span),
+                    attributes={"libra.turn": live.traj.turns, "libra.bucket": live.bucket},
+                )
             return
         await self._dispatch(live, engine_id)
 
@@ -459,6 +472,7 @@ class SchedulerService:
     async def _dispatch(self, live: Live, engine_id: str) -> None:
         traj, action = live.traj, live.pending_action
         assert action is not None
+        self._dequeued(live)
         live.bucket = self.dispatch.where.get(traj.trajectory_id, live.bucket)
         live.request_id = uuid.uuid4().hex
         live.engine_id = engine_id
@@ -485,13 +499,23 @@ class SchedulerService:
             max_new_tokens=action.max_new_tokens,
             min_new_tokens=action.min_new_tokens,
             temperature=self.cfg.task.temperature,
-            min_policy_version=max(traj.versions, default=0),
+            min_policy_version=traj.min_policy_version,
             stop=STOP_STRINGS,
             priority=self.bucket_level.get(live.bucket, 0),
         )
         await self.bus.publish(
             f"{subjects.TURN_REQUEST}.{engine_id}", req, ctx=trace.set_span_in_context(live.step_span)
         )
+
+    def _dequeued(self, live: Live) -> None:
+        """Its turn leaves the bucket queue (sent, or the trajectory ended): the wait is counted."""
+        if live.queued_at is not None:
+            live.times.scheduler_queue_s += time.monotonic() - live.queued_at
+            live.queued_at = None
+        if live.queue_span is not None:
+            live.queue_span.set_attribute("libra.bucket", live.bucket)
+            live.queue_span.end()
+            live.queue_span = None
 
     async def _on_turn_result(self, res: ev.TurnResult, _: Envelope) -> None:
         traj_id = self.by_request.get(res.request_id)
@@ -510,6 +534,8 @@ class SchedulerService:
             live.step_span.set_attribute("libra.tokens", len(res.token_ids))
             live.step_span.set_attribute("libra.policy_version", res.policy_version)
             live.step_span.end()
+        live.times.engine_queue_s += max(0.0, res.queue_s)
+        live.times.generate_s += max(0.0, res.generate_s)
         if res.HasField("error") and res.error.code:
             self.log.warning(
                 "turn_failed", trajectory_id=traj_id, code=res.error.code, reason=res.error.message
@@ -585,6 +611,7 @@ class SchedulerService:
     async def _tool_returned(self, live: Live, status: str, payload: str, signal: ToolSignal) -> None:
         self.tool_statuses[status] += 1
         now = time.monotonic()
+        live.times.tool_s += max(0.0, now - live.sent_at)
         self.workload.tool_return(now, status)
         if live.step_span is not None:
             live.step_span.set_attribute("libra.tool_status", status)
@@ -642,6 +669,7 @@ class SchedulerService:
     async def _finish(self, live: Live, fin: Finish) -> None:
         traj = live.traj
         self.live.pop(traj.trajectory_id, None)
+        self._dequeued(live)
         self.dispatch.finish(
             traj.trajectory_id, traj.output_tokens, time.monotonic(), live.failure is not None
         )
@@ -671,6 +699,7 @@ class SchedulerService:
             latency_s=latency,
             final_text=traj.texts[-1] if traj.texts else "",
             failure=live.failure,
+            breakdown=live.times,
         )
         with tracer().start_as_current_span("score", context=trace.set_span_in_context(live.span)) as s:
             s.set_attribute("libra.reward", fin.reward)

@@ -39,10 +39,10 @@ class SyntheticTask:
         self.time_scale = cfg.rollout.emulated.time_scale
         self.payload_tokens = {k: int(v) for k, v in self.workload.spec["payload_tokens"].items()}
 
-    def group(self, ticket: GroupTicket) -> list[TrajectorySpec]:
-        rng = random.Random(f"{self.cfg.task.seed}:{ticket.group_id}")
-        step = ticket.index // self.cfg.training.groups_per_step
-        return self.workload.sample_group(rng, ticket.task.prompt_id, step)
+    def group(self, ticket: GroupTicket, version: int) -> list[TrajectorySpec]:
+        """The group launched at `ticket.index` when the trainer was at `version`: the simulator's
+        draw for the same seed and admission index."""
+        return self.workload.group_for(self.cfg.task.seed, ticket.index, version, ticket.task.prompt_id)
 
     def script(self, spec: TrajectorySpec) -> list[ScriptedTurn]:
         out = []

@@ -103,6 +103,16 @@ class Trajectory:
     ended_with_eos: bool = False
     script: list[ScriptedTurn] | None = None
     """Synthetic trajectories follow a script drawn from a workload instead of parsing the text."""
+    launch_version: int = 0
+    """The trainer's version when its group was launched: the staleness budget admitted the group
+    for that version, so no older weights may generate any of it (an engine still loading them
+    waits), else the group is stale a step early and its work is thrown away."""
+
+    @property
+    def min_policy_version(self) -> int:
+        """The oldest weights that may generate its next turn: never older than its launch version
+        or than any of its tokens (weights only move forward within a trajectory)."""
+        return max([self.launch_version, *self.versions])
 
     def __post_init__(self) -> None:
         self.segments.append(Segment(list(self.prompt_ids), [], generated=False))

@@ -254,6 +254,11 @@ def test_trajectories_move_between_buckets_after_tool_returns_and_keep_their_ver
         # turns split at a weight swap only: consecutive generated segments differ in version
         prompts_and_tools = [s for s in traj.segments if not s.generated]
         assert len(prompts_and_tools) == 3, "the prompt and two tool returns"
+        # where its time went: two tool calls and three turns in engines, within its latency
+        b = traj.breakdown
+        assert b.tool_s > 0 and b.generate_s > 0, b
+        parts = b.scheduler_queue_s + b.engine_queue_s + b.generate_s + b.tool_s
+        assert parts <= traj.latency_s + 1e-3, (parts, traj.latency_s)
 
 
 def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ def test_a_group_is_drawn_the_same_way_every_time_and_as_the_simulator_draws_it(
     cfg = _cfg(group_size=4)
     task = SyntheticTask(cfg)
     ticket = build_feed(cfg).take(0)[0]
-    first, again = task.group(ticket), task.group(ticket)
+    first, again = task.group(ticket, 0), task.group(ticket, 0)
     assert first == again and len(first) == 4
     assert len({s.prompt_tokens for s in first}) == 1, "a group shares its prompt"
     script = task.script(first[0])
@@ -36,11 +36,36 @@ def test_a_group_is_drawn_the_same_way_every_time_and_as_the_simulator_draws_it(
     assert script[-1].tool is None, "the last turn answers"
 
 
+def test_the_live_stack_and_the_simulator_draw_the_same_groups_for_the_same_seed() -> None:
+    """Common random numbers: the k-th group admitted is the same trajectories live and simulated
+    (so `libra bench live` compares timing, not two different samples of a heavy-tailed workload)."""
+    from services.common.cost_model import load_presets
+    from services.planner.search import BucketPlan
+    from services.scheduler.routing import build_router
+    from tools.sim.simulator import Simulator, SystemConfig
+
+    cfg = _cfg(group_size=4, seed=3)
+    live = SyntheticTask(cfg)
+    tickets = build_feed(cfg).take(0)[:3]
+    system = SystemConfig(
+        "s", "async", 8, 2, [BucketPlan("all", 1, 2, float("inf"))], build_router([], "least_loaded")
+    )
+    sim = Simulator(system, live.workload, load_presets("H100", "qwen3-14b"), 10, 1, seed=3)
+    sim._admit(3)
+    for k, ticket in enumerate(tickets):
+        simulated = [sim.trajs[tid].spec for tid in sim.groups[k].trajs]
+        drawn = live.group(ticket, 0)
+        assert [s.turns for s in drawn] == [s.turns for s in simulated]
+        assert [s.prompt_tokens for s in drawn] == [s.prompt_tokens for s in simulated]
+    other = SyntheticTask(_cfg(group_size=4, seed=4)).group(tickets[0], 0)
+    assert [s.turns for s in other] != [s.turns for s in live.group(tickets[0], 0)]
+
+
 def test_a_scripted_trajectory_asks_for_exact_turn_lengths_and_calls_the_drawn_tools() -> None:
     cfg = _cfg(group_size=2, max_new_tokens=4096)
     task = SyntheticTask(cfg)
     ticket = build_feed(cfg).take(0)[0]
-    spec = next(s for s in task.group(ticket) if len(s.turns) >= 2)
+    spec = next(s for s in task.group(ticket, 0) if len(s.turns) >= 2)
     script = task.script(spec)
     t = Trajectory(
         "t", "g", 0, 2, ticket.task, task.prompt_ids(spec), len(script), 4096, 40960, 0.0, script=script

@@ -116,3 +116,14 @@ def test_groups_with_a_member_older_than_the_staleness_bound_are_doomed() -> Non
     assert doomed_groups(trajs, trained_version=3, max_staleness=1) == {"old"}
     assert doomed_groups(trajs, trained_version=4, max_staleness=1) == {"old", "edge"}
     assert doomed_groups(trajs, trained_version=4, max_staleness=3) == set()
+
+
+def test_no_turn_may_run_on_weights_older_than_its_group_launch_or_its_own_tokens() -> None:
+    """A group launched for version 3 (the trainer's version then) must not start on an engine
+    still serving version 2: it would be stale a step early and thrown away."""
+    t = Trajectory("t0", "g0", 0, 2, TASK, [1, 2, 3], 3, 8, 100, 0.0, launch_version=3)
+    assert t.min_policy_version == 3
+    t.first_action()
+    t.on_turn([5, 6], [-0.1, -0.2], "<calc>1</calc>", [3, 5], eos=False)
+    assert t.min_policy_version == 5
+    assert make().min_policy_version == 0

@@ -63,6 +63,7 @@ def summarize(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "gpu_seconds_total": gpu_s,
         "rollout_latency_p50_s": percentile(sim.latencies, 0.5),
         "rollout_latency_p99_s": percentile(sim.latencies, 0.99),
+        "rollout_latency_breakdown_mean_s": latency_breakdown(sim.latencies, sim.waits),
         "trajectories_finished": sim.finished,
         "trajectories_trained": trained,
         "dropped_stale_groups": sim.dropped_groups,
@@ -86,3 +87,12 @@ def summarize(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "events": sim.n_events,
         "events_per_s": sim.n_events / wall_s if wall_s > 0 else 0.0,
     }
+
+
+def latency_breakdown(latencies: list[float], waits: list[tuple[float, float]]) -> dict[str, float]:
+    """Mean seconds per trajectory queued for an engine slot, in tools, and the rest (generation:
+    prefill, decode, stalls for weight loads)."""
+    n = len(latencies) or 1
+    queue = sum(w[0] for w in waits) / n
+    tool = sum(w[1] for w in waits) / n
+    return {"queue_s": queue, "tool_s": tool, "generate_s": sum(latencies) / n - queue - tool}

@@ -76,6 +76,10 @@ class _Traj:
     context: int = 0
     engine: str | None = None
     in_tool: bool = False
+    queued_at: float = -1.0
+    """When its pending turn entered a bucket queue (-1: not queued)."""
+    queue_s: float = 0.0
+    tool_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -128,6 +132,8 @@ class Simulator:
         self.step_trajs: list[int] = []
         self.step_tokens: list[int] = []
         self.latencies: list[float] = []
+        self.waits: list[tuple[float, float]] = []
+        """Per finished trajectory: seconds its turns waited in bucket queues, and in tools."""
         self.finished = 0
         self.dropped_groups = 0
         self.aborted_trajectories = 0
@@ -204,7 +210,7 @@ class Simulator:
             self.admitted_groups += 1
             pid = f"p{gid}"
             # Common random numbers: group k is the same draw in every system, whatever the timing.
-            specs = self.wl.sample_group(random.Random(f"{self.seed}:{gid}"), pid, self.version)
+            specs = self.wl.group_for(self.seed, gid, self.version, pid)
             g = _Group(self.version, len(specs), [])
             self.groups[gid] = g
             for k, spec in enumerate(specs):
@@ -242,6 +248,8 @@ class Simulator:
         eid = self.router.pick_engine(key, views, tid) if views else None
         if eid is None:
             self.router.enqueue(tid, self.now)
+            if tr.queued_at < 0:
+                tr.queued_at = self.now
             return
         self._run_turn(tid, self.engines[eid])
 
@@ -250,6 +258,9 @@ class Simulator:
 
     def _run_turn(self, tid: str, e: Engine) -> None:
         tr = self.trajs[tid]
+        if tr.queued_at >= 0:
+            tr.queue_s += self.now - tr.queued_at
+            tr.queued_at = -1.0
         turn = tr.spec.turns[tr.turn]
         new = turn_payload(tr)
         context = tr.context + tr.partial
@@ -334,6 +345,7 @@ class Simulator:
         tr.in_tool = False
         call = tr.spec.turns[tr.turn - 1].tool
         assert call is not None
+        tr.tool_s += call.latency_s
         tr.context += call.payload_tokens
         d = self.router.on_tool_return(tid, call.signal, tr.tokens, tr.context, self.now)
         tr.bucket = d.bucket
@@ -343,6 +355,7 @@ class Simulator:
         tr = self.trajs.pop(tid)
         self.router.finish(tid, tr.tokens, self.now)
         self.latencies.append(self.now - tr.admitted)
+        self.waits.append((tr.queue_s, tr.tool_s))
         self.recent_lengths.append(tr.tokens)
         self.finished += 1
         g = self.groups[tr.group]

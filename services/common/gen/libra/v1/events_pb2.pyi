@@ -123,7 +123,7 @@ class Segment(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., generated: _Optional[bool] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class CompletedTrajectory(_message.Message):
-    __slots__ = ("trajectory_id", "group_id", "sample_index", "group_size", "prompt_id", "segments", "reward", "num_turns", "min_policy_version", "max_policy_version", "tool_statuses", "finish", "latency_s", "final_text", "failure")
+    __slots__ = ("trajectory_id", "group_id", "sample_index", "group_size", "prompt_id", "segments", "reward", "num_turns", "min_policy_version", "max_policy_version", "tool_statuses", "finish", "latency_s", "final_text", "failure", "breakdown")
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class CompletedTrajectory(_message.Message):
     LATENCY_S_FIELD_NUMBER: _ClassVar[int]
     FINAL_TEXT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     group_id: str
     sample_index: int
@@ -154,7 +155,20 @@ class CompletedTrajectory(_message.Message):
     latency_s: float
     final_text: str
     failure: ErrorInfo
-    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., reward: _Optional[float] = ..., num_turns: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., tool_statuses: _Optional[_Iterable[str]] = ..., finish: _Optional[str] = ..., latency_s: _Optional[float] = ..., final_text: _Optional[str] = ..., failure: _Optional[_Union[ErrorInfo, _Mapping]] = ...) -> None: ...
+    breakdown: LatencyBreakdown
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., reward: _Optional[float] = ..., num_turns: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., tool_statuses: _Optional[_Iterable[str]] = ..., finish: _Optional[str] = ..., latency_s: _Optional[float] = ..., final_text: _Optional[str] = ..., failure: _Optional[_Union[ErrorInfo, _Mapping]] = ..., breakdown: _Optional[_Union[LatencyBreakdown, _Mapping]] = ...) -> None: ...
+
+class LatencyBreakdown(_message.Message):
+    __slots__ = ("scheduler_queue_s", "engine_queue_s", "generate_s", "tool_s")
+    SCHEDULER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_S_FIELD_NUMBER: _ClassVar[int]
+    TOOL_S_FIELD_NUMBER: _ClassVar[int]
+    scheduler_queue_s: float
+    engine_queue_s: float
+    generate_s: float
+    tool_s: float
+    def __init__(self, scheduler_queue_s: _Optional[float] = ..., engine_queue_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., tool_s: _Optional[float] = ...) -> None: ...
 
 class GroupOutcome(_message.Message):
     __slots__ = ("group_id", "outcome", "reason", "trajectories", "weight_version", "train_step")
