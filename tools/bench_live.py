@@ -38,7 +38,7 @@ from services.common.synthetic import Workload
 from services.planner.search import BucketPlan
 from services.scheduler.routing import build_router
 from tools.runner import run_job
-from tools.sim.runner import percentile, run_system
+from tools.sim.runner import percentile, run_system, steady_rate
 from tools.sim.simulator import SystemConfig
 from tools.sim.stats import mean_ci
 from tools.stack import Stack
@@ -137,13 +137,12 @@ def _watch(stack: Stack, run_id: str, watch: Watch) -> threading.Thread:
 
 
 def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
-    """Emulated-time figures of a live job, defined as the simulator defines them: throughput is
-    trained trajectories per second between the first and the last step's end, and latency
-    quantiles by the simulator's own `percentile`."""
+    """Emulated-time figures of a live job, defined as for the simulated one (`steady_rate`:
+    trained trajectories per second from the first step's end to the end of the step before the
+    last, the job's drain; latency quantiles by the simulator's own `percentile`)."""
     scale = cfg.rollout.emulated.time_scale
-    ends = [watch.step_ends[s] for s in sorted(watch.step_ends)]
-    per_step = cfg.trajectories_per_step
-    steady = per_step * (len(ends) - 1) / ((ends[-1] - ends[0]) / scale) if len(ends) > 1 else 0.0
+    ends = [watch.step_ends[s] / scale for s in sorted(watch.step_ends)]
+    steady = steady_rate(ends, cfg.trajectories_per_step, drained=True)
     lat = [x / scale for x in watch.latencies]
     sched = report.get("scheduler", {})
     wall = float(report.get("wall_s") or 0.0) or 1e-9
@@ -217,8 +216,10 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
             max_seqs=r.max_batch,
             pooled_routing=r.policy == "least_loaded",
             update_mode="recompute",
+            job_groups=t.steps * t.groups_per_step,  # the live feed launches no more
         )
         out, _ = run_system(system, wl, cm, n_gpus, t.steps, seed)
+        out["trajectories_per_s"] = steady_rate(out["step_end_s"], cfg.trajectories_per_step, drained=True)
         runs.append(out)
 
     def over_seeds(key: str) -> dict[str, Any]:
@@ -257,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="r2e_gym", help="simulator workload (name or YAML path)")
     p.add_argument("--engines", type=int, default=16, help="emulated rollout engines (default 16)")
     p.add_argument("--out", required=True, type=Path, help="directory for live.json, configs and logs")
-    p.add_argument("--time-scale", type=float, default=0.15, help="wall seconds per emulated second")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--time-scale", type=float, default=0.12, help="wall seconds per emulated second")
+    p.add_argument("--steps", type=int, default=6, help="train steps (throughput: steps 2 to N-1)")
     p.add_argument("--groups-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--staleness", type=int, default=1)

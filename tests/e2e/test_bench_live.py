@@ -32,7 +32,12 @@ def test_bench_live_measures_both_policies_and_the_simulators_prediction(tmp_pat
             and m["trajectories_per_s"] > 0
             and m["latency_p99_s"] >= m["latency_p50_s"] > 0
         )
-        assert p["trajectories_per_s"] > 0 and p["seeds"] == 2
+        assert p["trajectories_per_s"] > 0 and p["seed"] == 0 and p["over_seeds"]["seeds"] == 2
+        lo, hi = p["over_seeds"]["trajectories_per_s"]["ci95"]
+        assert lo <= p["over_seeds"]["trajectories_per_s"]["mean"] <= hi
+        # where a trajectory's time went, live and simulated: the workload has tool calls
+        assert m["latency_breakdown_mean_s"]["tool_s"] > 0 and m["latency_breakdown_mean_s"]["generate_s"] > 0
+        assert p["latency_breakdown_mean_s"]["tool_s"] > 0 and p["latency_breakdown_mean_s"]["generate_s"] > 0
         assert r["throughput_error"] == pytest.approx(
             abs(m["trajectories_per_s"] - p["trajectories_per_s"]) / p["trajectories_per_s"]
         )

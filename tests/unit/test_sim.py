@@ -321,3 +321,24 @@ def test_lending_needs_whole_engines_on_the_training_gpus(env):
     plan = Plan(6, 2, [BucketPlan("all", 2, 5, math.inf)], 0)
     with pytest.raises(ValueError, match="cannot lend"):
         Simulator(libra_system(env, "libra", plan, lend_tp=4), env.workload, env.cm, N_GPUS, 1)
+
+
+def test_a_finite_job_launches_its_groups_and_replacements_only_and_its_drain_is_not_steady_state(env):
+    """`job_groups` is the live feed's rule (steps * groups_per_step, plus a replacement per dropped
+    group); without it the simulator keeps admitting ahead, as a long run does."""
+    from tools.sim.runner import steady_rate
+
+    open_ended = _system("homogeneous-lb", env)
+    sim = Simulator(open_ended, env.workload, env.cm, N_GPUS, STEPS, seed=3)
+    sim.run()
+    finite = _system("homogeneous-lb", env)
+    finite.job_groups = STEPS * env.workload.prompts_per_step
+    capped = Simulator(finite, env.workload, env.cm, N_GPUS, STEPS, seed=3)
+    capped.run()
+    assert capped.admitted_groups <= finite.job_groups + capped.dropped_groups
+    assert sim.admitted_groups > finite.job_groups + sim.dropped_groups, "the open-ended run admits ahead"
+    assert sum(capped.step_trajs) == sum(sim.step_trajs), "both train every step in full"
+
+    assert steady_rate([10.0, 20.0, 40.0], 8) == pytest.approx(16 / 30)
+    assert steady_rate([10.0, 20.0, 40.0], 8, drained=True) == pytest.approx(8 / 10)
+    assert steady_rate([10.0, 20.0], 8, drained=True) == 0.0

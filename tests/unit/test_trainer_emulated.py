@@ -49,6 +49,23 @@ def test_an_emulated_step_takes_the_cost_models_time_and_changes_no_weight(
     assert learner.state.version == 1
 
 
+def test_emulated_training_pushes_a_stand_in_to_emulated_engines_only(
+    tiny_model: ModelConfig, tmp_path: Path
+) -> None:
+    """Emulated engines keep no weights, so the push carries a few bytes (its real transfer time
+    would be scaled up by 1/time_scale); real engines still get the whole model."""
+    from services.common.weights import read_header
+
+    to_emulated = _run(tiny_model, 1e-4).model_copy(deep=True)
+    to_emulated.rollout.backend = "emulated"
+    small = Learner(to_emulated, tmp_path / "a").pack()
+    assert small.size < 1024 and small.version == 0
+    assert set(read_header(small.blob)) == {"emulated.version"}
+    whole = Learner(_run(tiny_model, 1e-4), tmp_path / "b").pack()
+    assert whole.size > 100 * small.size
+    assert "emulated.version" not in read_header(whole.blob)
+
+
 def test_an_emulated_step_can_be_abandoned(tiny_model: ModelConfig, tmp_path: Path) -> None:
     learner = Learner(_run(tiny_model, 100.0), tmp_path)
     with pytest.raises(StepAborted):

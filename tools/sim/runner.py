@@ -19,6 +19,17 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def steady_rate(step_ends: list[float], per_step: float, drained: bool = False) -> float:
+    """Trajectories trained per second between the first and the last step's end (the first step
+    is warm-up). With `drained`, the last step is left out too: a job with a finite feed ends by
+    waiting for the groups already out (`SystemConfig.job_groups`), which is the job's end, not its
+    steady state."""
+    ends = step_ends[:-1] if drained else step_ends
+    if len(ends) < 2 or ends[-1] <= ends[0]:
+        return 0.0
+    return per_step * (len(ends) - 1) / (ends[-1] - ends[0])
+
+
 def run_system(
     system: SystemConfig,
     workload: Workload,

@@ -55,6 +55,11 @@ class SystemConfig:
     """When > 0, the training GPUs serve rollout as engines of this TP while the trainer waits for
     a batch, and go back to training when it starts (Libra's elastic pool in the trainer-to-rollout
     direction). Each move costs a colocated role switch; turns running on them move elsewhere."""
+    job_groups: int | None = None
+    """Groups the job launches in all, besides replacements for dropped ones, as the live task
+    feed does (`steps * groups_per_step`): the last steps then wait for the groups already out
+    instead of the first of extra ones to finish. None: no end in sight (a long run's steady
+    state, the default for comparing systems)."""
     update_mode: str = "recompute"
     """How engines take new weights: 'recompute' interrupts running turns, loads, and re-prefills
     their context under the new weights (AReaL's interruptible generation); 'drain' stops starting
@@ -547,6 +552,8 @@ class Simulator:
         """Bounded staleness at admission (AReaL's rule): at most (version + staleness + 1) batches
         admitted, not counting groups that were dropped as too stale."""
         allowed = (self.version + self.sys.staleness + 1) * self.B + self.dropped_groups
+        if self.sys.job_groups is not None:
+            allowed = min(allowed, self.sys.job_groups + self.dropped_groups)
         if self.admitted_groups < allowed:
             self._admit(allowed - self.admitted_groups)
 
