@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from services.common.cost_model import CostModel
+from services.planner.search import BucketPlan, SearchOptions, WorkloadStats, rollout_time
+
+REFIT_QUANTILES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+"""Candidate bucket thresholds: these quantiles of recent trajectories' output tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +63,41 @@ class ReplanPolicy:
         if gain <= self.min_gain * current_step_s:
             return False
         return gain * self.horizon_steps > reconfig_s
+
+
+@dataclass(frozen=True, slots=True)
+class Refit:
+    """The outcome of re-fitting bucket thresholds: the predicted rollout time of the current
+    buckets and of the best candidate, which is None when no candidate beats the current ones."""
+
+    current_s: float
+    best_s: float
+    buckets: list[BucketPlan] | None
+
+    @property
+    def gain(self) -> float:
+        """Predicted fractional reduction of the rollout time."""
+        return (self.current_s - self.best_s) / self.current_s if self.current_s > 0 else 0.0
+
+
+def refit_thresholds(
+    cm: CostModel, stats: WorkloadStats, buckets: Sequence[BucketPlan], opts: SearchOptions
+) -> Refit:
+    """Keeps the buckets (names, TPs, replicas) and tries every ordered choice of thresholds among
+    `REFIT_QUANTILES` of the recent output lengths in `stats`, the last bucket taking the rest; the
+    one with the lowest predicted rollout time wins. The simulator's replanner and the live
+    planner both call this."""
+    cur = rollout_time(cm, stats, buckets, opts)
+    if len(buckets) < 2 or not stats.output_tokens:
+        return Refit(cur, cur, None)
+    xs = stats.output_tokens
+    qs = sorted({xs[min(len(xs) - 1, int(q * len(xs)))] for q in REFIT_QUANTILES})
+    best, best_t = None, cur
+    for cut in itertools.combinations(qs, len(buckets) - 1):
+        cand = [
+            BucketPlan(b.name, b.tp, b.replicas, t) for b, t in zip(buckets, (*cut, math.inf), strict=True)
+        ]
+        t = rollout_time(cm, stats, cand, opts)
+        if t < best_t:
+            best, best_t = cand, t
+    return Refit(cur, best_t, best)

@@ -105,6 +105,14 @@ class CMLFQ:
         self._qlen = [0] * len(self.buckets)
         self._seq = itertools.count()
 
+    def set_thresholds(self, limits: dict[str, float]) -> bool:
+        """New token thresholds for the named buckets (a replanned layout; names and order stay).
+        Trajectories keep their bucket until their next routing decision. True when one changed."""
+        new = [Bucket(b.name, b.tp, float(limits.get(b.name, b.max_tokens)), b.tpot) for b in self.buckets]
+        changed = new != self.buckets
+        self.buckets = new
+        return changed
+
     def level_for(self, total_tokens: float) -> int:
         for i, b in enumerate(self.buckets):
             if total_tokens <= b.max_tokens:

@@ -42,6 +42,10 @@ class Router(Protocol):
 
     def queued(self, bucket: str | None = None) -> int: ...
 
+    def set_thresholds(self, limits: dict[str, float]) -> bool:
+        """A replanned layout's token thresholds per bucket; True when the policy changed."""
+        ...
+
     def to_dict(self) -> dict[str, Any]:
         """What it learned, worth keeping across a restart (C-MLFQ's prefix trees)."""
         ...
@@ -103,6 +107,9 @@ class CMLFQRouter:
 
     def queued(self, bucket: str | None = None) -> int:
         return self.core.queued(bucket)
+
+    def set_thresholds(self, limits: dict[str, float]) -> bool:
+        return self.core.set_thresholds(limits)
 
     def to_dict(self) -> dict[str, Any]:
         return self.core.to_dict()
@@ -190,6 +197,12 @@ class StaticRouter:
         if bucket is None:
             return sum(len(q) for q in self.queues.values())
         return len(self.queues[bucket])
+
+    def set_thresholds(self, limits: dict[str, float]) -> bool:
+        new = [(name, float(limits.get(name, hi))) for name, hi in self.buckets]
+        changed = new != self.buckets
+        self.buckets = new
+        return changed
 
     def to_dict(self) -> dict[str, Any]:
         return {}

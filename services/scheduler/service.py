@@ -612,7 +612,7 @@ class SchedulerService:
         self.tool_statuses[status] += 1
         now = time.monotonic()
         live.times.tool_s += max(0.0, now - live.sent_at)
-        self.workload.tool_return(now, status)
+        self.workload.tool_return(now, status, now - live.sent_at)
         if live.step_span is not None:
             live.step_span.set_attribute("libra.tool_status", status)
             live.step_span.end()
@@ -715,7 +715,10 @@ class SchedulerService:
         )
         await self._durably(self.ledger.published(traj.trajectory_id, live.failure is not None))
         live.span.end()
-        self.workload.trajectory(time.monotonic(), traj.turns, latency)
+        if live.failure is None:  # what the workload is, not what the infrastructure cut short
+            self.workload.trajectory(
+                time.monotonic(), traj.turns, latency, traj.output_tokens, len(traj.prompt_ids)
+            )
         self.completed += 1
         self.failed += live.failure is not None
         self.rewards.append(fin.reward)

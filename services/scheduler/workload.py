@@ -8,6 +8,9 @@ from collections.abc import Iterable
 
 from services.common.contracts import ev
 
+LENGTH_SAMPLE = 512
+"""Most recent trajectories whose output lengths travel in WorkloadStats (the planner's sample)."""
+
 
 def quantiles(values: Iterable[float]) -> ev.LengthQuantiles:
     """Nearest-rank quantiles (p50, p90, p99) and the maximum; all zero for no values."""
@@ -27,17 +30,21 @@ class WorkloadWindow:
             raise ValueError("window_s must be positive")
         self.window_s = window_s
         self._turns: deque[tuple[float, int, int]] = deque()
-        self._trajs: deque[tuple[float, int, float]] = deque()
-        self._tools: deque[tuple[float, str]] = deque()
+        self._trajs: deque[tuple[float, int, float, int, int]] = deque()
+        self._tools: deque[tuple[float, str, float]] = deque()
+        self._lengths: deque[int] = deque(maxlen=LENGTH_SAMPLE)
 
     def turn(self, now: float, new_tokens: int, context_tokens: int) -> None:
         self._turns.append((now, new_tokens, context_tokens))
 
-    def trajectory(self, now: float, turns: int, latency_s: float) -> None:
-        self._trajs.append((now, turns, latency_s))
+    def trajectory(
+        self, now: float, turns: int, latency_s: float, output_tokens: int = 0, prompt_tokens: int = 0
+    ) -> None:
+        self._trajs.append((now, turns, latency_s, output_tokens, prompt_tokens))
+        self._lengths.append(output_tokens)
 
-    def tool_return(self, now: float, status: str) -> None:
-        self._tools.append((now, status))
+    def tool_return(self, now: float, status: str, seconds: float = 0.0) -> None:
+        self._tools.append((now, status, seconds))
 
     def _trim(self, now: float) -> None:
         edge = now - self.window_s
@@ -51,10 +58,19 @@ class WorkloadWindow:
             window_s=self.window_s,
             new_tokens_per_turn=quantiles(n for _, n, _ in self._turns),
             context_tokens_per_turn=quantiles(c for _, _, c in self._turns),
-            turns_per_trajectory=quantiles(t for _, t, _ in self._trajs),
-            trajectory_latency_s=quantiles(lat for _, _, lat in self._trajs),
+            turns_per_trajectory=quantiles(t[1] for t in self._trajs),
+            trajectory_latency_s=quantiles(t[2] for t in self._trajs),
             queued_turns_by_bucket=queued_by_bucket,
-            tool_returns_by_status=dict(Counter(s for _, s in self._tools)),
+            tool_returns_by_status=dict(Counter(s for _, s, _ in self._tools)),
             trajectories_per_s=len(self._trajs) / self.window_s,
             trained_version=trained_version,
+            trajectory_output_tokens=list(self._lengths),
+            tool_s_per_turn=_mean(s for _, _, s in self._tools),
+            prompt_tokens=_mean(t[4] for t in self._trajs),
+            turns_per_trajectory_mean=_mean(t[1] for t in self._trajs),
         )
+
+
+def _mean(values: Iterable[float]) -> float:
+    xs = list(values)
+    return sum(xs) / len(xs) if xs else 0.0

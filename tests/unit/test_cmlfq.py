@@ -176,3 +176,18 @@ def test_aged_turn_is_stolen_by_an_idle_bucket_that_is_not_adjacent():
     assert q.dequeue("long", 10.0) is None
     assert q.dequeue("long", 40.0) == "t"
     assert q.bucket_of("t") == "long" and q.queued() == 0
+
+
+def test_replanned_thresholds_route_the_next_decision_and_keep_names_and_order():
+    q = make(use_tree=False)
+    q.admit("t", "p", 0.0)
+    assert q.on_tool_return("t", OK, 2500, 3000, 1.0).bucket == "medium"
+    assert q.set_thresholds({"short": 4000.0, "medium": 9000.0})
+    assert [(b.name, b.max_tokens) for b in q.buckets] == [
+        ("short", 4000),
+        ("medium", 9000),
+        ("long", math.inf),
+    ]
+    assert not q.set_thresholds({"short": 4000.0}), "nothing changed"
+    q.admit("u", "p", 2.0)
+    assert q.on_tool_return("u", OK, 2500, 3000, 3.0).bucket == "short", "2500 tokens fit the new short"

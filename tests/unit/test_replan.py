@@ -34,3 +34,29 @@ def test_marginal_or_negative_gains_are_rejected_but_still_start_the_cooldown():
     assert not p.accept(50.0, current_step_s=100.0, new_step_s=120.0, reconfig_s=0.0)
     assert p.last_replan == 50.0
     assert p.should_replan(100.0, ReplanSignals(queue_pressure=99.0)) == (False, "cooldown")
+
+
+def test_refit_moves_the_threshold_to_where_the_lengths_are_and_never_predicts_worse():
+    """Short outputs mostly near 2k tokens and a tail near 30k: a threshold set for a different
+    workload (500 tokens) sends everything to the TP2 bucket; the refit puts it among the new
+    quantiles and predicts a shorter rollout. One bucket has nothing to refit."""
+    import random
+
+    from services.common.cost_model import load_presets
+    from services.planner.replan import refit_thresholds
+    from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
+
+    rng = random.Random(0)
+    lengths = [rng.gauss(2000, 300) for _ in range(180)] + [rng.gauss(30000, 3000) for _ in range(20)]
+    stats = WorkloadStats(64, lengths, mean_turns=6, mean_tool_s=5.0, prompt_tokens=2000)
+    cm = load_presets("H100", "qwen3-14b")
+    stale = [BucketPlan("short", 1, 4, 500), BucketPlan("long", 2, 4, float("inf"))]
+    refit = refit_thresholds(cm, stats, stale, SearchOptions(max_seqs=16))
+    assert refit.buckets is not None and refit.best_s < refit.current_s and refit.gain > 0
+    assert [(b.name, b.tp, b.replicas) for b in refit.buckets] == [("short", 1, 4), ("long", 2, 4)]
+    assert stats.quantile(0.5) <= refit.buckets[0].max_tokens < 30000
+    assert refit.buckets[-1].max_tokens == float("inf")
+    again = refit_thresholds(cm, stats, refit.buckets, SearchOptions(max_seqs=16))
+    assert again.buckets is None and again.gain == 0, "the refit layout is a fixed point"
+    single = refit_thresholds(cm, stats, [BucketPlan("all", 1, 8, float("inf"))], SearchOptions())
+    assert single.buckets is None

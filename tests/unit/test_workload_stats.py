@@ -18,11 +18,11 @@ def test_window_forgets_what_is_older_than_it() -> None:
     w.turn(0.0, new_tokens=1000, context_tokens=5000)  # falls out of the window
     for i in range(10):
         w.turn(5.0 + i * 0.1, new_tokens=10 + i, context_tokens=100)
-    w.trajectory(6.0, turns=3, latency_s=2.5)
-    w.trajectory(7.0, turns=5, latency_s=4.0)
-    w.tool_return(6.0, "ok")
-    w.tool_return(6.5, "error")
-    w.tool_return(6.6, "ok")
+    w.trajectory(6.0, turns=3, latency_s=2.5, output_tokens=300, prompt_tokens=50)
+    w.trajectory(7.0, turns=5, latency_s=4.0, output_tokens=900, prompt_tokens=70)
+    w.tool_return(6.0, "ok", 1.0)
+    w.tool_return(6.5, "error", 2.0)
+    w.tool_return(6.6, "ok", 3.0)
     s = w.stats(12.0, {"short": 3}, trained_version=4)
     assert s.new_tokens_per_turn.count == 10 and s.new_tokens_per_turn.max == 19
     assert s.context_tokens_per_turn.p99 == 100
@@ -31,4 +31,6 @@ def test_window_forgets_what_is_older_than_it() -> None:
     assert dict(s.tool_returns_by_status) == {"ok": 2, "error": 1}
     assert dict(s.queued_turns_by_bucket) == {"short": 3}
     assert s.trajectories_per_s == pytest.approx(0.2) and s.trained_version == 4
+    assert list(s.trajectory_output_tokens) == [300, 900]
+    assert (s.tool_s_per_turn, s.prompt_tokens, s.turns_per_trajectory_mean) == (2.0, 60.0, 4.0)
     assert w.stats(30.0, {}, 4).new_tokens_per_turn.count == 0

@@ -9,7 +9,6 @@ same core modules the services use.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import random
 from collections import deque
@@ -19,8 +18,8 @@ from typing import Any
 from services.common.cost_model import CostModel
 from services.common.synthetic import TrajectorySpec, Workload
 from services.planner.hybrid_pool import HybridPool, PoolPolicy, Role
-from services.planner.replan import ReplanPolicy, ReplanSignals
-from services.planner.search import BucketPlan, SearchOptions, WorkloadStats, rollout_time
+from services.planner.replan import ReplanPolicy, ReplanSignals, refit_thresholds
+from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
 from services.scheduler.cmlfq import EngineView
 from tools.sim.engine import Engine, Request
 from tools.sim.ledger import Ledger, Meter
@@ -656,31 +655,15 @@ class Simulator:
         if not fire:
             return
         stats = self.workload_stats(list(self.recent_lengths))
-        opts = SearchOptions(max_seqs=self.sys.max_seqs)
-        cur = rollout_time(self.cm, stats, self.sys.buckets, opts)
-        best, best_t = None, cur
-        xs = sorted(self.recent_lengths)
-        qs = sorted({xs[min(len(xs) - 1, int(q * len(xs)))] for q in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)})
-        k = len(self.sys.buckets)
-        for cut in itertools.combinations(qs, k - 1):
-            cand = [
-                BucketPlan(b.name, b.tp, b.replicas, t)
-                for b, t in zip(self.sys.buckets, (*cut, math.inf), strict=True)
-            ]
-            t = rollout_time(self.cm, stats, cand, opts)
-            if t < best_t:
-                best, best_t = cand, t
+        refit = refit_thresholds(self.cm, stats, self.sys.buckets, SearchOptions(max_seqs=self.sys.max_seqs))
+        best, cur, best_t = refit.buckets, refit.current_s, refit.best_s
         applied = best is not None and rp.accept(self.now, cur, best_t, 0.0)
         if not applied:
             rp.last_replan = self.now
         self.replans.append({"t": self.now, "reason": reason, "applied": applied, "pred_s": [cur, best_t]})
-        if applied and best is not None and hasattr(self.router, "core"):
+        if applied and best is not None and not self.sys.pooled_routing:
             self.sys.buckets = best
-            core = self.router.core
-            core.buckets = [
-                type(cb)(cb.name, cb.tp, nb.max_tokens, cb.tpot)
-                for cb, nb in zip(core.buckets, best, strict=False)
-            ]
+            self.router.set_thresholds({b.name: b.max_tokens for b in best})
 
     def workload_stats(self, lengths: list[int]) -> WorkloadStats:
         base = self.sys.notes.get("profile")

@@ -257,18 +257,22 @@ class BucketSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("plan_version", "assignments", "reason", "lease_ttl_s", "buckets")
+    __slots__ = ("plan_version", "assignments", "reason", "lease_ttl_s", "buckets", "planner_epoch", "predicted_gain")
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    PLANNER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_GAIN_FIELD_NUMBER: _ClassVar[int]
     plan_version: int
     assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
     reason: str
     lease_ttl_s: float
     buckets: _containers.RepeatedCompositeFieldContainer[BucketSpec]
-    def __init__(self, plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ...) -> None: ...
+    planner_epoch: int
+    predicted_gain: float
+    def __init__(self, plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., reason: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., planner_epoch: _Optional[int] = ..., predicted_gain: _Optional[float] = ...) -> None: ...
 
 class LengthQuantiles(_message.Message):
     __slots__ = ("count", "p50", "p90", "p99", "max")
@@ -285,7 +289,7 @@ class LengthQuantiles(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
 
 class WorkloadStats(_message.Message):
-    __slots__ = ("window_s", "new_tokens_per_turn", "context_tokens_per_turn", "turns_per_trajectory", "trajectory_latency_s", "queued_turns_by_bucket", "tool_returns_by_status", "trajectories_per_s", "trained_version")
+    __slots__ = ("window_s", "new_tokens_per_turn", "context_tokens_per_turn", "turns_per_trajectory", "trajectory_latency_s", "queued_turns_by_bucket", "tool_returns_by_status", "trajectories_per_s", "trained_version", "trajectory_output_tokens", "tool_s_per_turn", "prompt_tokens", "turns_per_trajectory_mean")
     class QueuedTurnsByBucketEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +313,10 @@ class WorkloadStats(_message.Message):
     TOOL_RETURNS_BY_STATUS_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_PER_S_FIELD_NUMBER: _ClassVar[int]
     TRAINED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_S_PER_TURN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_PER_TRAJECTORY_MEAN_FIELD_NUMBER: _ClassVar[int]
     window_s: float
     new_tokens_per_turn: LengthQuantiles
     context_tokens_per_turn: LengthQuantiles
@@ -318,7 +326,11 @@ class WorkloadStats(_message.Message):
     tool_returns_by_status: _containers.ScalarMap[str, int]
     trajectories_per_s: float
     trained_version: int
-    def __init__(self, window_s: _Optional[float] = ..., new_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., context_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., turns_per_trajectory: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., trajectory_latency_s: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., queued_turns_by_bucket: _Optional[_Mapping[str, int]] = ..., tool_returns_by_status: _Optional[_Mapping[str, int]] = ..., trajectories_per_s: _Optional[float] = ..., trained_version: _Optional[int] = ...) -> None: ...
+    trajectory_output_tokens: _containers.RepeatedScalarFieldContainer[int]
+    tool_s_per_turn: float
+    prompt_tokens: float
+    turns_per_trajectory_mean: float
+    def __init__(self, window_s: _Optional[float] = ..., new_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., context_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., turns_per_trajectory: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., trajectory_latency_s: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., queued_turns_by_bucket: _Optional[_Mapping[str, int]] = ..., tool_returns_by_status: _Optional[_Mapping[str, int]] = ..., trajectories_per_s: _Optional[float] = ..., trained_version: _Optional[int] = ..., trajectory_output_tokens: _Optional[_Iterable[int]] = ..., tool_s_per_turn: _Optional[float] = ..., prompt_tokens: _Optional[float] = ..., turns_per_trajectory_mean: _Optional[float] = ...) -> None: ...
 
 class RoleChange(_message.Message):
     __slots__ = ("worker_id", "from_role", "to_role", "bucket", "fencing_token")
