@@ -85,6 +85,7 @@ def live_config(ns: argparse.Namespace, workload: Workload, policy: str) -> dict
             "torch_threads": 1,
         },
         "job": {"stall_timeout_s": 600},
+        "planner": {"replan": False},  # the simulated configuration keeps its buckets too
     }
 
 

@@ -27,7 +27,7 @@ from services.common import control, subjects
 from services.common.bus import Bus, Envelope, close_nats
 from services.common.contracts import ev, ws, ws_grpc
 from services.common.grpc_auth import bearer_metadata
-from services.common.ownership import committed_key, trained_key
+from services.common.ownership import committed_key, plans_key, trained_key
 from services.common.runconfig import RunConfig
 from services.scheduler.ledger import Accounting, read_accounting
 from tools.stack import ROOT, Stack, read_stack_file
@@ -437,6 +437,13 @@ class JobDriver:
                 ]
         return []
 
+    async def _plans(self) -> list[dict[str, Any]] | dict[str, str]:
+        """Every plan of the run, from the planner's fenced plan history in Redis."""
+        try:
+            return [json.loads(x) for x in await self.redis.lrange(plans_key(self.run_id), 0, -1)]
+        except Exception as err:  # Redis away: the report says so
+            return {"error": f"the plan history could not be read: {type(err).__name__}: {err}"}
+
     async def _report(
         self,
         status: str,
@@ -466,6 +473,7 @@ class JobDriver:
             accounting, accounting_error = None, f"{type(err).__name__}: {err}"
         engines = await engine_versions(self._engines(), self.stack.grpc_token()) if self.targets else []
         buckets = await self._buckets()
+        plans = await self._plans()
         stats = self.stats or ev.SchedulerStats()
         report: dict[str, Any] = {
             "run_id": self.run_id,
@@ -525,6 +533,7 @@ class JobDriver:
             "groups_replaced": stats.groups_replaced,
             "group_outcomes": dict(stats.group_outcomes),
             "buckets": buckets,
+            "plans": plans,
             "migrations": stats.migrations,
             "routing_policy": cfg.rollout.policy,
             "scheduler": {

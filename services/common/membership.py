@@ -85,8 +85,18 @@ class Membership:
         await self._apply(plan)
 
     async def _apply(self, plan: ev.Plan) -> None:
-        if self.plan is not None and plan.plan_version < self.plan.plan_version:
-            return
+        if self.plan is not None:
+            if plan.planner_epoch < self.plan.planner_epoch:
+                # from a planner that lost its lease to the one whose plans we follow: refused
+                self.log.warning(
+                    "plan_refused_stale_planner",
+                    epoch=plan.planner_epoch,
+                    current_epoch=self.plan.planner_epoch,
+                    plan_version=plan.plan_version,
+                )
+                return
+            if plan.planner_epoch == self.plan.planner_epoch and plan.plan_version < self.plan.plan_version:
+                return
         self.plan = plan
         mine = next((a for a in plan.assignments if a.worker_id == self.hello.worker_id), None)
         if mine is not None:

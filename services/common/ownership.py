@@ -40,6 +40,13 @@ return 0
 """
 
 
+FENCED_PUSH = """
+local held = redis.call('HGET', KEYS[1], 'token')
+if not held or tonumber(held) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[2])
+return 1
+"""
+
 COMMIT = """
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
 local n = tonumber(ARGV[2])
@@ -56,6 +63,11 @@ return 1
 def committed_key(run_id: str) -> str:
     """The trainer's commit record: step, version and checkpoint of its last committed step."""
     return f"libra:{run_id}:trainer:committed"
+
+
+def plans_key(run_id: str) -> str:
+    """Every plan the planner published, oldest first (JSON: version, epoch, reason, gain, ...)."""
+    return f"libra:{run_id}:plans"
 
 
 def trained_key(run_id: str) -> str:
@@ -78,6 +90,7 @@ class OwnershipStore:
         self._renew = client.register_script(RENEW)
         self._release = client.register_script(RELEASE)
         self._commit = client.register_script(COMMIT)
+        self._fenced_push = client.register_script(FENCED_PUSH)
 
     @classmethod
     def from_url(
@@ -132,6 +145,16 @@ class OwnershipStore:
         args += sorted(trained)
         keys = [self._key(resource), committed_key(self.run_id), trained_key(self.run_id)]
         return bool(await self._commit(keys=keys, args=args))
+
+    async def fenced_record_plan(self, resource: str, token: int, entry: str) -> bool:
+        """Appends a published plan's record to the run's plan history, only while `token` holds
+        the lease on `resource` (the planner's): a planner that lost its lease records nothing, and
+        publishes nothing either."""
+        keys = [self._key(resource), plans_key(self.run_id)]
+        return bool(await self._fenced_push(keys=keys, args=[token, entry]))
+
+    async def plans(self) -> list[str]:
+        return [str(x) for x in await self.r.lrange(plans_key(self.run_id), 0, -1)]
 
     async def committed(self) -> dict[str, str]:
         """The trainer's commit record of this run (empty before its first committed step)."""

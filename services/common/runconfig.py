@@ -130,6 +130,24 @@ class JobConfig(_Strict):
     to other engines after about this long."""
 
 
+class PlannerConfig(_Strict):
+    replan: bool = True
+    """Re-fit the buckets' token thresholds to the live workload while the run goes on (C-MLFQ
+    with two buckets or more): the planner watches the scheduler's workload stats and publishes a
+    new plan when the predicted gain is worth it (docs/planner.md)."""
+    interval_s: float = Field(120.0, gt=0.0)
+    """Wall seconds between periodic re-fits (queue pressure and stage imbalance trigger earlier)."""
+    cooldown_s: float = Field(30.0, ge=0.0)
+    """No re-fit within this many seconds of the last one evaluated."""
+    min_gain: float = Field(0.03, ge=0.0, le=1.0)
+    """A new plan must predict at least this fractional reduction of the rollout time."""
+    min_samples: int = Field(32, ge=1)
+    """Completed trajectories the planner needs before its first re-fit."""
+    cost_model: EmulatedConfig | None = None
+    """GPU and model presets the planner predicts with; default `rollout.emulated`'s (for real
+    engines, name your hardware and model here)."""
+
+
 class RunConfig(_Strict):
     name: str = "default"
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -137,6 +155,7 @@ class RunConfig(_Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     job: JobConfig = Field(default_factory=JobConfig)
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

@@ -1,10 +1,20 @@
-"""The planner's service shell: registers workers with leased, fenced ownership in Redis and
-publishes the plan (durably, on JetStream) whenever it changes."""
+"""The planner's service shell: registers workers with leased, fenced ownership in Redis,
+re-fits the buckets to the live workload, and publishes the plan (durably, on JetStream) whenever
+it changes.
+
+The planner holds a lease of its own (`role:planner`); its fencing token is the plan's
+`planner_epoch`. It records every plan in the run's plan history (Redis) under that lease before
+publishing it, so a planner that lost its lease publishes nothing, and workers refuse a plan from
+an older epoch than one they already follow.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import math
+import time
 
 from services.common import subjects
 from services.common.bus import Bus, Envelope
@@ -13,20 +23,47 @@ from services.common.contracts import ev
 from services.common.errors import require
 from services.common.logging import get_logger
 from services.common.membership import TRAINER_ROLE, lease_resource
-from services.common.ownership import OwnershipStore
+from services.common.ownership import Lease, OwnershipStore
 from services.common.runconfig import RunConfig, load_run_config
 from services.planner.assign import Slot, StaticAssigner
 from services.planner.config import PlannerSettings
+from services.planner.refit import LiveReplanner
+
+PLANNER_ROLE = "role:planner"
 
 
 class PlannerService:
-    def __init__(self, settings: PlannerSettings, cfg: RunConfig, bus: Bus, store: OwnershipStore):
+    def __init__(
+        self,
+        settings: PlannerSettings,
+        cfg: RunConfig,
+        bus: Bus,
+        store: OwnershipStore,
+        worker_id: str = "planner",
+    ):
         self.settings, self.cfg, self.bus, self.store = settings, cfg, bus, store
+        self.worker_id = worker_id
         self.assigner = StaticAssigner([b.name for b in cfg.rollout.buckets])
         self.slots: dict[str, Slot] = {}
         self.version = 0
         self.dirty = False
+        self.lease: Lease | None = None
+        self.buckets = [
+            ev.BucketSpec(
+                name=b.name,
+                tensor_parallel=b.tensor_parallel,
+                max_context_tokens=b.max_context_tokens,
+                max_output_tokens=b.max_output_tokens or 0,
+            )
+            for b in cfg.rollout.buckets
+        ]
+        self.reason, self.gain = "static", 0.0
+        self.replanner = LiveReplanner(cfg)
         self.log = get_logger(component="planner")
+
+    @property
+    def epoch(self) -> int:
+        return self.lease.token if self.lease is not None else 0
 
     async def start(self) -> None:
         self.stream = await self.bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
@@ -37,8 +74,18 @@ class PlannerService:
                 self.slots[a.worker_id] = Slot(
                     a.worker_id, "", a.role, a.bucket, a.weight_sync_addr, a.tensor_parallel, a.fencing_token
                 )
+            if [b.name for b in last.buckets] == [b.name for b in self.buckets]:
+                self.buckets = [ev.BucketSpec.FromString(b.SerializeToString()) for b in last.buckets]
         await self.bus.subscribe(subjects.WORKER_HELLO, ev.WorkerHello, self._on_hello)
+        await self.bus.subscribe(subjects.WORKLOAD_STATS, ev.WorkloadStats, self._on_workload)
+        await self.bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, self._on_train_metrics)
         self.bus.spawn(self._loop())
+
+    async def _on_workload(self, stats: ev.WorkloadStats, _: Envelope) -> None:
+        self.replanner.observe_workload(time.monotonic(), stats)
+
+    async def _on_train_metrics(self, m: ev.TrainMetrics, _: Envelope) -> None:
+        self.replanner.observe_step(time.monotonic(), m)
 
     async def _on_hello(self, hello: ev.WorkerHello, _: Envelope) -> None:
         require(bool(hello.worker_id), "worker hello without worker_id")
@@ -93,8 +140,11 @@ class PlannerService:
                 self.log.warning("planner_tick_failed", error=f"{type(err).__name__}: {err}")
 
     async def _tick(self) -> None:
-        """Drops workers whose lease ran out, promotes a standby trainer if the role is free, and
-        publishes the plan if it changed."""
+        """Keeps the planner's own lease, drops workers whose lease ran out, promotes a standby
+        trainer if the role is free, re-fits the buckets when a trigger fires, and publishes the
+        plan if it changed."""
+        if not await self._hold_lease():
+            return
         for slot in list(self.slots.values()):
             held = await self.store.holder(lease_resource(slot.role, slot.worker_id))
             if held is None or held.token != slot.fencing_token:
@@ -103,8 +153,47 @@ class PlannerService:
                 self.log.warning("worker_lease_expired", worker_id=slot.worker_id, role=slot.role)
         if not any(s.role == "train" for s in self.slots.values()):
             await self._promote_standby()
+        self._maybe_replan()
         if self.dirty:
             await self._publish()
+
+    async def _hold_lease(self) -> bool:
+        """Renews the planner's lease, or takes it when free (a new epoch). Without it the planner
+        does nothing: another planner may be in charge."""
+        ttl = self.cfg.job.lease_ttl_s
+        if self.lease is not None and await self.store.renew(self.lease, ttl):
+            return True
+        if self.lease is not None:
+            self.log.warning("planner_lease_lost", epoch=self.lease.token)
+            self.lease = None
+        lease = await self.store.acquire(PLANNER_ROLE, self.worker_id, ttl, meta="planner")
+        if lease is None:
+            return False
+        self.lease = lease
+        self.dirty = True  # the plan goes out again under the new epoch
+        self.log.info("planner_lease_taken", epoch=lease.token)
+        return True
+
+    def _maybe_replan(self) -> None:
+        """New bucket thresholds when a trigger fires and the predicted gain is worth it."""
+        replicas = {b.name: 0 for b in self.buckets}
+        for s in self.slots.values():
+            if s.role == "rollout" and s.bucket in replicas:
+                replicas[s.bucket] += 1
+        decision = self.replanner.decide(time.monotonic(), self.buckets, replicas)
+        if decision is None:
+            return
+        for b, limit in zip(self.buckets, decision.limits, strict=True):
+            b.max_output_tokens = 0 if math.isinf(limit) else int(limit)
+        self.reason, self.gain = f"replan:{decision.trigger}", decision.gain
+        self.dirty = True
+        self.log.info(
+            "buckets_refit",
+            trigger=decision.trigger,
+            thresholds={b.name: b.max_output_tokens for b in self.buckets},
+            predicted_gain=round(decision.gain, 4),
+            predicted_rollout_s=[round(decision.current_s, 1), round(decision.best_s, 1)],
+        )
 
     async def _promote_standby(self) -> None:
         """The trainer's lease expired (dead, paused, cut off): a standby trainer takes the role under
@@ -124,20 +213,14 @@ class PlannerService:
             return
 
     async def _publish(self) -> None:
-        self.version += 1
+        assert self.lease is not None
         plan = ev.Plan(
-            plan_version=self.version,
-            reason="static",
+            plan_version=self.version + 1,
+            reason=self.reason,
             lease_ttl_s=self.cfg.job.lease_ttl_s,
-            buckets=[
-                ev.BucketSpec(
-                    name=b.name,
-                    tensor_parallel=b.tensor_parallel,
-                    max_context_tokens=b.max_context_tokens,
-                    max_output_tokens=b.max_output_tokens or 0,
-                )
-                for b in self.cfg.rollout.buckets
-            ],
+            planner_epoch=self.lease.token,
+            predicted_gain=self.gain,
+            buckets=self.buckets,
             assignments=[
                 ev.Assignment(
                     worker_id=s.worker_id,
@@ -150,9 +233,28 @@ class PlannerService:
                 for s in sorted(self.slots.values(), key=lambda s: s.worker_id)
             ],
         )
-        await self.bus.publish_durable(subjects.PLAN, plan, msg_id=f"plan-{self.version}")
+        record = {
+            "version": plan.plan_version,
+            "epoch": plan.planner_epoch,
+            "reason": plan.reason,
+            "predicted_gain": round(plan.predicted_gain, 4),
+            "buckets": {b.name: b.max_output_tokens or None for b in plan.buckets},
+            "workers": len(plan.assignments),
+            "at": time.time(),
+        }
+        if not await self.store.fenced_record_plan(PLANNER_ROLE, self.lease.token, json.dumps(record)):
+            self.log.warning("plan_not_published_lease_lost", epoch=self.lease.token)
+            self.lease = None
+            return
+        self.version = plan.plan_version
+        await self.bus.publish_durable(
+            subjects.PLAN, plan, msg_id=f"plan-{plan.planner_epoch}-{plan.plan_version}"
+        )
         self.dirty = False
-        self.log.info("plan_published", plan_version=self.version, workers=len(self.slots))
+        self.reason, self.gain = "membership", 0.0
+        self.log.info(
+            "plan_published", plan_version=self.version, epoch=plan.planner_epoch, workers=len(self.slots)
+        )
 
 
 async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:
@@ -165,6 +267,6 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
     stack.push_async_callback(bus.close)
     store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret(), common.tls())
     stack.push_async_callback(store.close)
-    await PlannerService(settings, cfg, bus, store).start()
+    await PlannerService(settings, cfg, bus, store, common.worker_id).start()
     get_logger().info("planner_ready", buckets=[b.name for b in cfg.rollout.buckets])
     await stop.wait()

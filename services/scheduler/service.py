@@ -136,6 +136,9 @@ class SchedulerService:
         self.bus.spawn(self._loop())
 
     async def _on_plan(self, plan: ev.Plan) -> None:
+        limits = {b.name: float(b.max_output_tokens or math.inf) for b in plan.buckets}
+        if limits and self.dispatch.router.set_thresholds(limits):
+            self.log.info("bucket_thresholds_changed", thresholds=limits, reason=plan.reason)
         current = {a.worker_id: a for a in plan.assignments if a.role in ("rollout", "hybrid")}
         # an engine that left the plan, or came back under a new lease (it restarted), has lost
         # whatever turns it was running

@@ -180,6 +180,9 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
             (cfg.rollout.buckets[0].name, 1, engines)
         ]
         assert report["migrations"] == 0
+        # the planner's fenced plan history: every plan under its lease's epoch
+        assert report["plans"] and all(p["epoch"] >= 1 for p in report["plans"]), report["plans"]
+        assert report["plans"][0]["reason"] == "static"
         # every trajectory handed to the trainer is trained, dropped with its group, or still open
         acc = report["trajectories_accounting"]
         assert report["trajectories_lost"] == 0 and acc["lost_ids"] == [], acc
@@ -278,6 +281,7 @@ def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path
             await asyncio.sleep(0.1)
         plan = ev.Plan(
             plan_version=10**9,
+            planner_epoch=10**6,  # a lying planner, not a stale one (workers refuse older epochs)
             reason="forged",
             assignments=[ev.Assignment(worker_id=g, role="rollout", bucket="short") for g in ghosts],
         )

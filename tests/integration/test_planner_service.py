@@ -96,3 +96,108 @@ async def test_standby_takes_the_trainer_role_and_the_planner_outlives_redis(rig
     held = await store.holder(TRAINER_ROLE)
     token_b = next(a.fencing_token for a in final.assignments if a.worker_id == "trainer-b")
     assert held is not None and held.owner == "trainer-b" and held.token == token_b
+
+
+async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replaced_planner_goes_quiet(
+    nats_server: Server, run_id: str, redis_server: Server
+) -> None:
+    """Workload stats whose lengths do not fit the configured threshold (500 tokens) make the
+    planner publish a re-fitted plan (reason, predicted gain, its lease's epoch) and record it in
+    the run's plan history. When another planner takes the lease, the first one publishes nothing
+    more, and a worker that follows the new epoch refuses the old one's plan."""
+    import json
+    import random
+
+    from services.common.membership import Membership
+    from services.common.ownership import plans_key
+    from services.planner.service import PLANNER_ROLE
+
+    cfg = RunConfig.model_validate(
+        {
+            "rollout": {
+                "engines": 4,
+                "backend": "emulated",
+                "max_batch": 16,
+                "buckets": [
+                    {"name": "short", "max_output_tokens": 500},
+                    {"name": "long", "tensor_parallel": 2},
+                ],
+            },
+            "training": {"groups_per_step": 16},  # 64 trajectories a step: throughput, not one tail
+            "job": {"lease_ttl_s": 60.0},  # nobody renews the engines' leases here
+            "planner": {"interval_s": 0.3, "cooldown_s": 0.0, "min_samples": 32},
+        }
+    )
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    bus_a = await Bus.connect(nats_server.url, run_id, "planner", "planner-a")
+    bus_b = await Bus.connect(nats_server.url, run_id, "planner", "planner-b")
+    watcher = await Bus.connect(nats_server.url, run_id, "test", "watcher")
+    plans: list[ev.Plan] = []
+
+    async def on_plan(p: ev.Plan, _: Envelope) -> None:
+        plans.append(p)
+
+    await watcher.subscribe(subjects.PLAN, ev.Plan, on_plan)
+    first = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus_a, store, "planner-a")
+    await first.start()
+    try:
+        for i in range(4):
+            await watcher.publish(
+                subjects.WORKER_HELLO,
+                ev.WorkerHello(worker_id=f"engine-{i}", kind="rollout-engine", weight_sync_addr=f"x:{i}"),
+            )
+        await _until("plan", lambda: plans and len(plans[-1].assignments) == 4)
+        epoch = plans[-1].planner_epoch
+        assert epoch > 0 and plans[-1].reason in ("static", "membership")
+        assert [(b.name, b.max_output_tokens) for b in plans[-1].buckets] == [("short", 500), ("long", 0)]
+
+        rng = random.Random(0)
+        lengths = [int(rng.gauss(2000, 300)) for _ in range(180)] + [
+            int(rng.gauss(30000, 3000)) for _ in range(20)
+        ]
+        stats = ev.WorkloadStats(
+            trajectory_output_tokens=lengths,
+            tool_s_per_turn=5.0,
+            prompt_tokens=2000,
+            turns_per_trajectory_mean=6,
+        )
+        await watcher.publish(subjects.WORKLOAD_STATS, stats)
+        await _until("refit", lambda: plans[-1].reason.startswith("replan:"))
+        refit = plans[-1]
+        assert refit.planner_epoch == epoch and refit.predicted_gain > 0.03
+        short = refit.buckets[0].max_output_tokens
+        assert 1500 <= short < 30000 and refit.buckets[1].max_output_tokens == 0
+        assert len(refit.assignments) == 4, "the workers stay where they are"
+        history = [json.loads(x) for x in await store.r.lrange(plans_key(run_id), 0, -1)]
+        assert history[-1]["reason"] == refit.reason and history[-1]["buckets"]["short"] == short
+        assert all(h["epoch"] == epoch for h in history)
+
+        # a worker following this planner
+        follower = Membership(watcher, store, ev.WorkerHello(worker_id="engine-0", kind="rollout-engine"))
+        await follower._apply(refit)
+
+        # the lease passes to another planner (the first one was paused past its TTL, say): one
+        # atomic write, so the first planner cannot take it back in between
+        await store.r.hset(f"libra:{run_id}:lease:{PLANNER_ROLE}", "owner", "planner-b")
+        second = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus_b, store, "planner-b")
+        await second.start()
+        await _until("takeover", lambda: plans[-1].planner_epoch > epoch)
+        new_epoch, takeover = plans[-1].planner_epoch, len(plans) - 1
+        assert [b.max_output_tokens for b in plans[-1].buckets] == [short, 0], "it continues the plan"
+        await follower._apply(plans[-1])
+        await asyncio.sleep(1.0)  # the first planner's ticks: its renewal fails, it stays quiet
+        assert first.lease is None and all(p.planner_epoch == new_epoch for p in plans[takeover:])
+        seen = len(plans)
+        first.dirty = True  # even with something to say
+        await asyncio.sleep(0.5)
+        assert len(plans) == seen
+        # a plan from the old epoch, however new its version, is refused by the follower
+        forged = ev.Plan(plan_version=999, planner_epoch=epoch, reason="forged", assignments=[])
+        await follower._apply(forged)
+        assert follower.plan is not None and follower.plan.planner_epoch == new_epoch
+        assert follower.assignment is not None and follower.assignment.worker_id == "engine-0"
+    finally:
+        for b in (bus_a, bus_b, watcher):
+            await b.close()
+            await b.nc.close()
+        await store.close()

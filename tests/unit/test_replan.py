@@ -60,3 +60,53 @@ def test_refit_moves_the_threshold_to_where_the_lengths_are_and_never_predicts_w
     assert again.buckets is None and again.gain == 0, "the refit layout is a fixed point"
     single = refit_thresholds(cm, stats, [BucketPlan("all", 1, 8, float("inf"))], SearchOptions())
     assert single.buckets is None
+
+
+def test_the_live_replanner_waits_for_data_and_an_interval_and_only_refits_cmlfq_buckets():
+    import random
+
+    from services.common.contracts import ev
+    from services.common.runconfig import RunConfig
+    from services.planner.refit import LiveReplanner
+
+    def cfg(**rollout):
+        base = {
+            "engines": 4,
+            "backend": "emulated",
+            "max_batch": 16,
+            "buckets": [{"name": "short", "max_output_tokens": 500}, {"name": "long", "tensor_parallel": 2}],
+        }
+        return RunConfig.model_validate(
+            {
+                "rollout": base | rollout,
+                "training": {"groups_per_step": 16},
+                "planner": {"interval_s": 10.0, "cooldown_s": 0.0, "min_samples": 100},
+            }
+        )
+
+    rng = random.Random(0)
+    lengths = [int(rng.gauss(2000, 300)) for _ in range(180)] + [
+        int(rng.gauss(30000, 3000)) for _ in range(20)
+    ]
+    stats = ev.WorkloadStats(
+        trajectory_output_tokens=lengths, tool_s_per_turn=5.0, prompt_tokens=2000, turns_per_trajectory_mean=6
+    )
+    buckets = [
+        ev.BucketSpec(name="short", tensor_parallel=1, max_output_tokens=500),
+        ev.BucketSpec(name="long", tensor_parallel=2),
+    ]
+    replicas = {"short": 2, "long": 2}
+    r = LiveReplanner(cfg())
+    few = ev.WorkloadStats(trajectory_output_tokens=lengths[:50])
+    r.observe_workload(0.0, few)
+    assert r.decide(100.0, buckets, replicas) is None, "fewer samples than min_samples"
+    r = LiveReplanner(cfg())
+    r.observe_workload(0.0, stats)
+    assert r.decide(5.0, buckets, replicas) is None, "the first re-fit waits one interval of data"
+    d = r.decide(10.0, buckets, replicas)
+    assert d is not None and d.trigger == "interval" and d.gain > 0.03
+    assert d.limits[0] > 500 and d.limits[-1] == float("inf")
+    for off in (cfg(policy="least_loaded"), cfg(buckets=[{"name": "all"}])):
+        r = LiveReplanner(off)
+        r.observe_workload(0.0, stats)
+        assert r.decide(100.0, buckets, replicas) is None
