@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from services.trainer.data import Sample, micro_batches
+from services.trainer.data_parallel import all_reduce_gradients, share
 from services.trainer.grpo import LossMetrics, group_advantages, policy_loss, token_logprobs
 
 
@@ -47,17 +48,27 @@ def train_step(
     pad_id: int,
     max_grad_norm: float = 1.0,
     should_abort: Callable[[], bool] = lambda: False,
+    dp_group: Any = None,
 ) -> StepStats:
+    """With `dp_group` (a torch.distributed group whose rank 0 is the trainer), this replica
+    computes its share of the micro-batches and the gradients are summed over the group
+    (`data_parallel`); only rank 0 clips and steps. Every replica must call it with the same
+    samples. Stats are the whole step's on every replica."""
     start = time.perf_counter()
     rewards = [s.reward for s in samples]
     advantages = group_advantages(rewards, [s.group_id for s in samples])
     batches = micro_batches(samples, advantages, micro_batch, pad_id)
     total_tokens = sum(mb.num_tokens for mb in batches)
+    rank, world = 0, 1
+    if dp_group is not None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
     metrics = LossMetrics(0.0, 0.0, 0.0, 0.0)
-    for mb in batches:
+    for mb in share(batches, rank, world):
         if should_abort():
             optimizer.zero_grad(set_to_none=True)
             raise StepAborted()
@@ -71,9 +82,13 @@ def train_step(
     if should_abort():
         optimizer.zero_grad(set_to_none=True)
         raise StepAborted()
+    if dp_group is not None:
+        all_reduce_gradients(model, dp_group)
+        loss_sum, metrics = _sum_stats(loss_sum, metrics, dp_group)
     params: list[Any] = [p for p in model.parameters() if p.grad is not None]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if params else 0.0
-    optimizer.step()
+    if rank == 0:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     means = metrics.means()
     return StepStats(
@@ -88,3 +103,12 @@ def train_step(
         grad_norm=grad_norm,
         seconds=time.perf_counter() - start,
     )
+
+
+def _sum_stats(loss_sum: float, m: LossMetrics, group: Any) -> tuple[float, LossMetrics]:
+    import torch.distributed as dist
+
+    t = torch.tensor([loss_sum, m.tokens, m.clipped, m.kl, m.ratio], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    v = t.tolist()
+    return v[0], LossMetrics(v[1], v[2], v[3], v[4])
