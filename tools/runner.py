@@ -380,8 +380,26 @@ class JobDriver:
         return [self.statuses.get(w, st) for w, st in self.targets.items() if st.service == "rollout-engine"]
 
     async def _engines_final(self) -> bool:
-        versions = await engine_versions(self._engines(), self.stack.grpc_token())
+        """Every engine the last plan has serving is on the committed version (an engine the
+        planner took out of rollout gets no more weights and does not hold the job up)."""
+        serving = await self._serving_engines()
+        engines = [st for st in self._engines() if serving is None or st.worker_id in serving]
+        versions = await engine_versions(engines, self.stack.grpc_token())
         return all(e.get("weight_version") == self.progress.committed_version for e in versions)
+
+    async def _last_plan(self) -> ev.Plan | None:
+        with contextlib.suppress(Exception):
+            return await self.bus.last_message(
+                subjects.PLAN, subjects.stream_name(self.run_id, "PLAN"), ev.Plan
+            )
+        return None
+
+    async def _serving_engines(self) -> set[str] | None:
+        """Engines in a serving role in the last plan; None when no plan can be read."""
+        plan = await self._last_plan()
+        if plan is None:
+            return None
+        return {a.worker_id for a in plan.assignments if a.role in ("rollout", "hybrid")}
 
     async def _stuck(self) -> dict[str, Any]:
         """What a stalled job is waiting on: trajectories in flight, the trainer's groups, the engines."""
@@ -418,9 +436,7 @@ class JobDriver:
     async def _buckets(self) -> list[dict[str, Any]]:
         """The rollout buckets of the job's last plan, with the engines assigned to each."""
         with contextlib.suppress(Exception):
-            plan = await self.bus.last_message(
-                subjects.PLAN, subjects.stream_name(self.run_id, "PLAN"), ev.Plan
-            )
+            plan = await self._last_plan()
             if plan is not None:
                 return [
                     {
@@ -474,6 +490,9 @@ class JobDriver:
         engines = await engine_versions(self._engines(), self.stack.grpc_token()) if self.targets else []
         buckets = await self._buckets()
         plans = await self._plans()
+        serving = await self._serving_engines()
+        for e in engines:
+            e["serving"] = serving is None or e["id"] in serving
         stats = self.stats or ev.SchedulerStats()
         report: dict[str, Any] = {
             "run_id": self.run_id,
@@ -513,7 +532,11 @@ class JobDriver:
             else {"error": f"the ledger could not be read: {accounting_error}"},
             "engines": engines,
             "all_engines_on_final_version": bool(engines)
-            and all(e.get("weight_version") == p.committed_version for e in engines),
+            and all(
+                e.get("weight_version") == p.committed_version
+                for e in engines
+                if serving is None or e["id"] in serving  # drained engines get no more weights
+            ),
             "reward_mean_per_step": [round(m.reward_mean, 4) for m in trained],
             "loss_per_step": [round(m.loss, 5) for m in trained],
             "step_s": [round(m.step_s, 2) for m in trained],

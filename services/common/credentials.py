@@ -37,7 +37,7 @@ _PUBLISHES: dict[str, tuple[str, ...]] = {
     "rollout-engine": (subjects.TURN_RESULT, subjects.ENGINE_LOAD),
     "tool-sandbox": (subjects.TOOL_RETURN,),
     "trainer": (subjects.WEIGHTS_UPDATED, subjects.TRAIN_METRICS, subjects.GROUP_OUTCOME),
-    "cli": (subjects.SCHEDULER_STATS,),
+    "cli": (subjects.SCHEDULER_STATS, subjects.ROLE_REQUEST),
 }
 _JS_DESTRUCTIVE = (
     "$JS.API.STREAM.DELETE.>",

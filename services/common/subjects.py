@@ -12,6 +12,7 @@ ENGINE_LOAD = "engine.load"
 WORKER_HELLO = "worker.hello"
 PLAN = "plan.current"
 ROLE_CHANGE = "plan.role_change"
+ROLE_REQUEST = "plan.role_request"  # the operator asks the planner to move a worker (request/reply)
 WEIGHTS_UPDATED = "weights.updated"
 TRAIN_METRICS = "train.metrics"
 METRICS = "metrics"  # .<service>

@@ -30,6 +30,8 @@ from services.planner.config import PlannerSettings
 from services.planner.refit import LiveReplanner
 
 PLANNER_ROLE = "role:planner"
+MOVABLE_ROLES = ("rollout", "draining")
+"""Roles an operator (or, next, the planner itself) may move an engine between."""
 
 
 class PlannerService:
@@ -79,7 +81,44 @@ class PlannerService:
         await self.bus.subscribe(subjects.WORKER_HELLO, ev.WorkerHello, self._on_hello)
         await self.bus.subscribe(subjects.WORKLOAD_STATS, ev.WorkloadStats, self._on_workload)
         await self.bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, self._on_train_metrics)
+        await self.bus.subscribe(subjects.ROLE_REQUEST, ev.RoleChange, self._on_role_request)
         self.bus.spawn(self._loop())
+
+    async def _on_role_request(self, req: ev.RoleChange, _: Envelope) -> ev.RoleChange:
+        """Moves an engine between rollout buckets, or out of rollout (`draining`: it hands its
+        turns back and takes no new ones) and back. Answers with the change as applied, under the
+        worker's fencing token; the plan goes out at once and the change on `plan.role_change`."""
+        require(self.lease is not None, "this planner does not hold the planner lease")
+        slot = self.slots.get(req.worker_id)
+        require(slot is not None, f"unknown worker {req.worker_id!r}")
+        assert slot is not None
+        require(
+            slot.role in MOVABLE_ROLES and req.to_role in MOVABLE_ROLES,
+            f"only engines move between {'/'.join(MOVABLE_ROLES)} ({req.worker_id} is {slot.role!r})",
+        )
+        names = [b.name for b in self.buckets]
+        bucket = req.bucket or slot.bucket
+        require(req.to_role != "rollout" or bucket in names, f"unknown bucket {bucket!r}; known: {names}")
+        change = ev.RoleChange(
+            worker_id=slot.worker_id,
+            from_role=slot.role,
+            to_role=req.to_role,
+            bucket=bucket,
+            fencing_token=slot.fencing_token,
+        )
+        slot.role, slot.bucket = req.to_role, bucket
+        self.reason = f"role_change:{slot.worker_id}:{change.from_role}->{req.to_role}"
+        self.dirty = True
+        require(await self._publish(), "the planner lost its lease before publishing the change")
+        await self.bus.publish(subjects.ROLE_CHANGE, change)
+        self.log.info(
+            "role_changed",
+            worker_id=slot.worker_id,
+            source=change.from_role,
+            target=req.to_role,
+            bucket=bucket,
+        )
+        return change
 
     async def _on_workload(self, stats: ev.WorkloadStats, _: Envelope) -> None:
         self.replanner.observe_workload(time.monotonic(), stats)
@@ -212,7 +251,8 @@ class PlannerService:
             self.log.warning("standby_promoted", worker_id=slot.worker_id, fencing_token=lease.token)
             return
 
-    async def _publish(self) -> None:
+    async def _publish(self) -> bool:
+        """Records and publishes the plan; False (nothing published) without the planner lease."""
         assert self.lease is not None
         plan = ev.Plan(
             plan_version=self.version + 1,
@@ -245,7 +285,7 @@ class PlannerService:
         if not await self.store.fenced_record_plan(PLANNER_ROLE, self.lease.token, json.dumps(record)):
             self.log.warning("plan_not_published_lease_lost", epoch=self.lease.token)
             self.lease = None
-            return
+            return False
         self.version = plan.plan_version
         await self.bus.publish_durable(
             subjects.PLAN, plan, msg_id=f"plan-{plan.planner_epoch}-{plan.plan_version}"
@@ -255,6 +295,7 @@ class PlannerService:
         self.log.info(
             "plan_published", plan_version=self.version, epoch=plan.planner_epoch, workers=len(self.slots)
         )
+        return True
 
 
 async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:

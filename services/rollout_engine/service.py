@@ -95,6 +95,9 @@ class RolloutEngineService:
         self._sub: Any = None
         self._closed = False
         self.holding: set[str] = set()
+        self._serving: dict[str, tuple[asyncio.Task[None], ev.TurnRequest]] = {}
+        """Turns queued or running here, by request id: what a drain hands back."""
+        self.draining = False
 
     async def start(self, stop: asyncio.Event) -> None:
         """Loads the model, opens the servers and waits for an assignment (or `stop`)."""
@@ -169,6 +172,10 @@ class RolloutEngineService:
 
     async def _on_plan(self, plan: ev.Plan) -> None:
         a = self.membership.assignment
+        if a is not None and a.role == "draining":
+            await self._drain()
+            return
+        self.draining = False
         if a is not None and a.role in SERVING_ROLES:
             spec = next((b for b in plan.buckets if b.name == a.bucket), None)
             if isinstance(self.backend, EmulatedBackend) and spec is not None and spec.tensor_parallel > 0:
@@ -178,6 +185,21 @@ class RolloutEngineService:
             self._serving_role.set()
         elif a is not None:
             self.log.warning("not_a_rollout_role", role=a.role)
+
+    async def _drain(self) -> None:
+        """The planner took this engine out of rollout (maintenance, a move to another bucket or to
+        training): it refuses new turns and hands back every turn it holds, queued or running,
+        with `handed_back` at once, so the scheduler re-sends them elsewhere instead of waiting
+        for them; their partial output is dropped, nothing of it is returned or trained."""
+        if self.draining:
+            return
+        self.draining = True
+        held = list(self._serving.values())
+        for task, _ in held:
+            task.cancel()
+        for _, req in held:
+            await self._publish_error(req, "handed_back", f"{self.worker_id} is draining", None)
+        self.log.info("engine_drained", handed_back=len(held))
 
     async def _wait_for_role(self, stop: asyncio.Event) -> None:
         waits = [asyncio.ensure_future(self._serving_role.wait()), asyncio.ensure_future(stop.wait())]
@@ -194,6 +216,8 @@ class RolloutEngineService:
         try:
             if self.stopping:
                 raise Unavailable("shutdown")
+            if self.draining:
+                raise Unavailable("draining: this engine was taken out of rollout by the planner")
             if not self.membership.holds_lease():  # it may have been replaced: it does not act
                 raise Unavailable("lease_lost: this engine's lease was not renewed; it waits for a new one")
             gen = validate_turn(req, self.backend, self.settings.max_new_tokens_cap)
@@ -204,8 +228,10 @@ class RolloutEngineService:
         task = asyncio.create_task(self._serve_turn(req, gen, env.context, received))
         self._turns.add(task)
         self.holding.add(req.request_id)
+        self._serving[req.request_id] = (task, req)
         task.add_done_callback(self._turns.discard)
         task.add_done_callback(lambda _: self.holding.discard(req.request_id))
+        task.add_done_callback(lambda _: self._serving.pop(req.request_id, None))
 
     async def _serve_turn(
         self, req: ev.TurnRequest, gen: GenRequest, parent: otel_context.Context, received: float

@@ -236,13 +236,17 @@ class SchedulerService:
 
     async def _loop(self) -> None:
         waited_since = time.monotonic()
+        started = False
         while True:
             await asyncio.sleep(self.settings.tick_s)
-            enough = len(self.dispatch.engines) >= self.cfg.rollout.engines
+            # at the start it waits (up to engine_wait_s) for the configured engines; once it has
+            # begun, an engine that leaves (drained, dead) slows the run but never pauses it
+            enough = started or len(self.dispatch.engines) >= self.cfg.rollout.engines
             if not self.dispatch.engines or (
                 not enough and time.monotonic() - waited_since < self.settings.engine_wait_s
             ):
                 continue
+            started = True
             try:
                 await self._tick()
             except Exception:  # one bad tick (NATS away mid-publish) must not end the loop
@@ -544,6 +548,10 @@ class SchedulerService:
                 "turn_failed", trajectory_id=traj_id, code=res.error.code, reason=res.error.message
             )
             live.last_error = f"{res.engine_id}: {res.error.code}: {res.error.message}"
+            if res.error.code == "handed_back" and live.pending_action is not None:
+                # a draining engine gave it back: not a failure, no retry spent
+                await self._send_turn(live, live.pending_action)
+                return
             await self._retry_or_fail(live)
             return
         versions = list(res.token_versions) or [res.policy_version] * len(res.token_ids)

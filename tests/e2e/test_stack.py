@@ -116,7 +116,7 @@ async def _garbage_and_forgeries(buses: dict[str, Bus]) -> None:
         "scheduler": [subjects.TOOL_CALL, *[f"{subjects.TURN_REQUEST}.rollout-engine-{i}" for i in range(2)]],
         "tool-sandbox": [subjects.TOOL_RETURN],
         "trainer": [subjects.WEIGHTS_UPDATED, subjects.TRAIN_METRICS],
-        "cli": [subjects.SCHEDULER_STATS],
+        "cli": [subjects.SCHEDULER_STATS, subjects.ROLE_REQUEST],
         "planner": [subjects.PLAN],  # random bytes become the PLAN stream's only message
     }
     for identity, suffixes in owners.items():
@@ -262,6 +262,46 @@ def test_trajectories_move_between_buckets_after_tool_returns_and_keep_their_ver
         assert b.tool_s > 0 and b.generate_s > 0, b
         parts = b.scheduler_queue_s + b.engine_queue_s + b.generate_s + b.tool_s
         assert parts <= traj.latency_s + 1e-3, (parts, traj.latency_s)
+
+
+def test_an_engine_drained_mid_run_hands_its_turns_back_and_the_job_loses_nothing(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The operator drains one of two engines through the planner while trajectories are in
+    flight: the engine hands its turns back, the scheduler re-sends them to the other, and the job
+    completes with nothing lost or trained twice; the plan history shows the change."""
+    config = _config(tmp_path, training={"steps": 4})
+    cfg = load_run_config(config)
+    run_id = f"job-drain-{RUN}"
+    acks: list[ev.RoleChange] = []
+
+    async def drain(buses: dict[str, Bus]) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # mid-run: once trajectories complete
+            with contextlib.suppress(Exception):
+                stats = await buses["cli"].request(
+                    subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, 2
+                )
+                if stats.trajectories_completed:
+                    break
+            await asyncio.sleep(0.05)
+        req = ev.RoleChange(worker_id="rollout-engine-0", to_role="draining")
+        acks.append(await buses["cli"].request(subjects.ROLE_REQUEST, req, ev.RoleChange, 10))
+
+    watcher = _meanwhile(stack, run_id, drain)
+    report = _run(stack, config, run_id, tmp_path)
+    watcher.join(60)
+    assert acks and (acks[0].from_role, acks[0].to_role) == ("rollout", "draining"), acks
+    assert report["status"] == "completed", report["reason"]
+    assert report["trajectories_lost"] == 0 and report["trajectories_trained_twice"] == 0
+    assert report["train_steps"] == cfg.training.steps
+    reasons = [p["reason"] for p in report["plans"]]
+    assert "role_change:rollout-engine-0:rollout->draining" in reasons, reasons
+    served = {b["name"]: b["engines"] for b in report["buckets"]}
+    assert served == {cfg.rollout.buckets[0].name: ["rollout-engine-1"]}, served
+    serving = {e["id"]: e["serving"] for e in report["engines"]}
+    assert serving == {"rollout-engine-0": False, "rollout-engine-1": True}, report["engines"]
+    assert report["all_engines_on_final_version"], "the serving engine has the final weights"
 
 
 def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path) -> None:

@@ -343,3 +343,44 @@ async def test_emulated_engine_is_labelled_and_holds_requests_until_weights_arri
         await svc.shutdown()
         await bus.close()
         await store.close()
+
+
+async def test_a_draining_engine_hands_back_every_turn_it_holds_and_takes_no_new_one(
+    engine: Any, redis_server: Server, run_id: str
+) -> None:
+    """The planner moves the engine to `draining`: every turn it holds (running or queued) comes
+    back at once as `handed_back` without tokens, a new turn is refused, and back in rollout it
+    serves again."""
+    proc, h = engine
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    try:
+        held = await store.holder(lease_resource("rollout", WORKER))
+        assert held is not None
+
+        async def plan(version: int, role: str) -> None:
+            a = ev.Assignment(worker_id=WORKER, role=role, bucket="short", fencing_token=held.token)
+            p = ev.Plan(plan_version=version, assignments=[a])
+            await h.bus.publish_durable(subjects.PLAN, p, msg_id=f"{run_id}-plan-{version}")
+
+        ids = [f"long-{i}" for i in range(6)]  # max_batch 4: four run, two wait
+        for rid in ids:
+            await h.send(turn(rid, max_new_tokens=1500, min_new_tokens=1500))
+        async with asyncio.timeout(30):
+            while not h.loads or h.loads[-1].running < 4:
+                await asyncio.sleep(0.05)
+        await plan(2, "draining")
+        for rid in ids:
+            res, _ = await h.result(rid, timeout=20)
+            assert (res.finish_reason, res.error.code) == ("error", "handed_back"), res
+            assert not res.token_ids
+        await h.send(turn("during"))
+        res, _ = await h.result("during")
+        assert res.error.code == "unavailable" and "draining" in res.error.message
+        await plan(3, "rollout")
+        await asyncio.sleep(0.5)
+        await h.send(turn("after"))
+        res, _ = await h.result("after")
+        assert not res.HasField("error") and res.token_ids, res.error
+        assert proc.poll() is None
+    finally:
+        await store.close()

@@ -201,3 +201,50 @@ async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replace
             await b.close()
             await b.nc.close()
         await store.close()
+
+
+async def test_an_operator_drains_an_engine_and_brings_it_back_through_the_planner(
+    rig: dict[str, Any],
+) -> None:
+    """A role request moves an engine out of rollout (`draining`) and back, under its fencing
+    token: the plan goes out at once and the change on plan.role_change; nonsense is refused with a
+    typed error and changes nothing."""
+    watcher, plans = rig["watcher"], rig["plans"]
+    changes: list[ev.RoleChange] = []
+
+    async def on_change(m: ev.RoleChange, _: Envelope) -> None:
+        changes.append(m)
+
+    await watcher.subscribe(subjects.ROLE_CHANGE, ev.RoleChange, on_change)
+    for wid in ("engine-0", "engine-1", "trainer-a"):
+        kind = "rollout-engine" if wid.startswith("engine") else "trainer"
+        await watcher.publish(
+            subjects.WORKER_HELLO, ev.WorkerHello(worker_id=wid, kind=kind, weight_sync_addr="x:1")
+        )
+    await _until("plan", lambda: plans and len(plans[-1].assignments) == 3)
+    token = next(a.fencing_token for a in plans[-1].assignments if a.worker_id == "engine-0")
+
+    ack = await watcher.request(
+        subjects.ROLE_REQUEST, ev.RoleChange(worker_id="engine-0", to_role="draining"), ev.RoleChange
+    )
+    assert (ack.from_role, ack.to_role, ack.fencing_token) == ("rollout", "draining", token)
+    await _until("drained", lambda: _roles(plans[-1]).get("engine-0") == "draining")
+    assert plans[-1].reason == "role_change:engine-0:rollout->draining"
+    await _until("event", lambda: changes and changes[-1].to_role == "draining")
+
+    for bad in (
+        ev.RoleChange(worker_id="ghost", to_role="draining"),
+        ev.RoleChange(worker_id="trainer-a", to_role="draining"),
+        ev.RoleChange(worker_id="engine-1", to_role="rollout", bucket="nowhere"),
+    ):
+        seen = len(plans)
+        err = await watcher.request(subjects.ROLE_REQUEST, bad, ev.ErrorEvent)
+        assert err.error.code == "invalid", err
+        await asyncio.sleep(0.3)
+        assert len(plans) == seen and _roles(plans[-1])["trainer-a"] == "train"
+
+    back = await watcher.request(
+        subjects.ROLE_REQUEST, ev.RoleChange(worker_id="engine-0", to_role="rollout"), ev.RoleChange
+    )
+    assert (back.from_role, back.to_role, back.bucket) == ("draining", "rollout", "short")
+    await _until("back", lambda: _roles(plans[-1]).get("engine-0") == "rollout")
