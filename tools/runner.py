@@ -27,6 +27,7 @@ from services.common import control, subjects
 from services.common.bus import Bus, Envelope, close_nats
 from services.common.contracts import ev, ws, ws_grpc
 from services.common.grpc_auth import bearer_metadata
+from services.common.membership import SERVING_ROLES
 from services.common.ownership import committed_key, plans_key, trained_key
 from services.common.runconfig import RunConfig
 from services.scheduler.ledger import Accounting, read_accounting
@@ -399,7 +400,7 @@ class JobDriver:
         plan = await self._last_plan()
         if plan is None:
             return None
-        return {a.worker_id for a in plan.assignments if a.role in ("rollout", "hybrid")}
+        return {a.worker_id for a in plan.assignments if a.role in SERVING_ROLES}
 
     async def _stuck(self) -> dict[str, Any]:
         """What a stalled job is waiting on: trajectories in flight, the trainer's groups, the engines."""
@@ -532,10 +533,8 @@ class JobDriver:
             else {"error": f"the ledger could not be read: {accounting_error}"},
             "engines": engines,
             "all_engines_on_final_version": bool(engines)
-            and all(
-                e.get("weight_version") == p.committed_version
-                for e in engines
-                if serving is None or e["id"] in serving  # drained engines get no more weights
+            and all(  # drained engines get no more weights
+                e.get("weight_version") == p.committed_version for e in engines if e["serving"]
             ),
             "reward_mean_per_step": [round(m.reward_mean, 4) for m in trained],
             "loss_per_step": [round(m.loss, 5) for m in trained],

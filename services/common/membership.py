@@ -22,6 +22,8 @@ from services.common.ownership import Lease, OwnershipStore
 DEFAULT_LEASE_TTL_S = 10.0
 """Until the first plan says otherwise (the run config's job.lease_ttl_s)."""
 TRAINER_ROLE = "role:trainer"
+SERVING_ROLES = ("rollout", "hybrid")
+"""Roles in which an engine serves turns (and takes every new weight version)."""
 
 
 def lease_resource(role: str, worker_id: str) -> str:

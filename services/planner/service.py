@@ -63,10 +63,6 @@ class PlannerService:
         self.replanner = LiveReplanner(cfg)
         self.log = get_logger(component="planner")
 
-    @property
-    def epoch(self) -> int:
-        return self.lease.token if self.lease is not None else 0
-
     async def start(self) -> None:
         self.stream = await self.bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
         last = await self.bus.last_message(subjects.PLAN, self.stream, ev.Plan)

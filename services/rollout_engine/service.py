@@ -23,7 +23,7 @@ from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
 from services.common.errors import LibraError, Unavailable, require
 from services.common.logging import get_logger
-from services.common.membership import Membership, lease_resource
+from services.common.membership import SERVING_ROLES, Membership, lease_resource
 from services.common.ownership import Lease, OwnershipStore
 from services.common.runconfig import RunConfig, load_run_config
 from services.common.tracing import tracer
@@ -35,7 +35,6 @@ from services.rollout_engine.engine import EngineClosed, engine_for
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 
 SERVICE = "rollout-engine"
-SERVING_ROLES = ("rollout", "hybrid")
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_TEMPERATURE = 10.0

@@ -21,7 +21,7 @@ from services.common.config import CommonSettings
 from services.common.contracts import ev
 from services.common.errors import require
 from services.common.logging import get_logger
-from services.common.membership import Membership
+from services.common.membership import SERVING_ROLES, Membership
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
@@ -139,7 +139,7 @@ class SchedulerService:
         limits = {b.name: float(b.max_output_tokens or math.inf) for b in plan.buckets}
         if limits and self.dispatch.router.set_thresholds(limits):
             self.log.info("bucket_thresholds_changed", thresholds=limits, reason=plan.reason)
-        current = {a.worker_id: a for a in plan.assignments if a.role in ("rollout", "hybrid")}
+        current = {a.worker_id: a for a in plan.assignments if a.role in SERVING_ROLES}
         # an engine that left the plan, or came back under a new lease (it restarted), has lost
         # whatever turns it was running
         gone = [
@@ -623,7 +623,7 @@ class SchedulerService:
         self.tool_statuses[status] += 1
         now = time.monotonic()
         live.times.tool_s += max(0.0, now - live.sent_at)
-        self.workload.tool_return(now, status, now - live.sent_at)
+        self.workload.tool_return(now, status, max(0.0, now - live.sent_at))
         if live.step_span is not None:
             live.step_span.set_attribute("libra.tool_status", status)
             live.step_span.end()

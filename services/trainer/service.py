@@ -24,7 +24,7 @@ from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
 from services.common.errors import DurableStateLost, InvalidMessage
 from services.common.logging import get_logger
-from services.common.membership import TRAINER_ROLE, Membership
+from services.common.membership import SERVING_ROLES, TRAINER_ROLE, Membership
 from services.common.ownership import OwnershipStore, trained_key
 from services.common.runconfig import RunConfig, load_run_config
 from services.common.tracing import extract_context, tracer
@@ -36,8 +36,6 @@ from services.trainer.weight_push import PackedWeights, PushResult, WeightPusher
 if TYPE_CHECKING:
     from services.trainer.learner import Learner
     from services.trainer.step import StepStats
-
-ENGINE_ROLES = ("rollout", "hybrid")
 
 
 class TrainerService:
@@ -429,7 +427,7 @@ class TrainerService:
 
     async def _push_current(self, only_missing: bool = False) -> tuple[float, int, dict[str, PushResult]]:
         """Pushes the current version to the plan's engines (or those lacking it) under `weights.push`."""
-        addrs = [a.weight_sync_addr for a in self.membership.peers(*ENGINE_ROLES) if a.weight_sync_addr]
+        addrs = [a.weight_sync_addr for a in self.membership.peers(*SERVING_ROLES) if a.weight_sync_addr]
         if only_missing:
             addrs = [a for a in addrs if self.synced.get(a) != self.version]
         if not addrs:
@@ -471,7 +469,7 @@ class TrainerService:
         return seconds, sent, results
 
     def _all_engines_synced(self) -> bool:
-        addrs = [a.weight_sync_addr for a in self.membership.peers(*ENGINE_ROLES) if a.weight_sync_addr]
+        addrs = [a.weight_sync_addr for a in self.membership.peers(*SERVING_ROLES) if a.weight_sync_addr]
         return all(self.synced.get(a) == self.version for a in addrs)
 
     async def _publish_step(self, stats: StepStats, push_s: float, push_bytes: int) -> None:
@@ -507,7 +505,7 @@ class TrainerService:
         if self.version > 0:
             # what the engines say, not what this trainer remembers pushing: an engine restarted at
             # the same address (a pod keeps its name and port) is back at version 0
-            addrs = [a.weight_sync_addr for a in self.membership.peers(*ENGINE_ROLES) if a.weight_sync_addr]
+            addrs = [a.weight_sync_addr for a in self.membership.peers(*SERVING_ROLES) if a.weight_sync_addr]
             self.synced.update(await self.pusher.versions(addrs))
             if not self._all_engines_synced():
                 await self._push_current(only_missing=True)
