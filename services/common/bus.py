@@ -27,6 +27,7 @@ from services.common.contracts import ev
 from services.common.credentials import NatsAuth
 from services.common.errors import CredentialsRefused, LibraError, MalformedMessage
 from services.common.logging import get_logger
+from services.common.tasks import cancel_and_wait
 from services.common.tracing import extract_context, inject_headers
 
 M = TypeVar("M", bound=Message)
@@ -284,10 +285,7 @@ class Bus:
         return task
 
     async def close(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
         await close_nats(self.nc)
 
 

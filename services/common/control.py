@@ -31,6 +31,7 @@ from services.common.contracts import ev
 from services.common.errors import MalformedMessage
 from services.common.logging import get_logger
 from services.common.runconfig import parse_run_config
+from services.common.tasks import cancel_and_wait
 
 CTL = "libra.ctl.v1"
 JOB_START = f"{CTL}.job.start"
@@ -89,9 +90,7 @@ class JobAgent:
         try:
             await stop.wait()
         finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            await cancel_and_wait([beat])
             if self.job is not None:
                 await self._end(self.job, "service stopping")
             await close_nats(self.nc)
@@ -219,9 +218,7 @@ class JobAgent:
             done, _ = await asyncio.wait({job.task}, timeout=self.grace_s)
             if not done:
                 self.log.warning("job_stop_timeout", grace_s=self.grace_s)
-                job.task.cancel()
-                with contextlib.suppress(BaseException):
-                    await job.task
+                await cancel_and_wait([job.task])
         with contextlib.suppress(OSError):
             job.config_path.unlink()
         if self.job is job:

@@ -20,6 +20,7 @@ from services.common.control import JobAgent, Serve
 from services.common.errors import CredentialsRefused
 from services.common.logging import configure_logging, get_logger
 from services.common.runconfig import load_run_config
+from services.common.tasks import cancel_and_wait
 from services.common.tracing import configure_tracing, shutdown_tracing
 
 
@@ -62,10 +63,10 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
                 raise failure
             stop.set()
             log.info("service_stopping")
-            try:
-                await asyncio.wait_for(task, timeout=grace_s)
-            except (TimeoutError, asyncio.CancelledError):
+            done, _ = await asyncio.wait({task}, timeout=grace_s)
+            if not done:
                 log.warning("service_stop_timeout", grace_s=grace_s)
+                await cancel_and_wait([task])
             stopper.cancel()
         log.info("service_stopped")
         return 0

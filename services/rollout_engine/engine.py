@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.common.logging import get_logger
+from services.common.tasks import cancel_and_wait
 from services.rollout_engine.backends.base import Backend, GenOutput, GenRequest, Join, StepBackend
 from services.rollout_engine.stops import StopMatcher
 
@@ -194,9 +195,7 @@ class ContinuousEngine(VersionGate):
             await asyncio.wait_for(asyncio.shield(self._task), timeout)
         if not self._task.done():
             self.log.warning("requests_aborted", running=len(self._running))
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         self._fail_running(EngineClosed("engine is shutting down"))
 
     def _fail_running(self, err: BaseException) -> None:
