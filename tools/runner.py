@@ -28,7 +28,7 @@ from services.common.bus import Bus, Envelope, close_nats
 from services.common.contracts import ev, ws, ws_grpc
 from services.common.grpc_auth import bearer_metadata
 from services.common.membership import SERVING_ROLES
-from services.common.ownership import committed_key, plans_key, trained_key
+from services.common.ownership import committed_key, plans_key, role_changes_key, trained_key
 from services.common.runconfig import RunConfig
 from services.scheduler.ledger import Accounting, read_accounting
 from tools.stack import ROOT, Stack, read_stack_file
@@ -461,6 +461,14 @@ class JobDriver:
         except Exception as err:  # Redis away: the report says so
             return {"error": f"the plan history could not be read: {type(err).__name__}: {err}"}
 
+    async def _role_changes(self) -> list[dict[str, Any]] | dict[str, str]:
+        """Every role change of the run with what it cost, from the planner's history in Redis."""
+        try:
+            lines = await self.redis.lrange(role_changes_key(self.run_id), 0, -1)
+        except Exception as err:
+            return {"error": f"the role history could not be read: {type(err).__name__}: {err}"}
+        return role_changes([json.loads(x) for x in lines])
+
     async def _report(
         self,
         status: str,
@@ -491,6 +499,7 @@ class JobDriver:
         engines = await engine_versions(self._engines(), self.stack.grpc_token()) if self.targets else []
         buckets = await self._buckets()
         plans = await self._plans()
+        changes = await self._role_changes()
         serving = await self._serving_engines()
         for e in engines:
             e["serving"] = serving is None or e["id"] in serving
@@ -556,6 +565,7 @@ class JobDriver:
             "group_outcomes": dict(stats.group_outcomes),
             "buckets": buckets,
             "plans": plans,
+            "role_changes": changes,
             "migrations": stats.migrations,
             "routing_policy": cfg.rollout.policy,
             "scheduler": {
@@ -642,3 +652,51 @@ def run_job(
             stack.stop()
     report["report_path"] = str(write_report(report, runs_dir))
     return report
+
+
+def completing_step(source: str, target: str) -> str | None:
+    """The worker's step that completes a move (None: the plan itself completes it, as for a
+    move between buckets or back from `draining`)."""
+    if source == "hybrid":
+        return "released"  # the trainer let it go
+    if target == "hybrid":
+        return "joined"  # in the trainer's data-parallel group
+    if target == "draining" and source != "draining":
+        return "drained"
+    return None
+
+
+def role_changes(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The planner's role history (changes, and the workers' steps through them, in order) as one
+    entry per change: worker, from, to, when, `seconds` until the worker completed it (None while
+    it has not), and the seconds of each step (drain, fetch, join; time in training on release)."""
+    out: list[dict[str, Any]] = []
+    current: dict[str, dict[str, Any]] = {}
+    for h in history:
+        worker = h.get("worker", "")
+        if "to" in h:
+            entry = {
+                "worker": worker,
+                "from": h.get("from", ""),
+                "to": h["to"],
+                "at": h.get("at", 0.0),
+                "seconds": None,
+                "steps": {},
+                "failures": 0,
+            }
+            done_by = completing_step(entry["from"], entry["to"])
+            entry["seconds"] = None if done_by else 0.0
+            out.append(entry)
+            current[worker] = entry
+            continue
+        change = current.get(worker)
+        state = h.get("state", "")
+        if change is None or not state:
+            continue
+        if state == "failed":
+            change["failures"] += 1
+            continue
+        change["steps"][state] = h.get("seconds", 0.0)
+        if state == completing_step(change["from"], change["to"]) and change["seconds"] is None:
+            change["seconds"] = round(max(0.0, h.get("at", 0.0) - change["at"]), 3)
+    return out

@@ -34,9 +34,15 @@ _PUBLISHES: dict[str, tuple[str, ...]] = {
         subjects.TRAJ_COMPLETED,
         subjects.WORKLOAD_STATS,
     ),
-    "rollout-engine": (subjects.TURN_RESULT, subjects.ENGINE_LOAD),
+    "rollout-engine": (subjects.TURN_RESULT, subjects.ENGINE_LOAD, subjects.HYBRID_STATE),
     "tool-sandbox": (subjects.TOOL_RETURN,),
-    "trainer": (subjects.WEIGHTS_UPDATED, subjects.TRAIN_METRICS, subjects.GROUP_OUTCOME),
+    "trainer": (
+        subjects.WEIGHTS_UPDATED,
+        subjects.TRAIN_METRICS,
+        subjects.GROUP_OUTCOME,
+        subjects.HYBRID_STATE,
+        subjects.HYBRID_GROUP,
+    ),
     "cli": (subjects.SCHEDULER_STATS, subjects.ROLE_REQUEST),
 }
 _JS_DESTRUCTIVE = (

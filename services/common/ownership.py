@@ -70,6 +70,12 @@ def plans_key(run_id: str) -> str:
     return f"libra:{run_id}:plans"
 
 
+def role_changes_key(run_id: str) -> str:
+    """The run's role changes and each worker's steps through them, oldest first (JSON lines of
+    either {worker, from, to, at} or {worker, state, seconds, generation, at})."""
+    return f"libra:{run_id}:role_changes"
+
+
 def trained_key(run_id: str) -> str:
     """Every trajectory id a committed step trained on."""
     return f"libra:{run_id}:trained"
@@ -150,8 +156,11 @@ class OwnershipStore:
         """Appends a published plan's record to the run's plan history, only while `token` holds
         the lease on `resource` (the planner's): a planner that lost its lease records nothing, and
         publishes nothing either."""
-        keys = [self._key(resource), plans_key(self.run_id)]
-        return bool(await self._fenced_push(keys=keys, args=[token, entry]))
+        return await self.fenced_append(resource, token, plans_key(self.run_id), entry)
+
+    async def fenced_append(self, resource: str, token: int, key: str, entry: str) -> bool:
+        """Appends `entry` to the list `key` only while `token` holds the lease on `resource`."""
+        return bool(await self._fenced_push(keys=[self._key(resource), key], args=[token, entry]))
 
     async def plans(self) -> list[str]:
         return [str(x) for x in await self.r.lrange(plans_key(self.run_id), 0, -1)]

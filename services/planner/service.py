@@ -23,15 +23,16 @@ from services.common.contracts import ev
 from services.common.errors import require
 from services.common.logging import get_logger
 from services.common.membership import TRAINER_ROLE, lease_resource
-from services.common.ownership import Lease, OwnershipStore
+from services.common.ownership import Lease, OwnershipStore, role_changes_key
 from services.common.runconfig import RunConfig, load_run_config
 from services.planner.assign import Slot, StaticAssigner
 from services.planner.config import PlannerSettings
 from services.planner.refit import LiveReplanner
 
 PLANNER_ROLE = "role:planner"
-MOVABLE_ROLES = ("rollout", "draining")
-"""Roles an operator (or, next, the planner itself) may move an engine between."""
+MOVABLE_ROLES = ("rollout", "draining", "hybrid")
+"""Roles an operator (or, next, the planner itself) may move an engine between: serving a bucket,
+out of rollout, or in the trainer's data-parallel group (the hybrid pool)."""
 
 
 class PlannerService:
@@ -78,6 +79,7 @@ class PlannerService:
         await self.bus.subscribe(subjects.WORKLOAD_STATS, ev.WorkloadStats, self._on_workload)
         await self.bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, self._on_train_metrics)
         await self.bus.subscribe(subjects.ROLE_REQUEST, ev.RoleChange, self._on_role_request)
+        await self.bus.subscribe(subjects.HYBRID_STATE, ev.HybridState, self._on_hybrid_state)
         self.bus.spawn(self._loop())
 
     async def _on_role_request(self, req: ev.RoleChange, _: Envelope) -> ev.RoleChange:
@@ -107,6 +109,9 @@ class PlannerService:
         self.dirty = True
         require(await self._publish(), "the planner lost its lease before publishing the change")
         await self.bus.publish(subjects.ROLE_CHANGE, change)
+        await self._record_role_change(
+            {"worker": slot.worker_id, "from": change.from_role, "to": req.to_role, "bucket": bucket}
+        )
         self.log.info(
             "role_changed",
             worker_id=slot.worker_id,
@@ -115,6 +120,30 @@ class PlannerService:
             bucket=bucket,
         )
         return change
+
+    async def _on_hybrid_state(self, msg: ev.HybridState, _: Envelope) -> None:
+        """A worker's step through a role change, kept with the run's role changes (its cost).
+        Only from the worker the plan has under that token; `ready` repeats and is not kept."""
+        slot = self.slots.get(msg.worker_id)
+        if msg.state == "ready" or slot is None or slot.fencing_token != msg.fencing_token:
+            return
+        await self._record_role_change(
+            {
+                "worker": msg.worker_id,
+                "state": msg.state,
+                "seconds": round(msg.seconds, 3),
+                "generation": msg.generation,
+                "detail": msg.detail[:200],
+            }
+        )
+
+    async def _record_role_change(self, entry: dict[str, object]) -> None:
+        if self.lease is None:
+            return
+        entry["at"] = time.time()
+        key = role_changes_key(self.bus.run_id)
+        with contextlib.suppress(Exception):  # the history is for the report: a Redis blip loses one line
+            await self.store.fenced_append(PLANNER_ROLE, self.lease.token, key, json.dumps(entry))
 
     async def _on_workload(self, stats: ev.WorkloadStats, _: Envelope) -> None:
         self.replanner.observe_workload(time.monotonic(), stats)

@@ -32,6 +32,7 @@ from services.rollout_engine.backends.base import Backend, GenRequest
 from services.rollout_engine.backends.emulated import EmulatedBackend
 from services.rollout_engine.config import EngineSettings
 from services.rollout_engine.engine import EngineClosed, engine_for
+from services.rollout_engine.training_side import HYBRID_ROLE, TrainingSide
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 
 SERVICE = "rollout-engine"
@@ -97,6 +98,8 @@ class RolloutEngineService:
         self._serving: dict[str, tuple[asyncio.Task[None], ev.TurnRequest]] = {}
         """Turns queued or running here, by request id: what a drain hands back."""
         self.draining = False
+        self._hybrid_task: asyncio.Task[None] | None = None
+        """The training side's run while the planner has this engine in the hybrid pool."""
 
     async def start(self, stop: asyncio.Event) -> None:
         """Loads the model, opens the servers and waits for an assignment (or `stop`)."""
@@ -140,6 +143,8 @@ class RolloutEngineService:
             tensor_parallel=self.settings.tensor_parallel,
             preferred_bucket=self.settings.bucket,
         )
+        self.training = TrainingSide(self.run, self.bus, self.worker_id, self._hybrid_token)
+        await self.training.start()
         self.membership = Membership(self.bus, self.store, hello, on_plan=self._on_plan)
         await self.membership.start()
         control.set_detail(weight_sync_addr=self.weight_sync_addr, backend=self.backend.name)
@@ -169,10 +174,26 @@ class RolloutEngineService:
         a = self.membership.assignment
         return a.bucket if a is not None and a.bucket else self.settings.bucket
 
+    def _hybrid_token(self) -> int | None:
+        a = self.membership.assignment
+        return a.fencing_token if a is not None and a.role == HYBRID_ROLE else None
+
     async def _on_plan(self, plan: ev.Plan) -> None:
         a = self.membership.assignment
+        self.training.plan_changed()
+        if a is not None and a.role == HYBRID_ROLE:
+            if self._hybrid_task is None:
+                start = time.monotonic()
+                await self._drain()
+                self._hybrid_task = self.bus.spawn(self._hybrid(a.fencing_token, time.monotonic() - start))
+            return
+        if self._hybrid_task is not None:
+            return  # leaving training: it serves again once the trainer has let it go
         if a is not None and a.role == "draining":
-            await self._drain()
+            if not self.draining:
+                start = time.monotonic()
+                await self._drain()
+                await self.training.state("drained", a.fencing_token, time.monotonic() - start)
             return
         self.draining = False
         if a is not None and a.role in SERVING_ROLES:
@@ -184,6 +205,14 @@ class RolloutEngineService:
             self._serving_role.set()
         elif a is not None:
             self.log.warning("not_a_rollout_role", role=a.role)
+
+    async def _hybrid(self, token: int, drain_s: float) -> None:
+        try:
+            await self.training.run(token, drain_s)
+        finally:
+            self._hybrid_task = None
+            if self.membership.plan is not None and not self.stopping:
+                await self._on_plan(self.membership.plan)  # back to what the plan says now
 
     async def _drain(self) -> None:
         """The planner took this engine out of rollout (maintenance, a move to another bucket or to

@@ -33,3 +33,14 @@ class TrainerSettings(BaseSettings):
     """Deadline of one PushWeights call."""
     resync_interval_s: float = Field(5.0, gt=0.0)
     """How often engines that miss the current weights (new, restarted, failed) are pushed again."""
+    hybrid_host: str = "127.0.0.1"
+    """Where the hybrid pool's rendezvous (a torch.distributed TCPStore) listens; 0.0.0.0 on a cluster."""
+    hybrid_port: int = Field(0, ge=0, le=65535)
+    """Its port (0: any free port; the group announcement carries it)."""
+    hybrid_advertise_host: str = ""
+    """The host name hybrid workers reach it at (default: hybrid_host)."""
+    hybrid_timeout_s: float = Field(60.0, gt=0.0)
+    """How long a generation waits for its members to meet, and any collective for its peers: a
+    worker killed or cut off while joining or training is dropped after this."""
+    hybrid_ping_s: float = Field(15.0, gt=0.0)
+    """While the trainer waits for data, it pings its group this often (below hybrid_timeout_s)."""

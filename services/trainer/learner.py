@@ -7,10 +7,12 @@ the shell's start-up) avoid importing torch.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +21,7 @@ from services.common.models import load_model, load_tokenizer
 from services.common.runconfig import RunConfig
 from services.trainer import checkpoint
 from services.trainer.data import Sample
+from services.trainer.hybrid import GroupBroken, Replica, TrainerGroup
 from services.trainer.step import StepAborted, StepStats, train_step
 from services.trainer.weight_push import PackedWeights, pack
 
@@ -37,6 +40,8 @@ class Learner:
         """The checkpoint the weights in memory are (None: the initial weights)."""
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.pad_id = int(self.tokenizer.pad_token_id)
+        self.group_error = ""
+        """Why the last step's hybrid group broke ('' when it did not)."""
 
     def resume(self) -> Path | None:
         path = checkpoint.latest(self.ckpt_dir)
@@ -68,11 +73,31 @@ class Learner:
         self.loaded = found
         return found
 
-    def step(self, samples: Sequence[Sample], should_abort: Callable[[], bool] = lambda: False) -> StepStats:
-        """Updates the weights in memory; nothing is durable until `commit`."""
-        t = self.run.training
-        if t.backend == "emulated":
+    def step(
+        self,
+        samples: Sequence[Sample],
+        should_abort: Callable[[], bool] = lambda: False,
+        group: TrainerGroup | None = None,
+    ) -> StepStats:
+        """Updates the weights in memory; nothing is durable until `commit`. With a hybrid group
+        its replicas compute their share of the gradients; if the group breaks the step is computed
+        again here alone (the failure is in `group_error`)."""
+        self.group_error = ""
+        if self.run.training.backend == "emulated":
             return self.emulated_step(samples, should_abort)
+        if group is not None and group.pg is not None:
+            world = group.world
+            try:
+                stats = group.run_step(samples, lambda pg: self._train(samples, should_abort, pg), self.model)
+                return dataclasses.replace(stats, data_parallel=world)
+            except GroupBroken as err:
+                self.group_error = str(err)
+        return self._train(samples, should_abort)
+
+    def _train(
+        self, samples: Sequence[Sample], should_abort: Callable[[], bool], pg: Any = None
+    ) -> StepStats:
+        t = self.run.training
         return train_step(
             self.model,
             self.optimizer,
@@ -82,6 +107,7 @@ class Learner:
             micro_batch=t.micro_batch,
             pad_id=self.pad_id,
             should_abort=should_abort,
+            dp_group=pg,
         )
 
     def emulated_step(self, samples: Sequence[Sample], should_abort: Callable[[], bool]) -> StepStats:
@@ -130,3 +156,26 @@ class Learner:
         if self.run.training.backend == "emulated" and self.run.rollout.backend == "emulated":
             return pack({"emulated.version": torch.tensor([self.state.version])}, self.state.version)
         return pack(self.model.state_dict(), self.state.version)
+
+
+def replica_for(run: RunConfig) -> Replica:
+    """A hybrid worker's training side: the job's model (its weights come from the trainer when it
+    joins a generation) and the trainer's step, without an optimizer (rank 0 alone steps)."""
+    torch.set_num_threads(run.training.torch_threads)
+    model = load_model(run.model)
+    pad_id = int(load_tokenizer(run.model).pad_token_id)
+    t = run.training
+
+    def step(samples: Sequence[Sample], pg: Any) -> StepStats:
+        return train_step(
+            model,
+            None,
+            samples,
+            temperature=run.task.temperature,
+            clip_eps=t.clip_eps,
+            micro_batch=t.micro_batch,
+            pad_id=pad_id,
+            dp_group=pg,
+        )
+
+    return Replica(model, step)

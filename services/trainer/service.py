@@ -31,6 +31,7 @@ from services.common.tracing import extract_context, tracer
 from services.trainer.batcher import GroupBuffer, Pending
 from services.trainer.config import TrainerSettings
 from services.trainer.data import to_sample, validate
+from services.trainer.hybrid_host import HybridHost
 from services.trainer.weight_push import PackedWeights, PushResult, WeightPusher
 
 if TYPE_CHECKING:
@@ -72,6 +73,15 @@ class TrainerService:
         self.decided: OrderedDict[str, None] = OrderedDict()
         self.stepping: list[Pending[Msg]] = []
         self.counts = {"trained": 0, "duplicate": 0, "stale": 0, "invalid": 0, "failed": 0}
+        emulated = run.training.backend == "emulated"
+        self.hybrid = HybridHost(
+            settings,
+            bus,
+            store,
+            membership,
+            lambda: learner.model,
+            unsupported="an emulated trainer has no gradients to share" if emulated else "",
+        )
 
     @property
     def version(self) -> int:
@@ -92,6 +102,7 @@ class TrainerService:
         if not await self._await_assignment(stop):
             return
         self.bus.spawn(self._keep_deliveries())
+        await self.hybrid.start()
         try:
             while not stop.is_set():
                 if not self.finished:
@@ -102,8 +113,11 @@ class TrainerService:
                         await asyncio.wait_for(stop.wait(), self.settings.idle_poll_s)
                 if not stop.is_set():
                     await self._resync()
+                    leading = bool(self._leader) and self._epoch == self._fencing_token()
+                    await self.hybrid.tick(leading and not self.finished, self._fencing_token())
         finally:
             await self._hand_back(self.buffer.drain())
+            await self.hybrid.close()
 
     async def _keep_deliveries(self) -> None:
         """Tells JetStream that every delivery this trainer holds (buffered, or in the step being
@@ -308,7 +322,9 @@ class TrainerService:
         with tracer().start_as_current_span("train.step", links=links, attributes=attrs) as span:
             samples = [to_sample(p.traj) for p in pendings]
             try:
-                stats = await asyncio.to_thread(self.learner.step, samples, stop.is_set)
+                group = self.hybrid.group if self.hybrid.members else None
+                stats = await asyncio.to_thread(self.learner.step, samples, stop.is_set, group)
+                self.hybrid.stepped(self.learner.group_error)
                 path = await asyncio.to_thread(self.learner.commit, ids, self._fencing_token())
             except StepAborted:
                 self.log.info("train_step_abandoned", trajectories=len(pendings))
@@ -338,6 +354,7 @@ class TrainerService:
                 kl=round(stats.kl, 6),
                 clip_fraction=round(stats.clip_fraction, 4),
                 grad_norm=round(stats.grad_norm, 4),
+                data_parallel=stats.data_parallel,
             )
             push_s, push_bytes = 0.0, 0
             if not stop.is_set():
@@ -352,6 +369,7 @@ class TrainerService:
             self.log.error("rollback_failed", error=str(err))
             return
         step, named = int(record.get("step", 0)), record.get("checkpoint", "")
+        await self.hybrid.close()  # its members hold weights this trainer is about to drop
         path = await asyncio.to_thread(self.learner.rollback, step, named)
         self.packed = None
         self.log.warning(
@@ -488,6 +506,7 @@ class TrainerService:
             push_s=push_s,
             push_bytes=push_bytes,
             done=done,
+            data_parallel=stats.data_parallel,
         )
         await self.bus.publish(subjects.TRAIN_METRICS, self.last_metrics)
         if done:

@@ -35,11 +35,13 @@ class StepStats:
     ratio_mean: float
     grad_norm: float
     seconds: float
+    data_parallel: int = 1
+    """Replicas that computed the step (1 + hybrid workers)."""
 
 
 def train_step(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     samples: Sequence[Sample],
     *,
     temperature: float,
@@ -53,7 +55,7 @@ def train_step(
     """With `dp_group` (a torch.distributed group whose rank 0 is the trainer), this replica
     computes its share of the micro-batches and the gradients are summed over the group
     (`data_parallel`); only rank 0 clips and steps. Every replica must call it with the same
-    samples. Stats are the whole step's on every replica."""
+    samples. Stats are the whole step's on every replica. A replica (rank > 0) needs no optimizer."""
     start = time.perf_counter()
     rewards = [s.reward for s in samples]
     advantages = group_advantages(rewards, [s.group_id for s in samples])
@@ -61,16 +63,16 @@ def train_step(
     total_tokens = sum(mb.num_tokens for mb in batches)
     rank, world = 0, 1
     if dp_group is not None:
-        import torch.distributed as dist
-
-        rank, world = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        rank, world = dp_group.rank(), dp_group.size()
+    if rank == 0 and optimizer is None:
+        raise ValueError("the replica that steps (rank 0) needs the optimizer")
     model.train()
-    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     loss_sum = 0.0
     metrics = LossMetrics(0.0, 0.0, 0.0, 0.0)
     for mb in share(batches, rank, world):
         if should_abort():
-            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
             raise StepAborted()
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
         new_lp = token_logprobs(logits, mb.input_ids, temperature)
@@ -80,16 +82,16 @@ def train_step(
         metrics = metrics + m
         del logits, new_lp, loss
     if should_abort():
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         raise StepAborted()
     if dp_group is not None:
         all_reduce_gradients(model, dp_group)
         loss_sum, metrics = _sum_stats(loss_sum, metrics, dp_group)
     params: list[Any] = [p for p in model.parameters() if p.grad is not None]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if params else 0.0
-    if rank == 0:
+    if rank == 0 and optimizer is not None:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     means = metrics.means()
     return StepStats(
         loss=loss_sum,

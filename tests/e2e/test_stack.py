@@ -19,7 +19,7 @@ import redis
 import yaml
 
 from services.common import control, subjects
-from services.common.bus import Bus, close_nats
+from services.common.bus import Bus, Envelope, close_nats
 from services.common.contracts import ev
 from services.common.credentials import IDENTITIES
 from services.common.ownership import committed_key
@@ -276,15 +276,7 @@ def test_an_engine_drained_mid_run_hands_its_turns_back_and_the_job_loses_nothin
     acks: list[ev.RoleChange] = []
 
     async def drain(buses: dict[str, Bus]) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # mid-run: once trajectories complete
-            with contextlib.suppress(Exception):
-                stats = await buses["cli"].request(
-                    subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, 2
-                )
-                if stats.trajectories_completed:
-                    break
-            await asyncio.sleep(0.05)
+        await _until_completed(buses["cli"])  # mid-run
         req = ev.RoleChange(worker_id="rollout-engine-0", to_role="draining")
         acks.append(await buses["cli"].request(subjects.ROLE_REQUEST, req, ev.RoleChange, 10))
 
@@ -302,6 +294,76 @@ def test_an_engine_drained_mid_run_hands_its_turns_back_and_the_job_loses_nothin
     serving = {e["id"]: e["serving"] for e in report["engines"]}
     assert serving == {"rollout-engine-0": False, "rollout-engine-1": True}, report["engines"]
     assert report["all_engines_on_final_version"], "the serving engine has the final weights"
+
+
+def test_an_engine_moved_into_training_computes_gradients_and_comes_back_to_rollout(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The hybrid pool live: mid-run an engine is moved into training. It hands its turns back,
+    loads the model for training, joins the trainer's data-parallel group at a step boundary and
+    computes part of the next steps' gradients (their metrics say two replicas); moved back, it
+    leaves at the next boundary and serves again, on the final weights. Nothing is lost or trained
+    twice, and the report lists both role changes with their seconds and steps."""
+    config = _config(tmp_path, training={"steps": 6})
+    run_id = f"job-hybrid-{RUN}"
+    acks: list[ev.RoleChange] = []
+    states: list[ev.HybridState] = []
+    replicas: list[int] = []
+
+    async def move(buses: dict[str, Bus]) -> None:
+        cli, watch = buses["cli"], buses["scheduler"]
+
+        async def on_state(m: ev.HybridState, _: Envelope) -> None:
+            states.append(m)
+
+        async def on_metrics(m: ev.TrainMetrics, _: Envelope) -> None:
+            replicas.append(m.data_parallel)
+
+        await watch.subscribe(subjects.HYBRID_STATE, ev.HybridState, on_state)
+        await watch.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, on_metrics)
+        await _until_completed(cli)
+        req = ev.RoleChange(worker_id="rollout-engine-0", to_role="hybrid")
+        acks.append(await cli.request(subjects.ROLE_REQUEST, req, ev.RoleChange, 10))
+        deadline = time.monotonic() + 180
+        while 2 not in replicas and time.monotonic() < deadline:  # a step with the replica
+            await asyncio.sleep(0.1)
+        back = ev.RoleChange(worker_id="rollout-engine-0", to_role="rollout")
+        acks.append(await cli.request(subjects.ROLE_REQUEST, back, ev.RoleChange, 10))
+        while not any(s.state == "released" for s in states) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
+    watcher = _meanwhile(stack, run_id, move)
+    report = _run(stack, config, run_id, tmp_path)
+    watcher.join(240)
+    assert [(a.from_role, a.to_role) for a in acks] == [("rollout", "hybrid"), ("hybrid", "rollout")], acks
+    assert report["status"] == "completed", report["reason"]
+    assert report["trajectories_lost"] == 0 and report["trajectories_trained_twice"] == 0
+    assert 2 in replicas, f"no step had the hybrid replica: {replicas}"
+    mine = [s.state for s in states if s.worker_id == "rollout-engine-0" and s.state != "ready"]
+    assert mine[:3] == ["drained", "fetched", "joined"] and mine[-1] == "released", mine
+    changes = report["role_changes"]
+    assert [(c["worker"], c["from"], c["to"]) for c in changes] == [
+        ("rollout-engine-0", "rollout", "hybrid"),
+        ("rollout-engine-0", "hybrid", "rollout"),
+    ], changes
+    into, out = changes
+    assert into["seconds"] is not None and into["seconds"] > 0, into
+    assert {"drained", "fetched", "joined"} <= set(into["steps"]), into
+    assert out["seconds"] is not None and "released" in out["steps"], out
+    serving = {e["id"]: e["serving"] for e in report["engines"]}
+    assert serving == {"rollout-engine-0": True, "rollout-engine-1": True}, report["engines"]
+    assert report["all_engines_on_final_version"], "the engine back from training has the final weights"
+
+
+async def _until_completed(cli: Bus, timeout_s: float = 60) -> None:
+    """Until the scheduler says some trajectory completed (the job is under way)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            stats = await cli.request(subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, 2)
+            if stats.trajectories_completed:
+                return
+        await asyncio.sleep(0.05)
 
 
 def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ the trainer role to a standby when the lease runs out, and outlives a Redis rest
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,11 @@ from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from services.common.localstack import Server, start_redis
 from services.common.membership import TRAINER_ROLE, lease_resource
-from services.common.ownership import Lease, OwnershipStore
+from services.common.ownership import Lease, OwnershipStore, role_changes_key
 from services.common.runconfig import RunConfig
 from services.planner.config import PlannerSettings
 from services.planner.service import PlannerService
+from tools.runner import role_changes
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +107,6 @@ async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replace
     planner publish a re-fitted plan (reason, predicted gain, its lease's epoch) and record it in
     the run's plan history. When another planner takes the lease, the first one publishes nothing
     more, and a worker that follows the new epoch refuses the old one's plan."""
-    import json
     import random
 
     from services.common.membership import Membership
@@ -248,3 +249,32 @@ async def test_an_operator_drains_an_engine_and_brings_it_back_through_the_plann
     )
     assert (back.from_role, back.to_role, back.bucket) == ("draining", "rollout", "short")
     await _until("back", lambda: _roles(plans[-1]).get("engine-0") == "rollout")
+
+    # into the hybrid pool and back; the workers' steps are kept with the changes, under their token
+    hybrid = await watcher.request(
+        subjects.ROLE_REQUEST, ev.RoleChange(worker_id="engine-1", to_role="hybrid"), ev.RoleChange
+    )
+    assert (hybrid.from_role, hybrid.to_role) == ("rollout", "hybrid")
+    await _until("hybrid", lambda: _roles(plans[-1]).get("engine-1") == "hybrid")
+    token_1 = hybrid.fencing_token
+    for state, tok in (("drained", token_1), ("joined", token_1), ("joined", token_1 + 99)):
+        await watcher.publish(
+            subjects.HYBRID_STATE,
+            ev.HybridState(worker_id="engine-1", state=state, fencing_token=tok, seconds=0.5),
+        )
+    key = role_changes_key(watcher.run_id)
+    store = rig["store"]
+
+    async def history() -> list[dict[str, Any]]:
+        return [json.loads(x) for x in await store.r.lrange(key, 0, -1)]
+
+    await asyncio.sleep(0.5)
+    kept = await history()
+    assert [(h.get("from"), h.get("to"), h.get("state")) for h in kept] == [
+        ("rollout", "draining", None),
+        ("draining", "rollout", None),
+        ("rollout", "hybrid", None),
+        (None, None, "drained"),
+        (None, None, "joined"),  # the one under a stale token is not kept
+    ], kept
+    assert [c["seconds"] is not None for c in role_changes(kept)] == [False, True, True]

@@ -1,4 +1,5 @@
-"""The job report counts each train step once, however the trainer announced the end."""
+"""The job report counts each train step once, however the trainer announced the end, and lists
+what each role change cost."""
 
 from services.common.contracts import ev
 from tools.runner import per_step
@@ -27,3 +28,29 @@ def test_steps_past_the_committed_one_are_not_reported() -> None:
     """A forged metrics message for a step the trainer never committed is not a step of the report."""
     steps = per_step([_m(1), _m(2), _m(9, done=True, reward=1.0)], committed_step=2)
     assert [m.step for m in steps] == [1, 2]
+
+
+def test_role_changes_carry_what_each_move_cost() -> None:
+    from tools.runner import role_changes
+
+    history = [
+        {"worker": "e0", "from": "rollout", "to": "hybrid", "at": 100.0},
+        {"worker": "e0", "state": "drained", "seconds": 0.1, "at": 100.1},
+        {"worker": "e0", "state": "fetched", "seconds": 2.0, "at": 102.1},
+        {"worker": "e0", "state": "failed", "seconds": 60.0, "at": 162.1},
+        {"worker": "e1", "from": "rollout", "to": "draining", "at": 150.0},
+        {"worker": "e0", "state": "joined", "seconds": 0.5, "at": 163.0},
+        {"worker": "e0", "from": "hybrid", "to": "rollout", "at": 200.0},
+        {"worker": "e1", "from": "draining", "to": "rollout", "bucket": "long", "at": 201.0},
+        {"worker": "e0", "state": "released", "seconds": 37.0, "at": 204.5},
+        {"worker": "e2", "state": "joined", "seconds": 1.0, "at": 205.0},  # no change of its: ignored
+    ]
+    out = role_changes(history)
+    assert [(c["worker"], c["from"], c["to"], c["seconds"]) for c in out] == [
+        ("e0", "rollout", "hybrid", 63.0),  # until it joined, one failed attempt included
+        ("e1", "rollout", "draining", None),  # its drain was never reported
+        ("e0", "hybrid", "rollout", 4.5),
+        ("e1", "draining", "rollout", 0.0),  # complete with the plan
+    ]
+    assert out[0]["steps"] == {"drained": 0.1, "fetched": 2.0, "joined": 0.5} and out[0]["failures"] == 1
+    assert out[2]["steps"] == {"released": 37.0}

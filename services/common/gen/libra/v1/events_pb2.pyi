@@ -346,6 +346,38 @@ class RoleChange(_message.Message):
     fencing_token: int
     def __init__(self, worker_id: _Optional[str] = ..., from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., bucket: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
+class HybridState(_message.Message):
+    __slots__ = ("worker_id", "state", "fencing_token", "seconds", "generation", "detail")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    state: str
+    fencing_token: int
+    seconds: float
+    generation: int
+    detail: str
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., fencing_token: _Optional[int] = ..., seconds: _Optional[float] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class HybridGroup(_message.Message):
+    __slots__ = ("generation", "store_addr", "members", "member_tokens", "trainer_token", "timeout_s")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    store_addr: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    member_tokens: _containers.RepeatedScalarFieldContainer[int]
+    trainer_token: int
+    timeout_s: float
+    def __init__(self, generation: _Optional[int] = ..., store_addr: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., member_tokens: _Optional[_Iterable[int]] = ..., trainer_token: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
 class WeightsUpdated(_message.Message):
     __slots__ = ("version", "checksum", "size_bytes", "push_s", "engines", "train_step")
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -363,7 +395,7 @@ class WeightsUpdated(_message.Message):
     def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., size_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., engines: _Optional[_Iterable[str]] = ..., train_step: _Optional[int] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
-    __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done")
+    __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done", "data_parallel")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +409,7 @@ class TrainMetrics(_message.Message):
     PUSH_S_FIELD_NUMBER: _ClassVar[int]
     PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     loss: float
@@ -390,7 +423,8 @@ class TrainMetrics(_message.Message):
     push_s: float
     push_bytes: int
     done: bool
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+    data_parallel: int
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: _Optional[bool] = ..., data_parallel: _Optional[int] = ...) -> None: ...
 
 class MetricSample(_message.Message):
     __slots__ = ("service", "worker_id", "values")

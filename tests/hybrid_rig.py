@@ -1,0 +1,42 @@
+"""A hybrid worker's training side as its own process (tests/integration/test_hybrid_group.py):
+`python -m tests.hybrid_rig PORT GENERATION RANK WORLD MODEL_DIR OUT [die-after-join]`. It joins one
+generation of the trainer's group, follows it until the trainer closes it and writes its weights
+and the number of steps it computed to OUT; with `die-after-join` it exits hard once it has the
+weights, mid-generation, as a killed worker would."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str]) -> None:
+    port, gen, rank, world = (int(x) for x in argv[:4])
+    model_dir, out, die = argv[4], Path(argv[5]), argv[6:] == ["die-after-join"]
+    from services.common.runconfig import RunConfig
+    from services.trainer.learner import replica_for
+
+    torch.set_num_threads(1)
+    run = RunConfig.model_validate(
+        {"model": {"source": "tiny-random", "cache_dir": model_dir}, "training": {"micro_batch": 2}}
+    )  # the job config the trainer has (tests/integration/test_hybrid_group.py)
+    replica = replica_for(run)
+
+    def joined(nbytes: float) -> None:
+        (out / f"joined-{rank}").write_text(str(nbytes))
+        if die:
+            os._exit(3)
+
+    outcome = replica.serve("127.0.0.1", port, gen, rank, world, 20.0, joined)
+    torch.save(
+        {k: v.detach().clone() for k, v in replica.model.state_dict().items()}, out / f"replica-{rank}.pt"
+    )
+    (out / f"replica-{rank}.json").write_text(json.dumps({"outcome": outcome, "steps": replica.steps}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

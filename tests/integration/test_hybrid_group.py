@@ -1,0 +1,197 @@
+"""The hybrid pool's data-parallel group with real processes (gloo over TCP): a replica that joins
+the trainer's group makes the same updates as the trainer alone on the same batches and ends each
+step with the trainer's weights; a replica killed mid-generation, or one that never comes to a
+join, costs the trainer one failed attempt and nothing else (it trains on alone)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.localstack import Server
+from services.common.runconfig import ModelConfig, RunConfig
+from services.trainer.hybrid import GroupBroken, TrainerGroup
+from services.trainer.learner import Learner
+from tests.dp_rig import samples
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _learner(model: ModelConfig, tmp: Path) -> Learner:
+    run = RunConfig.model_validate({"model": model.model_dump(), "training": {"micro_batch": 2}})
+    learner = Learner(run, tmp)
+    # the update is the gradient itself, scaled up to well above float32's rounding of the weights
+    learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=1000.0)
+    return learner
+
+
+def _replica(port: int, gen: int, rank: int, world: int, model: ModelConfig, out: Path, *extra: str):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    argv = [str(x) for x in (port, gen, rank, world, model.cache_dir, out)]
+    return subprocess.Popen([sys.executable, "-m", "tests.hybrid_rig", *argv, *extra], cwd=ROOT, env=env)
+
+
+def _weights(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def test_a_replica_in_the_group_gives_the_trainer_alone_update_and_leaves_on_close(
+    tiny_model: ModelConfig, tmp_path: Path
+) -> None:
+    alone = _learner(tiny_model, tmp_path / "alone")
+    initial = _weights(alone.model)
+    batches = [samples()[:6], samples()[2:]]
+    for b in batches:
+        assert alone.step(b).data_parallel == 1
+    expected = _weights(alone.model)
+
+    trainer = _learner(tiny_model, tmp_path / "trainer")
+    group = TrainerGroup("127.0.0.1", 0, timeout_s=30)
+    gen = group.next_generation(["engine-1"], [7])
+    proc = _replica(group.port, gen, 1, 2, tiny_model, tmp_path)
+    try:
+        sent = group.form(trainer.model)  # the replica's state fetch: the trainer's weights
+        assert sent > 0 and group.world == 2
+        stats = [trainer.step(b, group=group) for b in batches]
+        assert [s.data_parallel for s in stats] == [2, 2] and trainer.group_error == ""
+        group.close()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    got = _weights(trainer.model)
+    scale = max(float((expected[k] - initial[k]).abs().max()) for k in initial)
+    assert scale > 1e-3, "the steps move the weights"
+    for k in initial:  # the same update, up to reduction order
+        dp, ref = got[k] - initial[k], expected[k] - initial[k]
+        assert torch.allclose(dp, ref, rtol=1e-3, atol=1e-4 * scale), (k, float((dp - ref).abs().max()))
+    replica = torch.load(tmp_path / "replica-1.pt")
+    assert all(torch.equal(replica[k], got[k]) for k in got), (
+        "the replica ends each step on the trainer's weights"
+    )
+    assert json.loads((tmp_path / "replica-1.json").read_text()) == {"outcome": "closed", "steps": 2}
+    assert group.world == 1 and group.pg is None
+
+
+def test_a_replica_killed_mid_generation_costs_one_attempt_and_the_trainer_goes_on_alone(
+    tiny_model: ModelConfig, tmp_path: Path
+) -> None:
+    alone = _learner(tiny_model, tmp_path / "alone")
+    alone.step(samples())
+    expected = _weights(alone.model)
+
+    trainer = _learner(tiny_model, tmp_path / "trainer")
+    group = TrainerGroup("127.0.0.1", 0, timeout_s=20)
+    gen = group.next_generation(["engine-1"], [7])
+    proc = _replica(group.port, gen, 1, 2, tiny_model, tmp_path, "die-after-join")
+    try:
+        group.form(trainer.model)
+        assert proc.wait(timeout=120) == 3 and (tmp_path / "joined-1").exists()
+        stats = trainer.step(samples(), group=group)  # the replica is gone: the step runs alone
+    finally:
+        proc.kill()
+    assert stats.data_parallel == 1 and trainer.group_error and group.pg is None
+    got = _weights(trainer.model)
+    for k in got:
+        assert torch.allclose(got[k], expected[k], rtol=1e-5, atol=1e-6), k
+
+
+def test_a_member_that_never_comes_to_the_join_fails_the_generation_not_the_trainer(
+    tiny_model: ModelConfig, tmp_path: Path
+) -> None:
+    """Two members announced, one comes (the other was killed while joining): the generation does
+    not form within its timeout, on either side; the next one, without the dead member, does."""
+    trainer = _learner(tiny_model, tmp_path / "trainer")
+    group = TrainerGroup("127.0.0.1", 0, timeout_s=5)
+    gen = group.next_generation(["engine-1", "engine-2"], [7, 8])
+    lonely = _replica(group.port, gen, 1, 3, tiny_model, tmp_path)
+    try:
+        with pytest.raises(GroupBroken):
+            group.form(trainer.model)
+        assert lonely.wait(timeout=120) != 0, "its side of the generation fails too"
+        assert group.pg is None and trainer.step(samples()).data_parallel == 1
+        gen = group.next_generation(["engine-1"], [7])
+        again = _replica(group.port, gen, 1, 2, tiny_model, tmp_path)
+        group.form(trainer.model)
+        assert trainer.step(samples(), group=group).data_parallel == 2
+        group.close()
+        assert again.wait(timeout=120) == 0
+    finally:
+        lonely.kill()
+        if "again" in locals():
+            again.kill()
+
+
+async def test_the_trainer_takes_only_workers_the_plan_gives_the_hybrid_role_under_a_live_token(
+    nats_server: Server, redis_server: Server, run_id: str
+) -> None:
+    """A `ready` is refused (with a reason, on the bus) from a worker the plan does not have in the
+    hybrid role, under another token than the plan's, or whose lease token is no longer current
+    in Redis; the right one is taken for the next step boundary."""
+    from services.common import subjects
+    from services.common.bus import Bus, Envelope
+    from services.common.contracts import ev
+    from services.common.membership import Membership, lease_resource
+    from services.common.ownership import OwnershipStore
+    from services.trainer.config import TrainerSettings
+    from services.trainer.hybrid_host import HybridHost
+
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "trainer", "trainer-0")
+    worker = await Bus.connect(nats_server.url, run_id, "rollout-engine", "engine-1")
+    refused: list[ev.HybridState] = []
+
+    async def on_state(m: ev.HybridState, _: Envelope) -> None:
+        if m.state == "refused":
+            refused.append(m)
+
+    try:
+        await worker.subscribe(subjects.HYBRID_STATE, ev.HybridState, on_state)
+        live = await store.acquire(lease_resource("hybrid", "engine-1"), "engine-1", 30.0)
+        old = await store.acquire(lease_resource("hybrid", "engine-2"), "engine-2", 30.0)
+        assert live is not None and old is not None
+        membership = Membership(bus, store, ev.WorkerHello(worker_id="trainer-0", kind="trainer"))
+        plan = ev.Plan(
+            plan_version=1,
+            planner_epoch=1,
+            assignments=[
+                ev.Assignment(worker_id="engine-1", role="hybrid", fencing_token=live.token),
+                ev.Assignment(worker_id="engine-2", role="hybrid", fencing_token=old.token),
+                ev.Assignment(worker_id="engine-3", role="rollout", fencing_token=5),
+            ],
+        )
+        await membership._apply(plan)
+        await store.r.delete(f"libra:{run_id}:lease:{lease_resource('hybrid', 'engine-2')}")
+        host = HybridHost(TrainerSettings(), bus, store, membership, lambda: None)
+        await host.start()
+        for wid, token in (
+            ("engine-3", 5),  # not in the hybrid role
+            ("engine-1", live.token + 1),  # not the plan's token
+            ("engine-2", old.token),  # its lease is gone (expired: the worker may be dead)
+            ("engine-1", live.token),
+        ):
+            await worker.publish(
+                subjects.HYBRID_STATE, ev.HybridState(worker_id=wid, state="ready", fencing_token=token)
+            )
+        for _ in range(100):
+            if len(refused) == 3 and host.ready:
+                break
+            await asyncio.sleep(0.05)
+        assert [(r.worker_id, r.fencing_token) for r in refused] == [
+            ("engine-3", 5),
+            ("engine-1", live.token + 1),
+            ("engine-2", old.token),
+        ], refused
+        assert "stale ownership token" in refused[-1].detail
+        assert host.ready == {"engine-1": live.token}
+    finally:
+        for b in (bus, worker):
+            await b.close()
+        await store.close()
