@@ -130,6 +130,25 @@ class JobConfig(_Strict):
     to other engines after about this long."""
 
 
+class HybridPoolConfig(_Strict):
+    """The planner moving engines into training and back by itself (the elastic hybrid pool):
+    the simulator's pool policy (services/planner/hybrid_pool.py) on the live signals."""
+
+    workers: int = Field(0, ge=0)
+    """Engines the planner may have in training at once (0: it moves none by itself; an operator
+    still can, through plan.role_request). It never takes a bucket's last serving engine."""
+    bucket: str = ""
+    """The bucket whose engines form the pool (default: the last one, the long-tail bucket)."""
+    join_below: float = Field(0.3, ge=0.0, le=10.0)
+    """Join when the bucket's demand (turns sent and not answered over its engines' slots) stays
+    below this for hold_s while the trainer already has its next batch waiting..."""
+    release_above: float = Field(0.9, ge=0.0, le=10.0)
+    """...and release when the demand stays above this for hold_s (or the trainer runs out of work)."""
+    hold_s: float = Field(5.0, ge=0.0)
+    min_active_s: float = Field(30.0, ge=0.0)
+    """A worker stays at least this long in training once it joined."""
+
+
 class PlannerConfig(_Strict):
     replan: bool = True
     """Re-fit the buckets' token thresholds to the live workload while the run goes on (C-MLFQ
@@ -146,6 +165,7 @@ class PlannerConfig(_Strict):
     cost_model: EmulatedConfig | None = None
     """GPU and model presets the planner predicts with; default `rollout.emulated`'s (for real
     engines, name your hardware and model here)."""
+    hybrid: HybridPoolConfig = Field(default_factory=HybridPoolConfig)
 
 
 class RunConfig(_Strict):
@@ -171,6 +191,14 @@ class RunConfig(_Strict):
             raise ValueError("task.workload is only for task.dataset 'synthetic'")
         if self.rollout.engines < len(self.rollout.buckets):
             raise ValueError("rollout.engines must be at least the number of buckets")
+        pool = self.planner.hybrid
+        names = [b.name for b in self.rollout.buckets]
+        if pool.bucket and pool.bucket not in names:
+            raise ValueError(f"planner.hybrid.bucket {pool.bucket!r} is not a bucket; known: {names}")
+        if pool.workers and pool.workers >= self.rollout.engines:
+            raise ValueError("planner.hybrid.workers must leave at least one engine serving")
+        if pool.workers and self.training.backend == "emulated":
+            raise ValueError("planner.hybrid needs a real trainer: an emulated one has no gradients to share")
         buckets = self.rollout.buckets
         if len({b.name for b in buckets}) != len(buckets):
             raise ValueError("rollout.buckets: names must be unique")

@@ -27,6 +27,7 @@ from services.common.ownership import Lease, OwnershipStore, role_changes_key
 from services.common.runconfig import RunConfig, load_run_config
 from services.planner.assign import Slot, StaticAssigner
 from services.planner.config import PlannerSettings
+from services.planner.elastic import LivePool
 from services.planner.refit import LiveReplanner
 
 PLANNER_ROLE = "role:planner"
@@ -62,6 +63,9 @@ class PlannerService:
         ]
         self.reason, self.gain = "static", 0.0
         self.replanner = LiveReplanner(cfg)
+        self.pool = LivePool(cfg)
+        self._history = asyncio.Lock()
+        """Orders the role history: a change is recorded before the steps its plan sets off."""
         self.log = get_logger(component="planner")
 
     async def start(self) -> None:
@@ -97,29 +101,56 @@ class PlannerService:
         names = [b.name for b in self.buckets]
         bucket = req.bucket or slot.bucket
         require(req.to_role != "rollout" or bucket in names, f"unknown bucket {bucket!r}; known: {names}")
+        change = await self._move(slot, req.to_role, bucket, "role_change")
+        require(change is not None, "the planner lost its lease before publishing the change")
+        assert change is not None
+        return change
+
+    async def _move(self, slot: Slot, to_role: str, bucket: str, why: str) -> ev.RoleChange | None:
+        """Applies a role change to the plan and publishes both (None: the lease was lost first)."""
         change = ev.RoleChange(
             worker_id=slot.worker_id,
             from_role=slot.role,
-            to_role=req.to_role,
+            to_role=to_role,
             bucket=bucket,
             fencing_token=slot.fencing_token,
         )
-        slot.role, slot.bucket = req.to_role, bucket
-        self.reason = f"role_change:{slot.worker_id}:{change.from_role}->{req.to_role}"
+        slot.role, slot.bucket = to_role, bucket
+        self.reason = f"{why}:{slot.worker_id}:{change.from_role}->{to_role}"
         self.dirty = True
-        require(await self._publish(), "the planner lost its lease before publishing the change")
+        async with self._history:  # the worker's first step, which may come at once, goes after it
+            if not await self._publish():
+                return None
+            await self._record_role_change(
+                {
+                    "worker": slot.worker_id,
+                    "from": change.from_role,
+                    "to": to_role,
+                    "bucket": bucket,
+                    "why": why,
+                }
+            )
         await self.bus.publish(subjects.ROLE_CHANGE, change)
-        await self._record_role_change(
-            {"worker": slot.worker_id, "from": change.from_role, "to": req.to_role, "bucket": bucket}
-        )
         self.log.info(
             "role_changed",
             worker_id=slot.worker_id,
             source=change.from_role,
-            target=req.to_role,
+            target=to_role,
             bucket=bucket,
+            why=why,
         )
         return change
+
+    async def _pool_moves(self) -> None:
+        """The hybrid pool's own joins, cancels and releases (`planner.hybrid`)."""
+        roles = {s.worker_id: (s.role, s.bucket) for s in self.slots.values() if s.role in MOVABLE_ROLES}
+        for move in self.pool.decide(time.monotonic(), roles):
+            slot = self.slots.get(move.worker_id)
+            if (
+                slot is not None
+                and await self._move(slot, move.to_role, slot.bucket, f"hybrid_{move.why}") is None
+            ):
+                return
 
     async def _on_hybrid_state(self, msg: ev.HybridState, _: Envelope) -> None:
         """A worker's step through a role change, kept with the run's role changes (its cost).
@@ -127,15 +158,17 @@ class PlannerService:
         slot = self.slots.get(msg.worker_id)
         if msg.state == "ready" or slot is None or slot.fencing_token != msg.fencing_token:
             return
-        await self._record_role_change(
-            {
-                "worker": msg.worker_id,
-                "state": msg.state,
-                "seconds": round(msg.seconds, 3),
-                "generation": msg.generation,
-                "detail": msg.detail[:200],
-            }
-        )
+        self.pool.observe_state(time.monotonic(), msg)
+        async with self._history:
+            await self._record_role_change(
+                {
+                    "worker": msg.worker_id,
+                    "state": msg.state,
+                    "seconds": round(msg.seconds, 3),
+                    "generation": msg.generation,
+                    "detail": msg.detail[:200],
+                }
+            )
 
     async def _record_role_change(self, entry: dict[str, object]) -> None:
         if self.lease is None:
@@ -147,9 +180,11 @@ class PlannerService:
 
     async def _on_workload(self, stats: ev.WorkloadStats, _: Envelope) -> None:
         self.replanner.observe_workload(time.monotonic(), stats)
+        self.pool.observe_workload(stats)
 
     async def _on_train_metrics(self, m: ev.TrainMetrics, _: Envelope) -> None:
         self.replanner.observe_step(time.monotonic(), m)
+        self.pool.observe_step(m)
 
     async def _on_hello(self, hello: ev.WorkerHello, _: Envelope) -> None:
         require(bool(hello.worker_id), "worker hello without worker_id")
@@ -220,6 +255,7 @@ class PlannerService:
         self._maybe_replan()
         if self.dirty:
             await self._publish()
+        await self._pool_moves()
 
     async def _hold_lease(self) -> bool:
         """Renews the planner's lease, or takes it when free (a new epoch). Without it the planner

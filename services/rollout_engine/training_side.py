@@ -37,6 +37,8 @@ class TrainingSide:
         self._group_seen = asyncio.Event()
         self.log = get_logger(component="hybrid")
         self.generations = 0
+        self.latest: ev.HybridState | None = None
+        """The last step this worker reported (said again when the plan re-assigns it)."""
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.HYBRID_GROUP, ev.HybridGroup, self._on_group)
@@ -51,7 +53,13 @@ class TrainingSide:
             self._group_seen.set()
 
     def plan_changed(self) -> None:
-        self._group_seen.set()  # wakes a wait, to look at the role again
+        """Wakes a wait, to look at the role again. A worker moved back into the hybrid role
+        before it left the trainer's group says again where it is: whoever moved it may think it
+        starts over."""
+        self._group_seen.set()
+        last = self.latest
+        if last is not None and self.in_role() == last.fencing_token and last.state in ("fetched", "joined"):
+            self.bus.spawn(self.bus.publish(subjects.HYBRID_STATE, last))
 
     async def state(
         self, state: str, token: int, seconds: float = 0.0, generation: int = 0, detail: str = ""
@@ -59,17 +67,17 @@ class TrainingSide:
         self.log.info(
             f"hybrid_{state}", fencing_token=token, seconds=round(seconds, 3), generation=generation
         )
-        await self.bus.publish(
-            subjects.HYBRID_STATE,
-            ev.HybridState(
-                worker_id=self.worker_id,
-                state=state,
-                fencing_token=token,
-                seconds=seconds,
-                generation=generation,
-                detail=detail[:500],
-            ),
+        msg = ev.HybridState(
+            worker_id=self.worker_id,
+            state=state,
+            fencing_token=token,
+            seconds=seconds,
+            generation=generation,
+            detail=detail[:500],
         )
+        if state != "ready":
+            self.latest = msg
+        await self.bus.publish(subjects.HYBRID_STATE, msg)
 
     async def run(self, token: int, drain_s: float) -> None:
         """From drained to released, while the plan keeps the hybrid role under `token`."""

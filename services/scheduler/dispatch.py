@@ -138,6 +138,12 @@ class Dispatcher:
         else:
             self.router.finish(traj_id, output_tokens, now)
 
+    def running_by_bucket(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for slot in self.engines.values():
+            out[slot.bucket] = out.get(slot.bucket, 0) + slot.in_flight
+        return out
+
     def queued_by_bucket(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for traj_id in self.queued:

@@ -310,6 +310,7 @@ class SchedulerService:
         stats = self.workload.stats(
             self._stats_published, self.dispatch.queued_by_bucket(), self.trained_version
         )
+        stats.running_turns_by_bucket.update(self.dispatch.running_by_bucket())
         with contextlib.suppress(Exception):  # NATS away: the next one goes out in a few seconds
             await self.bus.publish(subjects.WORKLOAD_STATS, stats)
 

@@ -113,8 +113,7 @@ class TrainerService:
                         await asyncio.wait_for(stop.wait(), self.settings.idle_poll_s)
                 if not stop.is_set():
                     await self._resync()
-                    leading = bool(self._leader) and self._epoch == self._fencing_token()
-                    await self.hybrid.tick(leading and not self.finished, self._fencing_token())
+                    await self._step_boundary()
         finally:
             await self._hand_back(self.buffer.drain())
             await self.hybrid.close()
@@ -175,8 +174,13 @@ class TrainerService:
             await self._drop_stale(stale)
             if not groups:
                 break
+            await self._step_boundary()  # hybrid workers join and leave between two steps
             await self._step(groups, stop)
         self._show_progress()
+
+    async def _step_boundary(self) -> None:
+        leading = bool(self._leader) and self._epoch == self._fencing_token()
+        await self.hybrid.tick(leading and not self.finished, self._fencing_token())
 
     def _show_progress(self, assigned: bool = True) -> None:
         """What a watcher of the job sees of this trainer (the stall report's trainer section)."""
@@ -507,10 +511,22 @@ class TrainerService:
             push_bytes=push_bytes,
             done=done,
             data_parallel=stats.data_parallel,
+            groups_ready=await self._groups_ready(),
         )
         await self.bus.publish(subjects.TRAIN_METRICS, self.last_metrics)
         if done:
             self._announce_done()
+
+    async def _groups_ready(self) -> int:
+        """Complete groups this trainer could step on next: those buffered, plus what waits in
+        JetStream undelivered (whole groups, roughly: their members complete close together). The
+        planner's hybrid pool reads it as "training is the bottleneck" when it covers a step."""
+        buffered = sum(have >= size for _, have, size in self.buffer.waiting())
+        try:
+            pending = int((await self.psub.consumer_info()).num_pending or 0)
+        except Exception:  # NATS away: the buffer alone
+            pending = 0
+        return buffered + pending // max(1, self.run.task.group_size)
 
     async def _resync(self) -> None:
         """Brings engines that lack the current weights up to date; then, if finished, announces done.

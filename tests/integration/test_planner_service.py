@@ -278,3 +278,71 @@ async def test_an_operator_drains_an_engine_and_brings_it_back_through_the_plann
         (None, None, "joined"),  # the one under a stale token is not kept
     ], kept
     assert [c["seconds"] is not None for c in role_changes(kept)] == [False, True, True]
+
+
+async def test_the_planner_moves_an_engine_into_training_when_rollout_idles_and_back_under_load(
+    nats_server: Server, run_id: str, redis_server: Server
+) -> None:
+    """planner.hybrid: with the trainer's next batch waiting and the bucket's engines idle, the
+    planner moves one engine (no more than `workers`, never the last) into training; the worker's
+    steps move the policy along; when turns pile up it releases it, after its minimum stint."""
+    cfg = RunConfig.model_validate(
+        {
+            "rollout": {"engines": 3, "max_batch": 4},
+            "training": {"groups_per_step": 2},
+            "job": {"lease_ttl_s": 60.0},
+            "planner": {"hybrid": {"workers": 1, "hold_s": 0.3, "min_active_s": 0.5}},
+        }
+    )
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "planner", "planner")
+    watcher = await Bus.connect(nats_server.url, run_id, "test", "watcher")
+    plans: list[ev.Plan] = []
+
+    async def on_plan(p: ev.Plan, _: Envelope) -> None:
+        plans.append(p)
+
+    await watcher.subscribe(subjects.PLAN, ev.Plan, on_plan)
+    planner = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus, store)
+    await planner.start()
+    try:
+        for i in range(3):
+            await watcher.publish(
+                subjects.WORKER_HELLO,
+                ev.WorkerHello(worker_id=f"engine-{i}", kind="rollout-engine", weight_sync_addr=f"x:{i}"),
+            )
+        await _until("plan", lambda: plans and len(plans[-1].assignments) == 3)
+        idle = ev.WorkloadStats(queued_turns_by_bucket={"short": 0})
+        await watcher.publish(subjects.WORKLOAD_STATS, idle)
+        await watcher.publish(subjects.TRAIN_METRICS, ev.TrainMetrics(step=1, groups_ready=1))
+        await asyncio.sleep(1.0)  # idle engines, but the trainer has no batch waiting: no move
+        assert "hybrid" not in _roles(plans[-1]).values()
+
+        await watcher.publish(subjects.TRAIN_METRICS, ev.TrainMetrics(step=2, groups_ready=3))
+        await _until("join", lambda: "hybrid" in _roles(plans[-1]).values())
+        moved = next(w for w, r in _roles(plans[-1]).items() if r == "hybrid")
+        assert plans[-1].reason == f"hybrid_join:{moved}:rollout->hybrid"
+        await asyncio.sleep(1.0)
+        assert list(_roles(plans[-1]).values()).count("hybrid") == 1, "at most planner.hybrid.workers"
+        token = next(a.fencing_token for a in plans[-1].assignments if a.worker_id == moved)
+        for state in ("drained", "fetched", "joined"):
+            await watcher.publish(
+                subjects.HYBRID_STATE, ev.HybridState(worker_id=moved, state=state, fencing_token=token)
+            )
+
+        busy = ev.WorkloadStats(queued_turns_by_bucket={"short": 40})  # 5 turns per slot of 2 engines
+        await watcher.publish(subjects.WORKLOAD_STATS, busy)
+        await _until("release", lambda: _roles(plans[-1]).get(moved) == "rollout")
+        assert plans[-1].reason == f"hybrid_release:{moved}:hybrid->rollout"
+        kept = [json.loads(x) for x in await store.r.lrange(role_changes_key(run_id), 0, -1)]
+        assert [(h.get("to"), h.get("state")) for h in kept] == [
+            ("hybrid", None),
+            (None, "drained"),
+            (None, "fetched"),
+            (None, "joined"),
+            ("rollout", None),
+        ], kept
+    finally:
+        for b in (bus, watcher):
+            await b.close()
+        await store.close()

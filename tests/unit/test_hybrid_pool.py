@@ -113,3 +113,59 @@ def test_active_worker_is_released_when_the_trainer_stays_without_work():
     _activate(pool.workers["w0"], 0.0)
     pool.decide(40.0, 0.6, train_waiting=False)
     assert [(a.worker_id, a.action) for a in pool.decide(45.0, 0.6, False)] == [("w0", "release")]
+
+
+def _live_cfg(**hybrid):
+    from services.common.runconfig import RunConfig
+
+    return RunConfig.model_validate(
+        {
+            "rollout": {"engines": 3, "max_batch": 4},
+            "planner": {"hybrid": {"workers": 1, "hold_s": 1.0, "min_active_s": 5.0, **hybrid}},
+        }
+    )
+
+
+def test_live_pool_never_takes_the_last_serving_engine_and_follows_the_workers_reports():
+    from services.common.contracts import ev
+    from services.planner.elastic import LivePool
+
+    pool = LivePool(_live_cfg(workers=2))
+    pool.observe_workload(ev.WorkloadStats(queued_turns_by_bucket={"short": 0}))
+    pool.observe_step(ev.TrainMetrics(step=1, groups_ready=2))
+    roles = {"e0": ("rollout", "short"), "e1": ("rollout", "short")}
+    assert pool.decide(0.0, roles) == []  # the condition must hold for hold_s first
+    moves = pool.decide(1.5, roles)
+    assert [(m.worker_id, m.to_role) for m in moves] == [("e0", "hybrid")], "e1 stays: the bucket's last"
+    roles["e0"] = ("hybrid", "short")
+    for state in ("drained", "fetched", "joined"):
+        pool.observe_state(2.0, ev.HybridState(worker_id="e0", state=state))
+    assert pool.pool.workers["e0"].role == Role.ACTIVE
+    pool.observe_workload(ev.WorkloadStats(queued_turns_by_bucket={"short": 20}))  # 5 per slot
+    assert pool.decide(3.0, roles) == [] and pool.decide(4.5, roles) == []  # before min_active_s
+    assert [(m.worker_id, m.to_role, m.why) for m in pool.decide(7.5, roles)] == [
+        ("e0", "rollout", "release")
+    ]
+
+
+def test_live_pool_config_errors_are_clear():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="planner.hybrid.bucket"):
+        _live_cfg(bucket="nowhere")
+    with pytest.raises(ValidationError, match="at least one engine serving"):
+        _live_cfg(workers=3)
+
+
+def test_live_pool_walks_the_steps_a_report_skips():
+    from services.common.contracts import ev
+    from services.planner.elastic import LivePool
+
+    pool = LivePool(_live_cfg())
+    pool.decide(0.0, {"e0": ("rollout", "short"), "e1": ("rollout", "short")})
+    w = pool.pool.workers["e0"]
+    w.request_join(1.0)
+    pool.observe_state(2.0, ev.HybridState(worker_id="e0", state="joined"))  # still in the group
+    assert w.role == Role.ACTIVE
+    pool.observe_state(3.0, ev.HybridState(worker_id="e0", state="drained"))  # late, changes nothing
+    assert w.role == Role.ACTIVE

@@ -289,7 +289,7 @@ class LengthQuantiles(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
 
 class WorkloadStats(_message.Message):
-    __slots__ = ("window_s", "new_tokens_per_turn", "context_tokens_per_turn", "turns_per_trajectory", "trajectory_latency_s", "queued_turns_by_bucket", "tool_returns_by_status", "trajectories_per_s", "trained_version", "trajectory_output_tokens", "tool_s_per_turn", "prompt_tokens", "turns_per_trajectory_mean")
+    __slots__ = ("window_s", "new_tokens_per_turn", "context_tokens_per_turn", "turns_per_trajectory", "trajectory_latency_s", "queued_turns_by_bucket", "tool_returns_by_status", "trajectories_per_s", "trained_version", "trajectory_output_tokens", "tool_s_per_turn", "prompt_tokens", "turns_per_trajectory_mean", "running_turns_by_bucket")
     class QueuedTurnsByBucketEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,13 @@ class WorkloadStats(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class ToolReturnsByStatusEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RunningTurnsByBucketEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +324,7 @@ class WorkloadStats(_message.Message):
     TOOL_S_PER_TURN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TURNS_PER_TRAJECTORY_MEAN_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TURNS_BY_BUCKET_FIELD_NUMBER: _ClassVar[int]
     window_s: float
     new_tokens_per_turn: LengthQuantiles
     context_tokens_per_turn: LengthQuantiles
@@ -330,7 +338,8 @@ class WorkloadStats(_message.Message):
     tool_s_per_turn: float
     prompt_tokens: float
     turns_per_trajectory_mean: float
-    def __init__(self, window_s: _Optional[float] = ..., new_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., context_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., turns_per_trajectory: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., trajectory_latency_s: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., queued_turns_by_bucket: _Optional[_Mapping[str, int]] = ..., tool_returns_by_status: _Optional[_Mapping[str, int]] = ..., trajectories_per_s: _Optional[float] = ..., trained_version: _Optional[int] = ..., trajectory_output_tokens: _Optional[_Iterable[int]] = ..., tool_s_per_turn: _Optional[float] = ..., prompt_tokens: _Optional[float] = ..., turns_per_trajectory_mean: _Optional[float] = ...) -> None: ...
+    running_turns_by_bucket: _containers.ScalarMap[str, int]
+    def __init__(self, window_s: _Optional[float] = ..., new_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., context_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., turns_per_trajectory: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., trajectory_latency_s: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., queued_turns_by_bucket: _Optional[_Mapping[str, int]] = ..., tool_returns_by_status: _Optional[_Mapping[str, int]] = ..., trajectories_per_s: _Optional[float] = ..., trained_version: _Optional[int] = ..., trajectory_output_tokens: _Optional[_Iterable[int]] = ..., tool_s_per_turn: _Optional[float] = ..., prompt_tokens: _Optional[float] = ..., turns_per_trajectory_mean: _Optional[float] = ..., running_turns_by_bucket: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RoleChange(_message.Message):
     __slots__ = ("worker_id", "from_role", "to_role", "bucket", "fencing_token")
@@ -395,7 +404,7 @@ class WeightsUpdated(_message.Message):
     def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., size_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., engines: _Optional[_Iterable[str]] = ..., train_step: _Optional[int] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
-    __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done", "data_parallel")
+    __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done", "data_parallel", "groups_ready")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +419,7 @@ class TrainMetrics(_message.Message):
     PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_READY_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     loss: float
@@ -424,7 +434,8 @@ class TrainMetrics(_message.Message):
     push_bytes: int
     done: bool
     data_parallel: int
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: _Optional[bool] = ..., data_parallel: _Optional[int] = ...) -> None: ...
+    groups_ready: int
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: _Optional[bool] = ..., data_parallel: _Optional[int] = ..., groups_ready: _Optional[int] = ...) -> None: ...
 
 class MetricSample(_message.Message):
     __slots__ = ("service", "worker_id", "values")
