@@ -19,6 +19,7 @@ class ReceivedSpan:
     parent_id: str
     attributes: dict[str, object]
     links: list[str]
+    events: list[str]
 
 
 class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
@@ -43,6 +44,7 @@ class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
                                 for a in s.attributes
                             },
                             links=[link.trace_id.hex() for link in s.links],
+                            events=[e.name for e in s.events],
                         )
                     )
         return trace_service_pb2.ExportTraceServiceResponse()

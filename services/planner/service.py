@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import time
+from typing import Any
 
 from services.common import subjects
 from services.common.bus import Bus, Envelope
@@ -25,6 +26,7 @@ from services.common.logging import get_logger
 from services.common.membership import TRAINER_ROLE, lease_resource
 from services.common.ownership import Lease, OwnershipStore, role_changes_key
 from services.common.runconfig import RunConfig, load_run_config
+from services.common.tracing import tracer
 from services.planner.assign import Slot, StaticAssigner
 from services.planner.config import PlannerSettings
 from services.planner.elastic import LivePool
@@ -115,6 +117,14 @@ class PlannerService:
             bucket=bucket,
             fencing_token=slot.fencing_token,
         )
+        attrs: dict[str, Any] = {
+            "libra.worker_id": slot.worker_id,
+            "libra.from_role": slot.role,
+            "libra.to_role": to_role,
+            "libra.why": why,
+            "libra.fencing_token": slot.fencing_token,
+        }
+        tracer().start_span("plan.role_change", attributes=attrs).end()
         slot.role, slot.bucket = to_role, bucket
         self.reason = f"{why}:{slot.worker_id}:{change.from_role}->{to_role}"
         self.dirty = True

@@ -23,6 +23,7 @@ from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.runconfig import RunConfig
+from services.common.tracing import tracer
 
 HYBRID_ROLE = "hybrid"
 READY_EVERY_S = 5.0
@@ -37,6 +38,8 @@ class TrainingSide:
         self._group_seen = asyncio.Event()
         self.log = get_logger(component="hybrid")
         self.generations = 0
+        self._span: Any = None
+        """The `hybrid.stint` span of the current move into training (its steps are events)."""
         self.latest: ev.HybridState | None = None
         """The last step this worker reported (said again when the plan re-assigns it)."""
 
@@ -77,10 +80,21 @@ class TrainingSide:
         )
         if state != "ready":
             self.latest = msg
+            if self._span is not None:
+                self._span.add_event(state, {"libra.seconds": seconds, "libra.generation": generation})
         await self.bus.publish(subjects.HYBRID_STATE, msg)
 
     async def run(self, token: int, drain_s: float) -> None:
         """From drained to released, while the plan keeps the hybrid role under `token`."""
+        attrs: dict[str, Any] = {"libra.worker_id": self.worker_id, "libra.fencing_token": token}
+        self._span = tracer().start_span("hybrid.stint", attributes=attrs)
+        try:
+            await self._run(token, drain_s)
+        finally:
+            self._span.end()
+            self._span = None
+
+    async def _run(self, token: int, drain_s: float) -> None:
         from services.trainer.hybrid import GroupBroken
         from services.trainer.hybrid_host import in_daemon_thread
         from services.trainer.learner import replica_for

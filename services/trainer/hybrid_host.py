@@ -24,6 +24,7 @@ from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.membership import Membership, lease_resource
 from services.common.ownership import OwnershipStore
+from services.common.tracing import tracer
 from services.trainer.config import TrainerSettings
 
 if TYPE_CHECKING:
@@ -141,12 +142,16 @@ class HybridHost:
         )
         start = time.monotonic()
         model = self.model()
-        try:
-            sent = await in_daemon_thread(lambda: group.form(model))
-        except Exception as err:
-            self.log.warning("hybrid_group_failed", generation=gen, members=want, error=str(err))
-            self.ready.clear()  # whoever is alive says ready again
-            return
+        attrs: dict[str, Any] = {"libra.generation": gen, "libra.members": want}
+        with tracer().start_as_current_span("hybrid.join", attributes=attrs) as span:
+            try:
+                sent = await in_daemon_thread(lambda: group.form(model))
+            except Exception as err:
+                span.set_attribute("libra.error", str(err)[:300])
+                self.log.warning("hybrid_group_failed", generation=gen, members=want, error=str(err))
+                self.ready.clear()  # whoever is alive says ready again
+                return
+            span.set_attribute("libra.weights_bytes", sent)
         self._last_command = time.monotonic()
         self.log.info(
             "hybrid_group_formed",

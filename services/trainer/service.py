@@ -348,6 +348,7 @@ class TrainerService:
                     await _settle(h.ack())
             self.counts["trained"] += len(pendings)
             span.set_attribute("libra.weight_version", self.version)
+            span.set_attribute("libra.data_parallel", stats.data_parallel)
             self.log.info(
                 "train_step",
                 step=self.learner.state.step,

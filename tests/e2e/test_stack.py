@@ -297,7 +297,7 @@ def test_an_engine_drained_mid_run_hands_its_turns_back_and_the_job_loses_nothin
 
 
 def test_an_engine_moved_into_training_computes_gradients_and_comes_back_to_rollout(
-    stack: Stack, tmp_path: Path
+    stack: Stack, otlp: OtlpReceiver, tmp_path: Path
 ) -> None:
     """The hybrid pool live: mid-run an engine is moved into training. It hands its turns back,
     loads the model for training, joins the trainer's data-parallel group at a step boundary and
@@ -353,6 +353,23 @@ def test_an_engine_moved_into_training_computes_gradients_and_comes_back_to_roll
     serving = {e["id"]: e["serving"] for e in report["engines"]}
     assert serving == {"rollout-engine-0": True, "rollout-engine-1": True}, report["engines"]
     assert report["all_engines_on_final_version"], "the engine back from training has the final weights"
+    # and in the trace: both changes, the trainer's join, the worker's stint with its steps, a step of two
+    time.sleep(2.0)  # spans leave each service in 0.5 s batches
+    moves = [
+        (s.attributes["libra.from_role"], s.attributes["libra.to_role"])
+        for s in otlp.spans
+        if s.name == "plan.role_change" and s.attributes.get("libra.worker_id") == "rollout-engine-0"
+    ]
+    assert ("rollout", "hybrid") in moves and ("hybrid", "rollout") in moves, moves
+    assert any(s.name == "hybrid.join" and s.service == "libra-trainer" for s in otlp.spans)
+    stints = [
+        s
+        for s in otlp.spans
+        if s.name == "hybrid.stint" and s.attributes["libra.worker_id"] == "rollout-engine-0"
+    ]
+    assert stints and stints[-1].events[:3] == ["drained", "fetched", "joined"], [s.events for s in stints]
+    assert stints[-1].events[-1] == "released"
+    assert any(s.name == "train.step" and s.attributes.get("libra.data_parallel") == 2 for s in otlp.spans)
 
 
 async def _until_completed(cli: Bus, timeout_s: float = 60) -> None:
