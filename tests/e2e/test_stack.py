@@ -487,3 +487,49 @@ def test_a_standby_trainer_takes_over_a_dead_one(tiny_model: Any, tmp_path: Path
     assert record["worker_id"] == "trainer-standby-0", record  # the standby committed the last steps
     assert report["trajectories_trained_twice"] == 0 and report["trajectories_lost"] == 0
     assert Path(report["checkpoint"]).name.startswith("step_00000012-e")
+
+
+def test_an_engine_killed_while_joining_training_costs_one_attempt_and_the_job_goes_on(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """An engine moved into training is killed -9 the moment the trainer announces the generation
+    it is to join: the trainer's rendezvous times out (5 s here), it trains on alone, the engine
+    comes back (restarted) into rollout, and the job completes with nothing lost or trained twice."""
+    env = {"LIBRA_TRAINER_HYBRID_TIMEOUT_S": "5"}
+    own = Stack(f"e2e-hybrid-kill-{int(time.time())}", tmp_path / "logs", extra_env=env)
+    own.start_infra()
+    run_id = f"job-hybrid-kill-{RUN}"
+    killed: list[int] = []
+    try:
+        own.start_services(load_run_config(TINY).rollout.engines)
+        config = _config(tmp_path, training={"steps": 6})
+
+        async def kill_mid_join(buses: dict[str, Bus]) -> None:
+            announced = asyncio.Event()
+
+            async def on_group(g: ev.HybridGroup, _: Envelope) -> None:
+                if "rollout-engine-0" in g.members and not killed:
+                    os.kill(own.procs["rollout-engine-0"].pid, signal.SIGKILL)
+                    killed.append(g.generation)
+                    announced.set()
+
+            await buses["scheduler"].subscribe(subjects.HYBRID_GROUP, ev.HybridGroup, on_group)
+            await _until_completed(buses["cli"])
+            req = ev.RoleChange(worker_id="rollout-engine-0", to_role="hybrid")
+            await buses["cli"].request(subjects.ROLE_REQUEST, req, ev.RoleChange, 10)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(announced.wait(), 120)
+
+        intruder = _meanwhile(own, run_id, kill_mid_join, on="rollout-engine-0")
+        report = _run(own, config, run_id, tmp_path)
+        intruder.join(180)
+        trainer_log = (tmp_path / "logs" / "trainer.log").read_text()
+    finally:
+        own.stop()
+    assert killed, "the generation with the engine was never announced"
+    assert report["status"] == "completed", report["reason"]
+    assert report["train_steps"] == 6
+    assert report["trajectories_lost"] == 0 and report["trajectories_trained_twice"] == 0
+    assert "hybrid_group_failed" in trainer_log, "the trainer gave up on the generation"
+    into = report["role_changes"][0]
+    assert (into["worker"], into["to"], into["seconds"]) == ("rollout-engine-0", "hybrid", None), into
