@@ -22,6 +22,8 @@ from services.common.ownership import Lease, OwnershipStore
 DEFAULT_LEASE_TTL_S = 10.0
 """Until the first plan says otherwise (the run config's job.lease_ttl_s)."""
 TRAINER_ROLE = "role:trainer"
+HYBRID_ROLE = "hybrid"
+"""An engine in the trainer's data-parallel group (services/trainer/hybrid.py)."""
 SERVING_ROLES = ("rollout",)
 """Roles in which an engine serves turns (and takes every new weight version). Not `draining`
 (out of rollout) nor `hybrid` (in the trainer's data-parallel group, services/trainer/hybrid.py)."""

@@ -1,4 +1,4 @@
-"""Stopping background tasks for sure.
+"""Stopping background tasks for sure, and waiting for blocking work that cannot be interrupted.
 
 `task.cancel()` followed by `await task` can wait forever: on Python 3.11 a cancellation that
 arrives just as an inner `asyncio.wait_for` (used inside nats-py and redis-py) completes is
@@ -9,10 +9,13 @@ bus's close about once in 30 runs on a loaded machine, and the close waited for 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import Any
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from services.common.logging import get_logger
+
+T = TypeVar("T")
 
 
 async def cancel_and_wait(
@@ -37,3 +40,30 @@ async def cancel_and_wait(
     if pending:
         get_logger().error("tasks_would_not_stop", tasks=sorted(repr(t) for t in pending)[:5])
     return pending
+
+
+async def in_daemon_thread(fn: Callable[[], T]) -> T:
+    """Runs blocking collective work off the event loop in a daemon thread: a gloo wait cannot be
+    interrupted, and a process that is stopping must not wait for it to time out."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as err:  # handed to the awaiting task, whatever it is
+            loop.call_soon_threadsafe(_settle, fut, None, err)
+        else:
+            loop.call_soon_threadsafe(_settle, fut, result, None)
+
+    threading.Thread(target=run, daemon=True, name="libra-hybrid").start()
+    return await fut
+
+
+def _settle(fut: asyncio.Future[T], result: T | None, err: BaseException | None) -> None:
+    if fut.done():  # the awaiting task was cancelled meanwhile
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(result)  # type: ignore[arg-type]

@@ -20,10 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.contracts import ev
+from services.common.membership import HYBRID_ROLE
 from services.common.runconfig import RunConfig
 from services.planner.hybrid_pool import HybridPool, HybridWorker, InvalidTransition, PoolPolicy, Role
-
-HYBRID_ROLE = "hybrid"
 
 
 @dataclass(frozen=True, slots=True)

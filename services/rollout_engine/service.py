@@ -23,7 +23,7 @@ from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
 from services.common.errors import LibraError, Unavailable, require
 from services.common.logging import get_logger
-from services.common.membership import SERVING_ROLES, Membership, lease_resource
+from services.common.membership import HYBRID_ROLE, SERVING_ROLES, Membership, lease_resource
 from services.common.ownership import Lease, OwnershipStore
 from services.common.runconfig import RunConfig, load_run_config
 from services.common.tracing import tracer
@@ -32,7 +32,7 @@ from services.rollout_engine.backends.base import Backend, GenRequest
 from services.rollout_engine.backends.emulated import EmulatedBackend
 from services.rollout_engine.config import EngineSettings
 from services.rollout_engine.engine import EngineClosed, engine_for
-from services.rollout_engine.training_side import HYBRID_ROLE, TrainingSide
+from services.rollout_engine.training_side import TrainingSide
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 
 SERVICE = "rollout-engine"

@@ -23,9 +23,9 @@ from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.runconfig import RunConfig
+from services.common.tasks import in_daemon_thread
 from services.common.tracing import tracer
 
-HYBRID_ROLE = "hybrid"
 READY_EVERY_S = 5.0
 """How often a worker waiting for a place says ready again (a trainer that restarted, a lost message)."""
 
@@ -96,7 +96,6 @@ class TrainingSide:
 
     async def _run(self, token: int, drain_s: float) -> None:
         from services.trainer.hybrid import GroupBroken
-        from services.trainer.hybrid_host import in_daemon_thread
         from services.trainer.learner import replica_for
 
         await self.state("drained", token, drain_s)

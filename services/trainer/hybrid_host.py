@@ -13,52 +13,22 @@ breaks, costs the trainer that attempt only: it trains on alone and the workers 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from services.common.logging import get_logger
-from services.common.membership import Membership, lease_resource
+from services.common.membership import HYBRID_ROLE, Membership, lease_resource
 from services.common.ownership import OwnershipStore
+from services.common.tasks import in_daemon_thread
 from services.common.tracing import tracer
 from services.trainer.config import TrainerSettings
 
 if TYPE_CHECKING:
     from services.trainer.hybrid import TrainerGroup
-
-HYBRID_ROLE = "hybrid"
-T = TypeVar("T")
-
-
-async def in_daemon_thread(fn: Callable[[], T]) -> T:
-    """Runs blocking collective work off the event loop in a daemon thread: a gloo wait cannot be
-    interrupted, and a process that is stopping must not wait for it to time out."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def run() -> None:
-        try:
-            result = fn()
-        except BaseException as err:  # handed to the awaiting task, whatever it is
-            loop.call_soon_threadsafe(_settle, fut, None, err)
-        else:
-            loop.call_soon_threadsafe(_settle, fut, result, None)
-
-    threading.Thread(target=run, daemon=True, name="libra-hybrid").start()
-    return await fut
-
-
-def _settle(fut: asyncio.Future[T], result: T | None, err: BaseException | None) -> None:
-    if fut.done():  # the awaiting task was cancelled meanwhile
-        return
-    if err is not None:
-        fut.set_exception(err)
-    else:
-        fut.set_result(result)  # type: ignore[arg-type]
 
 
 class HybridHost:

@@ -97,18 +97,7 @@ class Learner:
     def _train(
         self, samples: Sequence[Sample], should_abort: Callable[[], bool], pg: Any = None
     ) -> StepStats:
-        t = self.run.training
-        return train_step(
-            self.model,
-            self.optimizer,
-            samples,
-            temperature=self.run.task.temperature,
-            clip_eps=t.clip_eps,
-            micro_batch=t.micro_batch,
-            pad_id=self.pad_id,
-            should_abort=should_abort,
-            dp_group=pg,
-        )
+        return run_step(self.run, self.model, self.optimizer, self.pad_id, samples, should_abort, pg)
 
     def emulated_step(self, samples: Sequence[Sample], should_abort: Callable[[], bool]) -> StepStats:
         """EMULATED: waits what the cost model says the step takes on the emulated GPUs (their
@@ -158,24 +147,35 @@ class Learner:
         return pack(self.model.state_dict(), self.state.version)
 
 
+def run_step(
+    run: RunConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    pad_id: int,
+    samples: Sequence[Sample],
+    should_abort: Callable[[], bool] = lambda: False,
+    pg: Any = None,
+) -> StepStats:
+    """The job's GRPO step, the same on every rank of a hybrid group (their micro-batches must
+    agree, so they all take the settings from the same run config here)."""
+    t = run.training
+    return train_step(
+        model,
+        optimizer,
+        samples,
+        temperature=run.task.temperature,
+        clip_eps=t.clip_eps,
+        micro_batch=t.micro_batch,
+        pad_id=pad_id,
+        should_abort=should_abort,
+        dp_group=pg,
+    )
+
+
 def replica_for(run: RunConfig) -> Replica:
     """A hybrid worker's training side: the job's model (its weights come from the trainer when it
     joins a generation) and the trainer's step, without an optimizer (rank 0 alone steps)."""
     torch.set_num_threads(run.training.torch_threads)
     model = load_model(run.model)
     pad_id = int(load_tokenizer(run.model).pad_token_id)
-    t = run.training
-
-    def step(samples: Sequence[Sample], pg: Any) -> StepStats:
-        return train_step(
-            model,
-            None,
-            samples,
-            temperature=run.task.temperature,
-            clip_eps=t.clip_eps,
-            micro_batch=t.micro_batch,
-            pad_id=pad_id,
-            dp_group=pg,
-        )
-
-    return Replica(model, step)
+    return Replica(model, lambda samples, pg: run_step(run, model, None, pad_id, samples, pg=pg))
