@@ -41,6 +41,16 @@ def step(model_dir: str, group: object = None) -> tuple[torch.nn.Module, dict]:
     return model, {"loss": stats.loss, "grad_norm": stats.grad_norm, "kl": stats.kl, "tokens": stats.tokens}
 
 
+def assert_same_update(got: dict, expected: dict, initial: dict) -> None:
+    """`got` moved the weights from `initial` as `expected` did, up to floating-point reduction order
+    (within 1e-4 of the update's size), and the update is well above float32's rounding."""
+    scale = max(float((expected[k] - initial[k]).abs().max()) for k in initial)
+    assert scale > 1e-3, "the step moves the weights"
+    for k in initial:
+        dp, ref = got[k] - initial[k], expected[k] - initial[k]
+        assert torch.allclose(dp, ref, rtol=1e-3, atol=1e-4 * scale), (k, float((dp - ref).abs().max()))
+
+
 def main(argv: list[str]) -> None:
     rank, world, init_file, model_dir, out = int(argv[0]), int(argv[1]), argv[2], argv[3], Path(argv[4])
     torch.set_num_threads(1)

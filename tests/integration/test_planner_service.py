@@ -31,12 +31,7 @@ async def rig(nats_server: Server, run_id: str, tmp_path: Path) -> AsyncIterator
     store = OwnershipStore.from_url(redis.url, run_id)
     bus = await Bus.connect(nats_server.url, run_id, "planner", "planner")
     watcher = await Bus.connect(nats_server.url, run_id, "test", "watcher")
-    plans: list[ev.Plan] = []
-
-    async def on_plan(p: ev.Plan, _: Envelope) -> None:
-        plans.append(p)
-
-    await watcher.subscribe(subjects.PLAN, ev.Plan, on_plan)
+    plans = await _watch_plans(watcher)
     cfg = RunConfig.model_validate({"job": {"lease_ttl_s": 2.0}})
     planner = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus, store)
     await planner.start()
@@ -48,6 +43,17 @@ async def rig(nats_server: Server, run_id: str, tmp_path: Path) -> AsyncIterator
             await b.nc.close()
         await store.close()
         redis.stop()
+
+
+async def _watch_plans(watcher: Bus) -> list[ev.Plan]:
+    """Every plan published from now on, in order."""
+    plans: list[ev.Plan] = []
+
+    async def on_plan(p: ev.Plan, _: Envelope) -> None:
+        plans.append(p)
+
+    await watcher.subscribe(subjects.PLAN, ev.Plan, on_plan)
+    return plans
 
 
 async def _until(what: str, cond: Any, timeout: float = 15.0) -> None:
@@ -133,12 +139,7 @@ async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replace
     bus_a = await Bus.connect(nats_server.url, run_id, "planner", "planner-a")
     bus_b = await Bus.connect(nats_server.url, run_id, "planner", "planner-b")
     watcher = await Bus.connect(nats_server.url, run_id, "test", "watcher")
-    plans: list[ev.Plan] = []
-
-    async def on_plan(p: ev.Plan, _: Envelope) -> None:
-        plans.append(p)
-
-    await watcher.subscribe(subjects.PLAN, ev.Plan, on_plan)
+    plans = await _watch_plans(watcher)
     first = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus_a, store, "planner-a")
     await first.start()
     try:
@@ -297,12 +298,7 @@ async def test_the_planner_moves_an_engine_into_training_when_rollout_idles_and_
     store = OwnershipStore.from_url(redis_server.url, run_id)
     bus = await Bus.connect(nats_server.url, run_id, "planner", "planner")
     watcher = await Bus.connect(nats_server.url, run_id, "test", "watcher")
-    plans: list[ev.Plan] = []
-
-    async def on_plan(p: ev.Plan, _: Envelope) -> None:
-        plans.append(p)
-
-    await watcher.subscribe(subjects.PLAN, ev.Plan, on_plan)
+    plans = await _watch_plans(watcher)
     planner = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus, store)
     await planner.start()
     try:
