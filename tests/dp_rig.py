@@ -1,6 +1,7 @@
 """One replica of a data-parallel training step, as its own process (tests/integration/test_data_parallel.py):
-`python -m tests.dp_rig RANK WORLD INIT_FILE MODEL_DIR OUT`. Rank 0 is the trainer and steps; the
-others are hybrid replicas that contribute gradients. Every rank writes its stats and weights to OUT."""
+`python -m tests.dp_rig RANK WORLD INIT_FILE MODEL_DIR OUT [MINI_BATCHES]`. Rank 0 is the trainer and
+steps; the others are hybrid replicas that contribute gradients (and, between the updates of a step
+of several mini-batches, receive rank 0's weights). Every rank writes its stats and weights to OUT."""
 
 from __future__ import annotations
 
@@ -25,20 +26,22 @@ def samples() -> list:
     return out
 
 
-def step(model_dir: str, group: object = None) -> tuple[torch.nn.Module, dict]:
+def step(model_dir: str, group: object = None, mini_batches: int = 1) -> tuple[torch.nn.Module, dict]:
     from services.common.models import load_model
     from services.common.runconfig import ModelConfig
-    from services.trainer.step import train_step
+    from services.trainer.grpo import LossConfig
+    from services.trainer.step import StepSettings, train_step
 
     torch.manual_seed(0)
     model = load_model(ModelConfig(source="tiny-random", cache_dir=model_dir))
     # the update is the gradient itself, scaled up to well above float32's rounding of the weights
     opt = torch.optim.SGD(model.parameters(), lr=1000.0)
-    stats = train_step(
-        model, opt, samples(), temperature=1.0, clip_eps=0.2, micro_batch=2, pad_id=0,
-        max_grad_norm=1e9, dp_group=group,
-    )  # fmt: skip
-    return model, {"loss": stats.loss, "grad_norm": stats.grad_norm, "kl": stats.kl, "tokens": stats.tokens}
+    settings = StepSettings(
+        LossConfig(), micro_batch=2, pad_id=0, mini_batches=mini_batches, max_grad_norm=1e9
+    )
+    stats = train_step(model, opt, samples(), settings, dp_group=group)
+    keys = ("loss", "grad_norm", "kl", "tokens", "updates", "entropy", "is_weight_mean", "clip_fraction")
+    return model, {k: getattr(stats, k) for k in keys}
 
 
 def assert_same_update(got: dict, expected: dict, initial: dict) -> None:
@@ -56,7 +59,7 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     group = dist.new_group(list(range(world)), backend="gloo")  # a group of its own, as the trainer's
-    model, stats = step(model_dir, group)
+    model, stats = step(model_dir, group, int(argv[5]) if len(argv) > 5 else 1)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"weights-{rank}.pt")
     (out / f"stats-{rank}.json").write_text(json.dumps(stats))
     dist.destroy_process_group()

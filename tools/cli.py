@@ -129,6 +129,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     keys.append("final_weight_version")
     print("\n".join(f"{k:<24} {report[k]}" for k in keys))
     print(f"{'reward_mean_per_step':<24} {report['reward_mean_per_step']}")
+    for k in ("reward_first3", "reward_last3"):
+        if (w := report.get(k)) is not None:
+            print(
+                f"{k:<24} {w['mean']} (95% CI {w['ci95'][0]} .. {w['ci95'][1]}, {w['trajectories']} trajectories)"
+            )
+    print(f"{'policy_versions_per_step':<24} {report['policy_versions_per_step']}")
+    print(f"{'logprob_mismatch':<24} {report['logprob_mismatch_per_step']}")
     print(f"{'tool_calls':<24} {report['tool_calls']}")
     for e in report["engines"]:
         print(f"engine {e['id']:<18} weight_version {e.get('weight_version')}")

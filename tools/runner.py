@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ from services.common.membership import SERVING_ROLES
 from services.common.ownership import committed_key, plans_key, role_changes_key, trained_key
 from services.common.runconfig import RunConfig
 from services.scheduler.ledger import Accounting, read_accounting
+from tools.sim.stats import t95
 from tools.stack import ROOT, Stack, read_stack_file
 
 SERVICES_NEEDED = ("planner", "scheduler", "trainer", "tool-sandbox")
@@ -108,6 +110,62 @@ def per_step(metrics: list[ev.TrainMetrics], committed_step: int | None = None) 
         if m.step > 0 and (committed_step is None or m.step <= committed_step):
             first.setdefault(m.step, m)
     return [first[s] for s in sorted(first)]
+
+
+def _sampled(m: ev.TrainMetrics) -> tuple[float, float, int]:
+    """(mean, population std, count) of the rewards of every trajectory step `m` consumed."""
+    if m.sampled_trajectories:
+        return m.sampled_reward_mean, m.sampled_reward_std, m.sampled_trajectories
+    return m.reward_mean, m.reward_std, m.trajectories
+
+
+def reward_window(steps: list[ev.TrainMetrics]) -> dict[str, Any] | None:
+    """Mean reward over the trajectories of `steps` with its 95 % t-interval, pooled from each
+    step's mean, std and count (the per-trajectory rewards are not kept)."""
+    parts = [_sampled(m) for m in steps]
+    n = sum(c for _, _, c in parts)
+    if n == 0:
+        return None
+    mean = sum(mu * c for mu, _, c in parts) / n
+    if n == 1:
+        return {"mean": round(mean, 4), "ci95": [round(mean, 4)] * 2, "trajectories": n}
+    second = sum(c * (sd * sd + mu * mu) for mu, sd, c in parts) / n
+    sd = math.sqrt(max(0.0, second - mean * mean) * n / (n - 1))
+    h = t95(n - 1) * sd / math.sqrt(n)
+    return {"mean": round(mean, 4), "ci95": [round(mean - h, 4), round(mean + h, 4)], "trajectories": n}
+
+
+def learning_report(trained: list[ev.TrainMetrics]) -> dict[str, Any]:
+    """What a step learned, per step: rewards (all sampled trajectories, and those trained on),
+    the policy versions that sampled them, the off-policy corrections and the optimizer's state."""
+
+    def col(name: str, digits: int = 5) -> list[float | None]:
+        return [None if math.isnan(v := getattr(m, name)) else round(v, digits) for m in trained]
+
+    return {
+        "reward_mean_per_step": [round(_sampled(m)[0], 4) for m in trained],
+        "reward_first3": reward_window(trained[:3]),
+        "reward_last3": reward_window(trained[-3:]),
+        "policy_versions_per_step": [list(m.policy_versions) for m in trained],
+        "logprob_mismatch_per_step": col("logprob_mismatch", 7),
+        "groups_filtered_per_step": [m.groups_filtered for m in trained],
+        "training_stats": {
+            "trained_reward_mean": col("reward_mean", 4),
+            "tokens": [m.tokens for m in trained],
+            "entropy": col("entropy", 4),
+            "kl_behaviour": col("kl", 6),
+            "ref_kl": col("ref_kl", 6),
+            "clip_fraction": col("clip_fraction", 4),
+            "dual_clip_fraction": col("dual_clip_fraction", 4),
+            "is_weight_mean": col("is_weight_mean", 4),
+            "is_weight_max": col("is_weight_max", 4),
+            "is_truncated_fraction": col("is_truncated_fraction", 4),
+            "stale_token_fraction": col("stale_token_fraction", 4),
+            "mismatch_tokens": [m.mismatch_tokens for m in trained],
+            "grad_norm": col("grad_norm", 4),
+            "lr": [m.lr for m in trained],
+        },
+    }
 
 
 class JobDriver:
@@ -534,7 +592,7 @@ class JobDriver:
             "trajectories_accounting": {
                 "handed_to_trainer": accounting.published,
                 "trained": accounting.trained,
-                "dropped_stale_or_failed": accounting.dropped,
+                "dropped": accounting.dropped,
                 "open_at_end": accounting.open_at_end,
                 "lost_ids": accounting.lost[:20],
             }
@@ -545,7 +603,7 @@ class JobDriver:
             and all(  # drained engines get no more weights
                 e.get("weight_version") == p.committed_version for e in engines if e["serving"]
             ),
-            "reward_mean_per_step": [round(m.reward_mean, 4) for m in trained],
+            **learning_report(trained),
             "loss_per_step": [round(m.loss, 5) for m in trained],
             "step_s": [round(m.step_s, 2) for m in trained],
             "trajectories_per_step": [m.trajectories for m in trained],

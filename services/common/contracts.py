@@ -4,4 +4,7 @@ from services.common.gen.libra.v1 import events_pb2 as ev
 from services.common.gen.libra.v1 import weightsync_pb2 as ws
 from services.common.gen.libra.v1 import weightsync_pb2_grpc as ws_grpc
 
-__all__ = ["ev", "ws", "ws_grpc"]
+MAX_TEMPERATURE = 10.0
+"""Largest sampling temperature on the wire: engines refuse more, the trainer rejects segments with more."""
+
+__all__ = ["MAX_TEMPERATURE", "ev", "ws", "ws_grpc"]

@@ -103,7 +103,44 @@ class TrainingConfig(_Strict):
     groups_per_step: int = Field(2, ge=1)
     """GRPO groups consumed by one step."""
     lr: float = Field(1e-5, gt=0.0, le=1.0)
+    """Peak learning rate (AdamW)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up: keep `lr`, or decay it linearly or along a half cosine to lr × min_lr_ratio
+    at the last step."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from lr / (warmup + 1) to lr."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
+    """AdamW's decoupled weight decay (torch's default)."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Gradients are clipped to this global L2 norm before the optimizer steps."""
     clip_eps: float = Field(0.2, gt=0.0, le=1.0)
+    """PPO trust region around the proximal policy: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: float | None = Field(None, gt=0.0, le=10.0)
+    """Upper clip (DAPO's clip-higher, e.g. 0.28); unset: clip_eps."""
+    dual_clip: float | None = Field(3.0, gt=1.0, le=100.0)
+    """Dual-clip bound c: a negative-advantage token's loss is at most c·|A| (verl's clip_ratio_c);
+    null disables."""
+    tis_cap: float = Field(2.0, ge=1.0, le=1000.0)
+    """Truncated importance sampling: the weight pi_prox / pi_behaviour that corrects for stale
+    (and engine-vs-trainer mismatched) samples is capped here."""
+    kl_coef: float = Field(0.0, ge=0.0, le=10.0)
+    """Weight of a k3 KL penalty to the frozen initial policy (0: no reference model is loaded)."""
+    mini_batches: int = Field(1, ge=1, le=64)
+    """Optimizer updates per step (PPO mini-batches of whole groups: at most one per group the step
+    trains on). Above 1 the trainer
+    scores the step's tokens once more under the step-start weights (the proximal policy) before
+    the first update; at 1 the gradient's own forward pass is that score."""
+    filter_zero_advantage: bool | None = None
+    """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage and teaches
+    nothing; it is dropped before collation (outcome `filtered`) and the feed launches another.
+    Unset: on, except for the `synthetic` task (nothing is learned from it, and its timings must
+    stay those of the workload it replays)."""
+    filter_budget: int | None = Field(None, ge=0)
+    """Zero-advantage groups filtered at most per step (default: groups_per_step); past it they
+    are taken into the step, where they add no gradient, so a task the policy cannot solve yet
+    still makes steps instead of sampling forever."""
     max_staleness: int = Field(1, ge=0)
     """Policy versions a trajectory may lag the trainer and still be trained on."""
     micro_batch: int = Field(4, ge=1)
@@ -117,6 +154,17 @@ class TrainingConfig(_Strict):
     still loaded, checkpointed and pushed, so versions, fencing and weight sync run for real."""
     emulated_gpus: int = Field(8, ge=1, le=100_000)
     emulated_tp: int = Field(1, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingConfig:
+        b1, b2 = self.adam_betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"training.adam_betas must be in [0, 1), got {self.adam_betas}")
+        return self
+
+    @property
+    def filter_limit(self) -> int:
+        return self.groups_per_step if self.filter_budget is None else self.filter_budget
 
 
 class JobConfig(_Strict):
@@ -209,6 +257,11 @@ class RunConfig(_Strict):
         if any(b <= a for a, b in zip(caps, caps[1:], strict=False)):
             raise ValueError("rollout.buckets: max_output_tokens must grow from bucket to bucket")
         return self
+
+    @property
+    def filters_zero_advantage(self) -> bool:
+        flag = self.training.filter_zero_advantage
+        return self.task.dataset != "synthetic" if flag is None else flag
 
     @property
     def trajectories_per_step(self) -> int:

@@ -20,7 +20,7 @@ from opentelemetry import trace
 from services.common import control, subjects
 from services.common.bus import Bus, Envelope
 from services.common.config import CommonSettings, load_settings
-from services.common.contracts import ev
+from services.common.contracts import MAX_TEMPERATURE, ev
 from services.common.errors import LibraError, Unavailable, require
 from services.common.logging import get_logger
 from services.common.membership import HYBRID_ROLE, SERVING_ROLES, Membership, lease_resource
@@ -38,7 +38,6 @@ from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 SERVICE = "rollout-engine"
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
-MAX_TEMPERATURE = 10.0
 
 
 def validate_turn(req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int) -> GenRequest:
@@ -307,6 +306,7 @@ class RolloutEngineService:
                 logprobs=out.logprobs,
                 policy_version=done.policy_version,
                 token_versions=out.token_versions,
+                temperature=float(req.temperature) if req.temperature > 0 else 1.0,
                 finish_reason=out.finish_reason,
                 context_tokens=len(gen.prompt_ids),
                 queue_s=max(0.0, time.monotonic() - received - done.generate_s),

@@ -97,7 +97,7 @@ class Accounting:
     published: int
     trained: int
     dropped: int
-    """In groups the trainer decided `stale` or `failed` (the feed replaced them)."""
+    """In groups the trainer decided `stale`, `failed` or `filtered` (the feed replaced them)."""
     open_at_end: int
     """In groups not decided when the job ended (launched beyond the last step, or in flight)."""
     lost: list[str]
@@ -116,7 +116,7 @@ def account(
         group = group_of(tid)
         if tid in trained:
             n_trained += 1
-        elif decided.get(group) in ("stale", "failed"):
+        elif decided.get(group) in ("stale", "failed", "filtered"):
             dropped += 1
         elif group in outstanding:
             open_at_end += 1

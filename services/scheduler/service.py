@@ -557,7 +557,7 @@ class SchedulerService:
             return
         versions = list(res.token_versions) or [res.policy_version] * len(res.token_ids)
         try:
-            check_turn(list(res.token_ids), list(res.logprobs), versions)
+            check_turn(list(res.token_ids), list(res.logprobs), versions, res.temperature)
         except ValueError as err:
             self.log.warning("turn_result_malformed", trajectory_id=traj_id, reason=str(err))
             live.last_error = f"{res.engine_id}: malformed result: {err}"
@@ -568,7 +568,9 @@ class SchedulerService:
         eos = (
             res.finish_reason == "stop" and bool(res.token_ids) and res.token_ids[-1] == self.prompter.eos_id
         )
-        action = live.traj.on_turn(list(res.token_ids), list(res.logprobs), res.text, versions, eos)
+        action = live.traj.on_turn(
+            list(res.token_ids), list(res.logprobs), res.text, versions, eos, res.temperature
+        )
         await self._execute(live, action)
 
     async def _retry_or_fail(self, live: Live) -> None:
@@ -699,6 +701,7 @@ class SchedulerService:
                     logprobs=s.logprobs,
                     generated=s.generated,
                     policy_version=s.policy_version,
+                    temperature=s.temperature if s.generated else 0.0,
                 )
                 for s in traj.segments
             ],

@@ -7,6 +7,7 @@ out over the bus and feeds the results back.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from services.scheduler.agent import ToolRequest, parse_action
@@ -29,11 +30,17 @@ class Segment:
     logprobs: list[float]
     generated: bool
     policy_version: int = -1
+    temperature: float = 1.0
+    """Generated segments: the temperature their logprobs were computed at."""
 
 
-def check_turn(token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+def check_turn(
+    token_ids: list[int], logprobs: list[float], versions: list[int], temperature: float = 1.0
+) -> None:
     """Raises ValueError unless there is one logprob and one version per token, versions never
-    going back (weights only move forward on an engine)."""
+    going back (weights only move forward on an engine), and the logprobs' temperature is usable."""
+    if not (math.isfinite(temperature) and temperature > 0.0):
+        raise ValueError(f"logprob temperature must be > 0, got {temperature}")
     if not len(token_ids) == len(logprobs) == len(versions):
         raise ValueError(
             f"{len(token_ids)} tokens, {len(logprobs)} logprobs and {len(versions)} versions differ in length"
@@ -138,14 +145,21 @@ class Trajectory:
         return self._next_generation()
 
     def on_turn(
-        self, token_ids: list[int], logprobs: list[float], text: str, versions: list[int], eos: bool
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        text: str,
+        versions: list[int],
+        eos: bool,
+        temperature: float = 1.0,
     ) -> Action:
         """A generation turn finished: decide whether to call a tool or finish. `versions` names the
         weight version of each token; a turn that ran across a weight swap becomes one generated
-        segment per version, so the trainer sees which policy sampled which token."""
+        segment per version, so the trainer sees which policy sampled which token. `temperature`
+        is the one the engine's logprobs were computed at; the segments carry it to the trainer."""
         if self.state is not State.GENERATING:
             raise IllegalTransition(f"turn result in state {self.state.value}")
-        check_turn(token_ids, logprobs, versions)
+        check_turn(token_ids, logprobs, versions, temperature)
         self.turns += 1
         start = 0
         for end in range(1, len(token_ids) + 1):
@@ -156,6 +170,7 @@ class Trajectory:
                         list(logprobs[start:end]),
                         generated=True,
                         policy_version=versions[start],
+                        temperature=temperature,
                     )
                 )
                 start = end

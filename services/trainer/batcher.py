@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from services.common.contracts import ev
+from services.trainer.advantages import informative
 
 H = TypeVar("H")
 
@@ -79,6 +80,21 @@ class GroupBuffer(Generic[H]):
         if len(ready) < n:
             return [], stale
         return [list(self.groups.pop(gid).values()) for gid in ready[:n]], stale
+
+    def filter_uninformative(self, limit: int) -> list[list[Pending[H]]]:
+        """Removes up to `limit` complete groups whose rewards are all equal (zero advantage:
+        nothing to learn; DAPO's dynamic sampling), oldest first, and returns them. They are
+        remembered as dropped, like a stale group. Past `limit` such groups stay and are taken."""
+        out: list[list[Pending[H]]] = []
+        for gid, members in list(self.groups.items()):
+            if len(out) >= limit:
+                break
+            first = next(iter(members.values())).traj
+            if len(members) < first.group_size:
+                continue
+            if not informative([p.traj.reward for p in members.values()]):
+                out.append(self.drop(gid))
+        return out
 
     def waiting(self) -> list[tuple[str, int, int]]:
         """(group id, trajectories buffered, group size) of every group, oldest first."""

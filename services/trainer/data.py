@@ -2,8 +2,8 @@
 
 A trajectory is its segments in order: the prompt, then generated turns and tool returns. The model
 sees their concatenation; only generated tokens carry loss. Everything is kept shifted by one, the
-way the logits are used: column j of the mask and of the old logprobs describes token j+1, which the
-logits at position j predict (see `grpo.token_logprobs`). torch is imported only when collating, so
+way the logits are used: column j of the mask, the behaviour logprobs, the temperatures and the
+versions describes token j+1, which the logits at position j predict (see `grpo.token_logprobs`). torch is imported only when collating, so
 the service shell can validate trajectories without it.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.common.contracts import ev
+from services.common.contracts import MAX_TEMPERATURE, ev
 from services.common.errors import require
 
 if TYPE_CHECKING:
@@ -23,14 +23,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Sample:
-    """One trajectory, flattened: per-position token, loss flag and old logprob (0 where no loss)."""
+    """One trajectory, flattened per position: token, loss flag, the engine's (behaviour) logprob,
+    the temperature it was computed at and the weight version that sampled the token (0.0, 1.0 and
+    -1 where there is no loss)."""
 
     trajectory_id: str
     group_id: str
     reward: float
     input_ids: list[int]
     loss_mask: list[bool]
-    old_logprobs: list[float]
+    behaviour_logprobs: list[float]
+    temperatures: list[float] | None = None
+    """None: 1.0 everywhere."""
+    versions: list[int] | None = None
+    """None: -1 everywhere (unknown: never counted as sampled by the step's weights)."""
 
     @property
     def num_generated(self) -> int:
@@ -39,12 +45,15 @@ class Sample:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Right-padded tensors: input_ids/attention_mask [B, T]; loss_mask/old_logprobs [B, T-1]; advantages [B]."""
+    """Right-padded tensors: input_ids/attention_mask [B, T]; loss_mask, behaviour_logprobs,
+    temperatures, versions [B, T-1]; advantages [B]."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
-    old_logprobs: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    temperatures: torch.Tensor
+    versions: torch.Tensor
     advantages: torch.Tensor
 
     @property
@@ -69,6 +78,10 @@ def validate(traj: ev.CompletedTrajectory, vocab_size: int | None = None) -> Non
                 f"segment {i}: {len(seg.logprobs)} logprobs for {len(seg.token_ids)} generated tokens",
             )
             require(all(math.isfinite(x) and x <= 1e-4 for x in seg.logprobs), f"segment {i}: bad logprob")
+            require(
+                math.isfinite(seg.temperature) and 0.0 < seg.temperature <= MAX_TEMPERATURE,
+                f"segment {i}: temperature {seg.temperature} is not in (0, {MAX_TEMPERATURE}]",
+            )
             generated += len(seg.token_ids)
         if vocab_size is not None:
             require(all(0 <= t < vocab_size for t in seg.token_ids), f"segment {i}: token id outside vocab")
@@ -80,16 +93,21 @@ def validate(traj: ev.CompletedTrajectory, vocab_size: int | None = None) -> Non
 def to_sample(traj: ev.CompletedTrajectory) -> Sample:
     ids: list[int] = []
     mask: list[bool] = []
-    old: list[float] = []
+    behaviour: list[float] = []
+    temps: list[float] = []
+    versions: list[int] = []
     for seg in traj.segments:
+        n = len(seg.token_ids)
         ids.extend(seg.token_ids)
-        mask.extend([seg.generated] * len(seg.token_ids))
-        old.extend(seg.logprobs if seg.generated else [0.0] * len(seg.token_ids))
-    return Sample(traj.trajectory_id, traj.group_id, traj.reward, ids, mask, old)
+        mask.extend([seg.generated] * n)
+        behaviour.extend(seg.logprobs if seg.generated else [0.0] * n)
+        temps.extend([seg.temperature if seg.generated else 1.0] * n)
+        versions.extend([seg.policy_version if seg.generated else -1] * n)
+    return Sample(traj.trajectory_id, traj.group_id, traj.reward, ids, mask, behaviour, temps, versions)
 
 
 def collate(samples: Sequence[Sample], advantages: Sequence[float], pad_id: int) -> MicroBatch:
-    """Right-pads to the longest sample and shifts mask and old logprobs to the logits' positions."""
+    """Right-pads to the longest sample and shifts the per-token columns to the logits' positions."""
     import torch
 
     width = max(len(s.input_ids) for s in samples)
@@ -97,18 +115,26 @@ def collate(samples: Sequence[Sample], advantages: Sequence[float], pad_id: int)
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)
     attention = torch.zeros((b, width), dtype=torch.long)
     loss_mask = torch.zeros((b, width), dtype=torch.bool)
-    old = torch.zeros((b, width), dtype=torch.float32)
+    behaviour = torch.zeros((b, width), dtype=torch.float32)
+    temps = torch.ones((b, width), dtype=torch.float32)
+    versions = torch.full((b, width), -1, dtype=torch.long)
     for i, s in enumerate(samples):
         n = len(s.input_ids)
         input_ids[i, :n] = torch.tensor(s.input_ids, dtype=torch.long)
         attention[i, :n] = 1
         loss_mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
-        old[i, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+        behaviour[i, :n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        if s.temperatures is not None:
+            temps[i, :n] = torch.tensor(s.temperatures, dtype=torch.float32)
+        if s.versions is not None:
+            versions[i, :n] = torch.tensor(s.versions, dtype=torch.long)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention,
         loss_mask=loss_mask[:, 1:],
-        old_logprobs=old[:, 1:],
+        behaviour_logprobs=behaviour[:, 1:],
+        temperatures=temps[:, 1:],
+        versions=versions[:, 1:],
         advantages=torch.tensor(list(advantages), dtype=torch.float32),
     )
 

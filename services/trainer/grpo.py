@@ -1,109 +1,217 @@
-"""GRPO math: group-normalised advantages and the token-level clipped policy loss.
+"""GRPO math: the off-policy-correct token-level policy loss (advantages: `advantages.py`).
 
-Contract with the rollout engine: the logprob the engine reports for a sampled token is
-`log_softmax(logits / temperature)[token]` at the position that predicted it, with `temperature` the
-run's `task.temperature`. `token_logprobs` computes exactly that for the trainer's current weights,
-so at step start (same weights, same temperature) the ratio new/old is 1 up to numerics, and the
-engine's numbers serve as the old policy without a second forward pass.
+Three policies meet in an asynchronous step (AReaL's decoupled PPO, Fu et al. 2025, §5):
+
+- the **behaviour** policy sampled the tokens on an engine, up to `max_staleness` versions ago; its
+  logprobs travel with each segment, with the temperature they were computed at;
+- the **proximal** policy is the trainer's weights when the step starts, scored by the trainer itself
+  at each segment's temperature (`token_logprobs`): the PPO trust region is taken around it;
+- the **current** policy is the one being optimised.
+
+Per generated token with advantage A, ratio r = pi/pi_prox and importance weight
+w = min(pi_prox/pi_behaviour, tis_cap) (truncated importance sampling, Ionides 2008; verl's TIS):
+
+    loss = w * max(-A r, -A clip(r, 1 - eps, 1 + eps_high))        (A >= 0)
+    loss = w * min(max(-A r, -A clip(r, 1 - eps, 1 + eps_high)), -A c)   (A < 0, dual-clip c)
+
+summed over the step's generated tokens and divided by their count (DAPO's token-level mean),
+plus `kl_coef` times the k3 estimate of KL(pi || pi_ref) to a frozen reference when configured.
+The dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"; verl `clip_ratio_c`)
+bounds the loss of a negative-advantage token whose ratio has grown large. `w` carries no gradient;
+it corrects for the tokens' sampler being older than (or numerically different from) the trainer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 
-def group_advantages(rewards: Sequence[float], groups: Sequence[Hashable], eps: float = 1e-6) -> list[float]:
-    """(reward - group mean) / (group std + eps) per group; a group of equal rewards carries no signal.
-
-    The std is the population std of the group (divides by n), as the group is the whole sample.
-    """
-    if len(rewards) != len(groups):
-        raise ValueError("rewards and groups must have the same length")
-    members: dict[Hashable, list[int]] = {}
-    for i, g in enumerate(groups):
-        members.setdefault(g, []).append(i)
-    out = [0.0] * len(rewards)
-    for idx in members.values():
-        rs = [float(rewards[i]) for i in idx]
-        mean = sum(rs) / len(rs)
-        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs))
-        for i, r in zip(idx, rs, strict=True):
-            out[i] = 0.0 if max(rs) == min(rs) else (r - mean) / (std + eps)
-    return out
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Logprob of token t+1 under the logits at position t: shape [B, T-1] for inputs of shape [B, T].
-
-    Computed in float32 as a fused cross-entropy, whose backward is markedly cheaper on CPU than
-    gather + logsumexp over a 49k vocabulary.
-    """
+def _scaled(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """logits[:, :-1] / temperature in float32; a tensor temperature is per position, [B, T-1]."""
     scaled = logits[:, :-1, :].float()
-    if temperature != 1.0:
-        scaled = scaled / temperature
+    if isinstance(temperature, torch.Tensor):
+        return scaled / temperature.to(scaled.dtype).unsqueeze(-1)
+    return scaled / temperature if temperature != 1.0 else scaled
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float | torch.Tensor
+) -> torch.Tensor:
+    """Logprob of token t+1 under softmax(logits[t] / T): shape [B, T-1] for inputs of shape [B, T].
+
+    `temperature` is one number or a [B, T-1] tensor (each position scored at the temperature its
+    token was sampled at). Computed in float32 as a fused cross-entropy, whose backward is markedly
+    cheaper on CPU than gather + logsumexp over a 49k vocabulary.
+    """
+    scaled = _scaled(logits, temperature)
     b, t, v = scaled.shape
     nll = F.cross_entropy(scaled.reshape(b * t, v), input_ids[:, 1:].reshape(b * t), reduction="none")
     return -nll.view(b, t)
 
 
+@torch.no_grad()
+def entropy_sum(logits: torch.Tensor, temperature: float | torch.Tensor, mask: torch.Tensor) -> float:
+    """Sum over the masked positions ([B, T-1]) of the entropy of softmax(logits / T), in nats.
+    Only the masked rows are materialised: a [B, T, V] copy of the logits is hundreds of MB."""
+    keep = mask.bool()
+    rows = logits.detach()[:, :-1, :][keep].float()
+    if rows.numel() == 0:
+        return 0.0
+    if isinstance(temperature, torch.Tensor):
+        rows = rows / temperature[keep].to(rows.dtype).unsqueeze(-1)
+    elif temperature != 1.0:
+        rows = rows / temperature
+    logp = torch.log_softmax(rows, dim=-1)
+    return float(-(logp.exp() * logp).sum().item())
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    """Upper clip bound 1 + clip_eps_high (DAPO's clip-higher); None: clip_eps."""
+    dual_clip: float | None = 3.0
+    """Bound c > 1 on a negative-advantage token's loss (-A c); None disables."""
+    tis_cap: float = 2.0
+    """Truncation of the importance weight pi_prox / pi_behaviour."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the frozen reference (0: no reference)."""
+
+
 @dataclass(frozen=True)
 class LossMetrics:
-    """Token-weighted sums over the masked tokens of one call; divide by `tokens` for means."""
+    """Sums over the masked tokens of one call (maxima for `is_weight_max`); `means` divides."""
 
-    tokens: float
-    clipped: float
-    kl: float
-    ratio: float
+    tokens: float = 0.0
+    clipped: float = 0.0
+    dual_clipped: float = 0.0
+    ratio: float = 0.0
+    is_weight: float = 0.0
+    is_weight_max: float = 0.0
+    truncated: float = 0.0
+    behaviour_kl: float = 0.0
+    ref_kl: float = 0.0
+    entropy: float = 0.0
+    mismatch: float = 0.0
+    mismatch_tokens: float = 0.0
+
+    MAXED = ("is_weight_max",)
 
     def __add__(self, other: LossMetrics) -> LossMetrics:
         return LossMetrics(
-            self.tokens + other.tokens,
-            self.clipped + other.clipped,
-            self.kl + other.kl,
-            self.ratio + other.ratio,
+            **{
+                f.name: (max if f.name in self.MAXED else _add)(getattr(self, f.name), getattr(other, f.name))
+                for f in dataclasses.fields(self)
+            }
         )
+
+    def values(self) -> list[float]:
+        return [float(getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> LossMetrics:
+        return cls(*values)
 
     def means(self) -> dict[str, float]:
         n = max(self.tokens, 1.0)
-        return {"clip_fraction": self.clipped / n, "kl": self.kl / n, "ratio_mean": self.ratio / n}
+        return {
+            "clip_fraction": self.clipped / n,
+            "dual_clip_fraction": self.dual_clipped / n,
+            "ratio_mean": self.ratio / n if self.tokens else 1.0,
+            "is_weight_mean": self.is_weight / n if self.tokens else 1.0,
+            "is_weight_max": self.is_weight_max,
+            "is_truncated_fraction": self.truncated / n,
+            "kl": self.behaviour_kl / n,
+            "ref_kl": self.ref_kl / n,
+            "entropy": self.entropy / n,
+            "logprob_mismatch": self.mismatch / self.mismatch_tokens if self.mismatch_tokens else math.nan,
+        }
+
+
+def _add(a: float, b: float) -> float:
+    return a + b
 
 
 def policy_loss(
     new_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    prox_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps: float,
+    cfg: LossConfig,
     num_tokens: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    same_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossMetrics]:
-    """PPO-clip loss summed over masked tokens and divided by `num_tokens` (DAPO token-level mean).
+    """The decoupled, truncated-IS, dual-clipped loss of the module docstring.
 
-    `new_logprobs`, `old_logprobs` and `mask` are [B, L]; `advantages` is [B] (one per sequence).
-    Pass the token count of the whole step as `num_tokens` when accumulating gradients over
-    micro-batches, so every generated token of the step weighs the same; by default the count of
-    this call's masked tokens is used.
+    `new_logprobs` (with gradient), `prox_logprobs`, `behaviour_logprobs`, `mask` and the optional
+    `ref_logprobs` are [B, L]; `advantages` is [B] (one per sequence). Pass the token count of
+    the whole (mini-)batch as `num_tokens` when accumulating gradients over micro-batches, so every
+    generated token weighs the same; by default this call's masked tokens are counted.
+    `same_weights` marks the tokens the engine sampled with the weights `prox_logprobs` come from:
+    on those, |prox - behaviour| is the engine-vs-trainer logprob mismatch.
     """
     mask = mask.to(new_logprobs.dtype)
     n = float(mask.sum().item()) if num_tokens is None else float(num_tokens)
-    log_ratio = new_logprobs - old_logprobs
+    prox = prox_logprobs.detach()
+    log_ratio = new_logprobs - prox
     ratio = torch.exp(log_ratio)
     adv = advantages.to(new_logprobs.dtype).unsqueeze(-1)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1.0 - cfg.clip_eps, 1.0 + high)
+    clipped_loss = torch.maximum(pg1, pg2)
+    per_token = clipped_loss
+    dual = torch.zeros_like(mask, dtype=torch.bool)
+    if cfg.dual_clip is not None:
+        bound = -adv * cfg.dual_clip
+        dual = (adv < 0) & (bound < clipped_loss)
+        per_token = torch.where(adv < 0, torch.minimum(clipped_loss, bound), clipped_loss)
+    with torch.no_grad():
+        raw_weight = torch.exp(prox - behaviour_logprobs)
+        weight = torch.clamp(raw_weight, max=cfg.tis_cap)
+    per_token = per_token * weight
+    ref_k3 = None
+    if ref_logprobs is not None and cfg.kl_coef > 0:
+        d = ref_logprobs.detach() - new_logprobs
+        ref_k3 = torch.exp(d) - d - 1.0  # k3 estimate of KL(pi || pi_ref), samples of pi (Schulman 2020)
+        per_token = per_token + cfg.kl_coef * ref_k3
     loss = (per_token * mask).sum() / max(n, 1.0)
     with torch.no_grad():
-        is_clipped = ((ratio < 1.0 - clip_eps) & (adv < 0)) | ((ratio > 1.0 + clip_eps) & (adv > 0))
-        k3 = ratio - 1.0 - log_ratio  # KL(old || new) estimated from samples of the old policy
+        m = mask
+
+        def total(x: torch.Tensor) -> float:
+            return float((x.to(m.dtype) * m).sum().item())
+
+        rho = torch.exp(prox - behaviour_logprobs)
+        behaviour_k3 = (
+            rho - 1.0 - (prox - behaviour_logprobs)
+        )  # KL(behaviour || prox) from behaviour's samples
+        live = m.bool()
+        if same_weights is not None:
+            on = live & same_weights.bool()
+            mismatch = float((prox - behaviour_logprobs).abs()[on].sum().item())
+            mismatch_tokens = float(on.sum().item())
+        else:
+            mismatch, mismatch_tokens = 0.0, 0.0
         metrics = LossMetrics(
-            tokens=float(mask.sum().item()),
-            clipped=float((is_clipped.to(mask.dtype) * mask).sum().item()),
-            kl=float((k3 * mask).sum().item()),
-            ratio=float((ratio * mask).sum().item()),
+            tokens=float(m.sum().item()),
+            clipped=total(pg2 > pg1),
+            dual_clipped=total(dual),
+            ratio=total(ratio),
+            is_weight=total(weight),
+            is_weight_max=float(raw_weight[live].max().item()) if bool(live.any()) else 0.0,
+            truncated=total(raw_weight > cfg.tis_cap),
+            behaviour_kl=total(behaviour_k3),
+            ref_kl=total(ref_k3) if ref_k3 is not None else 0.0,
+            mismatch=mismatch,
+            mismatch_tokens=mismatch_tokens,
         )
     return loss, metrics

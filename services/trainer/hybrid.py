@@ -8,8 +8,9 @@ generation the trainer leads and the replicas follow:
 
 - at formation it broadcasts its weights (the replica's "fetch state": a replica contributes
   gradients only, so weights are all it needs; rank 0 alone holds the optimizer and steps);
-- `STEP`: a header, then the step's samples (JSON), then every rank runs `train_step` on its share
-  of the micro-batches with the group, and rank 0 broadcasts the updated weights;
+- `STEP`: a header, then the step's samples and start version (JSON), then every rank runs
+  `train_step` on its share of the micro-batches with the group (with several mini-batches, rank 0
+  broadcasts its weights after each update but the last), and rank 0 broadcasts the updated weights;
 - `PING` while the trainer waits for data, so a replica's wait stays within the op timeout and a
   dead trainer is noticed within it;
 - `CLOSE` ends the generation (someone joins or leaves; the trainer stops).
@@ -85,14 +86,16 @@ def broadcast_weights(pg: Any, model: torch.nn.Module) -> int:
     return flat.numel() * 4
 
 
-def _encode(samples: Sequence[Sample]) -> torch.Tensor:
-    data = json.dumps([asdict(s) for s in samples], separators=(",", ":")).encode()
+def _encode(samples: Sequence[Sample], version: int) -> torch.Tensor:
+    data = json.dumps(
+        {"version": version, "samples": [asdict(s) for s in samples]}, separators=(",", ":")
+    ).encode()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _decode(buf: torch.Tensor) -> list[Sample]:
-    rows = json.loads(bytes(buf.numpy()))
-    return [Sample(**r) for r in rows]
+def _decode(buf: torch.Tensor) -> tuple[list[Sample], int]:
+    data = json.loads(bytes(buf.numpy()))
+    return [Sample(**r) for r in data["samples"]], int(data["version"])
 
 
 class TrainerGroup:
@@ -135,12 +138,14 @@ class TrainerGroup:
         if payload is not None and size:
             _broadcast(self.pg, payload)
 
-    def run_step(self, samples: Sequence[Sample], step: Callable[[Any], Any], model: torch.nn.Module) -> Any:
-        """Sends the samples, runs `step(pg)` with the replicas and sends them the result. A broken
-        generation is dropped; the caller re-runs the step alone (GroupBroken is raised before
-        the optimizer steps when the gradient sum fails)."""
+    def run_step(
+        self, samples: Sequence[Sample], step: Callable[[Any], Any], model: torch.nn.Module, version: int
+    ) -> Any:
+        """Sends the samples and the version the step starts from, runs `step(pg)` with the
+        replicas and sends them the result. A broken generation is dropped; the caller re-runs the
+        step alone (GroupBroken is raised before the optimizer steps when the gradient sum fails)."""
         try:
-            self._command(CMD_STEP, _encode(samples))
+            self._command(CMD_STEP, _encode(samples, version))
             result = step(self.pg)
         except (GroupBroken, RuntimeError) as err:
             self.drop()
@@ -173,7 +178,7 @@ class TrainerGroup:
 class Replica:
     """Rank i > 0: a worker's training side while it is in the hybrid pool."""
 
-    def __init__(self, model: torch.nn.Module, step: Callable[[Sequence[Sample], Any], Any]):
+    def __init__(self, model: torch.nn.Module, step: Callable[[Sequence[Sample], Any, int], Any]):
         self.model = model
         self.step = step
         self.steps = 0
@@ -205,9 +210,9 @@ class Replica:
                 continue
             if cmd != CMD_STEP or not 0 < size <= MAX_PAYLOAD:
                 raise GroupBroken(f"unexpected command {header} from the trainer")
-            samples = _decode(_broadcast(pg, torch.empty(size, dtype=torch.uint8)))
+            samples, version = _decode(_broadcast(pg, torch.empty(size, dtype=torch.uint8)))
             try:
-                self.step(samples, pg)
+                self.step(samples, pg, version)
             except RuntimeError as err:
                 raise GroupBroken(f"step failed: {err}") from err
             broadcast_weights(pg, self.model)

@@ -21,8 +21,9 @@ from services.common.models import load_model, load_tokenizer
 from services.common.runconfig import RunConfig
 from services.trainer import checkpoint
 from services.trainer.data import Sample
+from services.trainer.grpo import LossConfig
 from services.trainer.hybrid import GroupBroken, Replica, TrainerGroup
-from services.trainer.step import StepAborted, StepStats, train_step
+from services.trainer.step import StepAborted, StepSettings, StepStats, lr_at, train_step
 from services.trainer.weight_push import PackedWeights, pack
 
 
@@ -34,7 +35,9 @@ class Learner:
         self.keep = keep_checkpoints
         self.tokenizer = load_tokenizer(run.model)
         self.model = load_model(run.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=run.training.lr)
+        self.optimizer = optimizer_for(run, self.model)
+        self.ref = reference_for(run)
+        """The frozen initial policy of the KL penalty (None without training.kl_coef)."""
         self.state = checkpoint.TrainerState()
         self.loaded: Path | None = None
         """The checkpoint the weights in memory are (None: the initial weights)."""
@@ -68,7 +71,7 @@ class Learner:
             self.state = checkpoint.restore(found, self.model, self.optimizer)
         else:
             self.model = load_model(self.run.model)
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.run.training.lr)
+            self.optimizer = optimizer_for(self.run, self.model)
             self.state = checkpoint.TrainerState()
         self.loaded = found
         return found
@@ -88,7 +91,9 @@ class Learner:
         if group is not None and group.pg is not None:
             world = group.world
             try:
-                stats = group.run_step(samples, lambda pg: self._train(samples, should_abort, pg), self.model)
+                stats = group.run_step(
+                    samples, lambda pg: self._train(samples, should_abort, pg), self.model, self.state.version
+                )
                 return dataclasses.replace(stats, data_parallel=world)
             except GroupBroken as err:
                 self.group_error = str(err)
@@ -97,7 +102,18 @@ class Learner:
     def _train(
         self, samples: Sequence[Sample], should_abort: Callable[[], bool], pg: Any = None
     ) -> StepStats:
-        return run_step(self.run, self.model, self.optimizer, self.pad_id, samples, should_abort, pg)
+        return run_step(
+            self.run,
+            self.model,
+            self.optimizer,
+            self.pad_id,
+            samples,
+            self.state.version,
+            should_abort,
+            pg,
+            ref=self.ref,
+            step_index=self.state.step,
+        )
 
     def emulated_step(self, samples: Sequence[Sample], should_abort: Callable[[], bool]) -> StepStats:
         """EMULATED: waits what the cost model says the step takes on the emulated GPUs (their
@@ -147,28 +163,74 @@ class Learner:
         return pack(self.model.state_dict(), self.state.version)
 
 
+def optimizer_for(run: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    t = run.training
+    return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+
+
+def reference_for(run: RunConfig) -> torch.nn.Module | None:
+    """The frozen initial weights a KL penalty pulls towards, when one is configured."""
+    if run.training.kl_coef <= 0 or run.training.backend == "emulated":
+        return None
+    ref = load_model(run.model)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def step_settings(run: RunConfig, pad_id: int, version: int, step_index: int | None = None) -> StepSettings:
+    """The step's settings from the run config, the same on every rank of a hybrid group (their
+    micro-batches must agree). `step_index` (rank 0) sets the scheduled learning rate."""
+    t = run.training
+    lr = None
+    if step_index is not None:
+        lr = lr_at(
+            step_index,
+            lr=t.lr,
+            schedule=t.lr_schedule,
+            warmup=t.lr_warmup_steps,
+            total=t.steps,
+            min_ratio=t.min_lr_ratio,
+        )
+    return StepSettings(
+        loss=LossConfig(
+            clip_eps=t.clip_eps,
+            clip_eps_high=t.clip_eps_high,
+            dual_clip=t.dual_clip,
+            tis_cap=t.tis_cap,
+            kl_coef=t.kl_coef,
+        ),
+        micro_batch=t.micro_batch,
+        pad_id=pad_id,
+        mini_batches=t.mini_batches,
+        max_grad_norm=t.max_grad_norm,
+        lr=lr,
+        version=version,
+    )
+
+
 def run_step(
     run: RunConfig,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     pad_id: int,
     samples: Sequence[Sample],
+    version: int,
     should_abort: Callable[[], bool] = lambda: False,
     pg: Any = None,
+    *,
+    ref: torch.nn.Module | None = None,
+    step_index: int | None = None,
 ) -> StepStats:
-    """The job's GRPO step, the same on every rank of a hybrid group (their micro-batches must
-    agree, so they all take the settings from the same run config here)."""
-    t = run.training
+    """The job's GRPO step, the same on every rank of a hybrid group."""
     return train_step(
         model,
         optimizer,
         samples,
-        temperature=run.task.temperature,
-        clip_eps=t.clip_eps,
-        micro_batch=t.micro_batch,
-        pad_id=pad_id,
+        step_settings(run, pad_id, version, step_index),
         should_abort=should_abort,
         dp_group=pg,
+        ref_model=ref,
     )
 
 
@@ -177,5 +239,9 @@ def replica_for(run: RunConfig) -> Replica:
     joins a generation) and the trainer's step, without an optimizer (rank 0 alone steps)."""
     torch.set_num_threads(run.training.torch_threads)
     model = load_model(run.model)
+    ref = reference_for(run)
     pad_id = int(load_tokenizer(run.model).pad_token_id)
-    return Replica(model, lambda samples, pg: run_step(run, model, None, pad_id, samples, pg=pg))
+    return Replica(
+        model,
+        lambda samples, pg, version: run_step(run, model, None, pad_id, samples, version, pg=pg, ref=ref),
+    )

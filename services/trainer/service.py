@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -72,7 +73,11 @@ class TrainerService:
         """The fencing token under which this trainer last adopted the commit record."""
         self.decided: OrderedDict[str, None] = OrderedDict()
         self.stepping: list[Pending[Msg]] = []
-        self.counts = {"trained": 0, "duplicate": 0, "stale": 0, "invalid": 0, "failed": 0}
+        self.counts = {"trained": 0, "duplicate": 0, "stale": 0, "invalid": 0, "failed": 0, "filtered": 0}
+        self.filtered_this_step = 0
+        """Zero-advantage groups filtered since the last committed step (training.filter_budget)."""
+        self.filtered_rewards: list[float] = []
+        """...and their trajectories' rewards (the step's sampled reward counts them)."""
         emulated = run.training.backend == "emulated"
         self.hybrid = HybridHost(
             settings,
@@ -170,6 +175,7 @@ class TrainerService:
             return
         await self._admit(fetched)
         while not self.finished and not stop.is_set():
+            await self._filter_uninformative()
             groups, stale = self.buffer.take(self.run.training.groups_per_step, self.version)
             await self._drop_stale(stale)
             if not groups:
@@ -296,6 +302,23 @@ class TrainerService:
         for gid, members in groups.items():
             await self._outcome(gid, "stale", f"older than max_staleness at version {self.version}", members)
 
+    async def _filter_uninformative(self) -> None:
+        """Drops complete zero-advantage groups within this step's budget (the feed replaces them)."""
+        if not self.run.filters_zero_advantage:
+            return
+        left = self.run.training.filter_limit - self.filtered_this_step
+        for group in self.buffer.filter_uninformative(max(0, left)):
+            self.filtered_this_step += 1
+            self.counts["filtered"] += len(group)
+            self.filtered_rewards.extend(p.traj.reward for p in group)
+            for p in group:
+                for h in p.handles:
+                    await _settle(h.ack())
+            first = group[0].traj
+            await self._outcome(
+                first.group_id, "filtered", f"all {len(group)} rewards equal ({first.reward:g})", len(group)
+            )
+
     async def _hand_back(self, pendings: list[Pending[Msg]]) -> None:
         """Naks un-trained deliveries so JetStream redelivers them now rather than after ack_wait."""
         for p in pendings:
@@ -341,6 +364,9 @@ class TrainerService:
                 await self._hand_back(pendings)
                 await self._roll_back()
                 return
+            filtered, self.filtered_this_step = self.filtered_this_step, 0
+            sampled = [p.traj.reward for p in pendings] + self.filtered_rewards
+            self.filtered_rewards = []
             for g in groups:
                 await self._outcome(g[0].traj.group_id, "trained", members=len(g))
             for p in pendings:
@@ -359,12 +385,18 @@ class TrainerService:
                 kl=round(stats.kl, 6),
                 clip_fraction=round(stats.clip_fraction, 4),
                 grad_norm=round(stats.grad_norm, 4),
+                entropy=round(stats.entropy, 4),
+                is_weight_mean=round(stats.is_weight_mean, 4),
+                logprob_mismatch=stats.logprob_mismatch,
+                lr=stats.lr,
+                groups_filtered=filtered,
+                policy_versions=list(stats.policy_versions),
                 data_parallel=stats.data_parallel,
             )
             push_s, push_bytes = 0.0, 0
             if not stop.is_set():
                 push_s, push_bytes, _ = await self._push_current()
-        await self._publish_step(stats, push_s, push_bytes)
+        await self._publish_step(stats, push_s, push_bytes, filtered, sampled)
 
     async def _roll_back(self, record: dict[str, str] | None = None) -> None:
         """Back to (or, for a standby taking over, on to) the step the job's commit record holds."""
@@ -495,7 +527,9 @@ class TrainerService:
         addrs = [a.weight_sync_addr for a in self.membership.peers(*SERVING_ROLES) if a.weight_sync_addr]
         return all(self.synced.get(a) == self.version for a in addrs)
 
-    async def _publish_step(self, stats: StepStats, push_s: float, push_bytes: int) -> None:
+    async def _publish_step(
+        self, stats: StepStats, push_s: float, push_bytes: int, filtered: int, sampled: list[float]
+    ) -> None:
         done = self.finished and self._all_engines_synced()
         self.last_metrics = ev.TrainMetrics(
             step=self.learner.state.step,
@@ -513,6 +547,22 @@ class TrainerService:
             done=done,
             data_parallel=stats.data_parallel,
             groups_ready=await self._groups_ready(),
+            entropy=stats.entropy,
+            is_weight_mean=stats.is_weight_mean,
+            is_weight_max=stats.is_weight_max,
+            is_truncated_fraction=stats.is_truncated_fraction,
+            dual_clip_fraction=stats.dual_clip_fraction,
+            logprob_mismatch=stats.logprob_mismatch,
+            mismatch_tokens=stats.mismatch_tokens,
+            lr=stats.lr,
+            grad_norm=stats.grad_norm,
+            groups_filtered=filtered,
+            policy_versions=list(stats.policy_versions),
+            stale_token_fraction=stats.stale_token_fraction,
+            ref_kl=stats.ref_kl,
+            sampled_reward_mean=statistics.fmean(sampled) if sampled else 0.0,
+            sampled_reward_std=statistics.pstdev(sampled) if sampled else 0.0,
+            sampled_trajectories=len(sampled),
         )
         await self.bus.publish(subjects.TRAIN_METRICS, self.last_metrics)
         if done:

@@ -187,9 +187,7 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
         acc = report["trajectories_accounting"]
         assert report["trajectories_lost"] == 0 and acc["lost_ids"] == [], acc
         assert acc["trained"] == cfg.trajectories_per_step * cfg.training.steps, acc
-        assert (
-            acc["handed_to_trainer"] == acc["trained"] + acc["dropped_stale_or_failed"] + acc["open_at_end"]
-        )
+        assert acc["handed_to_trainer"] == acc["trained"] + acc["dropped"] + acc["open_at_end"]
     # the scheduler's workload stats for the planner: turn lengths within the token budget
     assert workload, "no workload.stats with turns in it"
     w = workload[-1]

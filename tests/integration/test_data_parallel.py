@@ -30,11 +30,14 @@ def test_micro_batches_are_dealt_round_robin_and_every_one_exactly_once() -> Non
         share(batches, 3, 3)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("world", "minis"), [(2, 1), (3, 1), (2, 2)])
 def test_a_step_with_hybrid_replicas_updates_the_weights_as_the_trainer_alone(
-    tiny_model: ModelConfig, tmp_path: Path, world: int
+    tiny_model: ModelConfig, tmp_path: Path, world: int, minis: int
 ) -> None:
-    alone, alone_stats = step(tiny_model.cache_dir)
+    """With two mini-batches the second one's gradients are taken on the weights after the first
+    update, on every replica (rank 0 sends them), and its clip now bounds something."""
+    alone, alone_stats = step(tiny_model.cache_dir, mini_batches=minis)
+    assert alone_stats["updates"] == minis
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     init = tmp_path / "init"
     procs = [
@@ -48,6 +51,7 @@ def test_a_step_with_hybrid_replicas_updates_the_weights_as_the_trainer_alone(
                 str(init),
                 tiny_model.cache_dir,
                 str(tmp_path),
+                str(minis),
             ],
             cwd=ROOT,
             env=env,
@@ -63,10 +67,17 @@ def test_a_step_with_hybrid_replicas_updates_the_weights_as_the_trainer_alone(
     trainer = torch.load(tmp_path / "weights-0.pt")
     assert_same_update(trainer, alone.state_dict(), initial)
     hybrid = torch.load(tmp_path / "weights-1.pt")
-    assert all(torch.equal(hybrid[k], initial[k]) for k in initial), "a hybrid replica does not step"
+    if minis == 1:
+        assert all(torch.equal(hybrid[k], initial[k]) for k in initial), "a hybrid replica does not step"
+    else:  # it received the weights after the first update, not the last
+        assert not all(torch.equal(hybrid[k], initial[k]) for k in initial)
+        assert not all(torch.equal(hybrid[k], trainer[k]) for k in initial)
     stats = [json.loads((tmp_path / f"stats-{r}.json").read_text()) for r in range(world)]
     for s in stats:  # every replica reports the whole step
         assert s["tokens"] == alone_stats["tokens"]
         assert s["loss"] == pytest.approx(alone_stats["loss"], rel=1e-5, abs=1e-7)
         assert s["grad_norm"] == pytest.approx(alone_stats["grad_norm"], rel=1e-5)
         assert s["kl"] == pytest.approx(alone_stats["kl"], rel=1e-5, abs=1e-9)
+        assert s["updates"] == minis
+        assert s["entropy"] == pytest.approx(alone_stats["entropy"], rel=1e-5)
+        assert s["clip_fraction"] == pytest.approx(alone_stats["clip_fraction"], abs=1e-6)

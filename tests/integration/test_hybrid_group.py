@@ -27,8 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _learner(model: ModelConfig, tmp: Path) -> Learner:
     run = RunConfig.model_validate({"model": model.model_dump(), "training": {"micro_batch": 2}})
-    learner = Learner(run, tmp)
     # the update is the gradient itself, scaled up to well above float32's rounding of the weights
+    # (past the config's bound on lr, which is for AdamW; the step sets the optimizer's lr from it)
+    run.training.lr = 1000.0
+    learner = Learner(run, tmp)
     learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=1000.0)
     return learner
 

@@ -116,9 +116,13 @@ def make_group(model: Any, group: str, size: int, seed: int) -> list[ev.Complete
                 num_turns=2,
                 segments=[
                     ev.Segment(token_ids=prompt),
-                    ev.Segment(token_ids=turn, logprobs=lp[a : a + len(turn)], generated=True),
+                    ev.Segment(
+                        token_ids=turn, logprobs=lp[a : a + len(turn)], generated=True, temperature=1.0
+                    ),
                     ev.Segment(token_ids=tool),
-                    ev.Segment(token_ids=answer, logprobs=lp[b : b + len(answer)], generated=True),
+                    ev.Segment(
+                        token_ids=answer, logprobs=lp[b : b + len(answer)], generated=True, temperature=1.0
+                    ),
                 ],
             )
         )
@@ -208,6 +212,10 @@ async def test_trainer_trains_once_pushes_and_resumes(
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     model_for_failures = model
 
+    flat = make_group(model, "gz", 2, seed=5)
+    for t in flat:  # equal rewards, zero advantage: filtered, and the feed would launch another
+        t.reward = 1.0
+        await publish(t)
     for t in first:
         await publish(t)
     await publish(first[0])  # a duplicate delivery of a trajectory id
@@ -276,6 +284,14 @@ async def test_trainer_trains_once_pushes_and_resumes(
         assert m1.kl == pytest.approx(0.0, abs=1e-4)  # engine logprobs == trainer's at step start
         assert m1.clip_fraction == 0.0
         assert m1.push_bytes > 0
+        # the same tokens under the same weights: the engine-vs-trainer mismatch is numerics only
+        assert m1.mismatch_tokens == 4 * 9 and m1.logprob_mismatch < 1e-4
+        assert list(m1.policy_versions) == [0] and m1.stale_token_fraction == 0.0
+        assert m1.is_weight_mean == pytest.approx(1.0, abs=1e-3) and m1.entropy > 0
+        assert m1.lr == pytest.approx(1e-3) and m1.grad_norm > 0
+        # the flat group was filtered while the batch filled; its rewards count in what was sampled
+        assert m1.groups_filtered == 1 and m1.sampled_trajectories == 6
+        assert m1.sampled_reward_mean == pytest.approx((0 + 1 + 0 + 1 + 1 + 1) / 6)
 
         accepted = [p for p in engine.pushes if p.accepted]
         assert [p.header.version for p in accepted] == [1]
@@ -292,13 +308,15 @@ async def test_trainer_trains_once_pushes_and_resumes(
         wu = received["weights"][0]
         assert wu.version == 1 and wu.checksum == push.header.checksum and wu.engines == [f"127.0.0.1:{port}"]
 
-        await eventually(lambda: _true(len(received["outcomes"]) >= 3), what="three group outcomes")
+        await eventually(lambda: _true(len(received["outcomes"]) >= 4), what="four group outcomes")
         outcomes = {o.group_id: o for o in received["outcomes"]}
         assert outcomes["gf"].outcome == "failed" and "no engine answered" in outcomes["gf"].reason
         assert outcomes["gf"].trajectories == 2  # both members acked, neither trained
         assert (outcomes["g0"].outcome, outcomes["g0"].train_step) == ("trained", 1)
         assert outcomes["g1"].outcome == "trained"
-        assert not {"gf-0", "gf-1"} & await trained_ids()
+        assert (outcomes["gz"].outcome, outcomes["gz"].trajectories) == ("filtered", 2)
+        assert "rewards equal" in outcomes["gz"].reason
+        assert not {"gf-0", "gf-1", "gz-0", "gz-1"} & await trained_ids()
 
         await eventually(lambda: _true(len(received["errors"]) >= 2), what="two error events")
         assert {e.error.code for e in received["errors"]} >= {"malformed", "invalid"}

@@ -1,4 +1,6 @@
-"""GRPO math: advantages, the clipped token-level loss, and that a step moves the policy the right way."""
+"""GRPO math against hand-computed values: advantages, the decoupled PPO loss with truncated
+importance sampling and dual-clip, the KL to a reference, entropy, temperatures, the LR schedule,
+and that a step moves the policy the right way."""
 
 from __future__ import annotations
 
@@ -7,8 +9,17 @@ import math
 import pytest
 import torch
 
+from services.trainer.advantages import group_advantages, informative
 from services.trainer.data import Sample, collate
-from services.trainer.grpo import group_advantages, policy_loss, token_logprobs
+from services.trainer.grpo import LossConfig, entropy_sum, policy_loss, token_logprobs
+from services.trainer.step import lr_at, split_groups
+
+PPO = LossConfig(clip_eps=0.2, dual_clip=None, tis_cap=2.0)
+
+
+def loss_of(new, prox, behaviour, adv, cfg=PPO, **kw):
+    mask = torch.ones_like(new, dtype=torch.bool)
+    return policy_loss(new, prox, behaviour, torch.tensor(adv), mask, cfg, **kw)
 
 
 def test_advantages_are_normalised_per_group() -> None:
@@ -19,8 +30,10 @@ def test_advantages_are_normalised_per_group() -> None:
     assert b == pytest.approx([1.0, -1.0], rel=1e-5)
 
 
-def test_equal_rewards_give_zero_advantage() -> None:
+def test_equal_rewards_give_zero_advantage_and_are_not_informative() -> None:
     assert group_advantages([0.7, 0.7, 0.7], ["g", "g", "g"]) == [0.0, 0.0, 0.0]
+    assert not informative([0.7, 0.7, 0.7]) and not informative([])
+    assert informative([0.7, 0.7, 0.8])
 
 
 def test_advantage_sign_follows_reward() -> None:
@@ -29,49 +42,152 @@ def test_advantage_sign_follows_reward() -> None:
     assert adv[0] < adv[2] < adv[1]
 
 
-def test_ratio_one_gives_minus_mean_advantage_over_tokens() -> None:
+def test_on_policy_ratio_one_gives_minus_mean_advantage_over_tokens() -> None:
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.1, -4.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
-    adv = torch.tensor([2.0, -1.0])
-    loss, m = policy_loss(lp, lp.clone(), adv, mask, clip_eps=0.2)
+    loss, m = policy_loss(lp, lp.clone(), lp.clone(), torch.tensor([2.0, -1.0]), mask, PPO)
     # three tokens: two with advantage 2, one with -1
     assert loss.item() == pytest.approx(-(2.0 + 2.0 - 1.0) / 3)
+    means = m.means()
     assert m.tokens == 3
-    assert m.means()["clip_fraction"] == 0.0
-    assert m.means()["kl"] == pytest.approx(0.0, abs=1e-7)
-    assert m.means()["ratio_mean"] == pytest.approx(1.0)
+    assert means["clip_fraction"] == 0.0 and means["is_truncated_fraction"] == 0.0
+    assert means["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert means["ratio_mean"] == pytest.approx(1.0) and means["is_weight_mean"] == pytest.approx(1.0)
 
 
 def test_clipping_caps_the_objective_beyond_eps() -> None:
-    old = torch.zeros(1, 2)
+    zero = torch.zeros(1, 2)
     new = torch.log(torch.tensor([[1.5, 0.5]])).requires_grad_()
-    mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, m = policy_loss(new, old, torch.tensor([1.0]), mask, clip_eps=0.2)
+    loss, m = loss_of(new, zero, zero, [1.0])
     # token 0: ratio 1.5 > 1.2 with A>0 -> clipped to 1.2 (no gradient); token 1: min(0.5, 0.8) = 0.5
     assert loss.item() == pytest.approx(-(1.2 + 0.5) / 2)
     loss.backward()
     assert new.grad is not None
     assert new.grad[0, 0].item() == 0.0
-    assert new.grad[0, 1].item() != 0.0
+    assert new.grad[0, 1].item() == pytest.approx(-0.5 / 2)  # d(-r/2)/dlog r = -r/2
     assert m.means()["clip_fraction"] == pytest.approx(0.5)
-    assert m.means()["kl"] > 0.0
+
+
+def test_clip_higher_widens_only_the_upper_bound() -> None:
+    zero = torch.zeros(1, 2)
+    new = torch.log(torch.tensor([[1.5, 0.5]]))
+    cfg = LossConfig(clip_eps=0.2, clip_eps_high=0.28, dual_clip=None)
+    loss, _ = loss_of(new, zero, zero, [1.0], cfg)
+    assert loss.item() == pytest.approx(-(1.28 + 0.5) / 2)
+    loss, _ = loss_of(new, zero, zero, [-1.0], cfg)  # A<0: ratio 0.5 clipped up to 0.8, 1.5 kept
+    assert loss.item() == pytest.approx((1.5 + 0.8) / 2)
+
+
+def test_dual_clip_bounds_a_negative_advantage_token_with_a_large_ratio() -> None:
+    zero = torch.zeros(1, 3)
+    new = torch.log(torch.tensor([[4.0, 2.0, 0.5]])).requires_grad_()
+    cfg = LossConfig(clip_eps=0.2, dual_clip=3.0)
+    loss, m = loss_of(new, zero, zero, [-1.0], cfg)
+    # A = -1: max(r, clip(r)) = 4, 2, 0.8; the dual clip bounds the first at c|A| = 3
+    assert loss.item() == pytest.approx((3.0 + 2.0 + 0.8) / 3)
+    loss.backward()
+    assert new.grad is not None
+    assert new.grad[0].tolist() == pytest.approx([0.0, 2.0 / 3, 0.0])
+    assert m.means()["dual_clip_fraction"] == pytest.approx(1 / 3)
+    # unbounded without it
+    loss, _ = loss_of(new.detach(), zero, zero, [-1.0], PPO)
+    assert loss.item() == pytest.approx((4.0 + 2.0 + 0.8) / 3)
+    # positive advantages are never dual-clipped
+    loss, m = loss_of(new.detach(), zero, zero, [1.0], cfg)
+    assert loss.item() == pytest.approx(-(1.2 + 1.2 + 0.5) / 3) and m.dual_clipped == 0
+
+
+def test_truncated_importance_weight_scales_each_token_and_carries_no_gradient() -> None:
+    prox = torch.log(torch.tensor([[0.6, 0.1]]))
+    behaviour = torch.log(torch.tensor([[0.2, 0.2]]))  # weights pi_prox/pi_behaviour = 3 and 0.5
+    new = prox.clone().requires_grad_()
+    loss, m = loss_of(new, prox, behaviour, [1.0], LossConfig(tis_cap=2.0))
+    # ratio 1 on both; weights truncated to 2 and 0.5
+    assert loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
+    loss.backward()
+    assert new.grad is not None
+    assert new.grad[0].tolist() == pytest.approx([-2.0 / 2, -0.5 / 2])
+    means = m.means()
+    assert means["is_weight_mean"] == pytest.approx(1.25)
+    assert means["is_weight_max"] == pytest.approx(3.0)
+    assert means["is_truncated_fraction"] == pytest.approx(0.5)
+    # k3 KL(behaviour || prox): rho - 1 - log rho, rho = 3 and 0.5
+    assert means["kl"] == pytest.approx(((3 - 1 - math.log(3)) + (0.5 - 1 - math.log(0.5))) / 2, rel=1e-5)
+
+
+def test_kl_to_the_reference_adds_the_k3_estimate() -> None:
+    ref = torch.log(torch.tensor([[0.25, 0.5]]))
+    new = ref + math.log(2.0)  # pi = 2 pi_ref: d = log(pi_ref/pi) = -log 2 on both tokens
+    cfg = LossConfig(kl_coef=0.1)
+    loss, m = loss_of(new, new, new, [0.0], cfg, ref_logprobs=ref)
+    k3 = 0.5 + math.log(2.0) - 1.0
+    assert loss.item() == pytest.approx(0.1 * k3, rel=1e-5)
+    assert m.means()["ref_kl"] == pytest.approx(k3, rel=1e-5)
+    loss, m = loss_of(new, new, new, [0.0], LossConfig(kl_coef=0.0), ref_logprobs=ref)
+    assert loss.item() == 0.0 and m.ref_kl == 0.0
+
+
+def test_mismatch_counts_only_tokens_sampled_by_the_proximal_weights() -> None:
+    prox = torch.tensor([[-1.0, -1.0, -1.0]])
+    behaviour = torch.tensor([[-1.001, -0.997, -3.0]])
+    same = torch.tensor([[True, True, False]])  # the third token is from older weights
+    _, m = loss_of(prox, prox, behaviour, [1.0], same_weights=same)
+    assert m.mismatch_tokens == 2
+    assert m.means()["logprob_mismatch"] == pytest.approx(0.002, rel=1e-3)
+    _, m = loss_of(prox, prox, behaviour, [1.0])
+    assert math.isnan(m.means()["logprob_mismatch"])
 
 
 def test_num_tokens_sets_the_denominator_for_accumulation() -> None:
     lp = torch.zeros(1, 4)
-    mask = torch.ones(1, 4, dtype=torch.bool)
-    loss, _ = policy_loss(lp, lp, torch.tensor([1.0]), mask, clip_eps=0.2, num_tokens=8)
+    loss, _ = loss_of(lp, lp, lp, [1.0], num_tokens=8)
     assert loss.item() == pytest.approx(-0.5)
 
 
-def test_token_logprobs_match_log_softmax_with_temperature() -> None:
+def test_token_logprobs_use_each_positions_temperature() -> None:
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 11)
     ids = torch.randint(0, 11, (2, 5))
     out = token_logprobs(logits, ids, temperature=0.7)
-    ref = torch.log_softmax(logits / 0.7, dim=-1)
     assert out.shape == (2, 4)
-    assert torch.allclose(out[1, 2], ref[1, 2, ids[1, 3]])
+    assert torch.allclose(out[1, 2], torch.log_softmax(logits / 0.7, dim=-1)[1, 2, ids[1, 3]])
+    temps = torch.tensor([[1.0, 0.5, 0.5, 2.0], [0.7, 0.7, 1.3, 1.3]])
+    out = token_logprobs(logits, ids, temps)
+    for b in range(2):
+        for t in range(4):
+            want = torch.log_softmax(logits[b, t] / temps[b, t], dim=-1)[ids[b, t + 1]]
+            assert out[b, t].item() == pytest.approx(want.item(), abs=1e-6)
+
+
+def test_entropy_of_uniform_and_of_peaked_distributions() -> None:
+    logits = torch.zeros(1, 3, 8)
+    logits[0, 1, 0] = 100.0
+    mask = torch.tensor([[True, True]])
+    # position 0 uniform over 8 -> log 8; position 1 one-hot -> 0
+    assert entropy_sum(logits, 1.0, mask) == pytest.approx(math.log(8), rel=1e-5)
+    assert entropy_sum(logits, torch.ones(1, 2), torch.tensor([[False, True]])) == pytest.approx(
+        0.0, abs=1e-5
+    )
+    # a high temperature flattens the peak
+    assert entropy_sum(logits, torch.full((1, 2), 1e4), torch.tensor([[False, True]])) > 2.0
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
+    kw = {"lr": 1.0, "warmup": 2, "total": 6, "min_ratio": 0.1}
+    assert [lr_at(s, schedule="constant", **kw) for s in range(6)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    lin = [lr_at(s, schedule="linear", **kw) for s in range(6)]
+    assert lin == pytest.approx([0.5, 1.0, 1.0, 0.7, 0.4, 0.1])
+    cos = [lr_at(s, schedule="cosine", **kw) for s in range(6)]
+    assert cos[2] == pytest.approx(1.0) and cos[5] == pytest.approx(0.1)
+    assert cos[3] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3)))
+    assert lr_at(0, lr=0.3, schedule="cosine", warmup=0, total=1, min_ratio=0.0) == pytest.approx(0.3)
+
+
+def test_mini_batches_hold_whole_groups_in_order() -> None:
+    samples = [Sample(f"t{i}", f"g{i // 2}", 0.0, [1, 2], [False, True], [0.0, -1.0]) for i in range(6)]
+    parts = split_groups(samples, 2)
+    assert [[s.group_id for s in p] for p in parts] == [["g0", "g0"], ["g1", "g1", "g2", "g2"]]
+    assert len(split_groups(samples, 10)) == 3
 
 
 def test_a_step_raises_the_logprob_of_a_positive_advantage_sequence(tiny_model) -> None:
@@ -84,7 +200,7 @@ def test_a_step_raises_the_logprob_of_a_positive_advantage_sequence(tiny_model) 
 
     def logprob() -> tuple[torch.Tensor, torch.Tensor]:
         mb = collate([sample], [1.0], pad_id=0)
-        lp = token_logprobs(model(input_ids=mb.input_ids).logits, mb.input_ids, 1.0)
+        lp = token_logprobs(model(input_ids=mb.input_ids).logits, mb.input_ids, mb.temperatures)
         return lp, mb
 
     with torch.no_grad():
@@ -92,7 +208,7 @@ def test_a_step_raises_the_logprob_of_a_positive_advantage_sequence(tiny_model) 
     old = before.detach()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     new, _ = logprob()
-    loss, _ = policy_loss(new, old, torch.tensor([1.0]), mb.loss_mask, clip_eps=0.2)
+    loss, _ = policy_loss(new, old, old, torch.tensor([1.0]), mb.loss_mask, LossConfig())
     loss.backward()
     opt.step()
     with torch.no_grad():

@@ -19,13 +19,14 @@ def test_trajectory_ids_name_their_group() -> None:
 
 def test_every_published_trajectory_is_accounted_for() -> None:
     trained, stale, failed, running = _ids("g1"), _ids("g2"), _ids("g3"), _ids("g4")
+    filtered = _ids("g5")  # zero advantage: dropped before collation, replaced by the feed
     acc = account(
-        set(trained + stale + failed + running),
+        set(trained + stale + failed + running + filtered),
         set(trained),
-        {"g1": "trained", "g2": "stale", "g3": "failed"},
+        {"g1": "trained", "g2": "stale", "g3": "failed", "g5": "filtered"},
         {"g4"},
     )
-    assert (acc.published, acc.trained, acc.dropped, acc.open_at_end, acc.lost) == (8, 2, 4, 2, [])
+    assert (acc.published, acc.trained, acc.dropped, acc.open_at_end, acc.lost) == (10, 2, 6, 2, [])
 
 
 def test_a_trained_group_missing_a_member_or_an_unknown_group_is_lost() -> None:

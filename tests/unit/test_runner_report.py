@@ -1,6 +1,8 @@
 """The job report counts each train step once, however the trainer announced the end, and lists
 what each role change cost."""
 
+import pytest
+
 from services.common.contracts import ev
 from tools.runner import per_step
 
@@ -54,3 +56,42 @@ def test_role_changes_carry_what_each_move_cost() -> None:
     ]
     assert out[0]["steps"] == {"drained": 0.1, "fetched": 2.0, "joined": 0.5} and out[0]["failures"] == 1
     assert out[2]["steps"] == {"released": 37.0}
+
+
+def test_reward_windows_pool_the_steps_trajectories_with_a_t_interval() -> None:
+    import math
+    import statistics
+
+    from tools.runner import learning_report, reward_window
+    from tools.sim.stats import mean_ci
+
+    steps_rewards = [[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0, 0.1, 0.0], [1.0, 1.0, 1.1]]
+    metrics = [
+        ev.TrainMetrics(
+            step=i + 1,
+            sampled_reward_mean=statistics.fmean(rs),
+            sampled_reward_std=statistics.pstdev(rs),
+            sampled_trajectories=len(rs),
+            reward_mean=0.5,
+            trajectories=2,
+            logprob_mismatch=math.nan if i == 0 else 1e-6,
+            policy_versions=[i],
+        )
+        for i, rs in enumerate(steps_rewards)
+    ]
+    pooled = [r for rs in steps_rewards for r in rs]
+    mean, (lo, hi) = mean_ci(pooled)
+    w = reward_window(metrics)
+    assert w is not None and w["trajectories"] == len(pooled)
+    assert w["mean"] == pytest.approx(mean, abs=1e-4)
+    assert w["ci95"] == pytest.approx([lo, hi], abs=1e-4)
+    assert reward_window([]) is None
+    report = learning_report(metrics)
+    assert report["reward_mean_per_step"] == pytest.approx([0.5, 0.5167, 1.0333], abs=1e-4)
+    assert report["logprob_mismatch_per_step"] == [None, 1e-6, 1e-6]  # NaN: no token to compare
+    assert report["policy_versions_per_step"] == [[0], [1], [2]]
+    assert report["reward_last3"] == report["reward_first3"]
+    # a step without the sampled figures (an older trainer) falls back to the trained ones
+    assert learning_report([ev.TrainMetrics(step=1, reward_mean=0.25, trajectories=4)])[
+        "reward_mean_per_step"
+    ] == [0.25]

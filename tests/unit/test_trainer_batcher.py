@@ -52,3 +52,30 @@ def test_complete_group_that_ages_while_waiting_is_dropped() -> None:
     buf.add(member("a", 1, version=1), "h", 1)
     groups, stale = buf.take(2, 2)
     assert groups == [] and len(stale) == 2
+
+
+def scored(group: str, rewards: list[float]) -> list[ev.CompletedTrajectory]:
+    out = []
+    for i, r in enumerate(rewards):
+        t = member(group, i, size=len(rewards))
+        t.reward = r
+        out.append(t)
+    return out
+
+
+def test_zero_advantage_groups_are_filtered_within_the_budget_oldest_first() -> None:
+    buf: GroupBuffer[str] = GroupBuffer(max_staleness=1)
+    for t in scored("flat0", [0.0, 0.0]) + scored("mixed", [0.0, 1.0]) + scored("flat1", [1.1, 1.1]):
+        buf.add(t, "h", 0)
+    buf.add(scored("partial", [0.0, 0.0])[0], "h", 0)  # incomplete: its last member may differ
+    filtered = buf.filter_uninformative(1)
+    assert [[p.traj.trajectory_id for p in g] for g in filtered] == [["flat0-0", "flat0-1"]]
+    # past the budget the other flat group stays and is taken like any complete group
+    assert buf.filter_uninformative(0) == []
+    groups, _ = buf.take(2, 0)
+    assert [g[0].traj.group_id for g in groups] == ["mixed", "flat1"]
+    # a filtered group is dropped for good: a late redelivery of a member is released at once
+    adm = buf.add(scored("flat0", [0.0, 0.0])[0], "again", 0)
+    assert adm.outcome == "stale" and [p.handles for p in adm.released] == [["again"]]
+    assert [g[0].traj.group_id for g in buf.filter_uninformative(5)] == []
+    assert len(buf) == 1  # the partial group waits

@@ -19,9 +19,11 @@ def traj(tid: str = "t0", **kw) -> ev.CompletedTrajectory:
         reward=1.0,
         segments=[
             ev.Segment(token_ids=[10, 11, 12], generated=False),
-            ev.Segment(token_ids=[20, 21], logprobs=[-0.5, -1.5], generated=True, policy_version=3),
+            ev.Segment(
+                token_ids=[20, 21], logprobs=[-0.5, -1.5], generated=True, policy_version=3, temperature=0.7
+            ),
             ev.Segment(token_ids=[30], generated=False),
-            ev.Segment(token_ids=[40], logprobs=[-2.0], generated=True, policy_version=3),
+            ev.Segment(token_ids=[40], logprobs=[-2.0], generated=True, policy_version=4, temperature=1.3),
         ],
     )
     base.update(kw)
@@ -32,7 +34,9 @@ def test_segments_concatenate_with_mask_and_logprobs() -> None:
     s = to_sample(traj())
     assert s.input_ids == [10, 11, 12, 20, 21, 30, 40]
     assert s.loss_mask == [False, False, False, True, True, False, True]
-    assert s.old_logprobs == [0.0, 0.0, 0.0, -0.5, -1.5, 0.0, -2.0]
+    assert s.behaviour_logprobs == [0.0, 0.0, 0.0, -0.5, -1.5, 0.0, -2.0]
+    assert s.temperatures == pytest.approx([1.0, 1.0, 1.0, 0.7, 0.7, 1.0, 1.3])
+    assert s.versions == [-1, -1, -1, 3, 3, -1, 4]
     assert s.num_generated == 3
 
 
@@ -42,7 +46,7 @@ def test_collate_shifts_to_the_predicting_position_and_right_pads() -> None:
             "t1",
             segments=[
                 ev.Segment(token_ids=[5], generated=False),
-                ev.Segment(token_ids=[6], logprobs=[-0.25], generated=True),
+                ev.Segment(token_ids=[6], logprobs=[-0.25], generated=True, temperature=1.0),
             ],
         )
     )
@@ -51,9 +55,12 @@ def test_collate_shifts_to_the_predicting_position_and_right_pads() -> None:
     assert mb.attention_mask.tolist() == [[1] * 7, [1, 1, 0, 0, 0, 0, 0]]
     # column j describes token j+1, predicted by the logits at position j
     assert mb.loss_mask.tolist()[0] == [False, False, True, True, False, True]
-    assert mb.old_logprobs[0].tolist() == [0.0, 0.0, -0.5, -1.5, 0.0, -2.0]
+    assert mb.behaviour_logprobs[0].tolist() == [0.0, 0.0, -0.5, -1.5, 0.0, -2.0]
+    assert mb.temperatures[0].tolist() == pytest.approx([1.0, 1.0, 0.7, 0.7, 1.0, 1.3])
+    assert mb.versions[0].tolist() == [-1, -1, 3, 3, -1, 4]
     assert mb.loss_mask.tolist()[1] == [True, False, False, False, False, False]
-    assert mb.old_logprobs[1, 0].item() == pytest.approx(-0.25)
+    assert mb.behaviour_logprobs[1, 0].item() == pytest.approx(-0.25)
+    assert mb.temperatures[1].tolist() == [1.0] * 6 and mb.versions[1, 1:].tolist() == [-1] * 5
     assert mb.num_tokens == 4
     assert torch.equal(mb.advantages, torch.tensor([0.5, -0.5]))
 
@@ -92,10 +99,28 @@ def test_valid_trajectory_passes() -> None:
             {
                 "segments": [
                     ev.Segment(token_ids=[1]),
-                    ev.Segment(token_ids=[999], logprobs=[-1.0], generated=True),
+                    ev.Segment(token_ids=[999], logprobs=[-1.0], generated=True, temperature=1.0),
                 ]
             },
             "vocab",
+        ),
+        (
+            {
+                "segments": [
+                    ev.Segment(token_ids=[1]),
+                    ev.Segment(token_ids=[2], logprobs=[-1.0], generated=True),
+                ]
+            },
+            "temperature",  # the engine always says which; 0 would be scored at the wrong one
+        ),
+        (
+            {
+                "segments": [
+                    ev.Segment(token_ids=[1]),
+                    ev.Segment(token_ids=[2], logprobs=[-1.0], generated=True, temperature=float("nan")),
+                ]
+            },
+            "temperature",
         ),
     ],
 )

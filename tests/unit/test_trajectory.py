@@ -2,7 +2,15 @@ import pytest
 
 from services.scheduler.agent import observation, parse_action
 from services.scheduler.task import Task, arithmetic_tasks, extract_answer, score
-from services.scheduler.trajectory import CallTool, Finish, Generate, IllegalTransition, State, Trajectory
+from services.scheduler.trajectory import (
+    CallTool,
+    Finish,
+    Generate,
+    IllegalTransition,
+    State,
+    Trajectory,
+    check_turn,
+)
 
 TASK = Task("p0", "What is 2+3?", 5)
 
@@ -127,3 +135,13 @@ def test_no_turn_may_run_on_weights_older_than_its_group_launch_or_its_own_token
     t.on_turn([5, 6], [-0.1, -0.2], "<calc>1</calc>", [3, 5], eos=False)
     assert t.min_policy_version == 5
     assert make().min_policy_version == 0
+
+
+def test_generated_segments_carry_the_temperature_of_their_logprobs() -> None:
+    t = make()
+    t.first_action()
+    t.on_turn([10, 11], [-0.1, -0.2], "<calc>1</calc>", [0, 1], eos=False, temperature=0.6)
+    assert [(s.policy_version, s.temperature) for s in t.segments if s.generated] == [(0, 0.6), (1, 0.6)]
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            check_turn([1], [-0.1], [0], bad)

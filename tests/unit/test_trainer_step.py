@@ -1,0 +1,124 @@
+"""A GRPO step on a real (tiny, random) model: each token scored at the temperature that sampled it,
+the engine-vs-trainer mismatch measured on the tokens of the step's own weights, zero-advantage
+groups filtered before collation, the scheduled learning rate applied, several updates per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.runconfig import ModelConfig
+from services.trainer.data import Sample
+from services.trainer.grpo import LossConfig
+from services.trainer.step import StepAborted, StepSettings, train_step
+
+
+@pytest.fixture
+def model(tiny_model: ModelConfig) -> torch.nn.Module:
+    from services.common.models import load_model
+
+    torch.manual_seed(0)
+    return load_model(tiny_model)
+
+
+def engine_sample(
+    model: torch.nn.Module,
+    tid: str,
+    group: str,
+    reward: float,
+    *,
+    temperature: float,
+    claimed: float | None = None,
+    version: int = 0,
+    seed: int = 0,
+) -> Sample:
+    """A trajectory as an engine would send it: 4 prompt tokens, 6 tokens sampled at `temperature`
+    by `model` with their logprobs at that temperature; the segment names `claimed` (default: the
+    true one) as its temperature."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 400, (4,), generator=g).tolist()
+    lps: list[float] = []
+    with torch.no_grad():
+        for _ in range(6):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+            tok = int(torch.multinomial(logp.exp(), 1, generator=g))
+            ids.append(tok)
+            lps.append(float(logp[tok]))
+    t = temperature if claimed is None else claimed
+    mask, behaviour = [False] * 4 + [True] * 6, [0.0] * 4 + lps
+    return Sample(tid, group, reward, ids, mask, behaviour, [1.0] * 4 + [t] * 6, [-1] * 4 + [version] * 6)
+
+
+def settings(**kw) -> StepSettings:
+    return StepSettings(LossConfig(), micro_batch=2, pad_id=0, **kw)
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_tokens_are_scored_at_their_own_temperature(model: torch.nn.Module) -> None:
+    samples = [
+        engine_sample(model, "a", "g", 1.0, temperature=0.5, seed=1),
+        engine_sample(model, "b", "g", 0.0, temperature=1.3, seed=2),
+    ]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats = train_step(model, opt, samples, settings())
+    assert stats.mismatch_tokens == 12
+    assert stats.logprob_mismatch < 1e-5
+    assert stats.is_weight_mean == pytest.approx(1.0, abs=1e-4)
+    assert stats.kl == pytest.approx(0.0, abs=1e-6)
+    # the same tokens scored at the config's temperature instead of the sampler's
+    wrong = [
+        engine_sample(model, "a", "g", 1.0, temperature=0.5, claimed=1.0, seed=1),
+        engine_sample(model, "b", "g", 0.0, temperature=1.3, claimed=1.0, seed=2),
+    ]
+    assert train_step(model, opt, wrong, settings()).logprob_mismatch > 1e-2
+
+
+def test_stale_tokens_are_corrected_not_counted_as_mismatch(model: torch.nn.Module) -> None:
+    fresh = engine_sample(model, "a", "g", 1.0, temperature=1.0, version=3, seed=1)
+    old = engine_sample(model, "b", "g", 0.0, temperature=1.0, version=2, seed=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats = train_step(model, opt, [fresh, old], settings(version=3))
+    assert stats.mismatch_tokens == 6
+    assert stats.policy_versions == (2, 3)
+    assert stats.stale_token_fraction == pytest.approx(0.5)
+
+
+def test_zero_advantage_groups_are_not_collated(model: torch.nn.Module) -> None:
+    mixed = [engine_sample(model, f"m{i}", "mixed", float(i), temperature=1.0, seed=i) for i in range(2)]
+    flat = [engine_sample(model, f"f{i}", "flat", 1.0, temperature=1.0, seed=10 + i) for i in range(2)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = train_step(model, opt, mixed + flat, settings())
+    assert (stats.tokens, stats.trained_groups, stats.updates, stats.trajectories) == (12, 1, 1, 4)
+    assert stats.reward_mean == pytest.approx(0.75)  # over every trajectory of the step
+    before = weights(model)
+    stats = train_step(model, opt, flat, settings())
+    assert (stats.tokens, stats.updates, stats.loss) == (0, 0, 0.0)
+    after = weights(model)
+    assert all(torch.equal(before[k], after[k]) for k in before), "no update without an advantage"
+
+
+def test_the_scheduled_lr_is_applied_and_each_mini_batch_updates(model: torch.nn.Module) -> None:
+    samples = [
+        engine_sample(model, f"t{i}", f"g{i // 2}", float(i % 2), temperature=1.0, seed=i) for i in range(6)
+    ]
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    stats = train_step(model, opt, samples, settings(lr=3e-4, mini_batches=3))
+    assert stats.updates == 3 and stats.trained_groups == 3
+    assert opt.param_groups[0]["lr"] == 3e-4 and stats.lr == 3e-4
+    # after the first update the policy moved from the proximal one: its ratio is no longer 1
+    assert stats.ratio_mean != pytest.approx(1.0, abs=1e-7)
+    assert stats.mismatch_tokens == 36  # measured against the step-start weights throughout
+
+
+def test_an_abort_before_the_first_update_leaves_the_weights(model: torch.nn.Module) -> None:
+    samples = [engine_sample(model, f"t{i}", "g", float(i), temperature=1.0, seed=i) for i in range(2)]
+    before = weights(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(StepAborted):
+        train_step(model, opt, samples, settings(), should_abort=lambda: True)
+    after = weights(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
