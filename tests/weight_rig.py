@@ -10,11 +10,10 @@ from services.common.membership import TRAINER_ROLE
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
 from services.common.tls import TlsFiles
-from services.common.weights import checksum, pack_state_dict
 from services.rollout_engine.backends.hf import HFBackend
 from services.rollout_engine.engine import ContinuousEngine
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
-from services.trainer.weight_push import PackedWeights
+from services.trainer.weight_push import Snapshot, snapshot
 
 
 @contextlib.asynccontextmanager
@@ -45,6 +44,5 @@ async def weight_sync_rig(
         await store.close()
 
 
-def nudged_weights(backend: HFBackend, version: int) -> PackedWeights:
-    blob = pack_state_dict({k: v + 0.01 for k, v in backend.model.state_dict().items()})
-    return PackedWeights(version, blob, checksum(blob))
+def nudged_weights(backend: HFBackend, version: int) -> Snapshot:
+    return snapshot({k: v.detach() + 0.01 for k, v in backend.model.named_parameters()}, version)

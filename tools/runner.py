@@ -612,6 +612,11 @@ class JobDriver:
                     "version": w.version,
                     "seconds": round(w.push_s, 3),
                     "bytes": w.size_bytes,
+                    "dtype": w.dtype,
+                    "uploaded_bytes": w.uploaded_bytes,
+                    "delta_bytes": w.delta_bytes,
+                    "delta_engines": w.delta_engines,
+                    "relayed_engines": w.relayed_engines,
                     "engines": list(w.engines),
                 }
                 for w in self.pushes

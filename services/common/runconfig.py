@@ -146,7 +146,17 @@ class TrainingConfig(_Strict):
     micro_batch: int = Field(4, ge=1)
     torch_threads: int = Field(2, ge=1, le=256)
     checkpoint_dir: str = "runs/{run_id}/checkpoints"
-    push_chunk_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    push_chunk_bytes: int = Field(2 << 20, ge=1024, le=32 << 20)
+    """Largest record of a weight push: an engine holds at most about one beyond its weights."""
+    push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Wire dtype of weight pushes: `auto` keeps the training dtype (fp32 on CPU, so engines hold
+    exactly the trainer's weights); bfloat16 halves the bytes and makes sparse deltas smaller (an
+    update below bf16's resolution changes no bit), at the cost of engine-vs-trainer mismatch."""
+    push_delta: bool = True
+    """Send an engine that holds the previous pushed version only the elements that changed."""
+    push_fanout: int = Field(2, ge=0, le=64)
+    """Relay tree of a push: the trainer streams to this many engines and each forwards to as
+    many more (0: the trainer streams to every engine itself)."""
     backend: Literal["torch", "emulated"] = "torch"
     """`emulated` (control-plane and fidelity runs only, labelled in the report): a step sleeps
     the cost model's time to train its batch on `emulated_gpus` GPUs at TP `emulated_tp` of

@@ -1,48 +1,99 @@
-"""Weight blobs on the wire: a safetensors serialisation, its sha256, and fixed-size chunks."""
+"""The weight-push wire format `tensors-v1`: a header naming the tensors, then records a receiver
+checks and applies one at a time, so it never holds more than one record beyond its own weights.
+
+A record is one `WeightChunk` message: a dense slice (elements offset .. offset+count of a
+flattened tensor, raw little-endian bytes in the wire dtype) or a sparse one (the new values of the
+elements it lists; indices as uint16 gaps from `offset`, or absolute int32/int64). Each carries the
+crc32 of its bytes, checked before it is applied; the header carries the sha256 of the whole state
+after the push (`state_checksum`), which the receiver recomputes from what it holds.
+
+This module is torch-free (an emulated engine checks records without torch); the torch side of
+encoding is in `services/trainer/weight_push.py`, of applying in `services/rollout_engine/weight_sync.py`.
+"""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import math
+import zlib
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from services.common.contracts import ws
 
-def pack_state_dict(state_dict: dict[str, Any]) -> bytes:
-    from safetensors.torch import save
-
-    return save({k: v.detach().contiguous().cpu() for k, v in state_dict.items()})
-
-
-def unpack_state_dict(blob: bytes) -> dict[str, Any]:
-    from safetensors.torch import load
-
-    return load(blob)
+FORMAT = "tensors-v1"
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Wire dtypes and their element sizes."""
+INDEX_BYTES = (2, 4, 8)
+"""2: uint16 gaps from the record's offset (first gap from the offset itself); 4, 8: absolute."""
 
 
-def read_header(blob: bytes) -> dict[str, Any]:
-    """The tensor names and shapes of a safetensors blob, checked without torch (an emulated engine
-    validates what it is pushed but keeps no tensors); ValueError when it is not safetensors."""
-    import json
-    import struct
+class RecordError(ValueError):
+    """A record that does not fit its header; `code` is the PushAck code it earns."""
 
-    if len(blob) < 8:
-        raise ValueError("shorter than a safetensors header")
-    (size,) = struct.unpack("<Q", blob[:8])
-    if size > len(blob) - 8:
-        raise ValueError("header length past the end of the blob")
-    try:
-        header = json.loads(blob[8 : 8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"header is not JSON: {err}") from None
-    if not isinstance(header, dict):
-        raise ValueError("header is not a mapping")
-    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
 
 
-def checksum(blob: bytes) -> str:
-    return hashlib.sha256(blob).hexdigest()
+def numel(spec: ws.TensorSpec) -> int:
+    return math.prod(int(d) for d in spec.shape)
 
 
-def chunks(blob: bytes, size: int) -> Iterator[bytes]:
-    for i in range(0, len(blob), size):
-        yield blob[i : i + size]
+def record_crc(indices: bytes, data: bytes) -> int:
+    return zlib.crc32(data, zlib.crc32(indices)) & 0xFFFFFFFF
+
+
+def check_specs(specs: Sequence[ws.TensorSpec]) -> None:
+    """Raises RecordError('malformed') for a manifest a receiver cannot use."""
+    if not specs:
+        raise RecordError("malformed", "the header names no tensors")
+    seen: set[str] = set()
+    for s in specs:
+        if not s.name or s.name in seen:
+            raise RecordError("malformed", f"tensor name {s.name!r} is empty or repeated")
+        seen.add(s.name)
+        if s.dtype not in ITEMSIZE:
+            raise RecordError("malformed", f"{s.name}: unsupported wire dtype {s.dtype!r}")
+        if any(d < 0 for d in s.shape):
+            raise RecordError("malformed", f"{s.name}: negative dimension in {list(s.shape)}")
+
+
+def check_record(chunk: ws.WeightChunk, specs: Sequence[ws.TensorSpec]) -> ws.TensorSpec:
+    """The tensor a record writes, once its framing and crc32 are right; RecordError otherwise.
+    Sparse indices are range-checked by the receiver that decodes them."""
+    if chunk.HasField("header"):
+        raise RecordError("malformed", f"a second header at record {chunk.index}")
+    if not 0 <= chunk.tensor < len(specs):
+        raise RecordError("malformed", f"record {chunk.index}: tensor {chunk.tensor} is not in the header")
+    spec = specs[chunk.tensor]
+    n, size = numel(spec), ITEMSIZE[spec.dtype]
+    if chunk.count <= 0 or len(chunk.data) != chunk.count * size:
+        raise RecordError(
+            "malformed",
+            f"record {chunk.index}: {len(chunk.data)} bytes for {chunk.count} {spec.dtype} values",
+        )
+    if chunk.indices:
+        if chunk.index_bytes not in INDEX_BYTES or len(chunk.indices) != chunk.count * chunk.index_bytes:
+            raise RecordError(
+                "malformed", f"record {chunk.index}: indices do not match count and index_bytes"
+            )
+        if chunk.count > n or not 0 <= chunk.offset < max(n, 1):
+            raise RecordError("malformed", f"record {chunk.index}: sparse record outside {spec.name}")
+    elif chunk.offset < 0 or chunk.offset + chunk.count > n:
+        raise RecordError("malformed", f"record {chunk.index}: elements past the end of {spec.name}")
+    if record_crc(chunk.indices, chunk.data) != chunk.crc32:
+        raise RecordError("checksum_mismatch", f"record {chunk.index}: crc32 differs")
+    return spec
+
+
+def state_checksum(buffers: Iterable[Any]) -> str:
+    """sha256 over the tensors' raw bytes in order (anything exposing the buffer protocol)."""
+    h = hashlib.sha256()
+    for b in buffers:
+        h.update(b)
+    return h.hexdigest()
+
+
+def payload_bytes(chunk: ws.WeightChunk) -> int:
+    return len(chunk.data) + len(chunk.indices)

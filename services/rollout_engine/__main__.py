@@ -26,6 +26,9 @@ def main() -> int:
         _print_help()
         return 0
     from services.common.lifecycle import run_service
+    from services.rollout_engine.weight_sync import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before any thread: bounds the engine's memory during weight pushes
     from services.rollout_engine.service import serve
 
     return run_service("rollout-engine", serve)

@@ -18,6 +18,7 @@ import contextlib
 import heapq
 import itertools
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,6 +63,21 @@ class Engine(Protocol):
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int, checksum: str) -> bool: ...
 
+    async def apply_update(
+        self,
+        version: int,
+        checksum: str,
+        consume: Callable[[], Awaitable[None]],
+        dirty: Callable[[], bool],
+    ) -> bool:
+        """Runs `consume` (which writes the new weights in place) with generation paused; False
+        (nothing run) if `version` is not newer. If it raises after writing (`dirty()`), the
+        engine is torn until a full push lands."""
+        ...
+
+    @property
+    def torn(self) -> bool: ...
+
     async def close(self, timeout: float) -> None: ...
 
 
@@ -104,8 +120,17 @@ class VersionGate:
     def __init__(self) -> None:
         self.version = 0
         self.checksum = ""
+        self._torn = False
         self._closed = False
         self._version_changed = asyncio.Condition()
+
+    @property
+    def torn(self) -> bool:
+        """A push failed after it had started writing: the weights are neither version."""
+        return self._torn
+
+    def _tear(self) -> None:
+        self._torn, self.checksum = True, ""
 
     async def wait_for_version(self, version: int, timeout: float) -> bool:
         """Waits until weights of at least `version` are live; False on timeout or shutdown."""
@@ -179,6 +204,33 @@ class ContinuousEngine(VersionGate):
         self.log.info("weights_swapped", policy_version=version, running=len(self._running))
         return True
 
+    async def apply_update(
+        self,
+        version: int,
+        checksum: str,
+        consume: Callable[[], Awaitable[None]],
+        dirty: Callable[[], bool],
+    ) -> bool:
+        """New weights written in place between two iterations (see `Engine.apply_update`);
+        running requests continue on them."""
+        async with self._step:
+            if version <= self.version:
+                return False
+            try:
+                await consume()
+            except BaseException:
+                if dirty():
+                    self._tear()
+                    self.log.error("weights_torn", policy_version=self.version, failed_version=version)
+                raise
+            await self.backend.weights_loaded(version)
+            self.version, self.checksum, self._torn = version, checksum, False
+            self._reset = self.backend.recompute_on_swap and bool(self._running)
+        self._wake.set()
+        await self._announce()
+        self.log.info("weights_swapped", policy_version=version, running=len(self._running))
+        return True
+
     async def close(self, timeout: float) -> None:
         """Stops taking work, fails queued requests with EngineClosed, lets running ones finish for
         up to `timeout` seconds, then fails those too."""
@@ -206,11 +258,12 @@ class ContinuousEngine(VersionGate):
 
     async def _loop(self) -> None:
         while True:
-            if not self._running and not self._leaving and (self._closed or not self._queue):
+            idle = not self._running and not self._leaving and (self._closed or not self._queue)
+            if idle or (self._torn and not self._closed):
                 if self._closed:
                     return
                 self._wake.clear()
-                await self._wake.wait()
+                await self._wake.wait()  # a torn engine generates nothing until a full push lands
                 continue
             try:
                 await self._iterate()

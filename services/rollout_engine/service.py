@@ -115,6 +115,8 @@ class RolloutEngineService:
             self.worker_id,
             self.settings.max_push_bytes,
             keep_tensors=not self.backend.emulated,
+            relay_token=self.common.grpc_token(),
+            relay_tls=self.common.tls(),
         )
         self.server, port = await start_server(
             self.servicer,

@@ -24,7 +24,7 @@ from services.trainer.data import Sample
 from services.trainer.grpo import LossConfig
 from services.trainer.hybrid import GroupBroken, Replica, TrainerGroup
 from services.trainer.step import StepAborted, StepSettings, StepStats, lr_at, train_step
-from services.trainer.weight_push import PackedWeights, pack
+from services.trainer.weight_push import Snapshot, snapshot
 
 
 class Learner:
@@ -151,16 +151,18 @@ class Learner:
         self.state, self.loaded = new, path
         return path
 
-    def pack(self) -> PackedWeights:
-        """The current weights for the wire. EMULATED end to end (emulated training and engines):
-        neither side has real weights (the step changes none, the engines keep none), so the push
-        carries a stand-in of a few bytes through the real path (header, chunks, checksum,
-        fencing) and the engines stall for the cost model's load time of the model they pretend to
-        serve; pushing the stand-in model instead would add its real transfer time, scaled up by
-        `1 / time_scale`, to every step."""
+    def snapshot(self) -> Snapshot:
+        """The current weights for the wire (`training.push_dtype`). EMULATED end to end (emulated
+        training and engines): neither side has real weights (the step changes none, the engines
+        keep none), so the push carries a stand-in of a few bytes through the real path (header,
+        records, checksums, fencing) and the engines stall for the cost model's load time of the
+        model they pretend to serve; pushing the stand-in model instead would add its real
+        transfer time, scaled up by `1 / time_scale`, to every step."""
+        version = self.state.version
         if self.run.training.backend == "emulated" and self.run.rollout.backend == "emulated":
-            return pack({"emulated.version": torch.tensor([self.state.version])}, self.state.version)
-        return pack(self.model.state_dict(), self.state.version)
+            return snapshot({"emulated.version": torch.tensor([float(version)])}, version)
+        dtype = self.run.training.push_dtype
+        return snapshot(self.model.state_dict(), version, None if dtype == "auto" else dtype)
 
 
 def optimizer_for(run: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -33,7 +33,7 @@ from services.trainer.batcher import GroupBuffer, Pending
 from services.trainer.config import TrainerSettings
 from services.trainer.data import to_sample, validate
 from services.trainer.hybrid_host import HybridHost
-from services.trainer.weight_push import PackedWeights, PushResult, WeightPusher
+from services.trainer.weight_push import PushResult, Snapshot, WeightPusher
 
 if TYPE_CHECKING:
     from services.trainer.learner import Learner
@@ -63,7 +63,14 @@ class TrainerService:
         self.buffer: GroupBuffer[Msg] = GroupBuffer(run.training.max_staleness)
         self.log = get_logger(component="trainer")
         self.psub: Any = None
-        self.packed: PackedWeights | None = None
+        self.snap: Snapshot | None = None
+        """The current version's weights as pushed (taken right after its commit)."""
+        self.base: Snapshot | None = None
+        """The last version engines took: sparse deltas are taken from it."""
+        self._want_push = asyncio.Event()
+        self._pushing = asyncio.Lock()
+        self._push_parent: Any = None
+        """The trace context of the step whose version the next push carries (None: a resync)."""
         self.synced: dict[str, int] = {}
         self.last_metrics: ev.TrainMetrics | None = None
         self.done_published = False
@@ -107,6 +114,7 @@ class TrainerService:
         if not await self._await_assignment(stop):
             return
         self.bus.spawn(self._keep_deliveries())
+        self.bus.spawn(self._push_loop())
         await self.hybrid.start()
         try:
             while not stop.is_set():
@@ -393,10 +401,13 @@ class TrainerService:
                 policy_versions=list(stats.policy_versions),
                 data_parallel=stats.data_parallel,
             )
-            push_s, push_bytes = 0.0, 0
+            # the push streams in the background while the next step trains; the snapshot is
+            # taken first, so the step cannot change what is being pushed
+            self.snap = await asyncio.to_thread(self.learner.snapshot)
             if not stop.is_set():
-                push_s, push_bytes, _ = await self._push_current()
-        await self._publish_step(stats, push_s, push_bytes, filtered, sampled)
+                self._push_parent = trace.set_span_in_context(span)  # weights.push: a child of this step
+                self._want_push.set()
+        await self._publish_step(stats, 0.0, 0, filtered, sampled)
 
     async def _roll_back(self, record: dict[str, str] | None = None) -> None:
         """Back to (or, for a standby taking over, on to) the step the job's commit record holds."""
@@ -408,7 +419,7 @@ class TrainerService:
         step, named = int(record.get("step", 0)), record.get("checkpoint", "")
         await self.hybrid.close()  # its members hold weights this trainer is about to drop
         path = await asyncio.to_thread(self.learner.rollback, step, named)
-        self.packed = None
+        self.snap = self.base = None
         self.log.warning(
             "rolled_back", step=self.learner.state.step, checkpoint=str(path or "initial weights")
         )
@@ -480,32 +491,55 @@ class TrainerService:
         record = await self.store.committed()
         return record.get("step") == str(step) and record.get("fencing_token") == str(token)
 
+    async def _push_loop(self) -> None:
+        """Pushes the newest version to the engines that lack it whenever asked (after a commit,
+        or by the resync); one push at a time, and a version superseded while waiting is skipped."""
+        while True:
+            await self._want_push.wait()
+            self._want_push.clear()
+            try:
+                await self._push_current(only_missing=True)
+            except Exception:  # a push must never end the loop: the resync asks again
+                self.log.exception("weights_push_error")
+
     async def _push_current(self, only_missing: bool = False) -> tuple[float, int, dict[str, PushResult]]:
         """Pushes the current version to the plan's engines (or those lacking it) under `weights.push`."""
+        if not self._leader or self._epoch != self._fencing_token():
+            return 0.0, 0, {}
         addrs = [a.weight_sync_addr for a in self.membership.peers(*SERVING_ROLES) if a.weight_sync_addr]
         if only_missing:
             addrs = [a for a in addrs if self.synced.get(a) != self.version]
-        if not addrs:
+        if not addrs or self.version == 0:
             return 0.0, 0, {}
-        with tracer().start_as_current_span("weights.push") as span:
-            start = time.perf_counter()
-            if self.packed is None or self.packed.version != self.version:
-                self.packed = await asyncio.to_thread(self.learner.pack)
-            results = await self.pusher.push(self.packed, self._fencing_token(), addrs)
-            seconds = time.perf_counter() - start
-            for addr, r in results.items():
-                if r.in_sync:
-                    self.synced[addr] = self.packed.version
-            sent = sum(r.bytes for r in results.values())
-            span.set_attribute("libra.weight_version", self.packed.version)
-            span.set_attribute("libra.push_bytes", sent)
-            span.set_attribute("libra.engines_in_sync", sum(r.in_sync for r in results.values()))
+        async with self._pushing:
+            if self.snap is None or self.snap.version != self.version:
+                self.snap = await asyncio.to_thread(self.learner.snapshot)
+            snap = self.snap
+            base = self.base if self.run.training.push_delta and self.base is not None else None
+            parent, self._push_parent = self._push_parent, None
+            with tracer().start_as_current_span("weights.push", context=parent) as span:
+                start = time.perf_counter()
+                results = await self.pusher.push(snap, self._fencing_token(), addrs, base)
+                seconds = time.perf_counter() - start
+                for addr, r in results.items():
+                    if r.in_sync:
+                        self.synced[addr] = snap.version
+                if any(r.in_sync for r in results.values()):
+                    self.base = snap
+                cost = self.pusher.last
+                span.set_attribute("libra.weight_version", snap.version)
+                span.set_attribute("libra.push_bytes", cost.uploaded)
+                span.set_attribute("libra.delta_bytes", cost.delta_bytes)
+                span.set_attribute("libra.engines_in_sync", sum(r.in_sync for r in results.values()))
         self.log.info(
             "weights_pushed",
-            policy_version=self.packed.version,
+            policy_version=snap.version,
             engines=len(addrs),
             in_sync=sum(r.in_sync for r in results.values()),
-            size_bytes=self.packed.size,
+            size_bytes=snap.nbytes,
+            uploaded_bytes=cost.uploaded,
+            delta_bytes=cost.delta_bytes,
+            delta_engines=cost.delta_engines,
             push_s=round(seconds, 3),
         )
         applied = sorted(a for a, r in results.items() if r.in_sync and r.code != "stale_version")
@@ -513,15 +547,20 @@ class TrainerService:
             await self.bus.publish(
                 subjects.WEIGHTS_UPDATED,
                 ev.WeightsUpdated(
-                    version=self.packed.version,
-                    checksum=self.packed.checksum,
-                    size_bytes=self.packed.size,
+                    version=snap.version,
+                    checksum=snap.checksum,
+                    size_bytes=snap.nbytes,
                     push_s=seconds,
                     engines=applied,
                     train_step=self.learner.state.step,
+                    uploaded_bytes=cost.uploaded,
+                    delta_bytes=cost.delta_bytes,
+                    delta_engines=cost.delta_engines,
+                    dtype=snap.dtype,
+                    relayed_engines=sum(1 for a in applied if results[a].via),
                 ),
             )
-        return seconds, sent, results
+        return seconds, cost.uploaded, results
 
     def _all_engines_synced(self) -> bool:
         addrs = [a.weight_sync_addr for a in self.membership.peers(*SERVING_ROLES) if a.weight_sync_addr]
@@ -594,7 +633,7 @@ class TrainerService:
             addrs = [a.weight_sync_addr for a in self.membership.peers(*SERVING_ROLES) if a.weight_sync_addr]
             self.synced.update(await self.pusher.versions(addrs))
             if not self._all_engines_synced():
-                await self._push_current(only_missing=True)
+                self._want_push.set()
         if self.finished and not self.done_published and self._all_engines_synced():
             final = ev.TrainMetrics()
             if self.last_metrics is not None:
@@ -648,6 +687,7 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
         timeout_s=settings.push_timeout_s,
         token=common.grpc_token(),
         tls=common.tls(),
+        fanout=run.training.push_fanout,
     )
     stack.push_async_callback(pusher.close)
     bus = await Bus.connect(

@@ -274,9 +274,9 @@ async def test_emulated_engine_is_labelled_and_holds_requests_until_weights_arri
     from services.common.config import CommonSettings
     from services.common.membership import TRAINER_ROLE
     from services.common.runconfig import RunConfig
-    from services.common.weights import checksum, pack_state_dict
     from services.rollout_engine.config import EngineSettings
     from services.rollout_engine.service import RolloutEngineService
+    from services.trainer.weight_push import encode_dense, snapshot
 
     worker = "engine-emu"
     common = CommonSettings(
@@ -313,29 +313,23 @@ async def test_emulated_engine_is_labelled_and_holds_requests_until_weights_arri
 
         lease = await store.acquire(TRAINER_ROLE, "trainer-x", 30)
         assert lease is not None
-        blob = pack_state_dict({"w": torch.ones(4)})
-        header = ws.WeightHeader(
-            version=1, total_bytes=len(blob), num_chunks=1, checksum=checksum(blob), fencing_token=lease.token
-        )
+        enc = encode_dense(snapshot({"w": torch.ones(4)}, 1), 1 << 20)
         async with grpc.aio.insecure_channel(hello.weight_sync_addr) as ch:
             ack = await ws_grpc.WeightSyncStub(ch).PushWeights(
-                iter([ws.WeightChunk(header=header, data=blob)])
+                iter([ws.WeightChunk(header=enc.header(lease.token, "trainer-x")), *enc.records])
             )
         assert ack.accepted, ack.message
         res, _ = await h.result("e2")
         assert not res.HasField("error") and res.policy_version == 1
-        # it checks what it is pushed without torch: garbage is refused and changes nothing
+        # it checks what it is pushed without torch: a damaged record is refused and changes nothing
+        bad = encode_dense(snapshot({"w": torch.full((4,), 2.0)}, 2), 1 << 20)
+        records = bad.records
+        records[0].data = b"\xff" * 16
         async with grpc.aio.insecure_channel(hello.weight_sync_addr) as ch:
-            bad = b"\xff" * 64
-            h2 = ws.WeightHeader(
-                version=2,
-                total_bytes=len(bad),
-                num_chunks=1,
-                checksum=checksum(bad),
-                fencing_token=lease.token,
+            nack = await ws_grpc.WeightSyncStub(ch).PushWeights(
+                iter([ws.WeightChunk(header=bad.header(lease.token, "trainer-x")), *records])
             )
-            nack = await ws_grpc.WeightSyncStub(ch).PushWeights(iter([ws.WeightChunk(header=h2, data=bad)]))
-        assert (nack.accepted, nack.code, nack.version) == (False, "malformed", 1)
+        assert (nack.accepted, nack.code, nack.version) == (False, "checksum_mismatch", 1)
     finally:
         stop.set()
         if not starting.done():

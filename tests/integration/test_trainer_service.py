@@ -35,7 +35,8 @@ from services.common.models import load_model
 from services.common.ownership import OwnershipStore, trained_key
 from services.common.runconfig import ModelConfig
 from services.common.tracing import tracer
-from services.common.weights import checksum, unpack_state_dict
+from services.common.weights import check_record
+from services.rollout_engine.weight_sync import InPlaceWriter
 from services.trainer.checkpoint import latest
 from services.trainer.grpo import token_logprobs
 from services.trainer.service import serve
@@ -48,13 +49,14 @@ TRAINER_ID = "trainer-it"
 @dataclass
 class Push:
     header: ws.WeightHeader
-    blob: bytes
+    weights: dict[str, torch.Tensor]
     metadata: dict[str, Any]
     accepted: bool
 
 
 class RecordingEngine(ws_grpc.WeightSyncServicer):
-    """Stands in for a rollout engine: checks each push like one would, and records it."""
+    """Stands in for a rollout engine: applies each push with the engines' own writer into tensors
+    of the header's shapes, checks the state checksum, and records it."""
 
     def __init__(self) -> None:
         self.version = 0
@@ -62,15 +64,19 @@ class RecordingEngine(ws_grpc.WeightSyncServicer):
 
     async def PushWeights(self, request_iterator: Any, context: Any) -> ws.PushAck:
         header: ws.WeightHeader | None = None
-        parts: list[bytes] = []
+        writer: InPlaceWriter | None = None
+        slots: dict[str, torch.Tensor] = {}
         async for chunk in request_iterator:
             if chunk.HasField("header"):
                 header = chunk.header
-            parts.append(chunk.data)
-        assert header is not None
-        blob = b"".join(parts)
-        ok = header.version > self.version and checksum(blob) == header.checksum
-        self.pushes.append(Push(header, blob, dict(context.invocation_metadata()), ok))
+                slots = {s.name: torch.zeros(tuple(s.shape)) for s in header.tensors}
+                writer = InPlaceWriter(header.tensors, False, slots)
+                continue
+            assert header is not None and writer is not None
+            await writer.write(chunk, check_record(chunk, header.tensors))
+        assert header is not None and writer is not None
+        ok = header.version > self.version and await writer.checksum() == header.checksum
+        self.pushes.append(Push(header, slots, dict(context.invocation_metadata()), ok))
         if header.version <= self.version:
             return ws.PushAck(accepted=False, version=self.version, code="stale_version")
         if not ok:
@@ -283,7 +289,6 @@ async def test_trainer_trains_once_pushes_and_resumes(
         assert m1.tokens == 4 * 9
         assert m1.kl == pytest.approx(0.0, abs=1e-4)  # engine logprobs == trainer's at step start
         assert m1.clip_fraction == 0.0
-        assert m1.push_bytes > 0
         # the same tokens under the same weights: the engine-vs-trainer mismatch is numerics only
         assert m1.mismatch_tokens == 4 * 9 and m1.logprob_mismatch < 1e-4
         assert list(m1.policy_versions) == [0] and m1.stale_token_fraction == 0.0
@@ -293,13 +298,13 @@ async def test_trainer_trains_once_pushes_and_resumes(
         assert m1.groups_filtered == 1 and m1.sampled_trajectories == 6
         assert m1.sampled_reward_mean == pytest.approx((0 + 1 + 0 + 1 + 1 + 1) / 6)
 
+        await eventually(lambda: _true([p for p in engine.pushes if p.accepted]), what="the push")
         accepted = [p for p in engine.pushes if p.accepted]
         assert [p.header.version for p in accepted] == [1]
-        push = accepted[0]
-        assert push.header.checksum == checksum(push.blob)
+        push = accepted[0]  # pushed in the background, its state checksum checked by the engine
         assert push.header.fencing_token == lease.token and push.header.sender_id == TRAINER_ID
-        assert push.header.num_chunks >= 1 and push.header.total_bytes == len(push.blob)
-        weights = unpack_state_dict(push.blob)
+        assert push.header.num_chunks >= 1 and push.header.format == "tensors-v1"
+        weights = push.weights
         assert set(weights) <= set(initial) and "model.embed_tokens.weight" in weights
         assert not torch.equal(weights["model.norm.weight"], initial["model.norm.weight"])
         assert "traceparent" in push.metadata

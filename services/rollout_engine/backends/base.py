@@ -75,6 +75,20 @@ class Backend(abc.ABC):
         """Replaces (a subset of) the weights; raises ValueError when names or shapes do not fit,
         and then changes nothing."""
 
+    def weight_slots(self) -> dict[str, Any] | None:
+        """The model's tensors by name, for a push to write into in place (and to apply sparse
+        deltas to); None when the backend loads whole tensors instead (`load_tensors`)."""
+        return None
+
+    async def load_tensors(self, items: list[tuple[str, Any]]) -> None:
+        """Loads whole tensors (backends without `weight_slots`)."""
+        raise NotImplementedError(f"backend {self.name!r} takes no whole-tensor loads")
+
+    async def weights_loaded(self, version: int) -> None:
+        """Called once a push has been applied, before the version is taken (an emulated replica
+        stalls here for its load time)."""
+        return None
+
     @abc.abstractmethod
     def decode(self, token_ids: list[int]) -> str:
         """Text of generated tokens, special tokens skipped."""

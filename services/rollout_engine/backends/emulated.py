@@ -183,6 +183,9 @@ class EmulatedBackend(StepBackend):
     def free_kv_tokens(self) -> int:
         return max(0, self.kv_capacity - sum(row.held for row in self.rows.values()))
 
+    async def weights_loaded(self, version: int) -> None:
+        await self.swap_weights({}, version)
+
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Stalls as long as the replica it pretends to be takes to receive and load the full
         weights (`engine_load_s`: each TP shard over the network in parallel, plus the fixed

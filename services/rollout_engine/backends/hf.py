@@ -227,6 +227,9 @@ class HFBackend(StepBackend):
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
         await asyncio.to_thread(self._copy_weights, state_dict)
 
+    def weight_slots(self) -> dict[str, Any] | None:
+        return dict(self.model.state_dict())
+
     @torch.no_grad()
     def _copy_weights(self, state_dict: dict[str, Any]) -> None:
         """Copies in place, so tied weights stay tied; every name and shape is checked first, so a

@@ -28,6 +28,7 @@ import inspect
 import itertools
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.common.logging import get_logger
@@ -122,6 +123,10 @@ class VllmBackend(Backend):
             await self.llm.collective_rpc(_load_weights_on_worker, args=(items,))
         finally:
             await self.llm.resume_generation()
+
+    async def load_tensors(self, items: list[tuple[str, Any]]) -> None:
+        """Whole tensors as a push assembles them, while generation is paused (`apply_update`)."""
+        await self.llm.collective_rpc(_load_weights_on_worker, args=(items,))
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tok.decode(token_ids, skip_special_tokens=True))
@@ -227,6 +232,36 @@ class VllmEngine(VersionGate):
                 return False
             await self.backend.swap_weights(state_dict, version)
             self.version, self.checksum, self._sampling_version = version, checksum, version
+        await self._announce()
+        self.log.info("weights_swapped", policy_version=version, running=self.running)
+        return True
+
+    async def apply_update(
+        self,
+        version: int,
+        checksum: str,
+        consume: Callable[[], Awaitable[None]],
+        dirty: Callable[[], bool],
+    ) -> bool:
+        """Generation pauses (running requests kept, prefix cache cleared) while `consume` loads the
+        pushed tensors; a push torn mid-way leaves generation paused until a full one lands."""
+        async with self._swap:
+            if version <= self.version:
+                return False
+            if not self.torn:
+                await self.backend.llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                await consume()
+            except BaseException:
+                if dirty():
+                    self._tear()
+                    self.log.error("weights_torn", policy_version=self.version, failed_version=version)
+                else:
+                    await self.backend.llm.resume_generation()
+                raise
+            self.version, self.checksum, self._sampling_version = version, checksum, version
+            self._torn = False
+            await self.backend.llm.resume_generation()
         await self._announce()
         self.log.info("weights_swapped", policy_version=version, running=self.running)
         return True

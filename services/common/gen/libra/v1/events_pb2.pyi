@@ -392,20 +392,30 @@ class HybridGroup(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., store_addr: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., member_tokens: _Optional[_Iterable[int]] = ..., trainer_token: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class WeightsUpdated(_message.Message):
-    __slots__ = ("version", "checksum", "size_bytes", "push_s", "engines", "train_step")
+    __slots__ = ("version", "checksum", "size_bytes", "push_s", "engines", "train_step", "uploaded_bytes", "delta_bytes", "delta_engines", "dtype", "relayed_engines")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUSH_S_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_ENGINES_FIELD_NUMBER: _ClassVar[int]
     version: int
     checksum: str
     size_bytes: int
     push_s: float
     engines: _containers.RepeatedScalarFieldContainer[str]
     train_step: int
-    def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., size_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., engines: _Optional[_Iterable[str]] = ..., train_step: _Optional[int] = ...) -> None: ...
+    uploaded_bytes: int
+    delta_bytes: int
+    delta_engines: int
+    dtype: str
+    relayed_engines: int
+    def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., size_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., engines: _Optional[_Iterable[str]] = ..., train_step: _Optional[int] = ..., uploaded_bytes: _Optional[int] = ..., delta_bytes: _Optional[int] = ..., delta_engines: _Optional[int] = ..., dtype: _Optional[str] = ..., relayed_engines: _Optional[int] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
     __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done", "data_parallel", "groups_ready", "entropy", "is_weight_mean", "is_weight_max", "is_truncated_fraction", "dual_clip_fraction", "logprob_mismatch", "mismatch_tokens", "lr", "grad_norm", "groups_filtered", "policy_versions", "stale_token_fraction", "ref_kl", "sampled_reward_mean", "sampled_reward_std", "sampled_trajectories")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19libra/v1/weightsync.proto\x12\x08libra.v1\"\x94\x01\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x12\n\nnum_chunks\x18\x03 \x01(\x05\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x15\n\rfencing_token\x18\x05 \x01(\x03\x12\x11\n\tsender_id\x18\x06 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x07 \x01(\t\"R\n\x0bWeightChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.libra.v1.WeightHeader\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\\\n\x07PushAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0f\n\x07\x61pply_s\x18\x05 \x01(\x01\"\x10\n\x0eVersionRequest\"C\n\x0bVersionInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t2\x86\x01\n\nWeightSync\x12\x39\n\x0bPushWeights\x12\x15.libra.v1.WeightChunk\x1a\x11.libra.v1.PushAck(\x01\x12=\n\nGetVersion\x12\x18.libra.v1.VersionRequest\x1a\x15.libra.v1.VersionInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19libra/v1/weightsync.proto\x12\x08libra.v1\"\x8c\x02\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x12\n\nnum_chunks\x18\x03 \x01(\x05\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x15\n\rfencing_token\x18\x05 \x01(\x03\x12\x11\n\tsender_id\x18\x06 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x07 \x01(\t\x12%\n\x07tensors\x18\x08 \x03(\x0b\x32\x14.libra.v1.TensorSpec\x12\x14\n\x0c\x62\x61se_version\x18\t \x01(\x03\x12\x15\n\rbase_checksum\x18\n \x01(\t\x12\"\n\x05relay\x18\x0b \x03(\x0b\x32\x13.libra.v1.RelayNode\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"@\n\tRelayNode\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\t\x12%\n\x08\x63hildren\x18\x02 \x03(\x0b\x32\x13.libra.v1.RelayNode\"\xb6\x01\n\x0bWeightChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.libra.v1.WeightHeader\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06tensor\x18\x04 \x01(\x05\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\r\n\x05\x63ount\x18\x06 \x01(\x03\x12\x0f\n\x07indices\x18\x07 \x01(\x0c\x12\x13\n\x0bindex_bytes\x18\x08 \x01(\x05\x12\r\n\x05\x63rc32\x18\t \x01(\r\"\x84\x01\n\x07PushAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0f\n\x07\x61pply_s\x18\x05 \x01(\x01\x12&\n\x07relayed\x18\x06 \x03(\x0b\x32\x15.libra.v1.RelayResult\"]\n\x0bRelayResult\x12\x0c\n\x04\x61\x64\x64r\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0c\n\x04\x63ode\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\"\x10\n\x0eVersionRequest\"i\n\x0bVersionInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12\x0c\n\x04torn\x18\x04 \x01(\x08\x12\x16\n\x0e\x61\x63\x63\x65pts_deltas\x18\x05 \x01(\x08\x32\x86\x01\n\nWeightSync\x12\x39\n\x0bPushWeights\x12\x15.libra.v1.WeightChunk\x1a\x11.libra.v1.PushAck(\x01\x12=\n\nGetVersion\x12\x18.libra.v1.VersionRequest\x1a\x15.libra.v1.VersionInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'libra.v1.weightsync_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WEIGHTHEADER']._serialized_start=40
-  _globals['_WEIGHTHEADER']._serialized_end=188
-  _globals['_WEIGHTCHUNK']._serialized_start=190
-  _globals['_WEIGHTCHUNK']._serialized_end=272
-  _globals['_PUSHACK']._serialized_start=274
-  _globals['_PUSHACK']._serialized_end=366
-  _globals['_VERSIONREQUEST']._serialized_start=368
-  _globals['_VERSIONREQUEST']._serialized_end=384
-  _globals['_VERSIONINFO']._serialized_start=386
-  _globals['_VERSIONINFO']._serialized_end=453
-  _globals['_WEIGHTSYNC']._serialized_start=456
-  _globals['_WEIGHTSYNC']._serialized_end=590
+  _globals['_WEIGHTHEADER']._serialized_end=308
+  _globals['_TENSORSPEC']._serialized_start=310
+  _globals['_TENSORSPEC']._serialized_end=366
+  _globals['_RELAYNODE']._serialized_start=368
+  _globals['_RELAYNODE']._serialized_end=432
+  _globals['_WEIGHTCHUNK']._serialized_start=435
+  _globals['_WEIGHTCHUNK']._serialized_end=617
+  _globals['_PUSHACK']._serialized_start=620
+  _globals['_PUSHACK']._serialized_end=752
+  _globals['_RELAYRESULT']._serialized_start=754
+  _globals['_RELAYRESULT']._serialized_end=847
+  _globals['_VERSIONREQUEST']._serialized_start=849
+  _globals['_VERSIONREQUEST']._serialized_end=865
+  _globals['_VERSIONINFO']._serialized_start=867
+  _globals['_VERSIONINFO']._serialized_end=972
+  _globals['_WEIGHTSYNC']._serialized_start=975
+  _globals['_WEIGHTSYNC']._serialized_end=1109
 # @@protoc_insertion_point(module_scope)
