@@ -28,6 +28,9 @@ proto: $(STAMP) ## Regenerate Python code from proto/ into services/common/gen
 run: $(STAMP) ## Run the default agentic RL job on an embedded local stack (writes runs/latest/report.json)
 	$(LIBRA) run $(CONFIG)
 
+learn: $(STAMP) ## A job whose reward visibly rises: SmolLM2-135M on the tool task, ~30 min on 2 cores (configs/learn.yaml)
+	$(LIBRA) run configs/learn.yaml
+
 test: $(STAMP) ## Run unit, integration and e2e tests (real nats-server, redis-server, gRPC, tiny model)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -61,4 +64,4 @@ bench: $(STAMP) ## Run benchmarks; writes bench-results/*.json and docs/benchmar
 clean: ## Remove the virtualenv and local state
 	rm -rf $(VENV) .libra
 
-.PHONY: help venv proto run test lint fmt up down status sim bench clean
+.PHONY: help venv proto run learn test lint fmt up down status sim bench clean

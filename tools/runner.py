@@ -32,6 +32,7 @@ from services.common.membership import SERVING_ROLES
 from services.common.ownership import committed_key, plans_key, role_changes_key, trained_key
 from services.common.runconfig import RunConfig
 from services.scheduler.ledger import Accounting, read_accounting
+from tools.learning_plot import write_reward_plot
 from tools.sim.stats import t95
 from tools.stack import ROOT, Stack, read_stack_file
 
@@ -144,6 +145,7 @@ def learning_report(trained: list[ev.TrainMetrics]) -> dict[str, Any]:
 
     return {
         "reward_mean_per_step": [round(_sampled(m)[0], 4) for m in trained],
+        "reward_ci95_per_step": [(reward_window([m]) or {"ci95": [0.0, 0.0]})["ci95"] for m in trained],
         "reward_first3": reward_window(trained[:3]),
         "reward_last3": reward_window(trained[-3:]),
         "policy_versions_per_step": [list(m.policy_versions) for m in trained],
@@ -660,6 +662,12 @@ def write_report(report: dict[str, Any], runs_dir: Path) -> Path:
     out = runs_dir / report["run_id"]
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.json"
+    try:
+        plot = write_reward_plot(report, out)
+    except Exception as err:  # a plot must never cost the report
+        plot, report["plot_error"] = None, f"{type(err).__name__}: {err}"
+    if plot is not None:
+        report["plots"] = [str(plot)]
     path.write_text(json.dumps(report, indent=2) + "\n")
     latest = runs_dir / "latest"
     if latest.is_symlink() or latest.exists():

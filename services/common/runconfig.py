@@ -135,8 +135,9 @@ class TrainingConfig(_Strict):
     filter_zero_advantage: bool | None = None
     """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage and teaches
     nothing; it is dropped before collation (outcome `filtered`) and the feed launches another.
-    Unset: on, except for the `synthetic` task (nothing is learned from it, and its timings must
-    stay those of the workload it replays)."""
+    False: plain GRPO, every group is trained (its tokens count in the token mean, and a KL
+    penalty still acts on them). Unset: on, except for the `synthetic` task (nothing is learned
+    from it, and its timings must stay those of the workload it replays)."""
     filter_budget: int | None = Field(None, ge=0)
     """Zero-advantage groups filtered at most per step (default: groups_per_step); past it they
     are taken into the step, where they add no gradient, so a task the policy cannot solve yet

@@ -23,8 +23,11 @@ class EngineSettings(BaseSettings):
     grpc_port: int = Field(0, ge=0, le=65535)
     """WeightSync gRPC port; 0 picks a free one (the address is announced in WorkerHello)."""
     max_push_bytes: int = Field(64 << 30, gt=0)
-    """Largest weight push accepted (it is buffered in memory before it is applied); a push that
-    announces more is refused before its first byte is kept. Set it a little above the model's size."""
+    """Largest weight push accepted; a push that announces more is refused before its first record
+    is read. Set it a little above the model's size."""
+    push_record_timeout_s: float = Field(30.0, gt=0.0)
+    """Generation pauses while a push is applied: a sender that sends no record for this long is
+    cut off (the engine is then torn until the trainer's next full push)."""
     bucket: str = Field("", pattern=r"^[a-z0-9_-]{0,32}$")
     """Rollout bucket this replica prefers; empty lets the planner put it in the emptiest bucket of
     the job, and the planner's assignment has the final say."""

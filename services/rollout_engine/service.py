@@ -117,6 +117,7 @@ class RolloutEngineService:
             keep_tensors=not self.backend.emulated,
             relay_token=self.common.grpc_token(),
             relay_tls=self.common.tls(),
+            record_timeout_s=self.settings.push_record_timeout_s,
         )
         self.server, port = await start_server(
             self.servicer,

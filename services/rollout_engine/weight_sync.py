@@ -329,6 +329,7 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
         relay_token: str | None = None,
         relay_tls: TlsFiles | None = None,
         relay_timeout_s: float = 300.0,
+        record_timeout_s: float = 30.0,
     ):
         """`keep_tensors=False` (emulated engines) checks every record and keeps none, so the
         engine never imports torch. `relay_token` and `relay_tls` are this engine's own
@@ -339,6 +340,7 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
         self.store = store
         self.engine_id = engine_id
         self.relay_token, self.relay_tls, self.relay_timeout_s = relay_token, relay_tls, relay_timeout_s
+        self.record_timeout_s = record_timeout_s
         self.highest_token = 0
         self.log = get_logger(component="weight_sync")
 
@@ -440,7 +442,16 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
         the state checksum and the fencing token. Raises RecordError or PushRejected."""
         received = records = 0
         pending: asyncio.Future[None] | None = None
-        async for chunk in it:
+        while True:
+            try:  # generation is paused: a sender that stalls must not hold it for long
+                chunk = await asyncio.wait_for(it.__anext__(), self.record_timeout_s)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise RecordError(
+                    "timeout",
+                    f"no record for {self.record_timeout_s:.0f}s after record {records}: the sender stalled",
+                ) from None
             if relay is not None:
                 await relay.forward(chunk)
             records += 1

@@ -208,6 +208,7 @@ def step_settings(run: RunConfig, pad_id: int, version: int, step_index: int | N
         max_grad_norm=t.max_grad_norm,
         lr=lr,
         version=version,
+        drop_zero_advantage=run.filters_zero_advantage,
     )
 
 

@@ -43,6 +43,9 @@ class StepSettings:
     """Set on the optimizer before every update (rank 0); None leaves it as it is."""
     version: int = 0
     """The weights the step starts from: tokens they sampled measure the engine-vs-trainer mismatch."""
+    drop_zero_advantage: bool = True
+    """Leave groups of equal rewards out of the step (DAPO's dynamic sampling; they add no policy
+    gradient and would dilute the token mean); False trains every sample as plain GRPO does."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ def train_step(
     by_group: dict[str, list[float]] = {}
     for s in samples:
         by_group.setdefault(s.group_id, []).append(s.reward)
-    kept = [s for s in samples if informative(by_group[s.group_id])]
+    kept = [s for s in samples if informative(by_group[s.group_id]) or not settings.drop_zero_advantage]
     versions, stale_fraction = _version_stats(kept, settings.version)
     minis = [
         micro_batches(
@@ -212,7 +215,7 @@ def train_step(
         ref_kl=means["ref_kl"],
         lr=lr if settings.lr is None else settings.lr,
         updates=len(minis),
-        trained_groups=len({s.group_id for s in kept}),
+        trained_groups=len({s.group_id for s in kept if informative(by_group[s.group_id])}),
         policy_versions=versions,
         stale_token_fraction=stale_fraction,
     )

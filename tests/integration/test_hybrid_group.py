@@ -178,16 +178,16 @@ async def test_the_trainer_takes_only_workers_the_plan_gives_the_hybrid_role_und
             await worker.publish(
                 subjects.HYBRID_STATE, ev.HybridState(worker_id=wid, state="ready", fencing_token=token)
             )
-        for _ in range(100):
+        for _ in range(400):
             if len(refused) == 3 and host.ready:
                 break
             await asyncio.sleep(0.05)
-        assert [(r.worker_id, r.fencing_token) for r in refused] == [
-            ("engine-3", 5),
-            ("engine-1", live.token + 1),
-            ("engine-2", old.token),
-        ], refused
-        assert "stale ownership token" in refused[-1].detail
+        # each ready is checked on its own (the lease check awaits Redis): answers may cross
+        by_worker = {(r.worker_id, r.fencing_token): r.detail for r in refused}
+        assert set(by_worker) == {("engine-3", 5), ("engine-1", live.token + 1), ("engine-2", old.token)}, (
+            refused
+        )
+        assert "stale ownership token" in by_worker[("engine-2", old.token)]
         assert host.ready == {"engine-1": live.token}
     finally:
         for b in (bus, worker):

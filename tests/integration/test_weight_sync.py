@@ -46,7 +46,8 @@ def store(redis_server: Server, run_id: str) -> Iterator[OwnershipStore]:
 async def rig(backend: HFBackend, store: OwnershipStore) -> AsyncIterator[dict[str, Any]]:
     engine = ContinuousEngine(backend, max_batch=4)
     engine.start()
-    server, port = await start_server(WeightSyncServicer(engine, store, "engine-a"), "127.0.0.1", 0)
+    servicer = WeightSyncServicer(engine, store, "engine-a", record_timeout_s=2.0)
+    server, port = await start_server(servicer, "127.0.0.1", 0)
     opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts)
     lease = await store.acquire(TRAINER_ROLE, "trainer-1", 30)
@@ -84,6 +85,18 @@ async def push(stub: Any, msgs: list[ws.WeightChunk]) -> ws.PushAck:
             yield m
 
     return await stub.PushWeights(gen(), timeout=30)
+
+
+async def push_and_stall(addr: str, msgs: list[ws.WeightChunk], sent: int) -> ws.PushAck:
+    """The sender stops sending after `sent` messages, its stream left open (a frozen trainer)."""
+    async with grpc.aio.insecure_channel(addr) as channel:
+
+        async def gen() -> AsyncIterator[ws.WeightChunk]:
+            for m in msgs[:sent]:
+                yield m
+            await asyncio.Event().wait()
+
+        return await ws_grpc.WeightSyncStub(channel).PushWeights(gen(), timeout=30)
 
 
 async def push_and_vanish(addr: str, msgs: list[ws.WeightChunk], sent: int) -> None:
@@ -251,7 +264,7 @@ async def test_a_push_refused_before_any_write_changes_nothing(
     assert await asyncio.wait_for(greedy(engine), 30)  # still serving
 
 
-@pytest.mark.parametrize("damage", ["flip_last_record", "drop_record", "wrong_count", "cut"])
+@pytest.mark.parametrize("damage", ["flip_last_record", "drop_record", "wrong_count", "cut", "stall"])
 async def test_a_push_broken_mid_stream_tears_the_engine_until_a_full_push(
     rig: dict[str, Any], backend: HFBackend, damage: str
 ) -> None:
@@ -270,6 +283,9 @@ async def test_a_push_broken_mid_stream_tears_the_engine_until_a_full_push(
         msgs[0].header.num_chunks += 3
     if damage == "cut":
         await push_and_vanish(rig["addr"], msgs, 4)
+    elif damage == "stall":  # the engine stops waiting after its record timeout (2 s here)
+        ack = await push_and_stall(rig["addr"], msgs, 4)
+        assert (ack.accepted, ack.code) == (False, "timeout"), ack.message
     else:
         ack = await push(stub, msgs)
         assert not ack.accepted

@@ -95,3 +95,19 @@ def test_reward_windows_pool_the_steps_trajectories_with_a_t_interval() -> None:
     assert learning_report([ev.TrainMetrics(step=1, reward_mean=0.25, trajectories=4)])[
         "reward_mean_per_step"
     ] == [0.25]
+
+
+def test_a_report_with_steps_gets_a_reward_plot(tmp_path) -> None:
+    from tools.learning_plot import write_reward_plot
+    from tools.runner import learning_report
+
+    metrics = [
+        ev.TrainMetrics(
+            step=i + 1, sampled_reward_mean=0.1 * i, sampled_reward_std=0.05, sampled_trajectories=16
+        )
+        for i in range(5)
+    ]
+    report = {"run_id": "r", **learning_report(metrics)}
+    path = write_reward_plot(report, tmp_path)
+    assert path is not None and path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
+    assert write_reward_plot({"reward_mean_per_step": []}, tmp_path / "none") is None

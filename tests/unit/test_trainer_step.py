@@ -122,3 +122,13 @@ def test_an_abort_before_the_first_update_leaves_the_weights(model: torch.nn.Mod
         train_step(model, opt, samples, settings(), should_abort=lambda: True)
     after = weights(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_plain_grpo_trains_zero_advantage_groups_too(model: torch.nn.Module) -> None:
+    """With dynamic sampling off every sample is collated: its tokens count in the token mean."""
+    mixed = [engine_sample(model, f"m{i}", "mixed", float(i), temperature=1.0, seed=i) for i in range(2)]
+    flat = [engine_sample(model, f"f{i}", "flat", 1.0, temperature=1.0, seed=10 + i) for i in range(2)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats = train_step(model, opt, mixed + flat, settings(drop_zero_advantage=False))
+    assert (stats.tokens, stats.trained_groups, stats.updates) == (24, 1, 1)
+    assert train_step(model, opt, flat, settings(drop_zero_advantage=False)).updates == 1
