@@ -97,3 +97,27 @@ def state_checksum(buffers: Iterable[Any]) -> str:
 
 def payload_bytes(chunk: ws.WeightChunk) -> int:
     return len(chunk.data) + len(chunk.indices)
+
+
+def subtree(node: ws.RelayNode) -> list[str]:
+    """A relay node's address and every address below it."""
+    return [node.addr, *(a for c in node.children for a in subtree(c))]
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of a wire dtype name (imports torch: receivers with tensors only)."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def tensor_of(data: bytes, dtype: str) -> Any:
+    """A record's values as a 1-D torch tensor viewing its bytes (no copy; never written)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only buffer: it is only read
+        raw = torch.frombuffer(data, dtype=torch.float32 if dtype == "float32" else torch.int16)
+    return raw.view(torch_dtype(dtype))

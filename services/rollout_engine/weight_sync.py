@@ -43,6 +43,9 @@ from services.common.weights import (
     check_specs,
     numel,
     payload_bytes,
+    subtree,
+    tensor_of,
+    torch_dtype,
 )
 from services.rollout_engine.engine import Engine
 
@@ -144,14 +147,6 @@ class InPlaceWriter(Writer):
             storages[where] = s.name
             self.flat.append(slot.view(-1))
 
-    def _values(self, data: bytes, dtype: str) -> Any:
-        torch = self.torch
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a read-only buffer: it is only read
-            if dtype == "bfloat16":
-                return torch.frombuffer(data, dtype=torch.int16).view(torch.bfloat16)
-            return torch.frombuffer(data, dtype={"float32": torch.float32, "float16": torch.float16}[dtype])
-
     def _indices(self, chunk: ws.WeightChunk, n: int) -> Any:
         torch = self.torch
         with warnings.catch_warnings():
@@ -173,7 +168,7 @@ class InPlaceWriter(Writer):
         """Blocking (a worker thread may run it): torch's copy and hashlib release the GIL."""
         self._follow(chunk)
         flat = self.flat[chunk.tensor]
-        values = self._values(chunk.data, spec.dtype)
+        values = tensor_of(chunk.data, spec.dtype)
         with self.torch.no_grad():
             if chunk.indices:
                 idx = self._indices(chunk, flat.numel())
@@ -194,9 +189,7 @@ class InPlaceWriter(Writer):
         torch = self.torch
         h = hashlib.sha256()
         for spec, flat in zip(self.specs, self.flat, strict=True):
-            wire = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-                spec.dtype
-            ]
+            wire = torch_dtype(spec.dtype)
             step = max(1, (8 << 20) // ITEMSIZE[spec.dtype])
             for a in range(0, flat.numel(), step):
                 piece = flat[a : a + step]
@@ -227,16 +220,10 @@ class AssemblingWriter(Writer):
         self._parts.append(chunk.data)
         self._have += chunk.count
         if self._have == numel(spec):
-            import torch
-
-            blob = bytearray(b"".join(self._parts))
+            whole = b"".join(self._parts)
             self._parts, self._have = [], 0
-            raw = torch.frombuffer(blob, dtype=torch.int16 if spec.dtype != "float32" else torch.float32)
-            wire = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-                spec.dtype
-            ]
             self.applied += 1
-            await self.backend.load_tensors([(spec.name, raw.view(wire).view(*spec.shape))])
+            await self.backend.load_tensors([(spec.name, tensor_of(whole, spec.dtype).view(*spec.shape))])
 
 
 class Relay:
@@ -290,7 +277,7 @@ class Relay:
                 out.extend(ack.relayed)
             except Exception as err:  # the child is away: its whole subtree missed this push
                 why = f"relay from this engine failed: {err}"[:300]
-                out.extend(ws.RelayResult(addr=a, code="unavailable", message=why) for a in _subtree(node))
+                out.extend(ws.RelayResult(addr=a, code="unavailable", message=why) for a in subtree(node))
         for ch in self.channels:
             await ch.close()
         return out
@@ -312,10 +299,6 @@ async def _drain(
     yield ws.WeightChunk(header=header)
     while (chunk := await q.get()) is not None:
         yield chunk
-
-
-def _subtree(node: ws.RelayNode) -> list[str]:
-    return [node.addr, *(a for c in node.children for a in _subtree(c))]
 
 
 class WeightSyncServicer(ws_grpc.WeightSyncServicer):

@@ -33,14 +33,13 @@ from services.common.grpc_auth import bearer_metadata
 from services.common.logging import get_logger
 from services.common.tls import TlsFiles, grpc_channel
 from services.common.tracing import grpc_metadata
-from services.common.weights import FORMAT, ITEMSIZE, state_checksum
+from services.common.weights import FORMAT, ITEMSIZE, state_checksum, subtree, torch_dtype
 
 # Codes after which another attempt cannot help: we lost the lease, or the engine refuses the push.
 _FINAL_CODES = {"stale_token", "stale_version", "malformed", "too_large", "unauthenticated", "base_mismatch"}
 
 PUSH_METHOD = "/libra.v1.WeightSync/PushWeights"
-WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+_NAMES = {torch_dtype(k): k for k in ITEMSIZE}
 _BITS = {4: torch.int32, 2: torch.int16}
 
 
@@ -71,7 +70,7 @@ def snapshot(state_dict: dict[str, torch.Tensor], version: int, dtype: str | Non
     """Copies the weights for the wire; `dtype` None keeps the training dtype."""
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     names, shapes, tensors = [], [], []
-    wire: torch.dtype | None = WIRE_DTYPES[dtype] if dtype else None
+    wire: torch.dtype | None = torch_dtype(dtype) if dtype else None
     for name, t in state_dict.items():
         key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
         if key in seen:
@@ -296,10 +295,6 @@ def relay_tree(addrs: Sequence[str], fanout: int) -> list[ws.RelayNode]:
         first = fanout * (i + 1)
         nodes[i].children.extend(nodes[first : first + fanout])
     return nodes[:fanout]
-
-
-def subtree(node: ws.RelayNode) -> list[str]:
-    return [node.addr, *(a for c in node.children for a in subtree(c))]
 
 
 @dataclass(frozen=True)
