@@ -129,7 +129,7 @@ class LossMetrics:
             "is_truncated_fraction": self.truncated / n,
             "kl": self.behaviour_kl / n,
             "ref_kl": self.ref_kl / n,
-            "entropy": self.entropy / n,
+            "entropy": self.entropy / n if self.tokens else math.nan,
             "logprob_mismatch": self.mismatch / self.mismatch_tokens if self.mismatch_tokens else math.nan,
         }
 

@@ -64,7 +64,8 @@ class StepStats:
     seconds: float
     data_parallel: int = 1
     """Replicas that computed the step (1 + hybrid workers)."""
-    entropy: float = 0.0
+    entropy: float = math.nan
+    """Mean per-token entropy of the trained tokens (NaN when the step trained none)."""
     is_weight_mean: float = 1.0
     is_weight_max: float = 0.0
     is_truncated_fraction: float = 0.0

@@ -4,6 +4,8 @@ groups filtered before collation, the scheduled learning rate applied, several u
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -97,6 +99,7 @@ def test_zero_advantage_groups_are_not_collated(model: torch.nn.Module) -> None:
     before = weights(model)
     stats = train_step(model, opt, flat, settings())
     assert (stats.tokens, stats.updates, stats.loss) == (0, 0, 0.0)
+    assert math.isnan(stats.entropy) and math.isnan(stats.logprob_mismatch)  # nothing measured
     after = weights(model)
     assert all(torch.equal(before[k], after[k]) for k in before), "no update without an advantage"
 
