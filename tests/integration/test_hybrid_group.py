@@ -116,6 +116,9 @@ def test_a_member_that_never_comes_to_the_join_fails_the_generation_not_the_trai
         assert lonely.wait(timeout=120) != 0, "its side of the generation fails too"
         assert group.pg is None and trainer.step(samples()).data_parallel == 1
         gen = group.next_generation(["engine-1"], [7])
+        group.timeout_s = (
+            60  # the new replica process starts torch and the model first: slow on a busy machine
+        )
         again = _replica(group.port, gen, 1, 2, tiny_model, tmp_path)
         group.form(trainer.model)
         assert trainer.step(samples(), group=group).data_parallel == 2
