@@ -38,13 +38,16 @@ chaos: $(STAMP) ## Kill -9 each service in turn mid-job; the job must complete, 
 	$(PY) -m pytest -q -s tests/e2e/test_chaos.py
 
 lint: $(STAMP) ## ruff format check, ruff check, mypy on services/ and tools/
-	$(VENV)/bin/ruff format --check services tools tests
-	$(VENV)/bin/ruff check services tools tests
+	$(VENV)/bin/ruff format --check services tools tests examples
+	$(VENV)/bin/ruff check services tools tests examples
 	$(VENV)/bin/mypy services tools
 
+docs: $(STAMP) ## Regenerate docs/config.md from the run-config models
+	$(VENV)/bin/python -m tools.config_doc
+
 fmt: $(STAMP) ## Format the code with ruff
-	$(VENV)/bin/ruff format services tools tests
-	$(VENV)/bin/ruff check --fix services tools tests
+	$(VENV)/bin/ruff format services tools tests examples
+	$(VENV)/bin/ruff check --fix services tools tests examples
 
 up: $(STAMP) ## Start nats-server, redis-server and the five services locally (libra up)
 	$(LIBRA) up
@@ -64,4 +67,4 @@ bench: $(STAMP) ## Run benchmarks; writes bench-results/*.json and docs/benchmar
 clean: ## Remove the virtualenv and local state
 	rm -rf $(VENV) .libra
 
-.PHONY: help venv proto run learn test lint fmt up down status sim bench clean
+.PHONY: help venv proto run learn test lint docs fmt up down status sim bench clean

@@ -53,7 +53,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"  nats   {stack.nats_url}\n  redis  {stack.redis_url}\n  logs   {stack.log_dir}")
         print(f"  credentials  {stack.credentials.root if stack.credentials else 'none'} (mode 0700)")
         for svc, p in stack.procs.items():
-            print(f"  {svc:<18} pid {p.pid}")
+            print(f"  {svc:<18} pid {p.pid:<8} metrics http://127.0.0.1:{stack.metrics_ports[svc]}/metrics")
         print(f"state in {STACK_FILE}; Ctrl-C or `libra down` stops everything.", flush=True)
         while not stopping["flag"]:
             time.sleep(0.5)
@@ -105,9 +105,11 @@ def cmd_status(_: argparse.Namespace) -> int:
     print(f"  credentials {data.get('secrets') or 'none'}")
     procs: dict[str, int] = {**data["services"], **data["infra"]}  # type: ignore[dict-item]
     restarts: dict[str, int] = data.get("restarts") or {}  # type: ignore[assignment]
+    metrics: dict[str, int] = data.get("metrics_ports") or {}  # type: ignore[assignment]
     for name, pid in procs.items():
         state = "running" if pid_alive(int(pid)) else "exited"
-        print(f"  {name:<18} pid {pid:<8} {state:<8} restarts {restarts.get(name, 0)}")
+        where = f"  metrics http://127.0.0.1:{metrics[name]}/metrics" if name in metrics else ""
+        print(f"  {name:<18} pid {pid:<8} {state:<8} restarts {restarts.get(name, 0)}{where}")
     return 0
 
 
@@ -157,6 +159,24 @@ def cmd_credentials(args: argparse.Namespace) -> int:
         print(yaml.safe_dump_all(k8s_secrets(creds, args.k8s_namespace), sort_keys=False), end="")
     else:
         print(f"credentials in {creds.root} (one directory per identity; nats/ and redis/ configs)")
+    return 0
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    """Validates a run config, reads its dataset and loads its reward, starting nothing."""
+    from services.common.runconfig import RunConfig
+    from tools.runner import check_task
+
+    path, cfg = _load(args.file)  # a bad field exits with its message
+    assert isinstance(cfg, RunConfig)
+    check_task(cfg)
+    from services.scheduler.feed import task_list
+
+    print(
+        f"{path}: ok — {len(task_list(cfg.task))} prompts × {cfg.task.group_size} samples, "
+        f"{cfg.training.steps} steps of {cfg.training.groups_per_step} groups, "
+        f"{cfg.rollout.engines} {cfg.rollout.backend} engine(s), model {cfg.model.source}"
+    )
     return 0
 
 
@@ -233,6 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     creds.add_argument("--owner", type=int, help="hand the services' files to this uid (run as root)")
     creds.add_argument("--k8s-namespace", help="print the credentials as Secrets of this namespace")
     creds.set_defaults(fn=cmd_credentials)
+    config = sub.add_parser("config", help="`libra config check FILE`: validate a run config")
+    config_sub = config.add_subparsers(dest="config_cmd", required=True)
+    check = config_sub.add_parser(
+        "check", help="validate FILE, read its dataset and load its reward, starting nothing"
+    )
+    check.add_argument("file")
+    check.set_defaults(fn=cmd_config_check)
     sub.add_parser("sim", help="discrete-event simulator (see `libra sim --help`)")
     sub.add_parser("sandbox", help="run one tool call in the sandbox (see `libra sandbox --help`)")
     sub.add_parser(

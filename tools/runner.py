@@ -30,7 +30,7 @@ from services.common.contracts import ev, ws, ws_grpc
 from services.common.grpc_auth import bearer_metadata
 from services.common.membership import SERVING_ROLES
 from services.common.ownership import committed_key, plans_key, role_changes_key, trained_key
-from services.common.runconfig import RunConfig
+from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
 from services.scheduler.ledger import Accounting, read_accounting
 from tools.learning_plot import write_reward_plot
 from tools.sim.stats import t95
@@ -168,6 +168,50 @@ def learning_report(trained: list[ev.TrainMetrics]) -> dict[str, Any]:
             "lr": [m.lr for m in trained],
         },
     }
+
+
+def job_config_yaml(config_path: Path, cfg: RunConfig) -> str:
+    """The config text a job is submitted with: the file as written, but with a dataset path and
+    plugin paths made absolute from where `libra run` was started, since services start elsewhere."""
+    import yaml
+
+    text = config_path.read_text()
+    dataset_rel = isinstance(cfg.task.dataset, DatasetFile) and not Path(cfg.task.dataset.path).is_absolute()
+    plugins_rel = any(not Path(p).is_absolute() for p in cfg.task.plugin_paths)
+    if not (dataset_rel or plugins_rel):
+        return text
+    raw = yaml.safe_load(text)
+    task = raw["task"]
+    if dataset_rel:
+        task["dataset"]["path"] = str(Path(task["dataset"]["path"]).resolve())
+    task["plugin_paths"] = [str(Path(p).resolve()) for p in cfg.task.plugin_paths]
+    return str(yaml.safe_dump(raw, sort_keys=False))
+
+
+def check_task(cfg: RunConfig) -> None:
+    """Reads the dataset and loads the reward as the scheduler will, so that a bad file, a missing
+    key or a reward that cannot be imported stops the run before anything starts."""
+    from services.scheduler.datasets import DatasetError
+    from services.scheduler.feed import task_list
+    from services.scheduler.rewards import RewardLoadError, check_reward
+
+    try:
+        task_list(cfg.task)
+        asyncio.run(check_reward(cfg.task))
+    except (DatasetError, RewardLoadError) as e:
+        print(f"invalid configuration: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def reward_definition(task: TaskConfig) -> str:
+    """What `reward_*` measures in this run, for the report."""
+    if task.dataset == "synthetic":
+        return "synthetic: 1 when the trajectory's last tool call worked (or it needed none)"
+    if isinstance(task.dataset, DatasetFile) or task.reward:
+        name = task.dataset.path if isinstance(task.dataset, DatasetFile) else task.dataset
+        return f"{name}: task.reward {task.reward or 'numeric'}"
+    shaping = f" + {task.tool_bonus:g} when a tool call succeeded" if task.tool_bonus else " (task success)"
+    return f"{task.dataset}: 1 for the right number, 0 otherwise{shaping}"
 
 
 class JobDriver:
@@ -316,7 +360,7 @@ class JobDriver:
     async def _submit(self) -> None:
         self.spec = spec = ev.JobSpec(
             run_id=self.run_id,
-            config_yaml=self.config_path.read_text(),
+            config_yaml=job_config_yaml(self.config_path, self.cfg),
             config_name=str(self.config_path),
             targets=sorted(self.targets),
         )
@@ -605,6 +649,7 @@ class JobDriver:
             and all(  # drained engines get no more weights
                 e.get("weight_version") == p.committed_version for e in engines if e["serving"]
             ),
+            "reward": reward_definition(self.cfg.task),
             **learning_report(trained),
             "loss_per_step": [round(m.loss, 5) for m in trained],
             "step_s": [round(m.step_s, 2) for m in trained],
@@ -626,6 +671,7 @@ class JobDriver:
             ],
             "tool_calls": dict(stats.tool_calls_by_status),
             "trajectories_failed": stats.trajectories_failed,
+            "trajectories_failed_by_code": dict(stats.failures_by_code),
             "groups_replaced": stats.groups_replaced,
             "group_outcomes": dict(stats.group_outcomes),
             "buckets": buckets,
@@ -694,6 +740,7 @@ def run_job(
     from services.common.models import resolve_model_dir
 
     run_id = run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_task(cfg)
     print(f"preparing model '{cfg.model.source}' (converted once, then cached)…", file=sys.stderr)
     resolve_model_dir(cfg.model)
     owned = False

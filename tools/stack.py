@@ -16,7 +16,7 @@ from pathlib import Path
 
 from services.common.credentials import SERVICES, NatsAuth, StackCredentials
 from services.common.credentials import generate as generate_credentials
-from services.common.localstack import Server, die_with_parent, start_nats, start_redis
+from services.common.localstack import Server, die_with_parent, free_port, start_nats, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE_DIR = ROOT / ".libra"
@@ -77,6 +77,8 @@ class Stack:
     restarts: dict[str, int] = field(default_factory=dict)
     gave_up: dict[str, int | None] = field(default_factory=dict)
     """Services that died once too often (or with restarts off), with their last exit code."""
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    """Each service's Prometheus port on loopback (kept across its restarts)."""
     _modules: dict[str, str] = field(default_factory=dict)
     _due: dict[str, float] = field(default_factory=dict)
 
@@ -85,6 +87,7 @@ class Stack:
         """The stack `libra up` described in its stack file: used, never stopped, by this process."""
         services = state.get("services")
         restarts, gave_up = state.get("restarts"), state.get("gave_up")
+        metrics = state.get("metrics_ports")
         return cls(
             name=str(state["name"]),
             log_dir=Path(str(state["logs"])),
@@ -94,6 +97,7 @@ class Stack:
             pids={str(k): int(v) for k, v in services.items()} if isinstance(services, dict) else {},
             restarts={str(k): int(v) for k, v in restarts.items()} if isinstance(restarts, dict) else {},
             gave_up=dict(gave_up) if isinstance(gave_up, dict) else {},
+            metrics_ports={str(k): int(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {},
         )
 
     def refresh(self) -> None:
@@ -149,12 +153,15 @@ class Stack:
             env["LIBRA_SECRETS_DIR"] = str(self.credentials.identity_dir(identity_of(worker_id)))
         env.pop("LIBRA_CONFIG", None)  # no pinned job: the services wait for jobs on the control plane
         env.pop("LIBRA_RUN_ID", None)
+        if worker_id in self.metrics_ports:
+            env["LIBRA_METRICS_PORT"] = str(self.metrics_ports[worker_id])
         env.update(self.extra_env)
         return env
 
     def start_services(self, n_engines: int, standby_trainers: int = 0) -> None:
         for worker_id, module in service_commands(n_engines, standby_trainers):
             self._modules[worker_id] = module
+            self.metrics_ports.setdefault(worker_id, free_port())
             self._spawn(worker_id)
 
     def _spawn(self, worker_id: str) -> None:
@@ -258,6 +265,7 @@ class Stack:
             "secrets": str(self.credentials.root) if self.credentials else None,
             "supervisor_pid": os.getpid(),
             "services": {n: p.pid for n, p in self.procs.items()},
+            "metrics_ports": dict(self.metrics_ports),
             "restarts": dict(self.restarts),
             "gave_up": dict(self.gave_up),
             "infra": infra,

@@ -34,6 +34,10 @@ class CommonSettings(BaseSettings):
     """json for services, console for a terminal."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Minimum log level."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve Prometheus metrics on this port (0: any free port, logged); unset: no metrics server."""
+    metrics_addr: str = "127.0.0.1"
+    """Address the metrics server binds (loopback by default; 0.0.0.0 for a scraper on another host)."""
     otlp_endpoint: str | None = None
     """OTLP gRPC endpoint (e.g. http://jaeger:4317); unset keeps spans in-process only."""
     worker_id: str | None = None

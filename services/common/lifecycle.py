@@ -37,6 +37,16 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
     )
     configure_tracing(service, run_id=run_id, worker_id=worker_id, otlp_endpoint=common.otlp_endpoint)
     log = get_logger()
+    if common.metrics_port is not None:
+        from services.common.metrics import serve_metrics
+
+        try:
+            port = serve_metrics(common.metrics_addr, common.metrics_port)
+            log.info("metrics_serving", url=f"http://{common.metrics_addr}:{port}/metrics")
+        except OSError as err:  # the service still runs; only its metrics are missing
+            log.error(
+                "metrics_not_served", addr=common.metrics_addr, port=common.metrics_port, error=str(err)
+            )
 
     async def jobs() -> int:
         stop = asyncio.Event()

@@ -12,7 +12,7 @@ from services.common.config import ConfigFileError, SettingsError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class ModelConfig(_Strict):
@@ -27,33 +27,77 @@ class ModelConfig(_Strict):
     """Where converted checkpoints are cached so later starts skip the GGUF conversion."""
 
 
+class DatasetFile(_Strict):
+    """A dataset of your own: one sample per JSONL line (or JSON list element, or Parquet row)."""
+
+    path: str
+    """JSONL (`.jsonl`/`.ndjson`), JSON (a list of objects) or Parquet (`.parquet`); a relative path
+    is resolved against the directory the service starts in (the repository root for `libra run`)."""
+    prompt_key: str = "prompt"
+    """The prompt: plain text (sent as the user message) or chat messages
+    (`[{role, content}, ...]`), rendered with the model's chat template."""
+    answer_key: str = "answer"
+    """The reference answer, given to the reward with the whole row (`sample`)."""
+    id_key: str | None = None
+    """A unique sample id (default: the row number)."""
+    system_prompt: str | None = None
+    """Prepended as a system message to plain-text prompts (chat prompts carry their own)."""
+
+
+_REWARD_REF = r"^([A-Za-z_][\w.]*:[A-Za-z_][\w.]*|exact_match|numeric)$"
+
+
 class TaskConfig(_Strict):
-    dataset: Literal["arithmetic", "synthetic"] = "arithmetic"
-    """`arithmetic`: built-in word problems solved with python/calculator tools. `synthetic`:
+    dataset: Literal["arithmetic", "expressions", "synthetic"] | DatasetFile = "arithmetic"
+    """`arithmetic`: built-in word problems solved with python/calculator tools. `expressions`:
+    arithmetic said in words ("What is 47 times 23 plus 15?"), the same tools, sized so that
+    SmolLM2-135M solves about 40 % at first (`make learn`). `synthetic`:
     trajectories drawn from a simulator workload (`workload`): turn lengths, tool kinds, latencies,
     outcomes and payload sizes as the simulator samples them, tools run by the sandbox's
     `synthetic` tool; for control-plane and fidelity runs (nothing is learned from it)."""
     workload: str | None = None
     """`synthetic` only: a workload name under services/common/workloads or a YAML path."""
     num_prompts: int = Field(64, ge=1, le=1_000_000)
-    """Prompts generated for the run; the feed cycles through them."""
+    """Prompts generated for the run; the feed cycles through them. For a dataset file: the first
+    `num_prompts` rows when set, else every row."""
+    reward: str | None = Field(None, pattern=_REWARD_REF)
+    """`module:function` (your own, see docs/tasks.md), or a built-in: `exact_match` (the
+    `<answer>` tag, or the whole final text, equals the reference) or `numeric` (the `<answer>` tag,
+    or the last number, equals the reference as a number). Default: the built-in tasks' own score;
+    `numeric` for a dataset file."""
+    plugin_paths: list[str] = Field(default_factory=list)
+    """Directories put in front of the import path of `reward` (relative: to the start directory)."""
+    reward_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    """A reward function that has not returned by then fails its trajectory (`reward_timeout`)."""
+    reward_workers: int = Field(2, ge=1, le=64)
+    """Processes that run `module:function` rewards, off the scheduler's event loop."""
     seed: int = 0
+    """Seed of the built-in tasks' generator."""
     group_size: int = Field(4, ge=2)
     """GRPO group: samples per prompt."""
     max_turns: int = Field(3, ge=1, le=32)
+    """Model turns of one trajectory (each but the last may call a tool)."""
     max_new_tokens: int = Field(48, ge=1, le=65536)
     """Generation budget of one turn (engines refuse more than their
     LIBRA_ROLLOUT_ENGINE_MAX_NEW_TOKENS_CAP, 4096 unless raised)."""
     max_context_tokens: int = Field(640, ge=32)
     """A trajectory whose context would exceed this ends with finish=length."""
     temperature: float = Field(1.0, gt=0.0, le=2.0)
+    """Sampling temperature; every token carries the one that sampled it to the trainer."""
     tool_timeout_s: float = Field(5.0, gt=0.0, le=300.0)
+    """Wall-clock limit of one tool call in the sandbox (a timeout is the observation)."""
+    tool_bonus: float = Field(0.1, ge=0.0, le=1.0)
+    """Shaping added to the built-in tasks' reward (1 for the right number) when a tool call
+    succeeded; 0 makes the reward exactly task success."""
 
 
 class BucketConfig(_Strict):
     name: str = Field(pattern=r"^[a-z0-9_-]{1,32}$")
+    """Bucket name (plans, reports and metrics use it)."""
     tensor_parallel: int = Field(1, ge=1)
+    """TP degree of the bucket's engines (`vllm` and `emulated`; `hf` engines are TP1)."""
     max_context_tokens: int = Field(4096, ge=1)
+    """Longest context the bucket's engines take."""
     max_output_tokens: int | None = Field(None, ge=1)
     """C-MLFQ: trajectories predicted to generate at most this many output tokens in all belong
     here; unset takes everything (only the last bucket may leave it unset)."""
@@ -84,6 +128,8 @@ class RolloutConfig(_Strict):
     engines: int = Field(2, ge=1, le=64)
     """Rollout-engine processes `libra up` starts."""
     backend: Literal["hf", "vllm", "emulated"] = "hf"
+    """`hf`: transformers on CPU/GPU with continuous batching; `vllm`: vLLM's AsyncLLM on GPU
+    nodes (the `gpu` extra); `emulated`: timings from the cost model, for control-plane tests."""
     buckets: list[BucketConfig] = Field(default_factory=lambda: [BucketConfig(name="short")])
     """Rollout buckets, shortest first: C-MLFQ starts every trajectory in the first and moves it
     by its tool returns."""
@@ -95,6 +141,8 @@ class RolloutConfig(_Strict):
     emulated: EmulatedConfig = Field(default_factory=EmulatedConfig)
     """`emulated` backend only: what its engines pretend to be; each takes the TP of its bucket."""
     torch_threads: int = Field(1, ge=1, le=256)
+
+    """CPU threads of each `hf` engine's torch."""
 
 
 class TrainingConfig(_Strict):
@@ -110,9 +158,11 @@ class TrainingConfig(_Strict):
     lr_warmup_steps: int = Field(0, ge=0)
     """Steps of linear warm-up from lr / (warmup + 1) to lr."""
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Floor of the decay, as a fraction of `lr`."""
     weight_decay: float = Field(0.01, ge=0.0, le=1.0)
     """AdamW's decoupled weight decay (torch's default)."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's betas."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradients are clipped to this global L2 norm before the optimizer steps."""
     clip_eps: float = Field(0.2, gt=0.0, le=1.0)
@@ -145,8 +195,11 @@ class TrainingConfig(_Strict):
     max_staleness: int = Field(1, ge=0)
     """Policy versions a trajectory may lag the trainer and still be trained on."""
     micro_batch: int = Field(4, ge=1)
+    """Sequences per forward/backward (gradients accumulate over a step's micro-batches)."""
     torch_threads: int = Field(2, ge=1, le=256)
+    """CPU threads of the trainer's torch."""
     checkpoint_dir: str = "runs/{run_id}/checkpoints"
+    """Where committed steps are saved (`{run_id}` is replaced); a restarted trainer resumes from it."""
     push_chunk_bytes: int = Field(2 << 20, ge=1024, le=32 << 20)
     """Largest record of a weight push: an engine holds at most about one beyond its weights."""
     push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -164,7 +217,9 @@ class TrainingConfig(_Strict):
     `rollout.emulated`'s GPU and model (times its time_scale) and changes no weight; the model is
     still loaded, checkpointed and pushed, so versions, fencing and weight sync run for real."""
     emulated_gpus: int = Field(8, ge=1, le=100_000)
+    """`emulated` backend: GPUs the emulated step trains on."""
     emulated_tp: int = Field(1, ge=1, le=64)
+    """`emulated` backend: TP degree of the emulated training."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainingConfig:
@@ -204,6 +259,7 @@ class HybridPoolConfig(_Strict):
     release_above: float = Field(0.9, ge=0.0, le=10.0)
     """...and release when the demand stays above this for hold_s (or the trainer runs out of work)."""
     hold_s: float = Field(5.0, ge=0.0)
+    """How long a demand must hold before the pool acts on it."""
     min_active_s: float = Field(30.0, ge=0.0)
     """A worker stays at least this long in training once it joined."""
 
@@ -225,16 +281,24 @@ class PlannerConfig(_Strict):
     """GPU and model presets the planner predicts with; default `rollout.emulated`'s (for real
     engines, name your hardware and model here)."""
     hybrid: HybridPoolConfig = Field(default_factory=HybridPoolConfig)
+    """The elastic hybrid pool: engines the planner may lend to training and take back."""
 
 
 class RunConfig(_Strict):
     name: str = "default"
+    """Prefix of the run id (`NAME-YYYYmmdd-HHMMSS`) unless `libra run --run-id` names it."""
     model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
     task: TaskConfig = Field(default_factory=TaskConfig)
+    """What is trained on and how it is scored (docs/tasks.md)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout engines, buckets and routing (docs/scheduling.md)."""
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    """GRPO, optimizer, checkpoints and weight pushes (docs/training.md, docs/weight_sync.md)."""
     job: JobConfig = Field(default_factory=JobConfig)
+    """How the job is watched."""
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
+    """The live planner and the hybrid pool (docs/planner.md)."""
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
@@ -248,6 +312,8 @@ class RunConfig(_Strict):
             Workload.load(self.task.workload)  # a missing or malformed workload is an error now
         elif self.task.workload:
             raise ValueError("task.workload is only for task.dataset 'synthetic'")
+        if self.task.dataset == "synthetic" and self.task.reward:
+            raise ValueError("task.reward does not apply to task.dataset 'synthetic' (it has no answers)")
         if self.rollout.engines < len(self.rollout.buckets):
             raise ValueError("rollout.engines must be at least the number of buckets")
         pool = self.planner.hybrid

@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import time
+from collections import Counter
 from typing import Any
 
 from services.common import subjects
@@ -23,11 +24,12 @@ from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
 from services.common.errors import require
 from services.common.logging import get_logger
-from services.common.membership import TRAINER_ROLE, lease_resource
+from services.common.membership import HYBRID_ROLE, TRAINER_ROLE, lease_resource
+from services.common.metrics import planner_metrics
 from services.common.ownership import Lease, OwnershipStore, role_changes_key
 from services.common.runconfig import RunConfig, load_run_config
 from services.common.tracing import tracer
-from services.planner.assign import Slot, StaticAssigner
+from services.planner.assign import ROLE_BY_KIND, Slot, StaticAssigner
 from services.planner.config import PlannerSettings
 from services.planner.elastic import LivePool
 from services.planner.refit import LiveReplanner
@@ -358,6 +360,12 @@ class PlannerService:
             self.lease = None
             return False
         self.version = plan.plan_version
+        m = planner_metrics()
+        m.plans.inc()
+        m.plan_version.set(plan.plan_version)
+        roles = Counter(a.role for a in plan.assignments)
+        for role in {*ROLE_BY_KIND.values(), HYBRID_ROLE, "standby"}:
+            m.workers.labels(role).set(roles.get(role, 0))
         await self.bus.publish_durable(
             subjects.PLAN, plan, msg_id=f"plan-{plan.planner_epoch}-{plan.plan_version}"
         )

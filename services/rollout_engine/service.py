@@ -24,6 +24,7 @@ from services.common.contracts import MAX_TEMPERATURE, ev
 from services.common.errors import LibraError, Unavailable, require
 from services.common.logging import get_logger
 from services.common.membership import HYBRID_ROLE, SERVING_ROLES, Membership, lease_resource
+from services.common.metrics import engine_metrics
 from services.common.ownership import Lease, OwnershipStore
 from services.common.runconfig import RunConfig, load_run_config
 from services.common.tracing import tracer
@@ -85,6 +86,7 @@ class RolloutEngineService:
         self.run = run
         self.worker_id = common.worker_id
         self.log = get_logger(component="service")
+        self.prom = engine_metrics()
         self.backend = create_backend(run, settings)
         self.engine = engine_for(self.backend, run.rollout.max_batch)
         self.held = 0
@@ -317,6 +319,8 @@ class RolloutEngineService:
                 text=self.backend.decode(out.token_ids),
             )
             await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
+            self.prom.turns.labels(out.finish_reason or "unknown").inc()
+            self.prom.tokens.inc(len(out.token_ids))
             log.debug("turn_done", tokens=len(out.token_ids), policy_version=done.policy_version)
 
     async def _publish_error(
@@ -336,7 +340,7 @@ class RolloutEngineService:
             await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
 
     def load_report(self, tokens_per_s: float) -> ev.EngineLoad:
-        return ev.EngineLoad(
+        load = ev.EngineLoad(
             engine_id=self.worker_id,
             bucket=self.bucket,
             running=self.engine.running,
@@ -350,6 +354,13 @@ class RolloutEngineService:
             free_kv_tokens=self.backend.free_kv_tokens(),
             backend=self.backend.name,
         )
+        m = self.prom
+        m.running.set(load.running)
+        m.waiting.set(load.waiting)
+        m.tokens_per_s.set(tokens_per_s)
+        m.weight_version.set(load.weight_version)
+        m.free_kv_tokens.set(load.free_kv_tokens)
+        return load
 
     async def _load_loop(self) -> None:
         last_t, last_tokens = time.monotonic(), self.engine.tokens_generated

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.runconfig import RunConfig
-from services.scheduler.task import Task, arithmetic_tasks
+from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
+from services.scheduler.task import Task, builtin_tasks
 
 
 @dataclass
@@ -99,15 +99,22 @@ class TaskFeed:
         return self.launched >= self.total_groups
 
 
-def build_feed(cfg: RunConfig) -> TaskFeed:
-    """The feed of a run config's task: what the scheduler releases, group by group."""
+def task_list(task: TaskConfig) -> list[Task]:
+    """Every task of the run, in feed order: generated, or read (and checked) from the dataset file."""
+    from services.scheduler.datasets import file_tasks
     from services.scheduler.synthetic_task import synthetic_tasks
 
-    synthetic = cfg.task.dataset == "synthetic"
+    if isinstance(task.dataset, DatasetFile):
+        return file_tasks(task.dataset, task.num_prompts if "num_prompts" in task.model_fields_set else None)
+    if task.dataset == "synthetic":
+        return synthetic_tasks(task.num_prompts)
+    return builtin_tasks(task.dataset, task.num_prompts, task.seed)
+
+
+def build_feed(cfg: RunConfig) -> TaskFeed:
+    """The feed of a run config's task: what the scheduler releases, group by group."""
     return TaskFeed(
-        synthetic_tasks(cfg.task.num_prompts)
-        if synthetic
-        else arithmetic_tasks(cfg.task.num_prompts, cfg.task.seed),
+        task_list(cfg.task),
         groups_per_step=cfg.training.groups_per_step,
         max_staleness=cfg.training.max_staleness,
         total_steps=cfg.training.steps,

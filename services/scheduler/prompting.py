@@ -9,21 +9,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.scheduler.task import EXAMPLE, SYSTEM_PROMPT, Task
+from services.scheduler.task import SYSTEM_PROMPT, Task, examples
 
 
 class Prompter:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, dataset: object = "arithmetic"):
         self.tok = tokenizer
+        self.examples = examples(dataset) if isinstance(dataset, str) else []
         self.chatml = "<|im_start|>" in tokenizer.get_vocab()
         self.eos_id = tokenizer.eos_token_id
 
     def prompt_ids(self, task: Task) -> list[int]:
-        messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            *EXAMPLE,
-            {"role": "user", "content": task.question},
-        ]
+        messages = (
+            list(task.messages)
+            if task.messages is not None
+            else [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                *self.examples,
+                {"role": "user", "content": task.question},
+            ]
+        )
         out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return [int(t) for t in ids]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 import uuid
@@ -22,6 +23,7 @@ from services.common.contracts import ev
 from services.common.errors import require
 from services.common.logging import get_logger
 from services.common.membership import SERVING_ROLES, Membership
+from services.common.metrics import scheduler_metrics
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
@@ -32,6 +34,7 @@ from services.scheduler.feed import GroupTicket, build_feed
 from services.scheduler.ledger import Ledger
 from services.scheduler.prefix_tree import ToolSignal, map_sandbox_status, size_class
 from services.scheduler.prompting import Prompter
+from services.scheduler.rewards import RewardFailure, Scorer, reward_ref
 from services.scheduler.synthetic_task import SyntheticTask
 from services.scheduler.trajectory import (
     Action,
@@ -45,6 +48,8 @@ from services.scheduler.trajectory import (
 from services.scheduler.workload import WorkloadWindow
 
 T = TypeVar("T")
+KNOWN_TOOL_STATUSES = ("ok", "error", "timeout", "killed", "rejected")
+"""Tool statuses with their own metric label (anything else a sandbox sends counts as `other`)."""
 
 
 @dataclass
@@ -73,6 +78,10 @@ class Live:
     queue_span: trace.Span | None = None
     times: ev.LatencyBreakdown = field(default_factory=ev.LatencyBreakdown)
     """Where its time went so far (CompletedTrajectory.breakdown)."""
+    tool_log: list[dict[str, Any]] = field(default_factory=list)
+    """Its tool calls (tool, args, status, observation), for a `task.reward` function."""
+    scoring: bool = False
+    """Finished, waiting for its `task.reward` score."""
 
 
 class SchedulerService:
@@ -108,6 +117,12 @@ class SchedulerService:
         self.turns = 0
         self.rewards: list[float] = []
         self.tool_statuses: Counter[str] = Counter()
+        self.failure_codes: Counter[str] = Counter()
+        self.metrics = scheduler_metrics()
+        for status in (*KNOWN_TOOL_STATUSES, "other"):  # every series exists from the start, at 0
+            self.metrics.tool_calls.labels(status)
+        ref = reward_ref(cfg.task)
+        self.scorer = Scorer(cfg.task, ref) if ref else None
         self.started = time.monotonic()
         self.workload = WorkloadWindow(settings.stats_window_s)
         self._stats_published = 0.0
@@ -130,6 +145,8 @@ class SchedulerService:
         await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_engine_load)
         await self.bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self._on_weights)
         await self.bus.subscribe(subjects.SCHEDULER_STATS, ev.StatsRequest, self._on_stats)
+        if self.scorer is not None:
+            await self.scorer.start()  # a reward that cannot be imported stops the scheduler now
         await self._resume()
         await self._load_policy()
         await self.membership.start()
@@ -205,6 +222,7 @@ class SchedulerService:
             groups_replaced=self.feed.replaced,
             group_outcomes=dict(self.feed.outcomes),
             trajectories_failed=self.failed,
+            failures_by_code=dict(self.failure_codes),
             migrations=self.dispatch.migrations,
             decisions=self.dispatch.decisions,
             decision_p50_us=self._decision_quantile(0.5),
@@ -225,7 +243,13 @@ class SchedulerService:
             ],
         )
 
+    async def close(self) -> None:
+        if self.scorer is not None:
+            await self.scorer.close()
+
     def _state_of(self, live: Live) -> str:
+        if live.scoring:
+            return "scoring"
         if live.call_id and live.call_id in self.by_call:
             return "tool"
         if live.request_id and live.request_id in self.by_request:
@@ -267,9 +291,19 @@ class SchedulerService:
         await self._watchdog()
         if time.monotonic() - self._stats_published > self.settings.stats_interval_s:
             await self._publish_workload()
+        self._update_gauges()
         if time.monotonic() - self._policy_saved > self.settings.policy_save_s:
             self._policy_saved = time.monotonic()
             await self._durably(self.ledger.save_policy(self.dispatch.router.to_dict()))
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.in_flight.set(len(self.live))
+        m.trained_version.set(self.trained_version)
+        queued, running = self.dispatch.queued_by_bucket(), self.dispatch.running_by_bucket()
+        for b in self.cfg.rollout.buckets:
+            m.queued.labels(b.name).set(queued.get(b.name, 0))
+            m.running.labels(b.name).set(running.get(b.name, 0))
 
     async def _abort_hopeless(self) -> None:
         """Ends the in-flight trajectories of groups the trainer can no longer take: a member's
@@ -403,6 +437,8 @@ class SchedulerService:
                 started_at=time.monotonic(),
                 script=script,
                 launch_version=self.trained_version,
+                tool_bonus=self.cfg.task.tool_bonus,
+                scored_outside=self.scorer is not None,
             )
             span = tracer().start_span(
                 "trajectory",
@@ -424,7 +460,37 @@ class SchedulerService:
         elif isinstance(action, CallTool):
             await self._send_tool(live, action)
         elif isinstance(action, Finish):
-            await self._finish(live, action)
+            if self.scorer is not None and live.failure is None and action.reason != "error":
+                live.scoring, live.deadline = True, math.inf  # the reward's own timeout bounds it
+                self.bus.spawn(self._score(live, action))
+            else:
+                await self._finish(live, action)
+
+    async def _score(self, live: Live, fin: Finish) -> None:
+        """Scores a finished trajectory with `task.reward` off the event loop; a reward that fails
+        fails the trajectory (typed), so it is never trained on as a negative sample."""
+        assert self.scorer is not None
+        traj = live.traj
+        with tracer().start_as_current_span("reward", context=trace.set_span_in_context(live.span)) as span:
+            result = await self.scorer.score(
+                response=traj.texts[-1] if traj.texts else "",
+                answer=traj.task.answer,
+                sample=traj.task.row(),
+                trajectory={
+                    "turns": list(traj.texts),
+                    "tool_calls": live.tool_log,
+                    "finish": fin.reason,
+                    "prompt_id": traj.task.prompt_id,
+                },
+            )
+            if isinstance(result, RewardFailure):
+                span.set_attribute("libra.reward_failure", result.code)
+        if self.live.get(traj.trajectory_id) is not live:
+            return  # aborted meanwhile (its group could no longer be trained)
+        if isinstance(result, RewardFailure):
+            await self._fail(live, result.code, result.message)
+        else:
+            await self._finish(live, Finish(fin.reason, result))
 
     async def _send_turn(self, live: Live, action: Generate) -> None:
         """Places the turn: on an engine with a free slot the policy picks, else in its bucket's
@@ -564,6 +630,7 @@ class SchedulerService:
             await self._retry_or_fail(live)
             return
         self.turns += 1
+        self.metrics.turns.inc()
         self.workload.turn(time.monotonic(), len(res.token_ids), res.context_tokens)
         eos = (
             res.finish_reason == "stop" and bool(res.token_ids) and res.token_ids[-1] == self.prompter.eos_id
@@ -584,6 +651,7 @@ class SchedulerService:
     async def _fail(self, live: Live, code: str, message: str) -> None:
         """Ends a trajectory the infrastructure could not carry; its group will not be trained."""
         live.failure = ev.ErrorInfo(code=code, message=message[:500])
+        self.failure_codes[code] += 1
         log = self.log.info if code == "stale" else self.log.warning  # stale: routine, not a fault
         log("trajectory_failed", trajectory_id=live.traj.trajectory_id, code=code, reason=message)
         await self._finish(live, live.traj.fail())
@@ -624,6 +692,7 @@ class SchedulerService:
 
     async def _tool_returned(self, live: Live, status: str, payload: str, signal: ToolSignal) -> None:
         self.tool_statuses[status] += 1
+        self.metrics.tool_calls.labels(status if status in KNOWN_TOOL_STATUSES else "other").inc()
         now = time.monotonic()
         live.times.tool_s += max(0.0, now - live.sent_at)
         self.workload.tool_return(now, status, max(0.0, now - live.sent_at))
@@ -634,7 +703,17 @@ class SchedulerService:
         if self.synthetic is not None:
             obs = self.synthetic.observation_ids(signal.size)
         else:
-            obs = self.prompter.observation_ids(observation(status, payload), traj.ended_with_eos)
+            text = observation(status, payload)
+            obs = self.prompter.observation_ids(text, traj.ended_with_eos)
+            request = live.pending_tool.request if live.pending_tool else None
+            live.tool_log.append(
+                {
+                    "tool": signal.tool,
+                    "args": json.loads(request.args_json) if request else {},
+                    "status": status,
+                    "observation": text,
+                }
+            )
         decision = self._decide(
             self.dispatch.tool_return,
             traj.trajectory_id,
@@ -736,6 +815,12 @@ class SchedulerService:
             )
         self.completed += 1
         self.failed += live.failure is not None
+        self.metrics.trajectories.inc()
+        if live.failure is not None:
+            self.metrics.failed.labels(live.failure.code).inc()
+        else:
+            self.metrics.reward.observe(fin.reward)
+            self.metrics.latency.observe(latency)
         self.rewards.append(fin.reward)
         self.log.info(
             "trajectory_completed",
@@ -755,7 +840,7 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
     settings = load_settings(SchedulerSettings)
     cfg = load_run_config(common.config)
     assert common.worker_id is not None
-    prompter = Prompter(load_tokenizer(cfg.model))
+    prompter = Prompter(load_tokenizer(cfg.model), cfg.task.dataset)
     bus = await Bus.connect(
         common.nats_url, common.run_id, "scheduler", common.worker_id, common.nats_auth(), common.nats_tls()
     )
@@ -763,6 +848,7 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
     store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret(), common.tls())
     stack.push_async_callback(store.close)
     svc = SchedulerService(common, settings, cfg, bus, store, prompter)
+    stack.push_async_callback(svc.close)
     await svc.start()
     get_logger().info("scheduler_ready", prompts=cfg.task.num_prompts, group_size=cfg.task.group_size)
     await stop.wait()

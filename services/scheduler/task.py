@@ -1,11 +1,13 @@
-"""The built-in task: arithmetic word problems, solved with a calculator or Python tool, scored by
-exact answer. Pure and seeded, so the feed is reproducible and resumable."""
+"""The built-in tasks, solved with a calculator or Python tool and scored by exact answer:
+`arithmetic` (word problems) and `expressions` (arithmetic said in words, "What is 47 times 23 plus
+15?"). Pure and seeded, so the feed is reproducible and resumable."""
 
 from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 SYSTEM_PROMPT = (
     "You are a math assistant that never does arithmetic in its head. First write the whole "
@@ -52,11 +54,72 @@ _FORMULAS = {
 _NAMES = ["Tom", "Ana", "Li", "Sam", "Maya", "Omar", "Zoe", "Ivan"]
 
 
+# `expressions`: the same tool protocol on problems sized to a 135M model. Measured here with
+# SmolLM2-135M-Instruct at T=0.7 (64 samples of each, 2026-11-24): the word problems are solved in
+# 4 of 128 samples (the model writes a wrong expression), these in 28 of 64, with 13 of 16 groups of 4
+# mixed — what GRPO needs to learn from. Two-digit products are out of reach without the tool.
+EXPRESSION_EXAMPLE = [
+    {"role": "user", "content": "What is 12 times 7 plus 5?"},
+    {"role": "assistant", "content": "<calc>12*7+5</calc>"},
+    {"role": "user", "content": "Result: 89"},
+    {"role": "assistant", "content": "<answer>89</answer>"},
+    {"role": "user", "content": "What is 15 times 6 minus 4?"},
+    {"role": "assistant", "content": "<calc>15*6-4</calc>"},
+    {"role": "user", "content": "Result: 86"},
+    {"role": "assistant", "content": "<answer>86</answer>"},
+]
+
+_EXPRESSION_TEMPLATES = [
+    ("What is {a} times {b} plus {c}?", lambda a, b, c: a * b + c),
+    ("What is {a} times {b} minus {c}?", lambda a, b, c: a * b - c),
+    ("What is {c} plus {a} times {b}?", lambda a, b, c: c + a * b),
+    ("Multiply {a} by {b} and add {c}.", lambda a, b, c: a * b + c),
+    ("Multiply {a} by {b} and subtract {c}.", lambda a, b, c: a * b - c),
+]
+
+
 @dataclass(frozen=True)
 class Task:
     prompt_id: str
     question: str
-    answer: int
+    answer: Any
+    """The reference answer: an int for the built-in tasks, whatever the row holds for a file."""
+    messages: tuple[dict[str, str], ...] | None = field(default=None, compare=False)
+    """A dataset file's prompt as chat messages (the built-in tasks render `question` themselves)."""
+    sample: dict[str, Any] | None = field(default=None, compare=False)
+    """A dataset file's whole row, for the reward."""
+
+    def row(self) -> dict[str, Any]:
+        """What a reward function gets as `sample`."""
+        return (
+            dict(self.sample)
+            if self.sample is not None
+            else {"question": self.question, "answer": self.answer}
+        )
+
+
+def examples(dataset: str) -> list[dict[str, str]]:
+    """The worked examples shown before a built-in dataset's question."""
+    return EXPRESSION_EXAMPLE if dataset == "expressions" else EXAMPLE
+
+
+def builtin_tasks(dataset: str, n: int, seed: int) -> list[Task]:
+    if dataset == "expressions":
+        return expression_tasks(n, seed)
+    if dataset == "arithmetic":
+        return arithmetic_tasks(n, seed)
+    raise ValueError(f"no built-in dataset {dataset!r}")
+
+
+def expression_tasks(n: int, seed: int) -> list[Task]:
+    rng = random.Random(seed)
+    tasks: list[Task] = []
+    for i in range(n):
+        template, formula = _EXPRESSION_TEMPLATES[rng.randrange(len(_EXPRESSION_TEMPLATES))]
+        a, b, c = rng.randint(11, 99), rng.randint(11, 99), rng.randint(2, 99)
+        question = template.format(a=a, b=b, c=c)
+        tasks.append(Task(prompt_id=f"expr-{seed}-{i}", question=question, answer=formula(a, b, c)))
+    return tasks
 
 
 def arithmetic_tasks(n: int, seed: int) -> list[Task]:
@@ -91,8 +154,12 @@ def extract_answer(text: str) -> float | None:
         return None
 
 
-def score(final_text: str, answer: int, tool_ok: int) -> float:
-    """1 for the right number, plus 0.1 shaping when at least one tool call succeeded."""
+def solved(final_text: str, answer: int) -> bool:
+    """Task success: the final answer is the right number."""
     got = extract_answer(final_text)
-    correct = got is not None and abs(got - answer) < 1e-6
-    return (1.0 if correct else 0.0) + (0.1 if tool_ok > 0 else 0.0)
+    return got is not None and abs(got - answer) < 1e-6
+
+
+def score(final_text: str, answer: int, tool_ok: int, tool_bonus: float = 0.1) -> float:
+    """1 for the right number, plus `tool_bonus` (task.tool_bonus) when a tool call succeeded."""
+    return (1.0 if solved(final_text, answer) else 0.0) + (tool_bonus if tool_ok > 0 else 0.0)

@@ -114,6 +114,11 @@ class Trajectory:
     """The trainer's version when its group was launched: the staleness budget admitted the group
     for that version, so no older weights may generate any of it (an engine still loading them
     waits), else the group is stale a step early and its work is thrown away."""
+    tool_bonus: float = 0.1
+    """Reward shaping for a successful tool call (task.tool_bonus)."""
+    scored_outside: bool = False
+    """Its reward comes from `task.reward` (the scheduler's Scorer), not the built-in score: a
+    finished trajectory carries reward 0 until scored."""
 
     @property
     def min_policy_version(self) -> int:
@@ -212,12 +217,12 @@ class Trajectory:
     def _finish(self, reason: str) -> Finish:
         final_text = self.texts[-1] if self.texts else ""
         ok_tools = sum(1 for s in self.tool_statuses if s == "ok")
-        if reason == "error":
+        if reason == "error" or self.scored_outside:
             reward = 0.0
         elif self.script is not None:  # synthetic: 1 when the last tool worked (or none was needed)
             reward = float(not self.tool_statuses or self.tool_statuses[-1] == "ok")
         else:
-            reward = score(final_text, self.task.answer, ok_tools)
+            reward = score(final_text, self.task.answer, ok_tools, self.tool_bonus)
         self.finish = Finish(reason, reward)
         self.state = State.DONE
         return self.finish

@@ -65,6 +65,7 @@ class SandboxExecutor:
         self.settings = settings or SandboxSettings()
         self._tools: dict[str, Tool] = build_tools(self.settings)
         self._schemas = {name: tool.schema() for name, tool in self._tools.items()}
+        self.tool_names = frozenset(self._tools)
         self._slots = asyncio.Semaphore(self.settings.max_concurrency)
         self._waiting = 0
         self._in_flight = 0

@@ -15,10 +15,12 @@ from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.membership import Membership
+from services.common.metrics import sandbox_metrics
 from services.common.ownership import OwnershipStore
 from services.common.tracing import tracer
 from services.tool_sandbox.config import SandboxSettings
 from services.tool_sandbox.executor import SandboxExecutor, ToolOutcome
+from services.tool_sandbox.outcome import Status
 
 QUEUE_GROUP = "tool-sandbox"
 METRICS_PERIOD_S = 5.0
@@ -50,6 +52,11 @@ class ToolSandboxService:
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.TOOL_CALL, ev.ToolCall, self._on_call, queue=QUEUE_GROUP)
+        m = sandbox_metrics()
+        for tool in sorted(self.executor.tool_names):  # every series exists from the start, at 0
+            m.seconds.labels(tool)
+            for status in Status:
+                m.calls.labels(tool, status.value)
         self.bus.spawn(self._report_metrics())
 
     async def _on_call(self, call: ev.ToolCall, env: Envelope) -> None:
@@ -69,6 +76,9 @@ class ToolSandboxService:
             timeout = call.timeout_s if call.timeout_s > 0 else None
             out = await self.executor.execute(tool=call.tool, args=args, timeout_s=timeout)
             span.set_attribute("libra.tool_status", out.status)
+            tool = out.tool if out.tool in self.executor.tool_names else "unknown"  # bounded labels
+            sandbox_metrics().calls.labels(tool, out.status).inc()
+            sandbox_metrics().seconds.labels(tool).observe(out.wall_s)
             span.set_attribute("libra.size_class", out.size_class)
             self.log.info(
                 "tool_returned",

@@ -26,6 +26,7 @@ from services.common.contracts import ev
 from services.common.errors import DurableStateLost, InvalidMessage
 from services.common.logging import get_logger
 from services.common.membership import SERVING_ROLES, TRAINER_ROLE, Membership
+from services.common.metrics import trainer_metrics
 from services.common.ownership import OwnershipStore, trained_key
 from services.common.runconfig import RunConfig, load_run_config
 from services.common.tracing import extract_context, tracer
@@ -531,6 +532,8 @@ class TrainerService:
                 span.set_attribute("libra.push_bytes", cost.uploaded)
                 span.set_attribute("libra.delta_bytes", cost.delta_bytes)
                 span.set_attribute("libra.engines_in_sync", sum(r.in_sync for r in results.values()))
+        trainer_metrics().push_seconds.observe(seconds)
+        trainer_metrics().push_bytes.inc(cost.uploaded)
         self.log.info(
             "weights_pushed",
             policy_version=snap.version,
@@ -604,6 +607,13 @@ class TrainerService:
             sampled_trajectories=len(sampled),
         )
         await self.bus.publish(subjects.TRAIN_METRICS, self.last_metrics)
+        m = trainer_metrics()
+        m.steps.inc()
+        m.step_seconds.observe(stats.seconds)
+        m.weight_version.set(self.version)
+        m.trajectories.inc(len(sampled))
+        if sampled:
+            m.reward.set(statistics.fmean(sampled))
         if done:
             self._announce_done()
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -211,6 +213,53 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
     assert os.path.exists(stack.log_dir / "scheduler.log")
 
 
+def _metrics(stack: Stack, worker_id: str) -> tuple[str, dict[str, float]]:
+    """GET the service's /metrics as a scraper would: the text, and each unlabelled sample's value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{stack.metrics_ports[worker_id]}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    values = {
+        s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels
+    }
+    return text, values
+
+
+def test_every_service_serves_prometheus_metrics(stack: Stack) -> None:
+    """After the jobs above: what each service counted, in Prometheus text on its own port."""
+    text, scheduler = _metrics(stack, "scheduler")
+    assert (
+        scheduler["libra_scheduler_trajectories_total"] > 0 and scheduler["libra_scheduler_turns_total"] > 0
+    )
+    for name in (
+        "libra_scheduler_tool_calls_total",
+        "libra_scheduler_in_flight",
+        "libra_scheduler_reward_bucket",
+    ):
+        assert name in text
+    assert (
+        'libra_scheduler_queue_depth{bucket="short"}' in text
+        and "libra_scheduler_trajectory_seconds_count" in text
+    )
+    for i in range(2):
+        text, engine = _metrics(stack, f"rollout-engine-{i}")
+        assert (
+            engine["libra_engine_generated_tokens_total"] > 0 and engine["libra_engine_weight_version"] >= 1
+        )
+        for name in ("libra_engine_running", "libra_engine_waiting", "libra_engine_tokens_per_second"):
+            assert name in engine
+    _, trainer = _metrics(stack, "trainer")
+    assert trainer["libra_trainer_steps_total"] >= 2 and trainer["libra_trainer_step_seconds_count"] >= 2
+    assert trainer["libra_trainer_weight_version"] >= 2 and "libra_trainer_reward_mean" in trainer
+    text, _ = _metrics(stack, "tool-sandbox")
+    assert 'libra_sandbox_tool_calls_total{status="ok",tool="python"}' in text
+    assert 'libra_sandbox_tool_seconds_count{tool="calculator"}' in text
+    _, planner = _metrics(stack, "planner")
+    assert planner["libra_planner_plans_total"] >= 1 and planner["libra_planner_plan_version"] >= 1
+
+
 def test_trajectories_move_between_buckets_after_tool_returns_and_keep_their_versions(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -379,6 +428,75 @@ async def _until_completed(cli: Bus, timeout_s: float = 60) -> None:
             if stats.trajectories_completed:
                 return
         await asyncio.sleep(0.05)
+
+
+REWARD_PLUGIN = """
+import time
+
+def constant(response, sample, trajectory):
+    assert isinstance(response, str) and sample["answer"] and isinstance(trajectory["turns"], list)
+    return {"score": 0.25}
+
+def moody(response, sample, trajectory):
+    if sample["mode"] == "raise":
+        raise RuntimeError("this reward has a bug")
+    if sample["mode"] == "hang":
+        time.sleep(3600)
+    return 1.0
+"""
+
+
+def _own_task(tmp_path: Path, modes: list[str]) -> tuple[Path, Path]:
+    """A JSONL dataset (text and chat prompts) and a reward module, both outside services/."""
+    data = tmp_path / "data" / "mine.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {
+            "question": f"Say the number {i}." if i % 2 else [{"role": "user", "content": f"Count to {i}."}],
+            "answer": str(i),
+            "mode": mode,
+        }
+        for i, mode in enumerate(modes)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plugins = tmp_path / "plugins"
+    plugins.mkdir(exist_ok=True)
+    (plugins / "my_rewards.py").write_text(REWARD_PLUGIN)
+    return data, plugins
+
+
+def test_a_dataset_and_reward_of_your_own_train_with_exactly_that_reward(
+    stack: Stack, tmp_path: Path
+) -> None:
+    data, plugins = _own_task(tmp_path, ["ok"] * 6)
+    task = {
+        "dataset": {"path": str(data), "prompt_key": "question", "answer_key": "answer"},
+        "reward": "my_rewards:constant",
+        "plugin_paths": [str(plugins)],
+    }
+    config = _config(tmp_path, task=task, training={"filter_zero_advantage": False})
+    report = _run(stack, config, f"own-task-{RUN}", tmp_path)
+    assert report["status"] == "completed", report["reason"]
+    assert report["reward_mean_per_step"] == [0.25, 0.25]
+    assert report["trajectories_failed"] == 0 and report["trajectories_lost"] == 0
+    assert report["reward"] == f"{data}: task.reward my_rewards:constant"
+
+
+def test_rewards_that_raise_or_hang_fail_only_their_trajectories(stack: Stack, tmp_path: Path) -> None:
+    data, plugins = _own_task(tmp_path, ["ok", "raise", "ok", "hang", "ok", "ok"])
+    task = {
+        "dataset": {"path": str(data), "prompt_key": "question"},
+        "reward": "my_rewards:moody",
+        "plugin_paths": [str(plugins)],
+        "reward_timeout_s": 2.0,
+    }
+    config = _config(tmp_path, task=task, training={"filter_zero_advantage": False})
+    report = _run(stack, config, f"moody-{RUN}", tmp_path)
+    assert report["status"] == "completed", report["reason"]
+    failed = report["trajectories_failed_by_code"]
+    assert failed.get("reward_error", 0) >= 1 and failed.get("reward_timeout", 0) >= 1, failed
+    assert report["reward_mean_per_step"] == [1.0, 1.0]  # failed trajectories are never trained on
+    assert report["trajectories_lost"] == 0
 
 
 def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path) -> None:

@@ -67,3 +67,32 @@ def test_libra_run_missing_config_is_a_clear_error(tmp_path: Path) -> None:
     out = _run(["-m", "tools.cli", "run", str(tmp_path / "nope.yaml")], {})
     assert out.returncode == 2
     assert "not found" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("task", "expected"),
+    [
+        ("  dataset: {path: nope.jsonl}\n", "nope.jsonl: no such dataset file"),
+        ("  dataset: {path: DATA, answer_key: solution}\n", "DATA:2: no key 'solution'"),
+        ("  reward: 'no_such_module:score'\n", "ModuleNotFoundError: No module named 'no_such_module'"),
+    ],
+)
+def test_a_bad_dataset_or_reward_stops_libra_run_and_config_check(
+    task: str, expected: str, tmp_path: Path
+) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "a", "answer": 1, "solution": 1}\n{"prompt": "b", "answer": 2}\n')
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {source: tiny-random}\ntask:\n" + task.replace("DATA", str(data)))
+    expected = expected.replace("DATA", str(data))
+    for args in (["run", str(bad), "--run-id", "never"], ["config", "check", str(bad)]):
+        out = _run(["-m", "tools.cli", *args], {}, cwd=ROOT)
+        assert out.returncode == 2, out.stderr
+        assert expected in out.stderr and "Traceback" not in out.stderr
+    assert not (ROOT / "runs" / "never").exists()
+
+
+def test_config_check_accepts_the_shipped_custom_example() -> None:
+    out = _run(["-m", "tools.cli", "config", "check", "configs/custom_example.yaml"], {}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "48 prompts × 4 samples" in out.stdout

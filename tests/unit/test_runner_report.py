@@ -111,3 +111,14 @@ def test_a_report_with_steps_gets_a_reward_plot(tmp_path) -> None:
     path = write_reward_plot(report, tmp_path)
     assert path is not None and path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
     assert write_reward_plot({"reward_mean_per_step": []}, tmp_path / "none") is None
+
+
+def test_the_report_says_what_its_reward_measures() -> None:
+    from services.common.runconfig import TaskConfig
+    from tools.runner import reward_definition
+
+    assert reward_definition(TaskConfig(dataset="expressions", tool_bonus=0.0)) == (
+        "expressions: 1 for the right number, 0 otherwise (task success)"
+    )
+    assert reward_definition(TaskConfig()).endswith("+ 0.1 when a tool call succeeded")
+    assert reward_definition(TaskConfig(dataset="synthetic", workload="r2e_gym")).startswith("synthetic")

@@ -40,6 +40,8 @@ def _strategy(model: type[BaseModel], name: str) -> st.SearchStrategy[Any] | Non
 
 def _section(model: type[BaseModel]) -> st.SearchStrategy[dict[str, Any]]:
     fields = {n: s for n in model.model_fields if (s := _strategy(model, n)) is not None}
+    if model is TaskConfig:
+        fields["dataset"] = st.sampled_from(["arithmetic", "expressions"])
     return st.fixed_dictionaries(fields)
 
 
@@ -54,7 +56,9 @@ def test_every_valid_config_generates_its_tasks(task: dict[str, Any], training: 
     assert feed.exhausted
     for t in feed.tasks:
         assert t.question and t.answer > 0, t
-        assert score(f"<answer>{t.answer}</answer>", t.answer, tool_ok=0) == 1.0
+        assert (
+            score(f"<answer>{t.answer}</answer>", t.answer, tool_ok=0, tool_bonus=cfg.task.tool_bonus) == 1.0
+        )
 
 
 def test_the_prompt_count_that_crashed_the_scheduler() -> None:

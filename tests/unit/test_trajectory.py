@@ -1,7 +1,7 @@
 import pytest
 
 from services.scheduler.agent import observation, parse_action
-from services.scheduler.task import Task, arithmetic_tasks, extract_answer, score
+from services.scheduler.task import Task, arithmetic_tasks, expression_tasks, extract_answer, score
 from services.scheduler.trajectory import (
     CallTool,
     Finish,
@@ -74,6 +74,18 @@ def test_scoring_and_answers() -> None:
     assert extract_answer("no number") is None
     assert score("<answer>5</answer>", 5, tool_ok=0) == 1.0
     assert score("<answer>6</answer>", 5, tool_ok=2) == pytest.approx(0.1)
+    assert score("<answer>6</answer>", 5, tool_ok=2, tool_bonus=0.0) == 0.0
+    assert score("<answer>5</answer>", 5, tool_ok=1, tool_bonus=0.0) == 1.0
+
+
+def test_tool_bonus_reaches_the_reward() -> None:
+    t = Trajectory("t0", "g0", 0, 2, TASK, [1, 2, 3], 3, 8, 100, started_at=0.0, tool_bonus=0.0)
+    t.first_action()
+    call = t.on_turn([5, 6], [-0.1, -0.2], "<calc>2+3</calc>", [0, 0], eos=False)
+    assert isinstance(call, CallTool)
+    t.on_tool_return("ok", [7])
+    fin = t.on_turn([8], [-0.3], "<answer>4</answer>", [0], eos=True)
+    assert isinstance(fin, Finish) and fin.reward == 0.0
 
 
 def test_observation_text() -> None:
@@ -86,6 +98,18 @@ def test_tasks_are_reproducible_and_correct() -> None:
     assert a == b
     assert len({t.prompt_id for t in a}) == 20
     assert all(t.answer >= 0 for t in a)
+
+
+def test_expression_tasks_say_their_expression_in_words() -> None:
+    tasks = expression_tasks(200, 1)
+    assert tasks == expression_tasks(200, 1) and len({t.prompt_id for t in tasks}) == 200
+    for t in tasks:
+        words = t.question.rstrip("?.").split()
+        nums = [int(w) for w in words if w.isdigit()]
+        assert len(nums) == 3 and t.answer > 0
+        c, a, b = nums if words[3] == "plus" else nums[2:] + nums[:2]  # "What is C plus A times B?"
+        expected = a * b - c if ("minus" in words or "subtract" in words) else a * b + c
+        assert t.answer == expected, t
 
 
 def test_a_turn_across_a_weight_swap_becomes_one_segment_per_version() -> None:

@@ -1,0 +1,213 @@
+"""Rewards by config (`task.reward`): built-in matchers, or your own `module:function` run in worker
+processes so that a reward which raises, hangs or crashes fails only its trajectory.
+
+A user reward is called as `fn(response=..., sample=..., trajectory=...)` and returns a number or a
+dict with a `score`. It runs in `task.reward_workers` processes (`python -m
+services.scheduler.reward_worker`), never on the scheduler's event loop; one that has not answered
+after `task.reward_timeout_s` is killed and replaced, and its trajectory fails with
+`reward_timeout` (an exception: `reward_error`; a dead worker: `reward_crashed`). A failed
+trajectory is never trained on; its group is replaced like any other failed group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.logging import get_logger
+from services.common.runconfig import DatasetFile, TaskConfig
+from services.scheduler.task import extract_answer
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+@dataclass(frozen=True)
+class RewardFailure:
+    """Why a trajectory got no reward: `reward_error`, `reward_timeout`, `reward_crashed` or
+    `reward_invalid` (a return value that is not a finite number)."""
+
+    code: str
+    message: str
+
+
+def exact_match(response: str, answer: Any) -> float:
+    """1 when the last `<answer>` tag (or, without one, the whole stripped text) equals the reference."""
+    tags = _ANSWER_TAG.findall(response)
+    got = (tags[-1] if tags else response).strip()
+    return float(got == str(answer).strip())
+
+
+def numeric(response: str, answer: Any) -> float:
+    """1 when the `<answer>` tag (or the last number) equals the reference as a number."""
+    try:
+        want = float(str(answer).replace(",", ""))
+    except ValueError:
+        return exact_match(response, answer)
+    got = extract_answer(response)
+    return float(got is not None and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6))
+
+
+BUILTIN = {"exact_match": exact_match, "numeric": numeric}
+
+
+def reward_ref(task: TaskConfig) -> str | None:
+    """The reward a task is scored with outside `Trajectory` (None: the built-in task's own score)."""
+    if task.reward:
+        return task.reward
+    return "numeric" if isinstance(task.dataset, DatasetFile) else None
+
+
+class _Worker:
+    """One reward process, answering one JSON line per request on its stdout."""
+
+    def __init__(self, ref: str, plugin_paths: list[str]):
+        self.ref, self.plugin_paths = ref, plugin_paths
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self, timeout_s: float) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.scheduler.reward_worker",
+            self.ref,
+            *self.plugin_paths,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            limit=16 * 1024 * 1024,
+        )
+        hello = await self._read(timeout_s)
+        if hello is None or not hello.get("ready"):
+            await self.kill()
+            why = hello.get("error") if hello else f"no answer within {timeout_s:g} s"
+            raise RewardLoadError(f"task.reward {self.ref!r} cannot be loaded: {why}")
+
+    async def _read(self, timeout_s: float) -> dict[str, Any] | None:
+        assert self.proc is not None and self.proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+        except TimeoutError:
+            return None
+        if not line:
+            raise EOFError("the reward process exited")
+        out = json.loads(line)
+        assert isinstance(out, dict)
+        return out
+
+    async def call(self, kwargs: dict[str, Any], timeout_s: float) -> float | RewardFailure:
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(kwargs, default=str).encode() + b"\n")
+            await self.proc.stdin.drain()
+            answer = await self._read(timeout_s)
+        except (EOFError, ConnectionError, BrokenPipeError) as e:
+            await self.kill()
+            return RewardFailure("reward_crashed", f"the reward process died: {e}")
+        if answer is None:
+            await self.kill()
+            return RewardFailure("reward_timeout", f"no reward within {timeout_s:g} s")
+        if "error" in answer:
+            return RewardFailure("reward_error", str(answer["error"])[:500])
+        if "invalid" in answer:
+            return RewardFailure("reward_invalid", str(answer["invalid"])[:500])
+        return float(answer["score"])
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await self.proc.wait()
+
+
+class RewardLoadError(RuntimeError):
+    """`task.reward` names a function that cannot be imported or is not callable."""
+
+
+class RewardPool:
+    """`task.reward_workers` processes running a `module:function` reward, each call bounded by
+    `task.reward_timeout_s`; a killed or dead worker is replaced before its next call."""
+
+    def __init__(self, ref: str, plugin_paths: list[str], workers: int, timeout_s: float):
+        self.ref, self.plugin_paths, self.timeout_s = ref, list(plugin_paths), timeout_s
+        self.size = workers
+        self.idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self.workers: list[_Worker] = []
+        self.log = get_logger(component="rewards")
+
+    async def start(self) -> None:
+        """Starts every worker; raises RewardLoadError when the function cannot be loaded."""
+        for _ in range(self.size):
+            w = _Worker(self.ref, self.plugin_paths)
+            self.workers.append(w)
+            await w.start(max(self.timeout_s, 60.0))
+            self.idle.put_nowait(w)
+
+    async def score(self, **kwargs: Any) -> float | RewardFailure:
+        w = await self.idle.get()
+        try:
+            if not w.alive:
+                await w.start(max(self.timeout_s, 60.0))
+            result = await w.call(kwargs, self.timeout_s)
+            if isinstance(result, RewardFailure) and not w.alive:
+                self.log.warning("reward_worker_replaced", code=result.code, reason=result.message)
+            return result
+        except RewardLoadError as e:  # it loaded at start; a restart that cannot is a crash
+            return RewardFailure("reward_crashed", str(e))
+        finally:
+            self.idle.put_nowait(w)
+
+    async def close(self) -> None:
+        """Kills every worker, busy ones too (a call in flight then fails as crashed)."""
+        for w in self.workers:
+            await w.kill()
+
+
+class Scorer:
+    """The reward of a finished trajectory under `task.reward`: built-ins inline, the rest through a
+    RewardPool."""
+
+    def __init__(self, task: TaskConfig, ref: str):
+        self.ref = ref
+        self.builtin = BUILTIN.get(ref)
+        self.pool = (
+            None
+            if self.builtin
+            else RewardPool(ref, task.plugin_paths, task.reward_workers, task.reward_timeout_s)
+        )
+
+    async def start(self) -> None:
+        if self.pool is not None:
+            await self.pool.start()
+
+    async def score(
+        self, response: str, answer: Any, sample: dict[str, Any], trajectory: dict[str, Any]
+    ) -> float | RewardFailure:
+        if self.builtin is not None:
+            return self.builtin(response, answer)
+        assert self.pool is not None
+        return await self.pool.score(response=response, sample=sample, trajectory=trajectory)
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+
+async def check_reward(task: TaskConfig) -> None:
+    """Loads the configured reward once, as the scheduler will; raises RewardLoadError if it cannot."""
+    ref = reward_ref(task)
+    if ref is None or ref in BUILTIN:
+        return
+    pool = RewardPool(ref, task.plugin_paths, 1, task.reward_timeout_s)
+    try:
+        await pool.start()
+    finally:
+        await pool.close()
