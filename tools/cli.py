@@ -1,4 +1,4 @@
-"""The `libra` command: up, down, status, run, sim, sandbox."""
+"""The `libra` command: up, down, status, run, report, trace, config check, credentials, sim, sandbox, bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tools.stack import ROOT, STACK_FILE, Stack, pid_alive, read_stack_file
 
@@ -127,10 +128,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         otlp_endpoint=args.otlp_endpoint,
         max_restarts=args.max_restarts,
     )
+    return print_summary(report)
+
+
+def print_summary(report: dict[str, Any]) -> int:
+    """The run's summary as `libra run` ends with it; exit code 0 only for a completed run with
+    every serving engine on the final version."""
     keys = ["status", "wall_s", "trajectories_completed", "trajectories_per_s", "train_steps"]
     keys.append("final_weight_version")
-    print("\n".join(f"{k:<24} {report[k]}" for k in keys))
-    print(f"{'reward_mean_per_step':<24} {report['reward_mean_per_step']}")
+    print("\n".join(f"{k:<24} {report.get(k)}" for k in keys))
+    if report.get("reward"):
+        print(f"{'reward':<24} {report['reward']}")
+    print(f"{'reward_mean_per_step':<24} {report.get('reward_mean_per_step')}")
     for k in ("reward_first3", "reward_last3"):
         if (w := report.get(k)) is not None:
             print(
@@ -138,15 +147,28 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
     print(f"{'policy_versions_per_step':<24} {report['policy_versions_per_step']}")
     print(f"{'logprob_mismatch':<24} {report['logprob_mismatch_per_step']}")
-    print(f"{'tool_calls':<24} {report['tool_calls']}")
-    for e in report["engines"]:
+    print(f"{'tool_calls':<24} {report.get('tool_calls')}")
+    if failed := report.get("trajectories_failed_by_code"):
+        print(f"{'trajectories_failed':<24} {failed}")
+    for e in report.get("engines") or []:
         print(f"engine {e['id']:<18} weight_version {e.get('weight_version')}")
     if report["status"] != "completed":
-        print(f"job {report['status']}: {report['reason']}", file=sys.stderr)
+        print(f"job {report['status']}: {report.get('reason')}", file=sys.stderr)
         if "stuck" in report:
-            print(f"what is stuck: see 'stuck' in {report['report_path']}", file=sys.stderr)
-    print(f"report: {report['report_path']}")
-    return 0 if report["status"] == "completed" and report["all_engines_on_final_version"] else 1
+            print(f"what is stuck: see 'stuck' in {report.get('report_path')}", file=sys.stderr)
+    print(f"report: {report.get('report_path')}")
+    return 0 if report["status"] == "completed" and report.get("all_engines_on_final_version") else 1
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Reprints a finished run's summary from its report.json."""
+    path = Path(args.runs_dir) / args.run / "report.json"
+    if not path.is_file():
+        print(f"no report at {path}", file=sys.stderr)
+        return 2
+    report = json.loads(path.read_text())
+    report.setdefault("report_path", str(path))
+    return print_summary(report)
 
 
 def cmd_credentials(args: argparse.Namespace) -> int:
@@ -190,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         from tools.bench_live import main as bench_live_main
 
         return bench_live_main(argv[2:])
+    if argv[:1] == ["trace"]:
+        from tools.trace_view import main as trace_main
+
+        return trace_main(argv[1:])
     if argv[:1] == ["sandbox"]:
         from services.tool_sandbox.cli import main as sandbox_main
 
@@ -253,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     creds.add_argument("--owner", type=int, help="hand the services' files to this uid (run as root)")
     creds.add_argument("--k8s-namespace", help="print the credentials as Secrets of this namespace")
     creds.set_defaults(fn=cmd_credentials)
+    rep = sub.add_parser("report", help="reprint a run's summary from runs/<run>/report.json")
+    rep.add_argument("run", nargs="?", default="latest", help="run id (default: the last run)")
+    rep.add_argument("--runs-dir", default=str(ROOT / "runs"))
+    rep.set_defaults(fn=cmd_report)
     config = sub.add_parser("config", help="`libra config check FILE`: validate a run config")
     config_sub = config.add_subparsers(dest="config_cmd", required=True)
     check = config_sub.add_parser(
@@ -262,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     check.set_defaults(fn=cmd_config_check)
     sub.add_parser("sim", help="discrete-event simulator (see `libra sim --help`)")
     sub.add_parser("sandbox", help="run one tool call in the sandbox (see `libra sandbox --help`)")
+    sub.add_parser(
+        "trace",
+        help="`libra trace [TRAJECTORY_ID] [--run RUN]`: a trajectory's waterfall from the run's span files "
+        "(no id: the slowest trajectories)",
+    )
     sub.add_parser(
         "bench",
         help="`libra bench live`: the live stack (emulated engines) against the simulator's prediction "

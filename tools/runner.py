@@ -224,8 +224,11 @@ class JobDriver:
         *,
         timeout_s: float | None,
         progress: bool,
+        trace_dir: Path | None = None,
     ):
         self.stack, self.cfg, self.config_path, self.run_id = stack, cfg, config_path, run_id
+        self.trace_dir = trace_dir
+        """Where the services write the job's spans (runs/<id>/traces; `libra trace` reads them)."""
         self.timeout_s, self.show_progress = timeout_s, progress
         self.metrics: list[ev.TrainMetrics] = []
         self.pushes: list[ev.WeightsUpdated] = []
@@ -363,6 +366,7 @@ class JobDriver:
             config_yaml=job_config_yaml(self.config_path, self.cfg),
             config_name=str(self.config_path),
             targets=sorted(self.targets),
+            trace_dir=str(self.trace_dir.resolve()) if self.trace_dir else "",
         )
         acks = await control.command(self.nc, control.JOB_START, spec, sorted(self.targets), timeout_s=30)
         refused = [a for a in acks.values() if not a.ok]
@@ -763,7 +767,15 @@ def run_job(
             print(f"run {run_id} on an embedded stack", file=sys.stderr)
     print(f"  nats {stack.nats_url}  redis {stack.redis_url}  logs {stack.log_dir}", file=sys.stderr)
     try:
-        driver = JobDriver(stack, cfg, config_path, run_id, timeout_s=timeout_s, progress=progress)
+        driver = JobDriver(
+            stack,
+            cfg,
+            config_path,
+            run_id,
+            timeout_s=timeout_s,
+            progress=progress,
+            trace_dir=runs_dir / run_id / "traces",
+        )
         report = asyncio.run(driver.run())
     finally:
         if owned:

@@ -38,6 +38,9 @@ class CommonSettings(BaseSettings):
     """Serve Prometheus metrics on this port (0: any free port, logged); unset: no metrics server."""
     metrics_addr: str = "127.0.0.1"
     """Address the metrics server binds (loopback by default; 0.0.0.0 for a scraper on another host)."""
+    trace_dir: str | None = None
+    """A job pinned by LIBRA_CONFIG writes its spans to TRACE_DIR/<run_id>/<worker_id>.jsonl
+    (OTLP/JSON lines; `libra trace` reads them). Jobs submitted by `libra run` name their own."""
     otlp_endpoint: str | None = None
     """OTLP gRPC endpoint (e.g. http://jaeger:4317); unset keeps spans in-process only."""
     worker_id: str | None = None

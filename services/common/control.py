@@ -32,6 +32,7 @@ from services.common.errors import MalformedMessage
 from services.common.logging import get_logger
 from services.common.runconfig import parse_run_config
 from services.common.tasks import cancel_and_wait
+from services.common.tracing import set_trace_file
 
 CTL = "libra.ctl.v1"
 JOB_START = f"{CTL}.job.start"
@@ -185,6 +186,8 @@ class JobAgent:
     async def _run(self, job: Job) -> None:
         structlog.contextvars.bind_contextvars(run_id=job.spec.run_id)
         self.log.info("job_started", config=job.spec.config_name)
+        trace_file = Path(job.spec.trace_dir) / f"{self.worker_id}.jsonl" if job.spec.trace_dir else None
+        set_trace_file(trace_file)
         try:
             async with contextlib.AsyncExitStack() as stack:
                 await self.serve(job.common, job.stop, stack)
@@ -195,6 +198,8 @@ class JobAgent:
         except Exception as err:
             self.log.exception("job_failed")
             job.error = ev.ErrorInfo(code="internal", message=f"{type(err).__name__}: {err}"[:2000])
+        if trace_file is not None:
+            await asyncio.to_thread(set_trace_file, None)  # flushes the job's last spans to its file
         if job.error is not None:
             self.log.error("job_failed", code=job.error.code, reason=job.error.message)
             with contextlib.suppress(Exception):

@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import socket
+from pathlib import Path
 from typing import Any
 
 from services.common.config import CommonSettings, load_settings
@@ -21,7 +22,7 @@ from services.common.errors import CredentialsRefused
 from services.common.logging import configure_logging, get_logger
 from services.common.runconfig import load_run_config
 from services.common.tasks import cancel_and_wait
-from services.common.tracing import configure_tracing, shutdown_tracing
+from services.common.tracing import configure_tracing, set_trace_file, shutdown_tracing
 
 
 def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
@@ -56,6 +57,9 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
         await JobAgent(service, common, serve, grace_s=grace_s).run(stop)
         log.info("service_stopped")
         return 0
+
+    if pinned and common.trace_dir:
+        set_trace_file(Path(common.trace_dir) / common.run_id / f"{worker_id}.jsonl")
 
     async def main() -> int:
         stop = asyncio.Event()

@@ -2,24 +2,88 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import base64
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 _provider: TracerProvider | None = None
+_file_exporter: OtlpJsonFileExporter | None = None
+
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+def _hex_ids(node: Any) -> Any:
+    """OTLP/JSON writes trace and span ids as hex, where protobuf's JSON mapping writes base64."""
+    if isinstance(node, dict):
+        return {
+            k: base64.b64decode(v).hex() if k in _ID_FIELDS and isinstance(v, str) else _hex_ids(v)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_hex_ids(v) for v in node]
+    return node
+
+
+class OtlpJsonFileExporter(SpanExporter):
+    """Writes finished spans as OTLP/JSON lines (one ExportTraceServiceRequest per line, the format
+    of the OpenTelemetry Collector's `otlpjsonfile` receiver) to the file of the job running now:
+    a run's trajectories can be read back without a collector (`libra trace`)."""
+
+    def __init__(self) -> None:
+        self._path: Path | None = None
+        self._lock = threading.Lock()
+
+    def set_path(self, path: Path | None) -> None:
+        with self._lock:
+            self._path = path
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        from google.protobuf.json_format import MessageToDict
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        with self._lock:
+            if self._path is None or not spans:
+                return SpanExportResult.SUCCESS
+            line = json.dumps(_hex_ids(MessageToDict(encode_spans(spans))), separators=(",", ":"))
+            try:
+                with open(self._path, "a", encoding="utf-8") as f:
+                    f.write(line + "\n")
+            except OSError:
+                return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self.set_path(None)
+
+
+def set_trace_file(path: str | Path | None) -> None:
+    """Sends this process's spans to `path` from now on (None: stop); what was recorded before is
+    flushed to the previous file first."""
+    if _file_exporter is None:
+        return
+    if _provider is not None:
+        _provider.force_flush(timeout_millis=3000)
+    _file_exporter.set_path(Path(path) if path is not None else None)
 
 
 def configure_tracing(service: str, *, run_id: str | None, worker_id: str, otlp_endpoint: str | None) -> None:
-    """Installs a tracer provider; spans leave the process only when an OTLP endpoint is given.
+    """Installs a tracer provider: spans go to an OTLP endpoint when one is given, and to the job's
+    trace file when the job names one (`set_trace_file`).
 
     A service that runs one job after another has no run id of its own; its spans carry the job's.
     """
-    global _provider
+    global _provider, _file_exporter
     attrs = {"service.name": f"libra-{service}", "service.instance.id": worker_id}
     if run_id:
         attrs["libra.run_id"] = run_id
@@ -30,6 +94,8 @@ def configure_tracing(service: str, *, run_id: str | None, worker_id: str, otlp_
 
         exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
+    _file_exporter = OtlpJsonFileExporter()
+    provider.add_span_processor(BatchSpanProcessor(_file_exporter, schedule_delay_millis=1000))
     trace.set_tracer_provider(provider)
     _provider = provider
 

@@ -300,6 +300,8 @@ class RolloutEngineService:
                 await self._publish_error(req, "internal", f"{type(err).__name__}: {err}", ctx)
                 return
             out = done.output
+            queue_s = max(0.0, time.monotonic() - received - done.generate_s)
+            _span_ago("engine.queue", ctx, queue_s + done.generate_s, queue_s)
             span.set_attribute("libra.policy_version", done.policy_version)
             span.set_attribute("libra.new_tokens", len(out.token_ids))
             result = ev.TurnResult(
@@ -314,7 +316,7 @@ class RolloutEngineService:
                 temperature=float(req.temperature) if req.temperature > 0 else 1.0,
                 finish_reason=out.finish_reason,
                 context_tokens=len(gen.prompt_ids),
-                queue_s=max(0.0, time.monotonic() - received - done.generate_s),
+                queue_s=queue_s,
                 generate_s=done.generate_s,
                 text=self.backend.decode(out.token_ids),
             )
@@ -422,3 +424,11 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
     await svc.start(stop)
     await stop.wait()
     await svc.shutdown()
+
+
+def _span_ago(name: str, ctx: otel_context.Context, began_s_ago: float, duration_s: float) -> None:
+    """Records a span that began `began_s_ago` seconds ago and lasted `duration_s` (measured on the
+    monotonic clock, placed on the wall clock the spans use)."""
+    now = time.time_ns()
+    start = now - int(began_s_ago * 1e9)
+    tracer().start_span(name, context=ctx, start_time=start).end(end_time=start + int(duration_s * 1e9))

@@ -384,6 +384,7 @@ class TrainerService:
             self.counts["trained"] += len(pendings)
             span.set_attribute("libra.weight_version", self.version)
             span.set_attribute("libra.data_parallel", stats.data_parallel)
+            self._trace_into_trajectories(span, pendings)
             self.log.info(
                 "train_step",
                 step=self.learner.state.step,
@@ -616,6 +617,20 @@ class TrainerService:
             m.reward.set(statistics.fmean(sampled))
         if done:
             self._announce_done()
+
+    def _trace_into_trajectories(self, step_span: trace.Span, pendings: list[Pending[Msg]]) -> None:
+        """The step in each trained trajectory's own trace too (a `train.step` child spanning the
+        step, linked to the step's span), so one trace shows a trajectory from launch to the step
+        that consumed it; the step's span links back to every trajectory."""
+        start = getattr(step_span, "start_time", None)
+        link = [trace.Link(step_span.get_span_context())]
+        attrs = {"libra.train_step": self.learner.state.step, "libra.weight_version": self.version}
+        for p in pendings:
+            if trace.get_current_span(p.context).get_span_context().is_valid:
+                child = tracer().start_span(
+                    "train.step", context=p.context, links=link, attributes=attrs, start_time=start
+                )
+                child.end()
 
     async def _groups_ready(self) -> int:
         """Complete groups this trainer could step on next: those buffered, plus what waits in

@@ -260,6 +260,32 @@ def test_every_service_serves_prometheus_metrics(stack: Stack) -> None:
     assert planner["libra_planner_plans_total"] >= 1 and planner["libra_planner_plan_version"] >= 1
 
 
+def test_libra_trace_prints_a_trajectory_from_queue_to_training_step(
+    stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tools.trace_view import main as trace_main
+    from tools.trace_view import read_spans
+
+    run_id = f"traced-{RUN}"
+    report = _run(stack, _config(tmp_path), run_id, tmp_path)
+    assert report["status"] == "completed", report["reason"]
+    rows = read_spans(tmp_path / run_id / "traces")
+    assert {r.service for r in rows} >= {"scheduler", "rollout-engine", "trainer"}
+    trained = {r.trace_id for r in rows if r.name == "train.step" and r.parent_id}
+    traj = next(r for r in rows if r.name == "trajectory" and r.trace_id in trained)
+    trajectory_id = str(traj.attributes["libra.trajectory_id"])
+    capsys.readouterr()
+    assert trace_main([trajectory_id, "--run", run_id, "--runs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"trajectory {trajectory_id}")
+    for span in ("trajectory", "turn.generate", "engine.generate", "engine.queue", "train.step"):
+        assert f" {span} " in out, (span, out)
+    assert "train_step=" in out
+    assert trace_main(["--run", run_id, "--runs-dir", str(tmp_path)]) == 0
+    assert "trajectories traced; the slowest:" in capsys.readouterr().out
+    assert trace_main(["no-such-trajectory", "--run", run_id, "--runs-dir", str(tmp_path)]) == 1
+
+
 def test_trajectories_move_between_buckets_after_tool_returns_and_keep_their_versions(
     stack: Stack, tmp_path: Path
 ) -> None:

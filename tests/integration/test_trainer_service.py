@@ -327,9 +327,17 @@ async def test_trainer_trains_once_pushes_and_resumes(
         assert {e.error.code for e in received["errors"]} >= {"malformed", "invalid"}
         assert any("bad-0" in e.error.message for e in received["errors"])
 
-        step_spans = [s for s in spans.get_finished_spans() if s.name == "train.step"]
+        step_spans = [s for s in spans.get_finished_spans() if s.name == "train.step" and s.parent is None]
         assert len(step_spans) == 1 and len(step_spans[0].links) == 4
         assert _child(spans.get_finished_spans(), step_spans[0], "weights.push")
+        # ...and the step in each trained trajectory's own trace, linked back to the step's span
+        in_trajectories = [s for s in spans.get_finished_spans() if s.name == "train.step" and s.parent]
+        step_ctx = step_spans[0].context
+        assert {s.context.trace_id for s in in_trajectories} == {
+            link.context.trace_id for link in step_spans[0].links
+        }
+        assert all(s.links[0].context.span_id == step_ctx.span_id for s in in_trajectories)
+        assert all(s.start_time == step_spans[0].start_time for s in in_trajectories)
 
         await publish(first[2])  # a duplicate of an id trained in step 1
         await eventually(consumer_settled, what="duplicate acked")
@@ -358,7 +366,7 @@ async def test_trainer_trains_once_pushes_and_resumes(
         assert len(final) == 1 and final[0].weight_version == 2
         assert [p.header.version for p in engine.pushes if p.accepted] == [1, 2]
         assert await trained_ids() == {t.trajectory_id for t in first + second}
-        step_spans = [s for s in spans.get_finished_spans() if s.name == "train.step"]
+        step_spans = [s for s in spans.get_finished_spans() if s.name == "train.step" and s.parent is None]
         assert len(step_spans) == 2
         await stop_trainer(stop, task, stack)
         assert latest(tmp_path / "ckpt" / run_id).name == f"step_00000002-e{lease.token}.pt"  # type: ignore[union-attr]

@@ -122,3 +122,39 @@ def test_the_report_says_what_its_reward_measures() -> None:
     )
     assert reward_definition(TaskConfig()).endswith("+ 0.1 when a tool call succeeded")
     assert reward_definition(TaskConfig(dataset="synthetic", workload="r2e_gym")).startswith("synthetic")
+
+
+def test_libra_report_reprints_a_runs_summary(tmp_path, capsys) -> None:
+    import json
+
+    from tools.cli import main
+
+    run = tmp_path / "r1"
+    run.mkdir()
+    report = {
+        "status": "completed",
+        "wall_s": 12.5,
+        "trajectories_completed": 8,
+        "trajectories_per_s": 0.64,
+        "train_steps": 2,
+        "final_weight_version": 2,
+        "reward": "expressions: 1 for the right number, 0 otherwise (task success)",
+        "reward_mean_per_step": [0.5, 0.75],
+        "reward_first3": {"mean": 0.625, "ci95": [0.2, 1.0], "trajectories": 8},
+        "policy_versions_per_step": [[0], [0, 1]],
+        "logprob_mismatch_per_step": [1e-6, 2e-6],
+        "tool_calls": {"ok": 3},
+        "trajectories_failed_by_code": {"reward_error": 1},
+        "engines": [{"id": "rollout-engine-0", "weight_version": 2}],
+        "all_engines_on_final_version": True,
+    }
+    (run / "report.json").write_text(json.dumps(report))
+    assert main(["report", "r1", "--runs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reward                   expressions: 1 for the right number" in out
+    assert "reward_first3            0.625 (95% CI 0.2 .. 1.0, 8 trajectories)" in out
+    assert "trajectories_failed      {'reward_error': 1}" in out and f"report: {run / 'report.json'}" in out
+    report["status"] = "timed_out"
+    (run / "report.json").write_text(json.dumps(report))
+    assert main(["report", "r1", "--runs-dir", str(tmp_path)]) == 1
+    assert main(["report", "missing", "--runs-dir", str(tmp_path)]) == 2

@@ -610,16 +610,18 @@ class InFlight(_message.Message):
     def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., state: _Optional[str] = ..., engine_id: _Optional[str] = ..., turns: _Optional[int] = ..., age_s: _Optional[float] = ..., idle_s: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("run_id", "config_yaml", "config_name", "targets")
+    __slots__ = ("run_id", "config_yaml", "config_name", "targets", "trace_dir")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
     CONFIG_NAME_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_DIR_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     config_yaml: str
     config_name: str
     targets: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., config_yaml: _Optional[str] = ..., config_name: _Optional[str] = ..., targets: _Optional[_Iterable[str]] = ...) -> None: ...
+    trace_dir: str
+    def __init__(self, run_id: _Optional[str] = ..., config_yaml: _Optional[str] = ..., config_name: _Optional[str] = ..., targets: _Optional[_Iterable[str]] = ..., trace_dir: _Optional[str] = ...) -> None: ...
 
 class JobStop(_message.Message):
     __slots__ = ("run_id", "reason")
