@@ -33,6 +33,7 @@ from services.common.ownership import committed_key, plans_key, role_changes_key
 from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
 from services.scheduler.ledger import Accounting, read_accounting
 from tools.learning_plot import write_reward_plot
+from tools.run_plots import write_run_plots
 from tools.sim.stats import t95
 from tools.stack import ROOT, Stack, read_stack_file
 
@@ -40,6 +41,8 @@ SERVICES_NEEDED = ("planner", "scheduler", "trainer", "tool-sandbox")
 LIVENESS_S = 30.0  # a planner, scheduler or trainer without a heartbeat for this long has stopped
 SINGLETONS = ("planner", "scheduler", "trainer")  # engines and sandboxes are many: the job goes on
 READY_S = 120.0  # how long to wait for the stack's services to be idle and reachable
+PLOT_REFRESH_S = 60.0  # plots of a running job are redrawn this often
+MAX_TIMELINE = 200_000  # samples kept per series (about two days at one a second)
 
 
 class JobEnded(Exception):
@@ -224,11 +227,17 @@ class JobDriver:
         *,
         timeout_s: float | None,
         progress: bool,
-        trace_dir: Path | None = None,
+        out_dir: Path | None = None,
     ):
         self.stack, self.cfg, self.config_path, self.run_id = stack, cfg, config_path, run_id
-        self.trace_dir = trace_dir
-        """Where the services write the job's spans (runs/<id>/traces; `libra trace` reads them)."""
+        self.out_dir = out_dir
+        """runs/<id>: the services write the job's spans to its traces/ (`libra trace` reads them);
+        the timeline's plots are refreshed there while the job runs."""
+        self.t0 = time.monotonic()
+        self.samples: list[dict[str, Any]] = []
+        self.engine_loads: list[dict[str, Any]] = []
+        self.step_marks: dict[int, dict[str, Any]] = {}
+        self._plotted = time.monotonic()
         self.timeout_s, self.show_progress = timeout_s, progress
         self.metrics: list[ev.TrainMetrics] = []
         self.pushes: list[ev.WeightsUpdated] = []
@@ -259,10 +268,11 @@ class JobDriver:
             await self.nc.subscribe(control.HEARTBEAT, cb=self._on_heartbeat)
             await self.bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, self._on_metrics)
             await self.bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self._on_weights)
+            await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_load)
             await self._choose_workers()
             submitted = True
             await self._submit()
-            start = time.monotonic()
+            start = self.t0 = time.monotonic()
             await self._watch(start)
             status, reason = "completed", f"trained {self.cfg.training.steps} steps"
         except JobEnded as end:
@@ -295,6 +305,38 @@ class JobDriver:
 
     async def _on_metrics(self, m: ev.TrainMetrics, _: Envelope) -> None:
         self.metrics.append(m)
+        if m.step > 0:
+            self.step_marks[m.step] = {
+                "t": round(time.monotonic() - self.t0, 2),
+                "step": m.step,
+                "step_s": round(m.step_s, 3),
+                "push_s": round(m.push_s, 3),
+            }
+
+    async def _on_load(self, load: ev.EngineLoad, _: Envelope) -> None:
+        if load.engine_id in self.targets and len(self.engine_loads) < MAX_TIMELINE:
+            self.engine_loads.append(
+                {
+                    "t": round(time.monotonic() - self.t0, 2),
+                    "engine": load.engine_id,
+                    "running": load.running,
+                    "waiting": load.waiting,
+                    "capacity": load.capacity_seqs,
+                    "tokens_per_s": round(load.tokens_per_s, 2),
+                }
+            )
+
+    def timeline(self) -> dict[str, Any]:
+        """What the run did over time (runs/<id>/timeline.json, drawn by tools/run_plots.py)."""
+        steps = [self.step_marks[k] for k in sorted(self.step_marks)]
+        return {"samples": self.samples, "engines": self.engine_loads, "steps": steps}
+
+    async def _refresh_plots(self) -> None:
+        if self.out_dir is None or time.monotonic() - self._plotted < PLOT_REFRESH_S:
+            return
+        self._plotted = time.monotonic()
+        with contextlib.suppress(Exception):  # a plot never costs the job
+            await asyncio.to_thread(write_run_plots, self.timeline(), self.run_id, self.out_dir)
 
     async def _on_weights(self, w: ev.WeightsUpdated, _: Envelope) -> None:
         self.pushes.append(w)
@@ -366,7 +408,7 @@ class JobDriver:
             config_yaml=job_config_yaml(self.config_path, self.cfg),
             config_name=str(self.config_path),
             targets=sorted(self.targets),
-            trace_dir=str(self.trace_dir.resolve()) if self.trace_dir else "",
+            trace_dir=str((self.out_dir / "traces").resolve()) if self.out_dir else "",
         )
         acks = await control.command(self.nc, control.JOB_START, spec, sorted(self.targets), timeout_s=30)
         refused = [a for a in acks.values() if not a.ok]
@@ -405,6 +447,7 @@ class JobDriver:
                 self._fail_if_dead()
                 await self._check_participants()
                 await self._poll()
+                await self._refresh_plots()
                 p = self.progress
                 bar.n = p.committed_step
                 reward = f"{self.metrics[-1].reward_mean:.3f}" if self.metrics else "-"
@@ -479,6 +522,17 @@ class JobDriver:
             )
         if stats is not None:
             self.stats = stats
+            if len(self.samples) < MAX_TIMELINE:
+                self.samples.append(
+                    {
+                        "t": round(time.monotonic() - self.t0, 2),
+                        "completed": stats.trajectories_completed,
+                        "in_flight": stats.trajectories_in_flight,
+                        "failed": stats.trajectories_failed,
+                        "turns": stats.turns,
+                        "tool_calls": dict(stats.tool_calls_by_status),
+                    }
+                )
         committed: dict[str, str] = {}
         with contextlib.suppress(Exception):
             raw = await self.redis.hgetall(committed_key(self.run_id))
@@ -705,6 +759,7 @@ class JobDriver:
         }
         if stuck is not None:
             report["stuck"] = stuck
+        report["timeline"] = self.timeline()  # written beside the report, not in it
         return report
 
 
@@ -712,12 +767,18 @@ def write_report(report: dict[str, Any], runs_dir: Path) -> Path:
     out = runs_dir / report["run_id"]
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.json"
+    timeline = report.pop("timeline", None)
+    plots: list[Path] = []
     try:
-        plot = write_reward_plot(report, out)
+        if (plot := write_reward_plot(report, out)) is not None:
+            plots.append(plot)
+        if timeline is not None:
+            (out / "timeline.json").write_text(json.dumps(timeline) + "\n")
+            plots += write_run_plots(timeline, report["run_id"], out)
     except Exception as err:  # a plot must never cost the report
-        plot, report["plot_error"] = None, f"{type(err).__name__}: {err}"
-    if plot is not None:
-        report["plots"] = [str(plot)]
+        report["plot_error"] = f"{type(err).__name__}: {err}"
+    if plots:
+        report["plots"] = [str(p) for p in plots]
     path.write_text(json.dumps(report, indent=2) + "\n")
     latest = runs_dir / "latest"
     if latest.is_symlink() or latest.exists():
@@ -774,7 +835,7 @@ def run_job(
             run_id,
             timeout_s=timeout_s,
             progress=progress,
-            trace_dir=runs_dir / run_id / "traces",
+            out_dir=runs_dir / run_id,
         )
         report = asyncio.run(driver.run())
     finally:

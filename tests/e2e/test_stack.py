@@ -284,6 +284,11 @@ def test_libra_trace_prints_a_trajectory_from_queue_to_training_step(
     assert trace_main(["--run", run_id, "--runs-dir", str(tmp_path)]) == 0
     assert "trajectories traced; the slowest:" in capsys.readouterr().out
     assert trace_main(["no-such-trajectory", "--run", run_id, "--runs-dir", str(tmp_path)]) == 1
+    # ...and the run's timeline, with its plots
+    out_dir = tmp_path / run_id
+    timeline = json.loads((out_dir / "timeline.json").read_text())
+    assert timeline["samples"] and timeline["engines"] and [s["step"] for s in timeline["steps"]] == [1, 2]
+    assert {Path(p).name for p in report["plots"]} >= {"throughput.png", "engines.png"}
 
 
 def test_trajectories_move_between_buckets_after_tool_returns_and_keep_their_versions(

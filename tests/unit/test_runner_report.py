@@ -158,3 +158,36 @@ def test_libra_report_reprints_a_runs_summary(tmp_path, capsys) -> None:
     (run / "report.json").write_text(json.dumps(report))
     assert main(["report", "r1", "--runs-dir", str(tmp_path)]) == 1
     assert main(["report", "missing", "--runs-dir", str(tmp_path)]) == 2
+
+
+def test_a_timeline_gets_throughput_tool_and_engine_plots(tmp_path) -> None:
+    from tools.run_plots import write_run_plots
+
+    samples = [
+        {
+            "t": float(t),
+            "completed": 2 * t,
+            "in_flight": 4,
+            "failed": 0,
+            "turns": 3 * t,
+            "tool_calls": {"ok": t, "error": t // 3},
+        }
+        for t in range(60)
+    ]
+    engines = [
+        {
+            "t": float(t),
+            "engine": f"rollout-engine-{e}",
+            "running": (t + e) % 9,
+            "waiting": 0,
+            "capacity": 8,
+            "tokens_per_s": 10.0 + e,
+        }
+        for t in range(60)
+        for e in range(2)
+    ]
+    steps = [{"t": 20.0 * i, "step": i, "step_s": 15.0, "push_s": 2.0} for i in (1, 2)]
+    paths = write_run_plots({"samples": samples, "engines": engines, "steps": steps}, "r", tmp_path)
+    assert sorted(p.name for p in paths) == ["engines.png", "throughput.png", "tools.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 10_000 for p in paths)
+    assert write_run_plots({"samples": [], "engines": [], "steps": []}, "r", tmp_path / "none") == []

@@ -1,0 +1,136 @@
+"""`runs/<id>/throughput.png`, `tools.png`, `engines.png`: what a run did over time, drawn from the
+timeline `libra run` records while it watches the job (scheduler stats every second, every
+engine's load reports, each step's metrics), saved beside them as `timeline.json`. Written at the
+end of the run and refreshed every minute while it runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+STATUS_COLORS = {
+    "ok": "tab:green",
+    "error": "tab:red",
+    "timeout": "tab:orange",
+    "killed": "tab:purple",
+    "rejected": "tab:gray",
+}
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _rate(ts: list[float], counts: list[float], window_s: float = 30.0) -> list[float]:
+    """Trajectories per second over the trailing window at each sample."""
+    out, j = [], 0
+    for i, t in enumerate(ts):
+        while ts[j] < t - window_s:
+            j += 1
+        span = t - ts[j]
+        out.append((counts[i] - counts[j]) / span if span > 0 else 0.0)
+    return out
+
+
+def _throughput(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
+    samples, steps = timeline.get("samples") or [], timeline.get("steps") or []
+    if len(samples) < 2:
+        return None
+    plt = _plt()
+    ts = [s["t"] for s in samples]
+    done = [s["completed"] for s in samples]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), height_ratios=[3, 2])
+    top.plot(ts, done, color="tab:blue", label="trajectories completed")
+    top.plot(ts, [s["in_flight"] for s in samples], color="tab:gray", lw=0.8, label="in flight")
+    top.set_ylabel("trajectories")
+    right = top.twinx()
+    right.plot(ts, _rate(ts, done), color="tab:orange", lw=1, label="per second (30 s window)")
+    right.set_ylabel("trajectories / s", color="tab:orange")
+    for s in steps:
+        top.axvline(s["t"], color="tab:red", lw=0.6, alpha=0.5)
+    top.set_xlabel("seconds since the job started (red: a step committed)")
+    top.legend(loc="upper left", fontsize=8)
+    top.set_title(f"{title}: throughput and step time")
+    if steps:
+        n = [s["step"] for s in steps]
+        bottom.bar(n, [s["step_s"] for s in steps], color="tab:red", alpha=0.7, label="train step")
+        bottom.bar(
+            n,
+            [s["push_s"] for s in steps],
+            bottom=[s["step_s"] for s in steps],
+            color="tab:olive",
+            alpha=0.7,
+            label="weight push (in the background)",
+        )
+        bottom.set_xlabel("train step")
+        bottom.set_ylabel("seconds")
+        bottom.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "throughput.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _tools(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
+    samples = timeline.get("samples") or []
+    statuses = sorted({k for s in samples for k in s.get("tool_calls", {})})
+    if len(samples) < 2 or not statuses:
+        return None
+    plt = _plt()
+    ts = [s["t"] for s in samples]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.stackplot(
+        ts,
+        [[s.get("tool_calls", {}).get(k, 0) for s in samples] for k in statuses],
+        labels=statuses,
+        colors=[STATUS_COLORS.get(k, "tab:brown") for k in statuses],
+        alpha=0.8,
+    )
+    ax.set_xlabel("seconds since the job started")
+    ax.set_ylabel("tool calls returned")
+    ax.set_title(f"{title}: tool outcomes")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path = out / "tools.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _engines(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
+    loads = timeline.get("engines") or []
+    if not loads:
+        return None
+    plt = _plt()
+    by_engine: dict[str, list[dict[str, Any]]] = {}
+    for x in loads:
+        by_engine.setdefault(x["engine"], []).append(x)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    for engine, xs in sorted(by_engine.items()):
+        ts = [x["t"] for x in xs]
+        top.step(ts, [x["running"] / max(1, x["capacity"]) for x in xs], where="post", label=engine)
+        bottom.plot(ts, [x["tokens_per_s"] for x in xs], lw=1, label=engine)
+    top.set_ylabel("running / batch slots")
+    top.set_ylim(0, 1.05)
+    top.set_title(f"{title}: engine utilisation")
+    top.legend(fontsize=8, loc="upper right")
+    bottom.set_ylabel("tokens / s")
+    bottom.set_xlabel("seconds since the job started")
+    fig.tight_layout()
+    path = out / "engines.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_run_plots(timeline: dict[str, Any], title: str, out_dir: Path) -> list[Path]:
+    """The PNGs the timeline has data for (none for a job that never started)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [f(timeline, title, out_dir) for f in (_throughput, _tools, _engines)]
+    return [p for p in paths if p is not None]
