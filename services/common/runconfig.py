@@ -44,7 +44,7 @@ class DatasetFile(_Strict):
     """Prepended as a system message to plain-text prompts (chat prompts carry their own)."""
 
 
-_REWARD_REF = r"^([A-Za-z_][\w.]*:[A-Za-z_][\w.]*|exact_match|numeric)$"
+_REWARD_REF = r"^([A-Za-z_][\w.]*:[A-Za-z_][\w.]*|exact_match|numeric|code_tests)$"
 
 
 class TaskConfig(_Strict):
@@ -63,7 +63,9 @@ class TaskConfig(_Strict):
     reward: str | None = Field(None, pattern=_REWARD_REF)
     """`module:function` (your own, see docs/tasks.md), or a built-in: `exact_match` (the
     `<answer>` tag, or the whole final text, equals the reference) or `numeric` (the `<answer>` tag,
-    or the last number, equals the reference as a number). Default: the built-in tasks' own score;
+    or the last number, equals the reference as a number) or `code_tests` (the response's last
+    ```python block followed by the row's `tests` runs in the tool sandbox; 1 when it exits 0).
+    Default: the built-in tasks' own score;
     `numeric` for a dataset file."""
     plugin_paths: list[str] = Field(default_factory=list)
     """Directories put in front of the import path of `reward` (relative: to the start directory)."""

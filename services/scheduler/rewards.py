@@ -17,14 +17,21 @@ import json
 import math
 import re
 import sys
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from services.common import subjects
+from services.common.bus import Bus
+from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.runconfig import DatasetFile, TaskConfig
 from services.scheduler.task import extract_answer
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+_CODE_BLOCK = re.compile(r"```(?:python|py)\s*\n(.*?)(?:```|$)", re.S)
+SANDBOX_GRACE_S = 10.0
+"""How long past the code's own timeout a sandbox's answer is waited for."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,76 @@ def reward_ref(task: TaskConfig) -> str | None:
     if task.reward:
         return task.reward
     return "numeric" if isinstance(task.dataset, DatasetFile) else None
+
+
+def code_block(response: str) -> str | None:
+    """The last ```python block of a response (an unclosed last block counts)."""
+    blocks = [b.strip() for b in _CODE_BLOCK.findall(response)]
+    return blocks[-1] if blocks and blocks[-1] else None
+
+
+def tests_of(sample: dict[str, Any]) -> str | RewardFailure:
+    tests = sample.get("tests")
+    if isinstance(tests, list) and all(isinstance(t, str) for t in tests):
+        tests = "\n".join(tests)
+    if not isinstance(tests, str) or not tests.strip():
+        return RewardFailure(
+            "reward_error", "code_tests needs a `tests` field (code, or a list of lines) in the row"
+        )
+    return tests
+
+
+class SandboxClient:
+    """Runs reward code in the tool sandbox over the bus: a python tool call whose return is routed
+    here (`on_return`) instead of to a trajectory."""
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+        self.pending: dict[str, asyncio.Future[ev.ToolReturn]] = {}
+
+    def on_return(self, ret: ev.ToolReturn) -> bool:
+        """True when the return answers one of this client's calls."""
+        fut = self.pending.pop(ret.call_id, None)
+        if fut is None:
+            return False
+        if not fut.done():
+            fut.set_result(ret)
+        return True
+
+    async def run_python(self, code: str, timeout_s: float) -> ev.ToolReturn | None:
+        """The sandbox's return, or None when no sandbox answered in time."""
+        call_id = f"reward-{uuid.uuid4().hex}"
+        fut: asyncio.Future[ev.ToolReturn] = asyncio.get_running_loop().create_future()
+        self.pending[call_id] = fut
+        call = ev.ToolCall(
+            call_id=call_id, tool="python", args_json=json.dumps({"code": code}), timeout_s=timeout_s
+        )
+        try:
+            await self.bus.publish(subjects.TOOL_CALL, call)
+            return await asyncio.wait_for(fut, timeout_s + SANDBOX_GRACE_S)
+        except TimeoutError:
+            return None
+        finally:
+            self.pending.pop(call_id, None)
+
+
+async def code_tests(
+    response: str, sample: dict[str, Any], sandbox: SandboxClient, timeout_s: float
+) -> float | RewardFailure:
+    """1 when the response's code passes the row's tests in the sandbox, 0 when it fails them (or
+    has no code); a sandbox that refuses or never answers is a failure, not a 0."""
+    tests = tests_of(sample)
+    if isinstance(tests, RewardFailure):
+        return tests
+    code = code_block(response)
+    if code is None:
+        return 0.0
+    ret = await sandbox.run_python(f"{code}\n\n{tests}\n", timeout_s)
+    if ret is None:
+        return RewardFailure("reward_timeout", "no tool sandbox answered the code_tests call")
+    if ret.status == "rejected":
+        return RewardFailure("reward_error", f"the sandbox refused the code_tests call: {ret.error}"[:500])
+    return float(ret.status == "ok" and ret.exit_code == 0)
 
 
 class _Worker:
@@ -175,12 +252,12 @@ class Scorer:
     """The reward of a finished trajectory under `task.reward`: built-ins inline, the rest through a
     RewardPool."""
 
-    def __init__(self, task: TaskConfig, ref: str):
-        self.ref = ref
+    def __init__(self, task: TaskConfig, ref: str, sandbox: SandboxClient | None = None):
+        self.ref, self.sandbox, self.timeout_s = ref, sandbox, task.reward_timeout_s
         self.builtin = BUILTIN.get(ref)
         self.pool = (
             None
-            if self.builtin
+            if self.builtin or ref == "code_tests"
             else RewardPool(ref, task.plugin_paths, task.reward_workers, task.reward_timeout_s)
         )
 
@@ -193,6 +270,9 @@ class Scorer:
     ) -> float | RewardFailure:
         if self.builtin is not None:
             return self.builtin(response, answer)
+        if self.ref == "code_tests":
+            assert self.sandbox is not None, "code_tests needs the scheduler's sandbox client"
+            return await code_tests(response, sample, self.sandbox, self.timeout_s)
         assert self.pool is not None
         return await self.pool.score(response=response, sample=sample, trajectory=trajectory)
 
@@ -204,7 +284,7 @@ class Scorer:
 async def check_reward(task: TaskConfig) -> None:
     """Loads the configured reward once, as the scheduler will; raises RewardLoadError if it cannot."""
     ref = reward_ref(task)
-    if ref is None or ref in BUILTIN:
+    if ref is None or ref in BUILTIN or ref == "code_tests":
         return
     pool = RewardPool(ref, task.plugin_paths, 1, task.reward_timeout_s)
     try:

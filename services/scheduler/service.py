@@ -34,7 +34,7 @@ from services.scheduler.feed import GroupTicket, build_feed
 from services.scheduler.ledger import Ledger
 from services.scheduler.prefix_tree import ToolSignal, map_sandbox_status, size_class
 from services.scheduler.prompting import Prompter
-from services.scheduler.rewards import RewardFailure, Scorer, reward_ref
+from services.scheduler.rewards import RewardFailure, SandboxClient, Scorer, reward_ref
 from services.scheduler.synthetic_task import SyntheticTask
 from services.scheduler.trajectory import (
     Action,
@@ -122,7 +122,8 @@ class SchedulerService:
         for status in (*KNOWN_TOOL_STATUSES, "other"):  # every series exists from the start, at 0
             self.metrics.tool_calls.labels(status)
         ref = reward_ref(cfg.task)
-        self.scorer = Scorer(cfg.task, ref) if ref else None
+        self.sandbox = SandboxClient(bus)
+        self.scorer = Scorer(cfg.task, ref, self.sandbox) if ref else None
         self.started = time.monotonic()
         self.workload = WorkloadWindow(settings.stats_window_s)
         self._stats_published = 0.0
@@ -679,6 +680,8 @@ class SchedulerService:
 
     async def _on_tool_return(self, ret: ev.ToolReturn, _: Envelope) -> None:
         require(bool(ret.call_id), "tool return without call_id")
+        if self.sandbox.on_return(ret):
+            return  # a code_tests reward's call
         traj_id = self.by_call.pop(ret.call_id, None)
         if traj_id is None:
             return

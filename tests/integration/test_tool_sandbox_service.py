@@ -67,3 +67,42 @@ async def test_service_answers_and_survives(nats_server, run_id) -> None:
             await client.close()
         await svc_bus.close()
         await executor.close()
+
+
+async def test_code_tests_reward_runs_in_the_real_sandbox(nats_server, run_id, monkeypatch) -> None:
+    """The `code_tests` built-in reward: the response's code and the row's tests in the sandbox."""
+    from services.scheduler import rewards
+    from services.scheduler.rewards import RewardFailure, SandboxClient, code_tests
+
+    executor = SandboxExecutor(SandboxSettings())
+    await executor.start()
+    svc_bus = await Bus.connect(nats_server.url, run_id, "tool-sandbox", "sandbox-0")
+    bus = await Bus.connect(nats_server.url, run_id, "scheduler", "scheduler-0")
+    client = SandboxClient(bus)
+
+    async def on_return(r: ev.ToolReturn, _: Envelope) -> None:
+        client.on_return(r)
+
+    good = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
+    wrong = "```python\ndef add(a, b):\n    return a - b\n```"
+    sample = {"tests": ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]}
+    try:
+        await ToolSandboxService(svc_bus, executor).start()
+        await bus.subscribe(subjects.TOOL_RETURN, ev.ToolReturn, on_return)
+        assert await code_tests(good, sample, client, 10) == 1.0
+        assert await code_tests(wrong, sample, client, 10) == 0.0
+        assert await code_tests("no code at all", sample, client, 10) == 0.0
+        assert await code_tests("```python\nwhile True: pass\n```", sample, client, 1) == 0.0  # too slow
+        missing = await code_tests(good, {"answer": 1}, client, 10)
+        assert isinstance(missing, RewardFailure) and missing.code == "reward_error"
+        await svc_bus.close()  # no sandbox left: a failure of the reward, not a 0
+        monkeypatch.setattr(rewards, "SANDBOX_GRACE_S", 0.5)
+        gone = await code_tests(good, sample, client, 0.5)
+        assert isinstance(gone, RewardFailure) and gone.code == "reward_timeout"
+        assert not client.pending
+    finally:
+        with contextlib.suppress(Exception):
+            await bus.close()
+        with contextlib.suppress(Exception):
+            await svc_bus.close()
+        await executor.close()

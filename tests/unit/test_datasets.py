@@ -110,6 +110,7 @@ def test_num_prompts_takes_the_first_rows_only_when_set(tmp_path: Path) -> None:
 def test_reward_refs_are_checked_by_the_config() -> None:
     RunConfig.model_validate({"task": {"reward": "my_pkg.rewards:score"}})
     RunConfig.model_validate({"task": {"reward": "exact_match"}})
+    RunConfig.model_validate({"task": {"reward": "code_tests"}})
     with pytest.raises(ValueError, match="reward"):
         RunConfig.model_validate({"task": {"reward": "not a ref"}})
     with pytest.raises(ValueError, match="does not apply"):

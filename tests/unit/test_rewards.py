@@ -119,3 +119,14 @@ def test_a_reward_that_cannot_load_is_refused_at_start(plugin_dir: Path, ref: st
 
     with pytest.raises(RewardLoadError, match=message):
         asyncio.run(main())
+
+
+def test_code_blocks_and_tests_are_read_from_the_response_and_row() -> None:
+    from services.scheduler.rewards import code_block, tests_of
+
+    assert code_block("a\n```python\nx = 1\n```\nthen\n```py\ny = 2\n```") == "y = 2"
+    assert code_block("```python\nprint(1)") == "print(1)"  # cut by the token budget
+    assert code_block("no code") is None and code_block("```python\n\n```") is None
+    assert tests_of({"tests": ["assert f(1)", "assert f(2)"]}) == "assert f(1)\nassert f(2)"
+    assert tests_of({"tests": "assert f(1)"}) == "assert f(1)"
+    assert isinstance(tests_of({"tests": ""}), RewardFailure) and isinstance(tests_of({}), RewardFailure)
