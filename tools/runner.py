@@ -180,14 +180,17 @@ def job_config_yaml(config_path: Path, cfg: RunConfig) -> str:
 
     text = config_path.read_text()
     dataset_rel = isinstance(cfg.task.dataset, DatasetFile) and not Path(cfg.task.dataset.path).is_absolute()
-    plugins_rel = any(not Path(p).is_absolute() for p in cfg.task.plugin_paths)
+    paths = [*cfg.task.plugin_paths, *cfg.task.tool_plugins]
+    plugins_rel = any(not Path(p).is_absolute() for p in paths)
     if not (dataset_rel or plugins_rel):
         return text
     raw = yaml.safe_load(text)
     task = raw["task"]
     if dataset_rel:
         task["dataset"]["path"] = str(Path(task["dataset"]["path"]).resolve())
-    task["plugin_paths"] = [str(Path(p).resolve()) for p in cfg.task.plugin_paths]
+    for key in ("plugin_paths", "tool_plugins"):
+        if key in task:
+            task[key] = [str(Path(p).resolve()) for p in task[key]]
     return str(yaml.safe_dump(raw, sort_keys=False))
 
 
@@ -197,11 +200,22 @@ def check_task(cfg: RunConfig) -> None:
     from services.scheduler.datasets import DatasetError
     from services.scheduler.feed import task_list
     from services.scheduler.rewards import RewardLoadError, check_reward
+    from services.tool_sandbox.tools import TOOLS
+    from services.tool_sandbox.tools.script import ToolPluginError, read_plugin
 
     try:
         task_list(cfg.task)
         asyncio.run(check_reward(cfg.task))
-    except (DatasetError, RewardLoadError) as e:
+        names = set(TOOLS)
+        for path in cfg.task.tool_plugins:
+            name = read_plugin(path)[0]
+            if name in names:
+                raise ToolPluginError(f"{path}: tool {name!r} is already a built-in or another plugin's")
+            names.add(name)
+        unknown = sorted(set(cfg.task.tools or []) - names)
+        if unknown:
+            raise ToolPluginError(f"task.tools: unknown {unknown}; known: {sorted(names)}")
+    except (DatasetError, RewardLoadError, ToolPluginError) as e:
         print(f"invalid configuration: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -71,6 +71,13 @@ class TaskConfig(_Strict):
     """Directories put in front of the import path of `reward` (relative: to the start directory)."""
     reward_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
     """A reward function that has not returned by then fails its trajectory (`reward_timeout`)."""
+    tools: list[str] | None = None
+    """Tools the agent may call (built-in: calculator, python, search, shell, synthetic; plus those of
+    `tool_plugins`); a call to another gets a `rejected` observation without reaching the
+    sandbox. Default: every tool the sandbox has."""
+    tool_plugins: list[str] = Field(default_factory=list)
+    """Python files that each define a tool (NAME, DESCRIPTION, SCHEMA, `def run(**args)`), run by
+    the tool sandbox in the same isolation as the python tool (docs/tasks.md)."""
     reward_workers: int = Field(2, ge=1, le=64)
     """Processes that run `module:function` rewards, off the scheduler's event loop."""
     seed: int = 0

@@ -659,6 +659,13 @@ class SchedulerService:
 
     async def _send_tool(self, live: Live, action: CallTool) -> None:
         live.pending_tool = action
+        allowed = self.cfg.task.tools
+        if allowed is not None and action.request.tool not in allowed:  # never reaches a sandbox
+            live.sent_at, live.step_span = time.monotonic(), None
+            why = f"tool {action.request.tool!r} is not enabled; available: {', '.join(allowed)}"
+            signal = ToolSignal(action.request.tool or "unknown", "small", map_sandbox_status("rejected"))
+            await self._tool_returned(live, "rejected", json.dumps({"stderr": why}), signal)
+            return
         live.tool_attempts += 1
         live.call_id = uuid.uuid4().hex
         live.sent_at = time.monotonic()
@@ -690,7 +697,7 @@ class SchedulerService:
         size = ret.size_class or size_class(ret.payload_bytes or len(ret.payload))
         tool = ret.tool or (live.pending_tool.request.tool if live.pending_tool else "unknown")
         await self._tool_returned(
-            live, status, ret.payload, ToolSignal(tool, size, map_sandbox_status(status))
+            live, status, ret.payload or ret.error, ToolSignal(tool, size, map_sandbox_status(status))
         )
 
     async def _tool_returned(self, live: Live, status: str, payload: str, signal: ToolSignal) -> None:

@@ -26,6 +26,7 @@ from services.tool_sandbox.outcome import Status, ToolOutcome, size_class
 from services.tool_sandbox.pool import WarmPool
 from services.tool_sandbox.tools import Tool, ToolResult, build_tools
 from services.tool_sandbox.tools.schema import validate
+from services.tool_sandbox.tools.script import ToolPluginError, plugin_tools
 
 __all__ = ["SandboxExecutor", "ToolOutcome"]
 
@@ -61,9 +62,14 @@ class _ToolStats:
 class SandboxExecutor:
     """Runs tool calls; `execute` never raises for bad input, it returns a `rejected` outcome."""
 
-    def __init__(self, settings: SandboxSettings | None = None) -> None:
+    def __init__(self, settings: SandboxSettings | None = None, plugins: list[str] | None = None) -> None:
+        """`plugins`: tool plugin files (task.tool_plugins) beside the built-in tools."""
         self.settings = settings or SandboxSettings()
         self._tools: dict[str, Tool] = build_tools(self.settings)
+        for name, tool in plugin_tools(self.settings, plugins or []).items():
+            if name in self._tools:
+                raise ToolPluginError(f"tool plugin {name!r} has the name of a built-in tool")
+            self._tools[name] = tool
         self._schemas = {name: tool.schema() for name, tool in self._tools.items()}
         self.tool_names = frozenset(self._tools)
         self._slots = asyncio.Semaphore(self.settings.max_concurrency)
@@ -119,7 +125,9 @@ class SandboxExecutor:
         return {name: dict(schema) for name, schema in self._schemas.items()}
 
     def tool_descriptions(self) -> dict[str, str]:
-        return {name: tool.description for name, tool in self._tools.items()}
+        return {
+            name: getattr(tool, "tool_description", tool.description) for name, tool in self._tools.items()
+        }
 
     def metrics(self) -> dict[str, Any]:
         pool = self._pool

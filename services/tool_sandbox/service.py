@@ -116,9 +116,12 @@ def _flatten(d: dict[str, object], prefix: str = "") -> dict[str, object]:
 
 
 async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:
+    from services.common.runconfig import load_run_config
+
     settings = load_settings(SandboxSettings)
     assert common.worker_id is not None
-    executor = SandboxExecutor(settings)
+    plugins = load_run_config(common.config).task.tool_plugins if common.config else []
+    executor = SandboxExecutor(settings, plugins)
     await executor.start()
     stack.push_async_callback(executor.close)
     bus = await Bus.connect(

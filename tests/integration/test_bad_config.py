@@ -75,6 +75,8 @@ def test_libra_run_missing_config_is_a_clear_error(tmp_path: Path) -> None:
         ("  dataset: {path: nope.jsonl}\n", "nope.jsonl: no such dataset file"),
         ("  dataset: {path: DATA, answer_key: solution}\n", "DATA:2: no key 'solution'"),
         ("  reward: 'no_such_module:score'\n", "ModuleNotFoundError: No module named 'no_such_module'"),
+        ("  tools: [calculator, teleport]\n", "task.tools: unknown ['teleport']"),
+        ("  tool_plugins: [no_such_tool.py]\n", "no_such_tool.py: cannot read the tool plugin"),
     ],
 )
 def test_a_bad_dataset_or_reward_stops_libra_run_and_config_check(

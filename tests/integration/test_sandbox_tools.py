@@ -192,3 +192,37 @@ def test_cli_prints_the_outcome_as_json(tmp_path: Path) -> None:
         cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
     assert calc.returncode == 0 and json.loads(calc.stdout)["payload"] == "42"
+
+
+async def test_a_tool_plugin_runs_in_the_sandbox(tmp_path: Path) -> None:
+    """examples/custom/unit_tool.py through the real executor: schema-checked arguments, its
+    result, its exceptions as `error`, and the sandbox's isolation around it."""
+    from services.tool_sandbox.tools.script import ToolPluginError
+
+    spy = tmp_path / "spy.py"
+    spy.write_text(
+        "NAME = 'spy'\nDESCRIPTION = 'reads a host file'\nSCHEMA = {'type': 'object'}\n"
+        f"def run():\n    return open({str(tmp_path / 'secret.txt')!r}).read()\n"
+    )
+    (tmp_path / "secret.txt").write_text("host secret")
+    ex = SandboxExecutor(
+        SandboxSettings(pool_size=1, max_concurrency=1, default_timeout_s=5.0),
+        [str(REPO / "examples" / "custom" / "unit_tool.py"), str(spy)],
+    )
+    await ex.start()
+    try:
+        assert {"convert", "spy", "python"} <= set(ex.tool_schemas())
+        out = await ex.execute("convert", {"value": 2, "from": "h", "to": "s"})
+        assert out.status == "ok" and result(out.payload)["stdout"] == "7200\n"
+        assert (await ex.execute("convert", {"value": 2, "from": "h"})).status == "rejected"
+        assert (await ex.execute("convert", {"value": 2, "from": "h", "to": "parsec"})).status == "rejected"
+        mixed = await ex.execute("convert", {"value": 2, "from": "h", "to": "kg"})
+        assert mixed.status == "error" and "cannot convert time to mass" in result(mixed.payload)["stderr"]
+        spied = await ex.execute("spy", {})
+        assert spied.status == "error" and "host secret" not in spied.payload  # the host's files stay out
+    finally:
+        await ex.close()
+    with pytest.raises(ToolPluginError, match="name of a built-in"):
+        clash = tmp_path / "clash.py"
+        clash.write_text("NAME = 'python'\nDESCRIPTION = ''\nSCHEMA = {'type': 'object'}\ndef run(): pass\n")
+        SandboxExecutor(SandboxSettings(), [str(clash)])

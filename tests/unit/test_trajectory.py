@@ -169,3 +169,17 @@ def test_generated_segments_carry_the_temperature_of_their_logprobs() -> None:
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="temperature"):
             check_turn([1], [-0.1], [0], bad)
+
+
+def test_tool_calls_in_the_hermes_format() -> None:
+    call = parse_action(
+        'Let me see. <tool_call>{"name": "convert", "arguments": {"value": 2, "from": "h", "to": "s"}}'
+    )
+    assert call is not None and (call.tool, call.args) == ("convert", {"value": 2, "from": "h", "to": "s"})
+    as_string = parse_action('<tool_call>{"name": "convert", "arguments": "{\\"value\\": 1}"}</tool_call>')
+    assert as_string is not None and as_string.args == {"value": 1}
+    broken = parse_action("<tool_call>{name: convert}</tool_call>")
+    assert broken is not None and broken.tool == "" and "not valid JSON" in broken.args["error"]
+    nameless = parse_action('<tool_call>{"arguments": {}}</tool_call>')
+    assert nameless is not None and nameless.tool == ""
+    assert parse_action('<answer>7</answer> <tool_call>{"name": "x"}</tool_call>') is None

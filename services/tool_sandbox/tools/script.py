@@ -1,0 +1,106 @@
+"""Tools of your own (`task.tool_plugins`): a Python file with `NAME`, `DESCRIPTION`, `SCHEMA` (the JSON
+schema of its arguments) and `def run(**args)`, executed in the same sandbox as the python tool.
+
+The file's constants are read with `ast.literal_eval`, never by importing it: the user's code runs
+only inside the sandbox, once per call, with the validated arguments. `run` returns a string
+(the observation) or anything JSON-serialisable; an exception makes the call's status `error`
+with its traceback on stderr."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from services.tool_sandbox.config import SandboxSettings
+from services.tool_sandbox.tools.base import SandboxRun, Tool, ToolResult, process_result
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+_STUB = """
+
+import json as _libra_json
+_libra_result = run(**_libra_json.loads({args!r}))
+print(_libra_result if isinstance(_libra_result, str) else _libra_json.dumps(_libra_result))
+"""
+
+
+class ToolPluginError(ValueError):
+    """A tool plugin file that cannot be used; the message names the file and what is wrong."""
+
+
+def _constants(tree: ast.Module, path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name in ("NAME", "DESCRIPTION", "SCHEMA"):
+                try:
+                    out[name] = ast.literal_eval(node.value)
+                except ValueError as e:
+                    raise ToolPluginError(f"{path}: {name} must be a literal ({e})") from e
+    return out
+
+
+def read_plugin(path: str | Path) -> tuple[str, str, dict[str, Any], str]:
+    """(name, description, schema, source) of a tool plugin file, checked without running it."""
+    path = Path(path)
+    try:
+        source = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ToolPluginError(f"{path}: cannot read the tool plugin ({e.strerror or e})") from e
+    try:
+        tree = ast.parse(source, filename=str(path))
+    except SyntaxError as e:
+        raise ToolPluginError(f"{path}:{e.lineno}: {e.msg}") from e
+    consts = _constants(tree, path)
+    missing = [k for k in ("NAME", "DESCRIPTION", "SCHEMA") if k not in consts]
+    if missing:
+        raise ToolPluginError(
+            f"{path}: a tool plugin defines NAME, DESCRIPTION and SCHEMA; missing {missing}"
+        )
+    name, description, schema = consts["NAME"], consts["DESCRIPTION"], consts["SCHEMA"]
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ToolPluginError(f"{path}: NAME must match {_NAME.pattern}, got {name!r}")
+    if not isinstance(description, str):
+        raise ToolPluginError(f"{path}: DESCRIPTION must be a string")
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        raise ToolPluginError(
+            f"{path}: SCHEMA must be a JSON schema of an object ({{'type': 'object', ...}})"
+        )
+    if not any(isinstance(n, ast.FunctionDef) and n.name == "run" for n in tree.body):
+        raise ToolPluginError(f"{path}: a tool plugin defines `def run(**args)`")
+    return name, description, schema, source
+
+
+class ScriptTool(Tool):
+    """A tool plugin file, run in a fresh sandbox per call."""
+
+    name = "script"
+    description = ""
+    sandboxed = True
+
+    def __init__(self, settings: SandboxSettings, path: str | Path) -> None:
+        super().__init__(settings)
+        self.tool_name, self.tool_description, self._schema, self.source = read_plugin(path)
+        self.path = Path(path)
+
+    def schema(self) -> dict[str, Any]:
+        return dict(self._schema)
+
+    async def call(self, args: dict[str, Any], sandbox: SandboxRun, timeout_s: float) -> ToolResult:
+        code = self.source + _STUB.format(args=json.dumps(args))
+        result = await sandbox({"kind": "python", "code": code}, timeout_s)
+        return process_result(result, self.settings, timeout_s)
+
+
+def plugin_tools(settings: SandboxSettings, paths: list[str]) -> dict[str, Tool]:
+    """The plugin files' tools by name; two with one name is an error."""
+    tools: dict[str, Tool] = {}
+    for p in paths:
+        tool = ScriptTool(settings, p)
+        if tool.tool_name in tools:
+            raise ToolPluginError(f"{p}: a second tool named {tool.tool_name!r}")
+        tools[tool.tool_name] = tool
+    return tools
