@@ -87,6 +87,7 @@ class ToolSandboxService:
                 status=out.status,
                 wall_s=round(out.wall_s, 4),
                 payload_bytes=out.payload_bytes,
+                error=out.error[:200] or None,
             )
             await self.bus.publish(
                 subjects.TOOL_RETURN, to_proto(call, out), ctx=trace.set_span_in_context(span)

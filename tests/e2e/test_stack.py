@@ -504,6 +504,8 @@ def test_a_dataset_and_reward_of_your_own_train_with_exactly_that_reward(
         "dataset": {"path": str(data), "prompt_key": "question", "answer_key": "answer"},
         "reward": "my_rewards:constant",
         "plugin_paths": [str(plugins)],
+        "tool_plugins": [str(ROOT / "examples" / "custom" / "unit_tool.py")],  # loaded by the sandbox
+        "tools": ["convert", "calculator"],
     }
     config = _config(tmp_path, task=task, training={"filter_zero_advantage": False})
     report = _run(stack, config, f"own-task-{RUN}", tmp_path)
