@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _CALC = re.compile(r"<calc>(.*?)(?:</calc>|$)", re.S)
-_PYTHON = re.compile(r"```(?:python|py)\s*\n(.*?)(?:```|$)", re.S)
+PYTHON_BLOCK = re.compile(r"```(?:python|py)\s*\n(.*?)(?:```|$)", re.S)
+"""A ```python block (an unclosed last one too: the token budget may cut it)."""
 _ANSWER = re.compile(r"<answer>.*?</answer>", re.S)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
@@ -35,7 +36,7 @@ def parse_action(text: str) -> ToolRequest | None:
     if call:  # the Hermes / Qwen format: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
         return _tool_call(call.group(1))
     calc = _CALC.search(text)
-    python = _PYTHON.search(text)
+    python = PYTHON_BLOCK.search(text)
     if calc and (not python or calc.start() < python.start()):
         expr = calc.group(1).strip()
         return ToolRequest("calculator", {"expression": expr}) if expr else None

@@ -26,10 +26,10 @@ from services.common.bus import Bus
 from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.runconfig import DatasetFile, TaskConfig
+from services.scheduler.agent import PYTHON_BLOCK
 from services.scheduler.task import extract_answer
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
-_CODE_BLOCK = re.compile(r"```(?:python|py)\s*\n(.*?)(?:```|$)", re.S)
 SANDBOX_GRACE_S = 10.0
 """How long past the code's own timeout a sandbox's answer is waited for."""
 
@@ -72,7 +72,7 @@ def reward_ref(task: TaskConfig) -> str | None:
 
 def code_block(response: str) -> str | None:
     """The last ```python block of a response (an unclosed last block counts)."""
-    blocks = [b.strip() for b in _CODE_BLOCK.findall(response)]
+    blocks = [b.strip() for b in PYTHON_BLOCK.findall(response)]
     return blocks[-1] if blocks and blocks[-1] else None
 
 
