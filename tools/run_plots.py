@@ -26,6 +26,13 @@ def _plt() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _rate(ts: list[float], counts: list[float], window_s: float = 30.0) -> list[float]:
     """Trajectories per second over the trailing window at each sample."""
     out, j = [], 0
@@ -70,11 +77,7 @@ def _throughput(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
         bottom.set_xlabel("train step")
         bottom.set_ylabel("seconds")
         bottom.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "throughput.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "throughput.png")
 
 
 def _tools(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
@@ -96,11 +99,7 @@ def _tools(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
     ax.set_ylabel("tool calls returned")
     ax.set_title(f"{title}: tool outcomes")
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path = out / "tools.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "tools.png")
 
 
 def _engines(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
@@ -122,11 +121,7 @@ def _engines(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
     top.legend(fontsize=8, loc="upper right")
     bottom.set_ylabel("tokens / s")
     bottom.set_xlabel("seconds since the job started")
-    fig.tight_layout()
-    path = out / "engines.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "engines.png")
 
 
 def write_run_plots(timeline: dict[str, Any], title: str, out_dir: Path) -> list[Path]:

@@ -15,18 +15,28 @@ SYSTEM_PROMPT = (
     "the user replies with the result. Then write <answer>NUMBER</answer>."
 )
 
+
 # Two worked examples: with one, SmolLM2-135M called a tool in 2 of 24 samples at T=1.0; with
 # these two and T=0.7 (configs/default.yaml), in 13 of 24.
-EXAMPLE = [
-    {"role": "user", "content": "A box has 12 rows of 7 eggs and 5 loose eggs. How many eggs?"},
-    {"role": "assistant", "content": "<calc>12*7+5</calc>"},
-    {"role": "user", "content": "Result: 89"},
-    {"role": "assistant", "content": "<answer>89</answer>"},
-    {"role": "user", "content": "Ben reads 15 pages a day for 6 days, then 4 more pages. How many pages?"},
-    {"role": "assistant", "content": "<calc>15*6+4</calc>"},
-    {"role": "user", "content": "Result: 94"},
-    {"role": "assistant", "content": "<answer>94</answer>"},
-]
+def worked_examples(*shots: tuple[str, str, int]) -> list[dict[str, str]]:
+    """Few-shot turns of the tool protocol: each (question, expression, result) becomes the
+    question, the `<calc>` call, its result and the answer."""
+    return [
+        msg
+        for question, expr, result in shots
+        for msg in (
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": f"<calc>{expr}</calc>"},
+            {"role": "user", "content": f"Result: {result}"},
+            {"role": "assistant", "content": f"<answer>{result}</answer>"},
+        )
+    ]
+
+
+EXAMPLE = worked_examples(
+    ("A box has 12 rows of 7 eggs and 5 loose eggs. How many eggs?", "12*7+5", 89),
+    ("Ben reads 15 pages a day for 6 days, then 4 more pages. How many pages?", "15*6+4", 94),
+)
 
 _TEMPLATES = [
     ("{name} has {a} apples and buys {b} bags of {c} apples. How many apples does {name} have now?", "a+b*c"),
@@ -58,16 +68,10 @@ _NAMES = ["Tom", "Ana", "Li", "Sam", "Maya", "Omar", "Zoe", "Ivan"]
 # SmolLM2-135M-Instruct at T=0.7 (64 samples of each, 2026-11-24): the word problems are solved in
 # 4 of 128 samples (the model writes a wrong expression), these in 28 of 64, with 13 of 16 groups of 4
 # mixed — what GRPO needs to learn from. Two-digit products are out of reach without the tool.
-EXPRESSION_EXAMPLE = [
-    {"role": "user", "content": "What is 12 times 7 plus 5?"},
-    {"role": "assistant", "content": "<calc>12*7+5</calc>"},
-    {"role": "user", "content": "Result: 89"},
-    {"role": "assistant", "content": "<answer>89</answer>"},
-    {"role": "user", "content": "What is 15 times 6 minus 4?"},
-    {"role": "assistant", "content": "<calc>15*6-4</calc>"},
-    {"role": "user", "content": "Result: 86"},
-    {"role": "assistant", "content": "<answer>86</answer>"},
-]
+EXPRESSION_EXAMPLE = worked_examples(
+    ("What is 12 times 7 plus 5?", "12*7+5", 89),
+    ("What is 15 times 6 minus 4?", "15*6-4", 86),
+)
 
 _EXPRESSION_TEMPLATES = [
     ("What is {a} times {b} plus {c}?", lambda a, b, c: a * b + c),
