@@ -195,19 +195,24 @@ def job_config_yaml(config_path: Path, cfg: RunConfig) -> str:
 
 
 def check_task(cfg: RunConfig) -> None:
-    """Reads the dataset and loads the reward as the scheduler will, so that a bad file, a missing
-    key or a reward that cannot be imported stops the run before anything starts."""
+    """Reads the dataset and loads the reward and the environment as the scheduler will, so that a
+    bad file, a missing key or a reward that cannot be imported stops the run before anything
+    starts."""
     from services.scheduler.datasets import DatasetError
+    from services.scheduler.environment import check_environment
     from services.scheduler.feed import task_list
-    from services.scheduler.rewards import RewardLoadError, check_reward
+    from services.scheduler.plugins import PluginLoadError
+    from services.scheduler.rewards import check_reward
     from services.tool_sandbox.tools import TOOLS
-    from services.tool_sandbox.tools.script import ToolPluginError, read_plugin
+    from services.tool_sandbox.tools.script import ToolPluginError, read_plugin, tool_plugin_files
 
     try:
         task_list(cfg.task)
         asyncio.run(check_reward(cfg.task))
+        if cfg.task.environment:
+            asyncio.run(check_environment(cfg.task.environment, cfg.task.plugin_paths))
         names = set(TOOLS)
-        for path in cfg.task.tool_plugins:
+        for path in tool_plugin_files(cfg.task.tool_plugins):
             name = read_plugin(path)[0]
             if name in names:
                 raise ToolPluginError(f"{path}: tool {name!r} is already a built-in or another plugin's")
@@ -215,7 +220,7 @@ def check_task(cfg: RunConfig) -> None:
         unknown = sorted(set(cfg.task.tools or []) - names)
         if unknown:
             raise ToolPluginError(f"task.tools: unknown {unknown}; known: {sorted(names)}")
-    except (DatasetError, RewardLoadError, ToolPluginError) as e:
+    except (DatasetError, PluginLoadError, ToolPluginError) as e:
         print(f"invalid configuration: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -224,8 +229,11 @@ def reward_definition(task: TaskConfig) -> str:
     """What `reward_*` measures in this run, for the report."""
     if task.dataset == "synthetic":
         return "synthetic: 1 when the trajectory's last tool call worked (or it needed none)"
+    name = task.dataset.path if isinstance(task.dataset, DatasetFile) else task.dataset
+    if task.environment:
+        rest = f"task.reward {task.reward}" if task.reward else "0"
+        return f"{name}: environment {task.environment}'s reward (episodes it does not score: {rest})"
     if isinstance(task.dataset, DatasetFile) or task.reward:
-        name = task.dataset.path if isinstance(task.dataset, DatasetFile) else task.dataset
         return f"{name}: task.reward {task.reward or 'numeric'}"
     shaping = f" + {task.tool_bonus:g} when a tool call succeeded" if task.tool_bonus else " (task success)"
     return f"{task.dataset}: 1 for the right number, 0 otherwise{shaping}"

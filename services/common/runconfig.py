@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -44,7 +44,8 @@ class DatasetFile(_Strict):
     """Prepended as a system message to plain-text prompts (chat prompts carry their own)."""
 
 
-_REWARD_REF = r"^([A-Za-z_][\w.]*:[A-Za-z_][\w.]*|exact_match|numeric|code_tests)$"
+_PLUGIN_REF = r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"
+_REWARD_REF = rf"^({_PLUGIN_REF}|exact_match|numeric|code_tests)$"
 
 
 class TaskConfig(_Strict):
@@ -68,7 +69,8 @@ class TaskConfig(_Strict):
     Default: the built-in tasks' own score;
     `numeric` for a dataset file."""
     plugin_paths: list[str] = Field(default_factory=list)
-    """Directories put in front of the import path of `reward` (relative: to the start directory)."""
+    """Directories put in front of the import path of `reward` and `environment` (relative: to the
+    start directory)."""
     reward_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
     """A reward function that has not returned by then fails its trajectory (`reward_timeout`)."""
     tools: list[str] | None = None
@@ -80,6 +82,19 @@ class TaskConfig(_Strict):
     the tool sandbox in the same isolation as the python tool (docs/tasks.md)."""
     reward_workers: int = Field(2, ge=1, le=64)
     """Processes that run `module:function` rewards, off the scheduler's event loop."""
+    environment: str | None = Field(None, pattern=rf"^{_PLUGIN_REF}$")
+    """`module:Class`: your own multi-turn agent environment (reset / step, docs/tasks.md),
+    imported like `reward` (with `plugin_paths`). Default: the built-in tool-use loop (each turn
+    calls a tool or answers)."""
+    env_workers: int = Field(2, ge=1, le=64)
+    """Processes that hold `environment` instances (one per trajectory), off the scheduler's loop."""
+    stop_strings: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(None, max_length=16)
+    """Strings that end a turn (kept in its text). Default: the built-in tool-use loop's
+    `</calc>`, `</answer>` and `</tool_call>`; an environment with its own action format sets its
+    own (e.g. `["</guess>"]`)."""
+    env_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    """An environment call (reset, step) that has not returned by then fails its trajectory
+    (`env_timeout`)."""
     seed: int = 0
     """Seed of the built-in tasks' generator."""
     group_size: int = Field(4, ge=2)
@@ -323,6 +338,10 @@ class RunConfig(_Strict):
             raise ValueError("task.workload is only for task.dataset 'synthetic'")
         if self.task.dataset == "synthetic" and self.task.reward:
             raise ValueError("task.reward does not apply to task.dataset 'synthetic' (it has no answers)")
+        if self.task.dataset == "synthetic" and self.task.environment:
+            raise ValueError(
+                "task.environment does not apply to task.dataset 'synthetic' (its turns are scripted)"
+            )
         if self.rollout.engines < len(self.rollout.buckets):
             raise ValueError("rollout.engines must be at least the number of buckets")
         pool = self.planner.hybrid

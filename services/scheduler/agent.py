@@ -27,6 +27,10 @@ class ToolRequest:
     def args_json(self) -> str:
         return json.dumps(self.args)
 
+    def as_call(self) -> dict[str, Any]:
+        """As an environment's `tool_call`."""
+        return {"name": self.tool, "arguments": self.args}
+
 
 def parse_action(text: str) -> ToolRequest | None:
     """A tool request found in a generated turn, or None when the turn is a final answer."""

@@ -29,6 +29,12 @@ class Prompter:
                 {"role": "user", "content": task.question},
             ]
         )
+        return self.render(messages)
+
+    def render(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        """Chat messages (or one user message's text) in the model's chat template, ready for the
+        assistant's turn."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return [int(t) for t in ids]

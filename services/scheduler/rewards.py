@@ -3,7 +3,7 @@ processes so that a reward which raises, hangs or crashes fails only its traject
 
 A user reward is called as `fn(response=..., sample=..., trajectory=...)` and returns a number or a
 dict with a `score`. It runs in `task.reward_workers` processes (`python -m
-services.scheduler.reward_worker`), never on the scheduler's event loop; one that has not answered
+services.scheduler.plugin_worker reward`), never on the scheduler's event loop; one that has not answered
 after `task.reward_timeout_s` is killed and replaced, and its trajectory fails with
 `reward_timeout` (an exception: `reward_error`; a dead worker: `reward_crashed`). A failed
 trajectory is never trained on; its group is replaced like any other failed group.
@@ -12,13 +12,10 @@ trajectory is never trained on; its group is replaced like any other failed grou
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import re
-import sys
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from services.common import subjects
@@ -27,20 +24,12 @@ from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.runconfig import DatasetFile, TaskConfig
 from services.scheduler.agent import PYTHON_BLOCK
+from services.scheduler.plugins import PluginFailure, PluginProcess
 from services.scheduler.task import extract_answer
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 SANDBOX_GRACE_S = 10.0
 """How long past the code's own timeout a sandbox's answer is waited for."""
-
-
-@dataclass(frozen=True)
-class RewardFailure:
-    """Why a trajectory got no reward: `reward_error`, `reward_timeout`, `reward_crashed` or
-    `reward_invalid` (a return value that is not a finite number)."""
-
-    code: str
-    message: str
 
 
 def exact_match(response: str, answer: Any) -> float:
@@ -65,7 +54,7 @@ BUILTIN = {"exact_match": exact_match, "numeric": numeric}
 
 def reward_ref(task: TaskConfig) -> str | None:
     """The reward a task is scored with outside `Trajectory` (None: the built-in task's own score)."""
-    if task.reward:
+    if task.reward or task.environment:  # an environment rewards its episodes itself
         return task.reward
     return "numeric" if isinstance(task.dataset, DatasetFile) else None
 
@@ -76,12 +65,12 @@ def code_block(response: str) -> str | None:
     return blocks[-1] if blocks and blocks[-1] else None
 
 
-def tests_of(sample: dict[str, Any]) -> str | RewardFailure:
+def tests_of(sample: dict[str, Any]) -> str | PluginFailure:
     tests = sample.get("tests")
     if isinstance(tests, list) and all(isinstance(t, str) for t in tests):
         tests = "\n".join(tests)
     if not isinstance(tests, str) or not tests.strip():
-        return RewardFailure(
+        return PluginFailure(
             "reward_error", "code_tests needs a `tests` field (code, or a list of lines) in the row"
         )
     return tests
@@ -123,90 +112,21 @@ class SandboxClient:
 
 async def code_tests(
     response: str, sample: dict[str, Any], sandbox: SandboxClient, timeout_s: float
-) -> float | RewardFailure:
+) -> float | PluginFailure:
     """1 when the response's code passes the row's tests in the sandbox, 0 when it fails them (or
     has no code); a sandbox that refuses or never answers is a failure, not a 0."""
     tests = tests_of(sample)
-    if isinstance(tests, RewardFailure):
+    if isinstance(tests, PluginFailure):
         return tests
     code = code_block(response)
     if code is None:
         return 0.0
     ret = await sandbox.run_python(f"{code}\n\n{tests}\n", timeout_s)
     if ret is None:
-        return RewardFailure("reward_timeout", "no tool sandbox answered the code_tests call")
+        return PluginFailure("reward_timeout", "no tool sandbox answered the code_tests call")
     if ret.status == "rejected":
-        return RewardFailure("reward_error", f"the sandbox refused the code_tests call: {ret.error}"[:500])
+        return PluginFailure("reward_error", f"the sandbox refused the code_tests call: {ret.error}"[:500])
     return float(ret.status == "ok" and ret.exit_code == 0)
-
-
-class _Worker:
-    """One reward process, answering one JSON line per request on its stdout."""
-
-    def __init__(self, ref: str, plugin_paths: list[str]):
-        self.ref, self.plugin_paths = ref, plugin_paths
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self, timeout_s: float) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.scheduler.reward_worker",
-            self.ref,
-            *self.plugin_paths,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            limit=16 * 1024 * 1024,
-        )
-        hello = await self._read(timeout_s)
-        if hello is None or not hello.get("ready"):
-            await self.kill()
-            why = hello.get("error") if hello else f"no answer within {timeout_s:g} s"
-            raise RewardLoadError(f"task.reward {self.ref!r} cannot be loaded: {why}")
-
-    async def _read(self, timeout_s: float) -> dict[str, Any] | None:
-        assert self.proc is not None and self.proc.stdout is not None
-        try:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
-        except TimeoutError:
-            return None
-        if not line:
-            raise EOFError("the reward process exited")
-        out = json.loads(line)
-        assert isinstance(out, dict)
-        return out
-
-    async def call(self, kwargs: dict[str, Any], timeout_s: float) -> float | RewardFailure:
-        assert self.proc is not None and self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(json.dumps(kwargs, default=str).encode() + b"\n")
-            await self.proc.stdin.drain()
-            answer = await self._read(timeout_s)
-        except (EOFError, ConnectionError, BrokenPipeError) as e:
-            await self.kill()
-            return RewardFailure("reward_crashed", f"the reward process died: {e}")
-        if answer is None:
-            await self.kill()
-            return RewardFailure("reward_timeout", f"no reward within {timeout_s:g} s")
-        if "error" in answer:
-            return RewardFailure("reward_error", str(answer["error"])[:500])
-        if "invalid" in answer:
-            return RewardFailure("reward_invalid", str(answer["invalid"])[:500])
-        return float(answer["score"])
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
-
-    async def kill(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-            await self.proc.wait()
-
-
-class RewardLoadError(RuntimeError):
-    """`task.reward` names a function that cannot be imported or is not callable."""
 
 
 class RewardPool:
@@ -214,33 +134,30 @@ class RewardPool:
     `task.reward_timeout_s`; a killed or dead worker is replaced before its next call."""
 
     def __init__(self, ref: str, plugin_paths: list[str], workers: int, timeout_s: float):
-        self.ref, self.plugin_paths, self.timeout_s = ref, list(plugin_paths), timeout_s
-        self.size = workers
-        self.idle: asyncio.Queue[_Worker] = asyncio.Queue()
-        self.workers: list[_Worker] = []
+        self.timeout_s = timeout_s
+        self.idle: asyncio.Queue[PluginProcess] = asyncio.Queue()
+        self.workers = [
+            PluginProcess("reward", ref, list(plugin_paths), "task.reward") for _ in range(workers)
+        ]
         self.log = get_logger(component="rewards")
 
     async def start(self) -> None:
-        """Starts every worker; raises RewardLoadError when the function cannot be loaded."""
-        for _ in range(self.size):
-            w = _Worker(self.ref, self.plugin_paths)
-            self.workers.append(w)
-            await w.start(max(self.timeout_s, 60.0))
+        """Starts every worker; raises PluginLoadError when the function cannot be loaded."""
+        for w in self.workers:
+            await w.start()
             self.idle.put_nowait(w)
 
-    async def score(self, **kwargs: Any) -> float | RewardFailure:
+    async def score(self, **kwargs: Any) -> float | PluginFailure:
         w = await self.idle.get()
         try:
-            if not w.alive:
-                await w.start(max(self.timeout_s, 60.0))
             result = await w.call(kwargs, self.timeout_s)
-            if isinstance(result, RewardFailure) and not w.alive:
-                self.log.warning("reward_worker_replaced", code=result.code, reason=result.message)
-            return result
-        except RewardLoadError as e:  # it loaded at start; a restart that cannot is a crash
-            return RewardFailure("reward_crashed", str(e))
         finally:
             self.idle.put_nowait(w)
+        if isinstance(result, PluginFailure):
+            if not w.alive:
+                self.log.warning("reward_worker_replaced", code=result.code, reason=result.message)
+            return result
+        return float(result)
 
     async def close(self) -> None:
         """Kills every worker, busy ones too (a call in flight then fails as crashed)."""
@@ -267,7 +184,7 @@ class Scorer:
 
     async def score(
         self, response: str, answer: Any, sample: dict[str, Any], trajectory: dict[str, Any]
-    ) -> float | RewardFailure:
+    ) -> float | PluginFailure:
         if self.builtin is not None:
             return self.builtin(response, answer)
         if self.ref == "code_tests":
@@ -282,7 +199,7 @@ class Scorer:
 
 
 async def check_reward(task: TaskConfig) -> None:
-    """Loads the configured reward once, as the scheduler will; raises RewardLoadError if it cannot."""
+    """Loads the configured reward once, as the scheduler will; raises PluginLoadError if it cannot."""
     ref = reward_ref(task)
     if ref is None or ref in BUILTIN or ref == "code_tests":
         return

@@ -30,17 +30,20 @@ from services.common.tracing import tracer
 from services.scheduler.agent import STOP_STRINGS, observation
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.dispatch import build_dispatcher
+from services.scheduler.environment import EnvPool, Step
 from services.scheduler.feed import GroupTicket, build_feed
 from services.scheduler.ledger import Ledger
+from services.scheduler.plugins import PluginFailure
 from services.scheduler.prefix_tree import ToolSignal, map_sandbox_status, size_class
 from services.scheduler.prompting import Prompter
-from services.scheduler.rewards import RewardFailure, SandboxClient, Scorer, reward_ref
+from services.scheduler.rewards import SandboxClient, Scorer, reward_ref
 from services.scheduler.synthetic_task import SyntheticTask
 from services.scheduler.trajectory import (
     Action,
     CallTool,
     Finish,
     Generate,
+    Reply,
     Trajectory,
     check_turn,
     doomed_groups,
@@ -82,6 +85,8 @@ class Live:
     """Its tool calls (tool, args, status, observation), for a `task.reward` function."""
     scoring: bool = False
     """Finished, waiting for its `task.reward` score."""
+    replies: list[str] = field(default_factory=list)
+    """What its environment said between turns (a `task.environment`'s observations)."""
 
 
 class SchedulerService:
@@ -124,6 +129,13 @@ class SchedulerService:
         ref = reward_ref(cfg.task)
         self.sandbox = SandboxClient(bus)
         self.scorer = Scorer(cfg.task, ref, self.sandbox) if ref else None
+        task = cfg.task
+        self.stop_strings = STOP_STRINGS if task.stop_strings is None else task.stop_strings
+        self.envs = (
+            EnvPool(task.environment, task.plugin_paths, task.env_workers, task.env_timeout_s)
+            if task.environment
+            else None
+        )
         self.started = time.monotonic()
         self.workload = WorkloadWindow(settings.stats_window_s)
         self._stats_published = 0.0
@@ -148,6 +160,8 @@ class SchedulerService:
         await self.bus.subscribe(subjects.SCHEDULER_STATS, ev.StatsRequest, self._on_stats)
         if self.scorer is not None:
             await self.scorer.start()  # a reward that cannot be imported stops the scheduler now
+        if self.envs is not None:
+            await self.envs.start()  # so does an environment
         await self._resume()
         await self._load_policy()
         await self.membership.start()
@@ -247,6 +261,8 @@ class SchedulerService:
     async def close(self) -> None:
         if self.scorer is not None:
             await self.scorer.close()
+        if self.envs is not None:
+            await self.envs.close()
 
     def _state_of(self, live: Live) -> str:
         if live.scoring:
@@ -440,6 +456,7 @@ class SchedulerService:
                 launch_version=self.trained_version,
                 tool_bonus=self.cfg.task.tool_bonus,
                 scored_outside=self.scorer is not None,
+                builtin_reward=self.envs is None,
             )
             span = tracer().start_span(
                 "trajectory",
@@ -451,17 +468,35 @@ class SchedulerService:
                 },
             )
             bucket = self.dispatch.admit(traj.trajectory_id, ticket.task.prompt_id, time.monotonic())
-            self.live[traj.trajectory_id] = Live(traj, span, bucket)
-            self.bus.spawn(self._execute(self.live[traj.trajectory_id], traj.first_action()))
+            live = self.live[traj.trajectory_id] = Live(traj, span, bucket)
+            self.bus.spawn(self._begin(live))
         return launched
+
+    async def _begin(self, live: Live) -> None:
+        """A user environment's `reset` (it may bring its own prompt), then the first turn."""
+        traj = live.traj
+        if self.envs is not None:
+            live.deadline = math.inf  # the environment's own timeout bounds it
+            with tracer().start_as_current_span("env.reset", context=trace.set_span_in_context(live.span)):
+                prompt = await self.envs.reset(traj.trajectory_id, traj.task.row())
+            if self.live.get(traj.trajectory_id) is not live:
+                return  # aborted meanwhile
+            if isinstance(prompt, PluginFailure):
+                await self._fail(live, prompt.code, f"reset: {prompt.message}")
+                return
+            if prompt is not None:
+                traj.set_prompt(self.prompter.render(prompt))
+        await self._execute(live, traj.first_action())
 
     async def _execute(self, live: Live, action: Action) -> None:
         if isinstance(action, Generate):
             await self._send_turn(live, action)
         elif isinstance(action, CallTool):
             await self._send_tool(live, action)
+        elif isinstance(action, Reply):
+            await self._reply(live, action)
         elif isinstance(action, Finish):
-            if self.scorer is not None and live.failure is None and action.reason != "error":
+            if action.needs_score and self.scorer is not None and live.failure is None:
                 live.scoring, live.deadline = True, math.inf  # the reward's own timeout bounds it
                 self.bus.spawn(self._score(live, action))
             else:
@@ -480,15 +515,16 @@ class SchedulerService:
                 trajectory={
                     "turns": list(traj.texts),
                     "tool_calls": live.tool_log,
+                    "observations": live.replies,
                     "finish": fin.reason,
                     "prompt_id": traj.task.prompt_id,
                 },
             )
-            if isinstance(result, RewardFailure):
+            if isinstance(result, PluginFailure):
                 span.set_attribute("libra.reward_failure", result.code)
         if self.live.get(traj.trajectory_id) is not live:
             return  # aborted meanwhile (its group could no longer be trained)
-        if isinstance(result, RewardFailure):
+        if isinstance(result, PluginFailure):
             await self._fail(live, result.code, result.message)
         else:
             await self._finish(live, Finish(fin.reason, result))
@@ -575,7 +611,7 @@ class SchedulerService:
             min_new_tokens=action.min_new_tokens,
             temperature=self.cfg.task.temperature,
             min_policy_version=traj.min_policy_version,
-            stop=STOP_STRINGS,
+            stop=self.stop_strings,
             priority=self.bucket_level.get(live.bucket, 0),
         )
         await self.bus.publish(
@@ -636,10 +672,29 @@ class SchedulerService:
         eos = (
             res.finish_reason == "stop" and bool(res.token_ids) and res.token_ids[-1] == self.prompter.eos_id
         )
+        step: Step | None = None
+        if self.envs is not None:
+            with tracer().start_as_current_span("env.step", context=trace.set_span_in_context(live.span)):
+                answer = await self.envs.step(traj_id, res.text)
+            if self.live.get(traj_id) is not live:
+                return  # aborted meanwhile
+            if isinstance(answer, PluginFailure):
+                await self._fail(live, answer.code, f"turn {live.traj.turns + 1}: {answer.message}")
+                return
+            step = answer
         action = live.traj.on_turn(
-            list(res.token_ids), list(res.logprobs), res.text, versions, eos, res.temperature
+            list(res.token_ids), list(res.logprobs), res.text, versions, eos, res.temperature, step
         )
         await self._execute(live, action)
+
+    async def _reply(self, live: Live, action: Reply) -> None:
+        """The environment's observation goes into the context; the router sees it as a small,
+        successful tool return (a chance to demote or migrate the trajectory)."""
+        traj = live.traj
+        live.replies.append(action.text)
+        obs = self.prompter.observation_ids(action.text, traj.ended_with_eos)
+        self._route_after_observation(live, ToolSignal("environment", size_class(len(obs)), "success"), obs)
+        await self._execute(live, traj.on_reply(obs))
 
     async def _retry_or_fail(self, live: Live) -> None:
         live.retries += 1
@@ -714,7 +769,17 @@ class SchedulerService:
             obs = self.synthetic.observation_ids(signal.size)
         else:
             text = observation(status, payload)
-            obs = self.prompter.observation_ids(text, traj.ended_with_eos)
+            if self.envs is not None:
+                failed = await self.envs.tool_result(traj.trajectory_id, signal.tool, status, text)
+                if self.live.get(traj.trajectory_id) is not live:
+                    return  # aborted meanwhile
+                if isinstance(failed, PluginFailure):
+                    await self._fail(live, failed.code, f"tool_result: {failed.message}")
+                    return
+            preface = live.pending_tool.preface if live.pending_tool else ""
+            obs = self.prompter.observation_ids(
+                f"{preface}\n{text}" if preface else text, traj.ended_with_eos
+            )
             request = live.pending_tool.request if live.pending_tool else None
             live.tool_log.append(
                 {
@@ -724,13 +789,19 @@ class SchedulerService:
                     "observation": text,
                 }
             )
+        self._route_after_observation(live, signal, obs)
+        await self._execute(live, traj.on_tool_return(status, obs))
+
+    def _route_after_observation(self, live: Live, signal: ToolSignal, obs: list[int]) -> None:
+        """C-MLFQ's decision at a tool return: the trajectory may move to another bucket."""
+        traj = live.traj
         decision = self._decide(
             self.dispatch.tool_return,
             traj.trajectory_id,
             signal,
             traj.output_tokens,
             traj.context_tokens + len(obs),
-            now,
+            time.monotonic(),
         )
         if decision.bucket != live.bucket:
             self.log.info(
@@ -745,7 +816,6 @@ class SchedulerService:
                 {"libra.from": live.bucket, "libra.to": decision.bucket, "libra.reason": decision.reason},
             )
             live.bucket = decision.bucket
-        await self._execute(live, traj.on_tool_return(status, obs))
 
     async def _watchdog(self) -> None:
         now = time.monotonic()
@@ -773,6 +843,8 @@ class SchedulerService:
         traj = live.traj
         self.live.pop(traj.trajectory_id, None)
         self._dequeued(live)
+        if self.envs is not None:
+            self.bus.spawn(self.envs.forget(traj.trajectory_id))
         self.dispatch.finish(
             traj.trajectory_id, traj.output_tokens, time.monotonic(), live.failure is not None
         )

@@ -10,13 +10,19 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from services.scheduler.agent import ToolRequest, parse_action
+from services.scheduler.agent import ToolRequest
+from services.scheduler.environment import Step, ToolUse
 from services.scheduler.task import Task, score
+
+TOOL_USE = ToolUse()
+"""The built-in tasks' environment (stateless)."""
 
 
 class State(enum.Enum):
     GENERATING = "generating"
     TOOL_PENDING = "tool_pending"
+    REPLY_PENDING = "reply_pending"
+    """The environment answered with text the caller is to tokenise (`on_reply`)."""
     DONE = "done"
 
 
@@ -78,15 +84,26 @@ class ScriptedTurn:
 @dataclass(frozen=True)
 class CallTool:
     request: ToolRequest
+    preface: str = ""
+    """The environment's own observation, shown before the tool's result."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The environment's observation, for the caller to tokenise and hand to `on_reply`."""
+
+    text: str
 
 
 @dataclass(frozen=True)
 class Finish:
     reason: str  # answer | max_turns | length | error
     reward: float
+    needs_score: bool = False
+    """`task.reward` is to score it (the reward here is 0 until then)."""
 
 
-Action = Generate | CallTool | Finish
+Action = Generate | CallTool | Reply | Finish
 
 
 @dataclass
@@ -119,6 +136,9 @@ class Trajectory:
     scored_outside: bool = False
     """Its reward comes from `task.reward` (the scheduler's Scorer), not the built-in score: a
     finished trajectory carries reward 0 until scored."""
+    builtin_reward: bool = True
+    """False for a user environment's task: an episode it ends without a reward, or one cut short,
+    gets 0 unless `task.reward` scores it."""
 
     @property
     def min_policy_version(self) -> int:
@@ -128,6 +148,13 @@ class Trajectory:
 
     def __post_init__(self) -> None:
         self.segments.append(Segment(list(self.prompt_ids), [], generated=False))
+
+    def set_prompt(self, prompt_ids: list[int]) -> None:
+        """The environment's own prompt (its `reset`), before the first turn."""
+        if self.turns or self.state is not State.GENERATING:
+            raise IllegalTransition("the prompt is fixed once the first turn ran")
+        self.prompt_ids = list(prompt_ids)
+        self.segments[0] = Segment(list(prompt_ids), [], generated=False)
 
     @property
     def context(self) -> list[int]:
@@ -157,11 +184,14 @@ class Trajectory:
         versions: list[int],
         eos: bool,
         temperature: float = 1.0,
+        step: Step | None = None,
     ) -> Action:
-        """A generation turn finished: decide whether to call a tool or finish. `versions` names the
-        weight version of each token; a turn that ran across a weight swap becomes one generated
-        segment per version, so the trainer sees which policy sampled which token. `temperature`
-        is the one the engine's logprobs were computed at; the segments carry it to the trainer."""
+        """A generation turn finished: `step` is the environment's answer to it (None: the built-in
+        ToolUse, or the synthetic script) — a tool call, an observation or the end. `versions`
+        names the weight version of each token; a turn that ran across a weight swap becomes one
+        generated segment per version, so the trainer sees which policy sampled which token.
+        `temperature` is the one the engine's logprobs were computed at; the segments carry it to
+        the trainer."""
         if self.state is not State.GENERATING:
             raise IllegalTransition(f"turn result in state {self.state.value}")
         check_turn(token_ids, logprobs, versions, temperature)
@@ -181,22 +211,35 @@ class Trajectory:
                 start = end
         self.texts.append(text)
         self.ended_with_eos = eos
-        if self.script is not None:
-            request = self.script[min(self.turns, len(self.script)) - 1].tool
-        else:
-            request = parse_action(text)
-        if request is None:
-            return self._finish("answer")
+        if step is None and self.script is not None:
+            scripted = self.script[min(self.turns, len(self.script)) - 1].tool
+            step = Step(done=True) if scripted is None else Step(tool_call=scripted.as_call())
+        step = step if step is not None else TOOL_USE.step(text)
+        if step.done:
+            return self._finish("answer", step.reward)
         if self.turns >= self.max_turns:
             return self._finish("max_turns")
-        self.state = State.TOOL_PENDING
-        return CallTool(request)
+        request = step.tool
+        if request is not None:
+            self.state = State.TOOL_PENDING
+            return CallTool(request, step.observation)
+        self.state = State.REPLY_PENDING
+        return Reply(step.observation)
 
     def on_tool_return(self, status: str, observation_ids: list[int]) -> Action:
         """A tool returned; its observation (tokenised by the caller) becomes part of the context."""
         if self.state is not State.TOOL_PENDING:
             raise IllegalTransition(f"tool return in state {self.state.value}")
         self.tool_statuses.append(status)
+        return self._observed(observation_ids)
+
+    def on_reply(self, observation_ids: list[int]) -> Action:
+        """The environment's observation (tokenised by the caller) becomes part of the context."""
+        if self.state is not State.REPLY_PENDING:
+            raise IllegalTransition(f"environment reply in state {self.state.value}")
+        return self._observed(observation_ids)
+
+    def _observed(self, observation_ids: list[int]) -> Action:
         self.segments.append(Segment(list(observation_ids), [], generated=False))
         self.state = State.GENERATING
         return self._next_generation()
@@ -214,15 +257,23 @@ class Trajectory:
             return Generate(ctx, exact, exact)
         return Generate(ctx, budget)
 
-    def _finish(self, reason: str) -> Finish:
+    def _finish(self, reason: str, given: float | None = None) -> Finish:
+        """`given`: the environment's own reward for the episode."""
         final_text = self.texts[-1] if self.texts else ""
         ok_tools = sum(1 for s in self.tool_statuses if s == "ok")
-        if reason == "error" or self.scored_outside:
+        needs_score = False
+        if reason == "error":
             reward = 0.0
+        elif given is not None:
+            reward = given
+        elif self.scored_outside:
+            reward, needs_score = 0.0, True
         elif self.script is not None:  # synthetic: 1 when the last tool worked (or none was needed)
             reward = float(not self.tool_statuses or self.tool_statuses[-1] == "ok")
+        elif not self.builtin_reward:
+            reward = 0.0
         else:
             reward = score(final_text, self.task.answer, ok_tools, self.tool_bonus)
-        self.finish = Finish(reason, reward)
+        self.finish = Finish(reason, reward, needs_score)
         self.state = State.DONE
         return self.finish

@@ -21,6 +21,7 @@ from services.common.tracing import tracer
 from services.tool_sandbox.config import SandboxSettings
 from services.tool_sandbox.executor import SandboxExecutor, ToolOutcome
 from services.tool_sandbox.outcome import Status
+from services.tool_sandbox.tools.script import tool_plugin_files
 
 QUEUE_GROUP = "tool-sandbox"
 METRICS_PERIOD_S = 5.0
@@ -121,7 +122,7 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
 
     settings = load_settings(SandboxSettings)
     assert common.worker_id is not None
-    plugins = load_run_config(common.config).task.tool_plugins if common.config else []
+    plugins = tool_plugin_files(load_run_config(common.config).task.tool_plugins if common.config else [])
     executor = SandboxExecutor(settings, plugins)
     await executor.start()
     stack.push_async_callback(executor.close)

@@ -532,6 +532,52 @@ def test_rewards_that_raise_or_hang_fail_only_their_trajectories(stack: Stack, t
     assert report["trajectories_lost"] == 0
 
 
+ENV_PLUGIN = """
+class Countdown:
+    \"\"\"Three turns whatever the model writes: an observation, a calculator call, then the end.\"\"\"
+
+    def reset(self, sample):
+        self.sample, self.turns, self.tools = sample, 0, []
+        return f"Count down from {sample['answer']}."
+
+    def step(self, response):
+        assert isinstance(response, str)
+        if self.sample["mode"] == "raise":
+            raise RuntimeError("this environment has a bug")
+        self.turns += 1
+        if self.turns == 1:
+            return {"observation": "Go on."}
+        if self.turns == 2:
+            return {"tool_call": {"name": "calculator", "arguments": {"expression": "2+3"}}}
+        return {"done": True, "reward": 0.5 if self.tools == [("calculator", "ok", "Result: 5")] else -1.0}
+
+    def tool_result(self, tool, status, output):
+        self.tools.append((tool, status, output))
+"""
+
+
+def test_an_environment_of_your_own_drives_every_turn(stack: Stack, tmp_path: Path) -> None:
+    data, plugins = _own_task(tmp_path, ["ok", "ok", "raise", "ok", "ok", "ok"])
+    (plugins / "my_env.py").write_text(ENV_PLUGIN)
+    task = {
+        "dataset": {"path": str(data), "prompt_key": "question"},
+        "environment": "my_env:Countdown",
+        "plugin_paths": [str(plugins)],
+        "max_turns": 4,
+        "max_context_tokens": 1024,
+    }
+    config = _config(tmp_path, task=task, training={"filter_zero_advantage": False})
+    report = _run(stack, config, f"env-{RUN}", tmp_path)
+    assert report["status"] == "completed", report["reason"]
+    # every trained trajectory went observation → tool → end, and the tool's result reached it
+    assert report["reward_mean_per_step"] == [0.5, 0.5]
+    assert report["trajectories_failed_by_code"].get("env_error", 0) >= 1
+    assert report["tool_calls"].get("ok", 0) >= 4
+    assert (
+        report["reward"] == f"{data}: environment my_env:Countdown's reward (episodes it does not score: 0)"
+    )
+
+
 def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path) -> None:
     """A forged plan sends every turn to engines that do not exist: nothing completes any more."""
     config = _config(tmp_path, job={"stall_timeout_s": 8}, training={"steps": 3})

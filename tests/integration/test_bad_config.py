@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.installed_tool import install_tool_package
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ["planner", "scheduler", "rollout_engine", "trainer", "tool_sandbox"]
 
@@ -77,6 +79,7 @@ def test_libra_run_missing_config_is_a_clear_error(tmp_path: Path) -> None:
         ("  reward: 'no_such_module:score'\n", "ModuleNotFoundError: No module named 'no_such_module'"),
         ("  tools: [calculator, teleport]\n", "task.tools: unknown ['teleport']"),
         ("  tool_plugins: [no_such_tool.py]\n", "no_such_tool.py: cannot read the tool plugin"),
+        ("  environment: 'no_such_env:Game'\n", "task.environment 'no_such_env:Game' cannot be loaded"),
     ],
 )
 def test_a_bad_dataset_or_reward_stops_libra_run_and_config_check(
@@ -98,3 +101,21 @@ def test_config_check_accepts_the_shipped_custom_example() -> None:
     out = _run(["-m", "tools.cli", "config", "check", "configs/custom_example.yaml"], {}, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "48 prompts × 4 samples" in out.stdout
+
+
+def test_an_installed_package_adds_its_tools(tmp_path: Path) -> None:
+    """A `libra.tools` entry point of an installed package is a tool `task.tools` may name."""
+    site = tmp_path / "site"
+    install_tool_package(site, "convert")
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("model: {source: tiny-random}\ntask:\n  tools: [convert, calculator]\n")
+    bare = _run(["-m", "tools.cli", "config", "check", str(cfg)], {})
+    assert bare.returncode == 2 and "task.tools: unknown ['convert']" in bare.stderr
+    out = _run(["-m", "tools.cli", "config", "check", str(cfg)], {"PYTHONPATH": str(site)})
+    assert out.returncode == 0, out.stderr
+
+
+def test_config_check_accepts_the_shipped_environment_example() -> None:
+    out = _run(["-m", "tools.cli", "config", "check", "configs/guess_example.yaml"], {}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "64 prompts × 4 samples" in out.stdout

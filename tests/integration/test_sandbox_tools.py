@@ -197,7 +197,8 @@ def test_cli_prints_the_outcome_as_json(tmp_path: Path) -> None:
 async def test_a_tool_plugin_runs_in_the_sandbox(tmp_path: Path) -> None:
     """examples/custom/unit_tool.py through the real executor: schema-checked arguments, its
     result, its exceptions as `error`, and the sandbox's isolation around it."""
-    from services.tool_sandbox.tools.script import ToolPluginError
+    from services.tool_sandbox.tools.script import ToolPluginError, installed_plugins
+    from tests.installed_tool import install_tool_package
 
     spy = tmp_path / "spy.py"
     spy.write_text(
@@ -220,6 +221,15 @@ async def test_a_tool_plugin_runs_in_the_sandbox(tmp_path: Path) -> None:
         assert mixed.status == "error" and "cannot convert time to mass" in result(mixed.payload)["stderr"]
         spied = await ex.execute("spy", {})
         assert spied.status == "error" and "host secret" not in spied.payload  # the host's files stay out
+    finally:
+        await ex.close()
+    site = tmp_path / "site"
+    install_tool_package(site, "convert")
+    ex = SandboxExecutor(SandboxSettings(pool_size=1, max_concurrency=1), installed_plugins([str(site)]))
+    await ex.start()
+    try:  # the same tool from an installed package's `libra.tools` entry point
+        out = await ex.execute("convert", {"value": 3, "from": "km", "to": "m"})
+        assert out.status == "ok" and result(out.payload)["stdout"] == "3000\n"
     finally:
         await ex.close()
     with pytest.raises(ToolPluginError, match="name of a built-in"):

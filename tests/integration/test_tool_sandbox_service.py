@@ -72,7 +72,8 @@ async def test_service_answers_and_survives(nats_server, run_id) -> None:
 async def test_code_tests_reward_runs_in_the_real_sandbox(nats_server, run_id, monkeypatch) -> None:
     """The `code_tests` built-in reward: the response's code and the row's tests in the sandbox."""
     from services.scheduler import rewards
-    from services.scheduler.rewards import RewardFailure, SandboxClient, code_tests
+    from services.scheduler.plugins import PluginFailure
+    from services.scheduler.rewards import SandboxClient, code_tests
 
     executor = SandboxExecutor(SandboxSettings())
     await executor.start()
@@ -94,11 +95,11 @@ async def test_code_tests_reward_runs_in_the_real_sandbox(nats_server, run_id, m
         assert await code_tests("no code at all", sample, client, 10) == 0.0
         assert await code_tests("```python\nwhile True: pass\n```", sample, client, 1) == 0.0  # too slow
         missing = await code_tests(good, {"answer": 1}, client, 10)
-        assert isinstance(missing, RewardFailure) and missing.code == "reward_error"
+        assert isinstance(missing, PluginFailure) and missing.code == "reward_error"
         await svc_bus.close()  # no sandbox left: a failure of the reward, not a 0
         monkeypatch.setattr(rewards, "SANDBOX_GRACE_S", 0.5)
         gone = await code_tests(good, sample, client, 0.5)
-        assert isinstance(gone, RewardFailure) and gone.code == "reward_timeout"
+        assert isinstance(gone, PluginFailure) and gone.code == "reward_timeout"
         assert not client.pending
     finally:
         with contextlib.suppress(Exception):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.rewards import RewardFailure, RewardLoadError, RewardPool, exact_match, numeric
+from services.scheduler.plugins import PluginFailure, PluginLoadError
+from services.scheduler.rewards import RewardPool, exact_match, numeric
 
 PLUGIN = """
 import os, sys, time
@@ -49,7 +50,7 @@ def plugin_dir(tmp_path: Path) -> Path:
 
 
 def test_every_failure_is_typed_and_the_pool_keeps_serving(plugin_dir: Path) -> None:
-    async def main() -> list[float | RewardFailure]:
+    async def main() -> list[float | PluginFailure]:
         pool = RewardPool("my_reward:score", [str(plugin_dir)], workers=1, timeout_s=2.0)
         await pool.start()
         try:
@@ -67,7 +68,7 @@ def test_every_failure_is_typed_and_the_pool_keeps_serving(plugin_dir: Path) -> 
             await pool.close()
 
     out = asyncio.run(main())
-    codes = [r.code if isinstance(r, RewardFailure) else r for r in out]
+    codes = [r.code if isinstance(r, PluginFailure) else r for r in out]
     assert codes == [
         5.25,
         "reward_error",
@@ -79,11 +80,11 @@ def test_every_failure_is_typed_and_the_pool_keeps_serving(plugin_dir: Path) -> 
         "reward_invalid",
         0.5,
     ]
-    assert isinstance(out[1], RewardFailure) and "ValueError: no good" in out[1].message
+    assert isinstance(out[1], PluginFailure) and "ValueError: no good" in out[1].message
 
 
 def test_calls_run_concurrently_across_workers(plugin_dir: Path) -> None:
-    async def main() -> list[float | RewardFailure]:
+    async def main() -> list[float | PluginFailure]:
         pool = RewardPool("my_reward:score", [str(plugin_dir)], workers=2, timeout_s=1.0)
         await pool.start()
         try:
@@ -97,7 +98,7 @@ def test_calls_run_concurrently_across_workers(plugin_dir: Path) -> None:
             await pool.close()
 
     out = asyncio.run(main())
-    assert isinstance(out[0], RewardFailure) and out[0].code == "reward_timeout"
+    assert isinstance(out[0], PluginFailure) and out[0].code == "reward_timeout"
     assert out[1:] == [1.0, 2.0, 3.0, 4.0]
 
 
@@ -117,7 +118,7 @@ def test_a_reward_that_cannot_load_is_refused_at_start(plugin_dir: Path, ref: st
         finally:
             await pool.close()
 
-    with pytest.raises(RewardLoadError, match=message):
+    with pytest.raises(PluginLoadError, match=message):
         asyncio.run(main())
 
 
@@ -129,4 +130,4 @@ def test_code_blocks_and_tests_are_read_from_the_response_and_row() -> None:
     assert code_block("no code") is None and code_block("```python\n\n```") is None
     assert tests_of({"tests": ["assert f(1)", "assert f(2)"]}) == "assert f(1)\nassert f(2)"
     assert tests_of({"tests": "assert f(1)"}) == "assert f(1)"
-    assert isinstance(tests_of({"tests": ""}), RewardFailure) and isinstance(tests_of({}), RewardFailure)
+    assert isinstance(tests_of({"tests": ""}), PluginFailure) and isinstance(tests_of({}), PluginFailure)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.tool_sandbox.tools.script import ToolPluginError, read_plugin
+from services.tool_sandbox.tools.script import ToolPluginError, installed_plugins, read_plugin
+from tests.installed_tool import install_tool_package
 from tools.stack import ROOT
 
 
@@ -44,3 +45,23 @@ def test_a_bad_plugin_is_refused_with_its_reason(tmp_path: Path, source: str, me
 def test_a_missing_plugin_file(tmp_path: Path) -> None:
     with pytest.raises(ToolPluginError, match="cannot read the tool plugin"):
         read_plugin(tmp_path / "none.py")
+
+
+def test_installed_packages_declare_tools_by_entry_point(tmp_path: Path) -> None:
+    file = install_tool_package(tmp_path, "convert")
+    assert installed_plugins([str(tmp_path)]) == [str(file.resolve())]  # found, never imported
+
+
+@pytest.mark.parametrize(
+    ("entry", "module", "message"),
+    [
+        ("units", "mytools.units", "the file's NAME is 'convert'"),
+        ("convert", "mytools.missing", "module mytools.missing not found"),
+    ],
+)
+def test_a_broken_entry_point_is_refused_with_its_package_named(
+    tmp_path: Path, entry: str, module: str, message: str
+) -> None:
+    install_tool_package(tmp_path, entry, module)
+    with pytest.raises(ToolPluginError, match=f"entry point {entry} = '{module}' of mytools: {message}"):
+        installed_plugins([str(tmp_path)])

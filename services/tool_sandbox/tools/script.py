@@ -1,5 +1,6 @@
-"""Tools of your own (`task.tool_plugins`): a Python file with `NAME`, `DESCRIPTION`, `SCHEMA` (the JSON
-schema of its arguments) and `def run(**args)`, executed in the same sandbox as the python tool.
+"""Tools of your own (`task.tool_plugins`, or installed packages' `libra.tools` entry points): a Python
+file with `NAME`, `DESCRIPTION`, `SCHEMA` (the JSON schema of its arguments) and `def run(**args)`,
+executed in the same sandbox as the python tool.
 
 The file's constants are read with `ast.literal_eval`, never by importing it: the user's code runs
 only inside the sandbox, once per call, with the validated arguments. `run` returns a string
@@ -9,6 +10,8 @@ with its traceback on stderr."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -17,6 +20,9 @@ from typing import Any
 from services.tool_sandbox.config import SandboxSettings
 from services.tool_sandbox.tools.base import SandboxRun, Tool, ToolResult, process_result
 
+ENTRY_POINT_GROUP = "libra.tools"
+"""Installed packages declare tools here: `[project.entry-points."libra.tools"] NAME = "pkg.module"`,
+the module being a tool plugin file (standard library only: it runs alone in the sandbox)."""
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _STUB = """
 
@@ -104,3 +110,47 @@ def plugin_tools(settings: SandboxSettings, paths: list[str]) -> dict[str, Tool]
             raise ToolPluginError(f"{p}: a second tool named {tool.tool_name!r}")
         tools[tool.tool_name] = tool
     return tools
+
+
+def installed_plugins(path: list[str] | None = None) -> list[str]:
+    """The tool plugin files that installed distributions (on `path`, default sys.path) declare in
+    the `libra.tools` entry-point group, found without importing them; the entry point's name is
+    the tool's NAME."""
+    found: dict[str, str] = {}
+    dists = (
+        importlib.metadata.distributions(path=path)
+        if path is not None
+        else importlib.metadata.distributions()
+    )
+    for dist in dists:
+        for ep in dist.entry_points.select(group=ENTRY_POINT_GROUP):
+            where = f"entry point {ep.name} = {ep.value!r} of {dist.metadata['Name']}"
+            file = _module_file(dist, ep.module)
+            if file is None:
+                raise ToolPluginError(f"{where}: module {ep.module} not found")
+            name = read_plugin(file)[0]
+            if name != ep.name:
+                raise ToolPluginError(f"{where}: the file's NAME is {name!r}; name the entry point so")
+            if found.setdefault(name, file) != file:
+                raise ToolPluginError(f"{where}: a second installed tool named {name!r} ({found[name]})")
+    return sorted(found.values())
+
+
+def _module_file(dist: importlib.metadata.Distribution, module: str) -> str | None:
+    rel = module.replace(".", "/")
+    for f in dist.files or []:
+        if str(f) in (f"{rel}.py", f"{rel}/__init__.py"):
+            return str(Path(str(dist.locate_file(f))).resolve())
+    try:  # an editable install: its files are not in the record
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    return str(Path(spec.origin).resolve()) if spec is not None and spec.origin else None
+
+
+def tool_plugin_files(configured: list[str]) -> list[str]:
+    """`task.tool_plugins` and the installed tools, each file once."""
+    out: dict[str, str] = {}
+    for p in [*configured, *installed_plugins()]:
+        out.setdefault(str(Path(p).resolve()), p)
+    return list(out.values())
