@@ -33,6 +33,7 @@ from services.common.ownership import committed_key, plans_key, role_changes_key
 from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
 from services.scheduler.ledger import Accounting, read_accounting
 from tools.learning_plot import write_reward_plot
+from tools.loggers import LoggerUnavailable, StepLoggers, check_loggers
 from tools.run_plots import write_run_plots
 from tools.sim.stats import t95
 from tools.stack import ROOT, Stack, read_stack_file
@@ -220,7 +221,8 @@ def check_task(cfg: RunConfig) -> None:
         unknown = sorted(set(cfg.task.tools or []) - names)
         if unknown:
             raise ToolPluginError(f"task.tools: unknown {unknown}; known: {sorted(names)}")
-    except (DatasetError, PluginLoadError, ToolPluginError) as e:
+        check_loggers(cfg)
+    except (DatasetError, PluginLoadError, ToolPluginError, LoggerUnavailable) as e:
         print(f"invalid configuration: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -272,6 +274,7 @@ class JobDriver:
         self.targets: dict[str, ev.WorkerStatus] = {}
         self.progress = Progress()
         self.stats: ev.SchedulerStats | None = None
+        self.loggers = StepLoggers(cfg, run_id, out_dir)
 
     async def run(self) -> dict[str, Any]:
         import redis.asyncio as aioredis
@@ -310,6 +313,7 @@ class JobDriver:
                 )
             report["services_not_stopped"] = sorted(set(alive) - set(stopped))
             report["services_dead"] = dead
+            await asyncio.to_thread(self.loggers.close, status)
             await self.bus.close()
             await close_nats(self.nc)
             with contextlib.suppress(Exception):
@@ -327,6 +331,8 @@ class JobDriver:
 
     async def _on_metrics(self, m: ev.TrainMetrics, _: Envelope) -> None:
         self.metrics.append(m)
+        if self.loggers.active:
+            await asyncio.to_thread(self.loggers.step, m)  # a remote MLflow must not stall the loop
         if m.step > 0:
             self.step_marks[m.step] = {
                 "t": round(time.monotonic() - self.t0, 2),

@@ -261,6 +261,14 @@ class JobConfig(_Strict):
     stall_timeout_s: float = Field(600.0, ge=5.0)
     """`libra run` ends the job as timed_out when no trajectory completed and no step was trained for
     this long, and reports what is stuck. Set it above your longest train step plus weight push."""
+    loggers: list[Literal["tensorboard", "mlflow"]] = Field(default_factory=list)
+    """Experiment loggers that get every train step's metrics from `libra run` (off by default;
+    `pip install 'libra[loggers]'`): `tensorboard` writes runs/<id>/tensorboard, `mlflow` one
+    run per job (docs/observability.md)."""
+    experiment: str | None = None
+    """The MLflow experiment (default: the config's `name`)."""
+    mlflow_tracking_uri: str | None = None
+    """Where MLflow runs go (default: $MLFLOW_TRACKING_URI, else a file store in runs/mlruns)."""
     lease_ttl_s: float = Field(10.0, ge=2.0, le=600.0)
     """Every worker's lease (Redis, fenced): renewed every quarter of it. A worker whose renewals
     failed for this long stops acting (an engine refuses turns, the trainer starts no step) and the

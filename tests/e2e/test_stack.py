@@ -507,10 +507,18 @@ def test_a_dataset_and_reward_of_your_own_train_with_exactly_that_reward(
         "tool_plugins": [str(ROOT / "examples" / "custom" / "unit_tool.py")],  # loaded by the sandbox
         "tools": ["convert", "calculator"],
     }
-    config = _config(tmp_path, task=task, training={"filter_zero_advantage": False})
+    job = {"loggers": ["tensorboard", "mlflow"]}
+    config = _config(tmp_path, task=task, training={"filter_zero_advantage": False}, job=job)
     report = _run(stack, config, f"own-task-{RUN}", tmp_path)
     assert report["status"] == "completed", report["reason"]
     assert report["reward_mean_per_step"] == [0.25, 0.25]
+    # the experiment loggers got the same steps (TensorBoard read back with its own reader)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / f"own-task-{RUN}" / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/reward_mean")] == [(1, 0.25), (2, 0.25)]
+    assert list((tmp_path / "mlruns").glob("*/*/metrics/train.reward_mean"))
     assert report["trajectories_failed"] == 0 and report["trajectories_lost"] == 0
     assert report["reward"] == f"{data}: task.reward my_rewards:constant"
 
