@@ -14,11 +14,16 @@ message"}`. Kept free of heavy imports: it starts once per worker and again afte
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +51,9 @@ def resolve(ref: str) -> Any:
     if not callable(obj):
         raise TypeError(f"{ref} is a {type(obj).__name__}, not a function or class")
     return obj
+
+
+PR_SET_PDEATHSIG = 1
 
 
 class InvalidReturn(Exception):
@@ -99,7 +107,24 @@ def env_handler(factory: Callable[[], Any]) -> Callable[[dict[str, Any]], Any]:
 HANDLERS = {"reward": reward_handler, "env": env_handler}
 
 
+def die_with_parent() -> None:
+    """Exits when the scheduler that started it dies, even killed with -9 and even while the user's
+    code hangs: the kernel's parent-death signal on Linux, a watching thread elsewhere."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
+    die_with_parent()
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
