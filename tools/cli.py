@@ -1,4 +1,5 @@
-"""The `libra` command: up, down, status, run, report, trace, config check, credentials, sim, sandbox, bench."""
+"""The `libra` command: up, down, status, run, report, export, trace, config check, credentials, sim,
+sandbox, bench."""
 
 from __future__ import annotations
 
@@ -16,11 +17,34 @@ from tools.stack import ROOT, STACK_FILE, Stack, pid_alive, read_stack_file
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
 
 
-def _load(config: str) -> tuple[Path, object]:
+def _load(config: str, overrides: list[str] | None = None) -> tuple[Path, object]:
     from services.common.runconfig import load_run_config
 
     path = Path(config)
-    return path, load_run_config(path)
+    return path, load_run_config(path, overrides or [])
+
+
+def config_overrides(extra: list[str]) -> list[str]:
+    """`--training.lr 1e-6`, `--training.lr=1e-6` or `training.lr=1e-6` → `training.lr=1e-6`;
+    ValueError for anything else."""
+    out: list[str] = []
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            if "=" in arg:
+                out.append(arg[2:])
+            elif i + 1 < len(extra):
+                out.append(f"{arg[2:]}={extra[i + 1]}")
+                i += 1
+            else:
+                raise ValueError(f"{arg} needs a value (e.g. {arg} 3)")
+        elif not arg.startswith("-") and "=" in arg and "." in arg.split("=", 1)[0]:
+            out.append(arg)
+        else:
+            raise ValueError(f"unrecognized argument {arg!r} (config overrides look like --training.lr 1e-6)")
+        i += 1
+    return out
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -37,7 +61,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     resolve_model_dir(cfg.model)  # converted once here, so the first job starts quickly
     engines = args.engines or cfg.rollout.engines
     name = args.name or f"stack-{time.strftime('%Y%m%d-%H%M%S')}"
-    stack = Stack(name, ROOT / "runs" / name / "logs", args.otlp_endpoint, max_restarts=args.max_restarts)
+    stack = Stack(
+        name, Path("runs").resolve() / name / "logs", args.otlp_endpoint, max_restarts=args.max_restarts
+    )
     stopping = {"flag": False}
 
     def on_signal(signum: int, _: object) -> None:
@@ -118,12 +144,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from services.common.runconfig import RunConfig
     from tools.runner import run_job
 
-    path, cfg = _load(args.config)
+    path, cfg = _load(args.config, args.overrides)
     assert isinstance(cfg, RunConfig)
     report = run_job(
         path,
         cfg,
         run_id=args.run_id,
+        runs_dir=Path(args.output_dir),
         timeout_s=args.timeout,
         otlp_endpoint=args.otlp_endpoint,
         max_restarts=args.max_restarts,
@@ -171,6 +198,28 @@ def cmd_report(args: argparse.Namespace) -> int:
     return print_summary(report)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Writes a run's trained policy in Hugging Face format (default: runs/<run>/final)."""
+    from services.common.runconfig import load_run_config
+    from tools.export import ExportError, export_policy
+
+    run_dir = Path(args.runs_dir) / args.run
+    report_path, config_path = run_dir / "report.json", run_dir / "config.yaml"
+    if not report_path.is_file() or not config_path.is_file():
+        print(f"no run at {run_dir} (it needs report.json and config.yaml)", file=sys.stderr)
+        return 2
+    report = json.loads(report_path.read_text())
+    cfg = load_run_config(config_path)
+    checkpoint = Path(args.checkpoint or report.get("checkpoint") or "")
+    try:
+        out = export_policy(cfg, checkpoint, Path(args.out or run_dir / "final"), run_id=report["run_id"])
+    except ExportError as e:
+        print(f"cannot export {args.run}: {e}", file=sys.stderr)
+        return 1
+    print(f"{out}: {cfg.model.source} policy of run {report['run_id']} (Hugging Face format)")
+    return 0
+
+
 def cmd_credentials(args: argparse.Namespace) -> int:
     import yaml
 
@@ -189,7 +238,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     from services.common.runconfig import RunConfig
     from tools.runner import check_task
 
-    path, cfg = _load(args.file)  # a bad field exits with its message
+    path, cfg = _load(args.file, args.overrides)  # a bad field exits with its message
     assert isinstance(cfg, RunConfig)
     check_task(cfg)
     from services.scheduler.feed import task_list
@@ -257,8 +306,19 @@ def main(argv: list[str] | None = None) -> int:
         help="run a job on the stack `libra up` started (or on an embedded one) and write "
         "runs/<run-id>/report.json",
     )
-    run.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG))
+    run.add_argument(
+        "config",
+        nargs="?",
+        default=str(DEFAULT_CONFIG),
+        help="run config (default: configs/default.yaml); any field can be overridden after it: "
+        "--training.lr 1e-6, --task.max_turns=4 or rollout.engines=3 (YAML values)",
+    )
     run.add_argument("--run-id")
+    run.add_argument(
+        "--output-dir",
+        default="runs",
+        help="where runs/<run-id>/ goes: report, plots, traces, the exported policy (default: ./runs)",
+    )
     run.add_argument(
         "--timeout",
         type=float,
@@ -281,14 +341,22 @@ def main(argv: list[str] | None = None) -> int:
     creds.set_defaults(fn=cmd_credentials)
     rep = sub.add_parser("report", help="reprint a run's summary from runs/<run>/report.json")
     rep.add_argument("run", nargs="?", default="latest", help="run id (default: the last run)")
-    rep.add_argument("--runs-dir", default=str(ROOT / "runs"))
+    rep.add_argument("--runs-dir", default="runs")
     rep.set_defaults(fn=cmd_report)
+    exp = sub.add_parser(
+        "export", help="write a run's trained policy in Hugging Face format (model and tokenizer)"
+    )
+    exp.add_argument("run", nargs="?", default="latest", help="run id (default: the last run)")
+    exp.add_argument("--runs-dir", default="runs")
+    exp.add_argument("--out", help="directory to write (default: runs/<run>/final)")
+    exp.add_argument("--checkpoint", help="a trainer checkpoint (default: the run's committed one)")
+    exp.set_defaults(fn=cmd_export)
     config = sub.add_parser("config", help="`libra config check FILE`: validate a run config")
     config_sub = config.add_subparsers(dest="config_cmd", required=True)
     check = config_sub.add_parser(
         "check", help="validate FILE, read its dataset and load its reward, starting nothing"
     )
-    check.add_argument("file")
+    check.add_argument("file", help="run config; overrides after it as for `libra run`")
     check.set_defaults(fn=cmd_config_check)
     sub.add_parser("sim", help="discrete-event simulator (see `libra sim --help`)")
     sub.add_parser("sandbox", help="run one tool call in the sandbox (see `libra sandbox --help`)")
@@ -302,7 +370,14 @@ def main(argv: list[str] | None = None) -> int:
         help="`libra bench live`: the live stack (emulated engines) against the simulator's prediction "
         "(see `libra bench live --help`)",
     )
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if args.fn in (cmd_run, cmd_config_check):
+        try:
+            args.overrides = config_overrides(extra)
+        except ValueError as e:
+            p.error(str(e))
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.fn(args))
 
 

@@ -36,7 +36,7 @@ from tools.learning_plot import write_reward_plot
 from tools.loggers import LoggerUnavailable, StepLoggers, check_loggers
 from tools.run_plots import write_run_plots
 from tools.sim.stats import t95
-from tools.stack import ROOT, Stack, read_stack_file
+from tools.stack import Stack, read_stack_file
 
 SERVICES_NEEDED = ("planner", "scheduler", "trainer", "tool-sandbox")
 LIVENESS_S = 30.0  # a planner, scheduler or trainer without a heartbeat for this long has stopped
@@ -174,25 +174,34 @@ def learning_report(trained: list[ev.TrainMetrics]) -> dict[str, Any]:
     }
 
 
-def job_config_yaml(config_path: Path, cfg: RunConfig) -> str:
-    """The config text a job is submitted with: the file as written, but with a dataset path and
-    plugin paths made absolute from where `libra run` was started, since services start elsewhere."""
+def job_config_yaml(cfg: RunConfig) -> str:
+    """The config a job is submitted with: what the file and the command-line overrides set."""
     import yaml
 
-    text = config_path.read_text()
-    dataset_rel = isinstance(cfg.task.dataset, DatasetFile) and not Path(cfg.task.dataset.path).is_absolute()
-    paths = [*cfg.task.plugin_paths, *cfg.task.tool_plugins]
-    plugins_rel = any(not Path(p).is_absolute() for p in paths)
-    if not (dataset_rel or plugins_rel):
-        return text
-    raw = yaml.safe_load(text)
-    task = raw["task"]
-    if dataset_rel:
-        task["dataset"]["path"] = str(Path(task["dataset"]["path"]).resolve())
+    return str(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True), sort_keys=False))
+
+
+def with_local_paths(cfg: RunConfig, runs_dir: Path) -> RunConfig:
+    """The config with its relative paths (dataset, plugins, checkpoints) made absolute from where
+    `libra run` started, since the services start elsewhere; checkpoints default to
+    <runs_dir>/<run-id>/checkpoints."""
+    task: dict[str, Any] = {}
+    if isinstance(cfg.task.dataset, DatasetFile):
+        path = str(Path(cfg.task.dataset.path).resolve())
+        task["dataset"] = cfg.task.dataset.model_copy(update={"path": path})
     for key in ("plugin_paths", "tool_plugins"):
-        if key in task:
-            task[key] = [str(Path(p).resolve()) for p in task[key]]
-    return str(yaml.safe_dump(raw, sort_keys=False))
+        if key in cfg.task.model_fields_set:
+            task[key] = [str(Path(p).resolve()) for p in getattr(cfg.task, key)]
+    ckpt = cfg.training.checkpoint_dir
+    if "checkpoint_dir" not in cfg.training.model_fields_set:
+        ckpt = str(runs_dir / "{run_id}" / "checkpoints")
+    training = {"checkpoint_dir": str(Path(ckpt).resolve())}
+    return cfg.model_copy(
+        update={
+            "task": cfg.task.model_copy(update=task),
+            "training": cfg.training.model_copy(update=training),
+        }
+    )
 
 
 def check_task(cfg: RunConfig) -> None:
@@ -433,7 +442,7 @@ class JobDriver:
     async def _submit(self) -> None:
         self.spec = spec = ev.JobSpec(
             run_id=self.run_id,
-            config_yaml=job_config_yaml(self.config_path, self.cfg),
+            config_yaml=job_config_yaml(self.cfg),
             config_name=str(self.config_path),
             targets=sorted(self.targets),
             trace_dir=str((self.out_dir / "traces").resolve()) if self.out_dir else "",
@@ -820,7 +829,7 @@ def run_job(
     cfg: RunConfig,
     *,
     run_id: str | None = None,
-    runs_dir: Path = ROOT / "runs",
+    runs_dir: Path = Path("runs"),
     timeout_s: float | None = None,
     otlp_endpoint: str | None = None,
     progress: bool = True,
@@ -833,7 +842,9 @@ def run_job(
     from services.common.models import resolve_model_dir
 
     run_id = run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    runs_dir = runs_dir.resolve()
     check_task(cfg)
+    cfg = with_local_paths(cfg, runs_dir)
     print(f"preparing model '{cfg.model.source}' (converted once, then cached)…", file=sys.stderr)
     resolve_model_dir(cfg.model)
     owned = False
@@ -855,6 +866,9 @@ def run_job(
             owned = True
             print(f"run {run_id} on an embedded stack", file=sys.stderr)
     print(f"  nats {stack.nats_url}  redis {stack.redis_url}  logs {stack.log_dir}", file=sys.stderr)
+    out_dir = runs_dir / run_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(job_config_yaml(cfg))  # as run, overrides included
     try:
         driver = JobDriver(
             stack,
@@ -863,14 +877,30 @@ def run_job(
             run_id,
             timeout_s=timeout_s,
             progress=progress,
-            out_dir=runs_dir / run_id,
+            out_dir=out_dir,
         )
         report = asyncio.run(driver.run())
     finally:
         if owned:
             stack.stop()
+    if report["status"] == "completed" and cfg.job.export_final and cfg.training.backend != "emulated":
+        report["final_policy"] = export_final(cfg, report, out_dir)
     report["report_path"] = str(write_report(report, runs_dir))
     return report
+
+
+def export_final(cfg: RunConfig, report: dict[str, Any], out_dir: Path) -> str:
+    """The trained policy in Hugging Face format in runs/<id>/final (or why it is not there)."""
+    from tools.export import ExportError, export_policy
+
+    ckpt = report.get("checkpoint") or ""
+    try:
+        out = export_policy(cfg, Path(ckpt), out_dir / "final", run_id=report["run_id"])
+    except ExportError as e:
+        print(f"policy not exported: {e}", file=sys.stderr)
+        return f"not exported: {e}"
+    print(f"policy: {out} (Hugging Face format)", file=sys.stderr)
+    return str(out)
 
 
 def completing_step(source: str, target: str) -> str | None:

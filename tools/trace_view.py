@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tools.stack import ROOT
-
 BAR = 40
 
 
@@ -164,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="libra trace", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("trajectory_id", nargs="?", help="omitted: list the run's slowest trajectories")
     p.add_argument("--run", default="latest", help="run id under --runs-dir (default: the last run)")
-    p.add_argument("--runs-dir", default=str(ROOT / "runs"))
+    p.add_argument("--runs-dir", default="runs")
     args = p.parse_args(argv)
     trace_dir = Path(args.runs_dir) / args.run / "traces"
     if not trace_dir.is_dir():

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import ssl
 import sys
+import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.credentials import NatsAuth
@@ -102,12 +104,40 @@ class ConfigFileError(SystemExit):
 class SettingsError(ConfigFileError):
     """Exit with a readable list of what is wrong in the settings (exit code 2)."""
 
-    def __init__(self, where: str, err: ValidationError):
+    def __init__(self, where: str, err: ValidationError, model: type[BaseModel] | None = None):
         lines = [f"invalid configuration in {where}:"]
         for e in err.errors():
             loc = ".".join(str(p) for p in e["loc"]) or "(root)"
-            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
+            line = f"  {loc}: {e['msg']} (got {e.get('input')!r})"
+            if e["type"] == "extra_forbidden" and model is not None:
+                line += did_you_mean(model, e["loc"])
+            lines.append(line)
         super().__init__("\n".join(lines))
+
+
+def did_you_mean(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """` — did you mean 'lr'?` for an unknown field at `loc`, with the fields of its section."""
+    for part in loc[:-1]:
+        if isinstance(part, int):  # an element of a list section
+            continue
+        field = model.model_fields.get(part)
+        inner = [a for a in _flatten(field.annotation if field else None) if _is_model(a)]
+        if not inner:
+            return ""
+        model = inner[0]
+    known = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f" — {hint}known: {', '.join(known)}"
+
+
+def _flatten(annotation: Any) -> list[Any]:
+    args = typing.get_args(annotation)
+    return [x for a in args for x in _flatten(a)] if args else [annotation]
+
+
+def _is_model(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, BaseModel)
 
 
 def load_settings(cls: type[S], **overrides: Any) -> S:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -261,6 +262,9 @@ class JobConfig(_Strict):
     stall_timeout_s: float = Field(600.0, ge=5.0)
     """`libra run` ends the job as timed_out when no trajectory completed and no step was trained for
     this long, and reports what is stuck. Set it above your longest train step plus weight push."""
+    export_final: bool = True
+    """When the job completes, `libra run` writes the trained policy in Hugging Face format (model
+    and tokenizer, `from_pretrained`-loadable) to runs/<id>/final; `libra export RUN` does it later."""
     loggers: list[Literal["tensorboard", "mlflow"]] = Field(default_factory=list)
     """Experiment loggers that get every train step's metrics from `libra run` (off by default;
     `pip install 'libra[loggers]'`): `tensorboard` writes runs/<id>/tensorboard, `mlflow` one
@@ -381,17 +385,18 @@ class RunConfig(_Strict):
         return self.training.groups_per_step * self.task.group_size
 
 
-def load_run_config(path: str | Path | None) -> RunConfig:
-    """Reads and validates a run config; a bad file exits with a clear message."""
+def load_run_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Reads and validates a run config, with `overrides` (`training.lr=1e-6`) applied on top; a bad
+    file or override exits with a clear message."""
     if path is None:
-        return RunConfig()
+        return parse_run_config("{}", "the defaults", overrides)
     p = Path(path)
     if not p.is_file():
         raise ConfigFileError(f"run config not found: {p}")
-    return parse_run_config(p.read_text(), str(p))
+    return parse_run_config(p.read_text(), str(p), overrides)
 
 
-def parse_run_config(text: str, where: str) -> RunConfig:
+def parse_run_config(text: str, where: str, overrides: Sequence[str] = ()) -> RunConfig:
     """Validates a run config given as YAML text; `where` names it in the error."""
     try:
         data = yaml.safe_load(text) or {}
@@ -399,7 +404,32 @@ def parse_run_config(text: str, where: str) -> RunConfig:
         raise ConfigFileError(f"run config {where} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigFileError(f"run config {where} must be a mapping at top level")
+    if overrides:
+        apply_overrides(data, overrides)
+        where = f"{where} with {' '.join(overrides)}"
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise SettingsError(where, err) from None
+        raise SettingsError(where, err, RunConfig) from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> None:
+    """Sets `a.b.c=VALUE` overrides in a config's raw data, in place; VALUE is YAML (`3`, `1e-6`,
+    `true`, `[calculator, python]`, `{path: x.jsonl}`, `null`)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        parts = key.split(".")
+        if not sep or not all(parts):
+            raise ConfigFileError(f"override {item!r} is not KEY=VALUE (e.g. training.lr=1e-6)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigFileError(f"override {item!r}: the value is not valid YAML ({err})") from None
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigFileError(f"override {item!r}: {where} is {child!r}, not a section")
+            node = child
+        node[parts[-1]] = value

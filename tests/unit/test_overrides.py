@@ -1,0 +1,74 @@
+"""Config overrides from the command line (`--training.lr 1e-6`, `training.lr=1e-6`), "did you
+mean" on unknown fields, and the job config the services get (overrides in, paths absolute)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.config import ConfigFileError, SettingsError
+from services.common.runconfig import load_run_config, parse_run_config
+from tools.cli import config_overrides
+from tools.runner import job_config_yaml, with_local_paths
+from tools.stack import ROOT
+
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def test_overrides_in_every_spelling_set_any_field() -> None:
+    args = ["--training.lr", "1e-6", "--task.max_turns=4", "rollout.engines=3", "--task.tools", "[python]"]
+    overrides = config_overrides(args)
+    assert overrides == ["training.lr=1e-6", "task.max_turns=4", "rollout.engines=3", "task.tools=[python]"]
+    cfg = load_run_config(TINY, overrides)
+    assert (cfg.training.lr, cfg.task.max_turns, cfg.rollout.engines) == (1e-6, 4, 3)
+    assert cfg.task.tools == ["python"] and cfg.training.steps == 2  # the file's other values stay
+    nested = parse_run_config("{}", "x", ["task.dataset={path: d.jsonl, answer_key: y}"])
+    assert nested.task.dataset.path == "d.jsonl"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("bad", [["--bogus"], ["-v"], ["lr=1"], ["--training.lr"]])
+def test_what_is_not_an_override_is_refused(bad: list[str]) -> None:
+    with pytest.raises(ValueError):
+        config_overrides(bad)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("training.stps=3", "training.stps: Extra inputs are not permitted (got 3) — did you mean 'steps'?"),
+        ("trainig.lr=1", "did you mean 'training'?"),
+        ("rollout.buckets=[{name: a, tp: 2}]", "rollout.buckets.0.tp: Extra inputs are not permitted"),
+        ("task.max_turns=0", "task.max_turns: Input should be greater than or equal to 1"),
+    ],
+)
+def test_a_bad_override_names_the_field_and_what_was_meant(override: str, message: str) -> None:
+    with pytest.raises(SettingsError) as err:
+        load_run_config(TINY, [override])
+    assert message in err.value.message and f"with {override}" in err.value.message
+
+
+def test_an_override_into_a_value_or_without_a_value_is_a_clear_error() -> None:
+    with pytest.raises(ConfigFileError) as err:
+        load_run_config(TINY, ["model.source.x=1"])
+    assert "model.source is 'tiny-random', not a section" in err.value.message
+    with pytest.raises(ConfigFileError) as err:
+        load_run_config(TINY, ["training."])
+    assert "is not KEY=VALUE" in err.value.message
+
+
+def test_the_job_config_carries_the_overrides_and_absolute_paths(tmp_path: Path) -> None:
+    cfg = load_run_config(ROOT / "configs" / "custom_example.yaml", ["training.steps=3"])
+    local = with_local_paths(cfg, tmp_path / "out")
+    sent = yaml.safe_load(job_config_yaml(local))
+    assert sent["training"]["steps"] == 3
+    assert sent["training"]["checkpoint_dir"] == str(tmp_path / "out" / "{run_id}" / "checkpoints")
+    assert (
+        Path(sent["task"]["dataset"]["path"]).is_absolute()
+        and Path(sent["task"]["dataset"]["path"]).is_file()
+    )
+    assert all(Path(p).is_absolute() for p in sent["task"]["plugin_paths"] + sent["task"]["tool_plugins"])
+    assert "lr_schedule" not in sent["training"]  # only what was set travels: defaults stay the services'
+    again = parse_run_config(job_config_yaml(local), "sent")
+    assert again == local
