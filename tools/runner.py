@@ -423,6 +423,11 @@ class JobDriver:
             for st in sorted(found, key=lambda s: s.worker_id):
                 by_kind.setdefault(st.service, []).append(st)
             missing = [k for k in SERVICES_NEEDED if not by_kind.get(k)]
+            # every live trainer of the stack takes part (standbys too: a dead trainer is then not
+            # the end of the job), so wait for those still starting
+            trainers = {st.worker_id for st in by_kind.get("trainer", [])}
+            starting = self.stack.trainers() - trainers - set(self.stack.dead())
+            missing += sorted(starting)
             engines = by_kind.get("rollout-engine", [])
             if not missing and len(engines) >= need_engines:
                 chosen = [by_kind[k][0] for k in ("planner", "scheduler")]

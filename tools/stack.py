@@ -222,6 +222,11 @@ class Stack:
             restarted.append(name)
         return restarted
 
+    def trainers(self) -> set[str]:
+        """The worker ids of the trainers this stack runs (the active one and its standbys)."""
+        names = set(self._modules) or set(self.pids)
+        return {n for n in names if n == "trainer" or n.startswith("trainer-")}
+
     def dead(self) -> dict[str, int | None]:
         """Services that exited and stay down: all of them without supervision, else those the
         supervisor gave up on (exit code None when another process supervises them)."""
