@@ -223,6 +223,12 @@ class TrainingConfig(_Strict):
     """Sequences per forward/backward (gradients accumulate over a step's micro-batches)."""
     torch_threads: int = Field(2, ge=1, le=256)
     """CPU threads of the trainer's torch."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer (and a hybrid worker's training side) computes: `auto` is the first CUDA
+    GPU when torch sees one, else the CPU."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """`bf16`: forward and backward under bfloat16 autocast, weights and optimizer state stay fp32
+    (the master copy); `fp32` throughout. `auto`: bf16 on CUDA, fp32 on the CPU."""
     checkpoint_dir: str = "runs/{run_id}/checkpoints"
     """Where committed steps are saved (`{run_id}` is replaced); a restarted trainer resumes from it."""
     push_chunk_bytes: int = Field(2 << 20, ge=1024, le=32 << 20)

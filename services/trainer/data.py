@@ -9,6 +9,7 @@ the service shell can validate trajectories without it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,6 +60,15 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """The same batch on `device` (itself when it is there already)."""
+        import torch
+
+        if self.input_ids.device == torch.device(device):
+            return self
+        fields = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return MicroBatch(*(t.to(device, non_blocking=True) for t in fields))
 
 
 def validate(traj: ev.CompletedTrajectory, vocab_size: int | None = None) -> None:

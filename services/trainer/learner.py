@@ -34,9 +34,10 @@ class Learner:
         self.ckpt_dir = ckpt_dir
         self.keep = keep_checkpoints
         self.tokenizer = load_tokenizer(run.model)
-        self.model = load_model(run.model)
+        self.device = compute_device(run)
+        self.model = load_model(run.model).to(self.device)
         self.optimizer = optimizer_for(run, self.model)
-        self.ref = reference_for(run)
+        self.ref = reference_for(run, self.device)
         """The frozen initial policy of the KL penalty (None without training.kl_coef)."""
         self.state = checkpoint.TrainerState()
         self.loaded: Path | None = None
@@ -70,7 +71,7 @@ class Learner:
         if found is not None:
             self.state = checkpoint.restore(found, self.model, self.optimizer)
         else:
-            self.model = load_model(self.run.model)
+            self.model = load_model(self.run.model).to(self.device)
             self.optimizer = optimizer_for(self.run, self.model)
             self.state = checkpoint.TrainerState()
         self.loaded = found
@@ -165,22 +166,43 @@ class Learner:
         return snapshot(self.model.state_dict(), version, None if dtype == "auto" else dtype)
 
 
+def compute_device(run: RunConfig) -> torch.device:
+    """training.device as a torch device; `cuda` without a GPU torch can see is an error."""
+    want = run.training.device
+    if want == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("training.device is cuda but torch sees no CUDA GPU (a CPU build of torch?)")
+    return torch.device(want)
+
+
+def uses_bf16(run: RunConfig, device: torch.device) -> bool:
+    precision = run.training.precision
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
 def optimizer_for(run: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     t = run.training
     return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
 
 
-def reference_for(run: RunConfig) -> torch.nn.Module | None:
+def reference_for(run: RunConfig, device: torch.device) -> torch.nn.Module | None:
     """The frozen initial weights a KL penalty pulls towards, when one is configured."""
     if run.training.kl_coef <= 0 or run.training.backend == "emulated":
         return None
-    ref = load_model(run.model)
+    ref = load_model(run.model).to(device)
     ref.eval()
     ref.requires_grad_(False)
     return ref
 
 
-def step_settings(run: RunConfig, pad_id: int, version: int, step_index: int | None = None) -> StepSettings:
+def step_settings(
+    run: RunConfig,
+    pad_id: int,
+    version: int,
+    step_index: int | None = None,
+    device: torch.device | None = None,
+) -> StepSettings:
     """The step's settings from the run config, the same on every rank of a hybrid group (their
     micro-batches must agree). `step_index` (rank 0) sets the scheduled learning rate."""
     t = run.training
@@ -209,6 +231,8 @@ def step_settings(run: RunConfig, pad_id: int, version: int, step_index: int | N
         lr=lr,
         version=version,
         drop_zero_advantage=run.filters_zero_advantage,
+        device=str(device or torch.device("cpu")),
+        bf16=uses_bf16(run, device or torch.device("cpu")),
     )
 
 
@@ -226,11 +250,12 @@ def run_step(
     step_index: int | None = None,
 ) -> StepStats:
     """The job's GRPO step, the same on every rank of a hybrid group."""
+    device = next(model.parameters()).device
     return train_step(
         model,
         optimizer,
         samples,
-        step_settings(run, pad_id, version, step_index),
+        step_settings(run, pad_id, version, step_index, device),
         should_abort=should_abort,
         dp_group=pg,
         ref_model=ref,
@@ -241,8 +266,9 @@ def replica_for(run: RunConfig) -> Replica:
     """A hybrid worker's training side: the job's model (its weights come from the trainer when it
     joins a generation) and the trainer's step, without an optimizer (rank 0 alone steps)."""
     torch.set_num_threads(run.training.torch_threads)
-    model = load_model(run.model)
-    ref = reference_for(run)
+    device = compute_device(run)
+    model = load_model(run.model).to(device)
+    ref = reference_for(run, device)
     pad_id = int(load_tokenizer(run.model).pad_token_id)
     return Replica(
         model,

@@ -46,6 +46,10 @@ class StepSettings:
     drop_zero_advantage: bool = True
     """Leave groups of equal rewards out of the step (DAPO's dynamic sampling; they add no policy
     gradient and would dilute the token mean); False trains every sample as plain GRPO does."""
+    device: str = "cpu"
+    """Where the model is: micro-batches are moved there."""
+    bf16: bool = False
+    """Forward and backward under bfloat16 autocast (the weights stay in their own dtype)."""
 
 
 @dataclass(frozen=True)
@@ -152,17 +156,20 @@ def train_step(
     kept = [s for s in samples if informative(by_group[s.group_id]) or not settings.drop_zero_advantage]
     versions, stale_fraction = _version_stats(kept, settings.version)
     minis = [
-        micro_batches(
-            m,
-            group_advantages([s.reward for s in m], [s.group_id for s in m]),
-            settings.micro_batch,
-            settings.pad_id,
-        )
+        [
+            mb.to(settings.device)
+            for mb in micro_batches(
+                m,
+                group_advantages([s.reward for s in m], [s.group_id for s in m]),
+                settings.micro_batch,
+                settings.pad_id,
+            )
+        ]
         for m in (split_groups(kept, settings.mini_batches) if kept else [])
     ]
     model.train()
     model.zero_grad(set_to_none=True)
-    prox = _proximal(model, minis, rank, world, should_abort) if len(minis) > 1 else {}
+    prox = _proximal(model, minis, rank, world, should_abort, settings) if len(minis) > 1 else {}
     loss_sum, metrics, norms, lr = 0.0, LossMetrics(), [], 0.0
     for k, mbs in enumerate(minis):
         tokens = sum(mb.num_tokens for mb in mbs)
@@ -222,8 +229,13 @@ def train_step(
     )
 
 
-def _forward_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+def _forward_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, settings: StepSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (in the autocast dtype under bf16) and the float32 logprobs of the sampled tokens."""
+    device_type = torch.device(settings.device).type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=settings.bf16):
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
     return logits, token_logprobs(logits, mb.input_ids, mb.temperatures)
 
 
@@ -234,6 +246,7 @@ def _proximal(
     rank: int,
     world: int,
     should_abort: Callable[[], bool],
+    settings: StepSettings,
 ) -> dict[int, torch.Tensor]:
     """The step-start policy's logprobs of this rank's micro-batches, before any update."""
     out = {}
@@ -241,7 +254,7 @@ def _proximal(
         for mb in share(mbs, rank, world):
             if should_abort():
                 raise StepAborted()
-            out[id(mb)] = _forward_logprobs(model, mb)[1].detach()
+            out[id(mb)] = _forward_logprobs(model, mb, settings)[1].detach()
     return out
 
 
@@ -254,11 +267,11 @@ def _micro_step(
     ref_model: torch.nn.Module | None,
 ) -> tuple[float, LossMetrics]:
     """Forward and backward of one micro-batch; returns its loss and metric sums."""
-    logits, new_lp = _forward_logprobs(model, mb)
+    logits, new_lp = _forward_logprobs(model, mb, settings)
     ref_lp = None
     if ref_model is not None and settings.loss.kl_coef > 0:
         with torch.no_grad():
-            ref_lp = _forward_logprobs(ref_model, mb)[1]
+            ref_lp = _forward_logprobs(ref_model, mb, settings)[1]
     loss, m = policy_loss(
         new_lp,
         new_lp.detach() if prox is None else prox,

@@ -3,6 +3,7 @@ manifests must parse, pass their linters, and run exactly the commands `libra up
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,28 @@ def test_compose_runs_native_commands_for_every_service() -> None:
         env = svc["environment"]
         assert env["LIBRA_NATS_URL"].startswith("nats://") and env["LIBRA_OTLP_ENDPOINT"], name
     assert "jaeger" in compose["services"]
+
+
+def test_compose_gives_every_gpu_service_its_own_gpu_and_every_service_a_healthcheck() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = {n: s for n, s in compose["services"].items() if "build" in s and n != "credentials"}
+    devices = {}
+    for name, svc in services.items():
+        reserved = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        for d in reserved:
+            assert "count" not in d and len(d["device_ids"]) == 1, name  # one named GPU, not "any one"
+            devices[name] = d["device_ids"][0]
+        port = svc["environment"]["LIBRA_METRICS_PORT"]
+        probe = " ".join(svc["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{port}/metrics" in probe, name
+    assert set(devices) == {"rollout-engine-0", "rollout-engine-1", "trainer"}
+    assert len(set(devices.values())) == len(devices)  # no two services on one GPU
+    default = re.search(
+        r"\$\{LIBRA_RUN_CONFIG:-([\w.]+)\}", services["trainer"]["environment"]["LIBRA_CONFIG"]
+    )
+    assert default is not None
+    gpu = yaml.safe_load((ROOT / "configs" / default.group(1)).read_text())
+    assert gpu["rollout"]["backend"] == "vllm"  # vLLM serves in compose
 
 
 def test_compose_is_secure_by_default() -> None:

@@ -135,3 +135,46 @@ def test_plain_grpo_trains_zero_advantage_groups_too(model: torch.nn.Module) -> 
     stats = train_step(model, opt, mixed + flat, settings(drop_zero_advantage=False))
     assert (stats.tokens, stats.trained_groups, stats.updates) == (24, 1, 1)
     assert train_step(model, opt, flat, settings(drop_zero_advantage=False)).updates == 1
+
+
+def test_bf16_autocast_trains_fp32_master_weights_close_to_fp32(model: torch.nn.Module) -> None:
+    """training.precision bf16 (here under the CPU's autocast; CUDA's on a GPU node): the forward
+    runs in bfloat16, the weights and their update stay float32, and the step's statistics agree
+    with fp32's to bf16 precision."""
+    samples = [
+        engine_sample(model, "a", "g", 1.0, temperature=1.0, seed=1),
+        engine_sample(model, "b", "g", 0.0, temperature=1.0, seed=2),
+    ]
+    start = weights(model)
+    runs = {}
+    for bf16 in (False, True):
+        model.load_state_dict(start)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        stats = train_step(model, opt, samples, settings(bf16=bf16, device="cpu"))
+        runs[bf16] = (stats, weights(model))
+    (fp32, w32), (bf, wbf) = runs[False], runs[True]
+    assert all(v.dtype == torch.float32 for v in wbf.values())
+    assert any(not torch.equal(wbf[k], start[k]) for k in start)  # it trained
+    assert bf.logprob_mismatch > fp32.logprob_mismatch  # bf16 rounding shows against fp32 sampling...
+    assert bf.logprob_mismatch < 0.1  # ...but stays small
+    assert bf.loss == pytest.approx(fp32.loss, abs=0.05)
+    # AdamW moves each weight by about lr (1e-3); bf16 and fp32 updates differ by less than twice that
+    assert max(float((wbf[k] - w32[k]).abs().max()) for k in start) <= 2e-3 + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_step_on_cuda_matches_the_cpu(model: torch.nn.Module) -> None:
+    samples = [
+        engine_sample(model, "a", "g", 1.0, temperature=1.0, seed=1),
+        engine_sample(model, "b", "g", 0.0, temperature=1.0, seed=2),
+    ]
+    start = weights(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cpu = train_step(model, opt, samples, settings(device="cpu"))
+    model.load_state_dict(start)
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gpu = train_step(model, opt, samples, settings(device="cuda", bf16=True))
+    assert gpu.loss == pytest.approx(cpu.loss, abs=0.05) and gpu.tokens == cpu.tokens
+    assert all(p.dtype == torch.float32 and p.is_cuda for p in model.parameters())

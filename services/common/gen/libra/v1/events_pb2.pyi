@@ -110,7 +110,7 @@ class ToolReturn(_message.Message):
     truncated: bool
     exit_code: int
     error: str
-    def __init__(self, call_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., tool: _Optional[str] = ..., status: _Optional[str] = ..., payload: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., size_class: _Optional[str] = ..., wall_s: _Optional[float] = ..., cpu_s: _Optional[float] = ..., peak_rss_bytes: _Optional[int] = ..., truncated: _Optional[bool] = ..., exit_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, call_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., tool: _Optional[str] = ..., status: _Optional[str] = ..., payload: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., size_class: _Optional[str] = ..., wall_s: _Optional[float] = ..., cpu_s: _Optional[float] = ..., peak_rss_bytes: _Optional[int] = ..., truncated: bool = ..., exit_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("token_ids", "logprobs", "generated", "policy_version", "temperature")
@@ -124,7 +124,7 @@ class Segment(_message.Message):
     generated: bool
     policy_version: int
     temperature: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., generated: _Optional[bool] = ..., policy_version: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., generated: bool = ..., policy_version: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class CompletedTrajectory(_message.Message):
     __slots__ = ("trajectory_id", "group_id", "sample_index", "group_size", "prompt_id", "segments", "reward", "num_turns", "min_policy_version", "max_policy_version", "tool_statuses", "finish", "latency_s", "final_text", "failure", "breakdown")
@@ -481,7 +481,7 @@ class TrainMetrics(_message.Message):
     sampled_reward_mean: float
     sampled_reward_std: float
     sampled_trajectories: int
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: _Optional[bool] = ..., data_parallel: _Optional[int] = ..., groups_ready: _Optional[int] = ..., entropy: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ..., dual_clip_fraction: _Optional[float] = ..., logprob_mismatch: _Optional[float] = ..., mismatch_tokens: _Optional[int] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., groups_filtered: _Optional[int] = ..., policy_versions: _Optional[_Iterable[int]] = ..., stale_token_fraction: _Optional[float] = ..., ref_kl: _Optional[float] = ..., sampled_reward_mean: _Optional[float] = ..., sampled_reward_std: _Optional[float] = ..., sampled_trajectories: _Optional[int] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: bool = ..., data_parallel: _Optional[int] = ..., groups_ready: _Optional[int] = ..., entropy: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ..., dual_clip_fraction: _Optional[float] = ..., logprob_mismatch: _Optional[float] = ..., mismatch_tokens: _Optional[int] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., groups_filtered: _Optional[int] = ..., policy_versions: _Optional[_Iterable[int]] = ..., stale_token_fraction: _Optional[float] = ..., ref_kl: _Optional[float] = ..., sampled_reward_mean: _Optional[float] = ..., sampled_reward_std: _Optional[float] = ..., sampled_trajectories: _Optional[int] = ...) -> None: ...
 
 class MetricSample(_message.Message):
     __slots__ = ("service", "worker_id", "values")
@@ -643,7 +643,7 @@ class JobAck(_message.Message):
     run_id: str
     ok: bool
     error: ErrorInfo
-    def __init__(self, worker_id: _Optional[str] = ..., service: _Optional[str] = ..., run_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., service: _Optional[str] = ..., run_id: _Optional[str] = ..., ok: bool = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "service", "state", "run_id", "error", "detail", "pid", "host")

@@ -86,7 +86,7 @@ class PushAck(_message.Message):
     message: str
     apply_s: float
     relayed: _containers.RepeatedCompositeFieldContainer[RelayResult]
-    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., apply_s: _Optional[float] = ..., relayed: _Optional[_Iterable[_Union[RelayResult, _Mapping]]] = ...) -> None: ...
+    def __init__(self, accepted: bool = ..., version: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., apply_s: _Optional[float] = ..., relayed: _Optional[_Iterable[_Union[RelayResult, _Mapping]]] = ...) -> None: ...
 
 class RelayResult(_message.Message):
     __slots__ = ("addr", "accepted", "version", "code", "message")
@@ -100,7 +100,7 @@ class RelayResult(_message.Message):
     version: int
     code: str
     message: str
-    def __init__(self, addr: _Optional[str] = ..., accepted: _Optional[bool] = ..., version: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    def __init__(self, addr: _Optional[str] = ..., accepted: bool = ..., version: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class VersionRequest(_message.Message):
     __slots__ = ()
@@ -118,4 +118,4 @@ class VersionInfo(_message.Message):
     checksum: str
     torn: bool
     accepts_deltas: bool
-    def __init__(self, engine_id: _Optional[str] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ..., torn: _Optional[bool] = ..., accepts_deltas: _Optional[bool] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ..., torn: bool = ..., accepts_deltas: bool = ...) -> None: ...

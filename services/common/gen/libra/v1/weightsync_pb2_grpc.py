@@ -5,7 +5,7 @@ import warnings
 
 from services.common.gen.libra.v1 import weightsync_pb2 as libra_dot_v1_dot_weightsync__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class WeightSyncStub:
+class WeightSyncStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -46,7 +46,7 @@ class WeightSyncStub:
                 _registered_method=True)
 
 
-class WeightSyncServicer:
+class WeightSyncServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def PushWeights(self, request_iterator, context):
@@ -83,7 +83,7 @@ def add_WeightSyncServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class WeightSync:
+class WeightSync(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
