@@ -42,8 +42,9 @@ lint: $(STAMP) ## ruff format check, ruff check, mypy on services/ and tools/
 	$(VENV)/bin/ruff check services tools tests examples
 	$(VENV)/bin/mypy services tools
 
-docs: $(STAMP) ## Regenerate docs/config.md from the run-config models
+docs: $(STAMP) ## Regenerate docs/config.md from the run-config models and the k8s ConfigMap from configs/
 	$(VENV)/bin/python -m tools.config_doc
+	$(VENV)/bin/python -m tools.k8s_config
 
 fmt: $(STAMP) ## Format the code with ruff
 	$(VENV)/bin/ruff format services tools tests examples

@@ -54,7 +54,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if read_stack_file():
         print(f"a stack is already up (see {STACK_FILE}); `libra down` first", file=sys.stderr)
         return 1
-    path, cfg = _load(args.config)
+    path, cfg = _load(args.config_option or args.config)
     assert isinstance(cfg, RunConfig)
     from services.common.models import resolve_model_dir
 
@@ -279,10 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         "(foreground; Ctrl-C stops)",
     )
     up.add_argument(
-        "--config",
+        "config",
+        nargs="?",
         default=str(DEFAULT_CONFIG),
-        help="sizes the stack (rollout.engines) and prepares its model; jobs bring their own config",
+        help="run config that sizes the stack (rollout.engines) and prepares its model, as for "
+        "`libra run` (default: configs/default.yaml); jobs bring their own config",
     )
+    up.add_argument("--config", dest="config_option", help=argparse.SUPPRESS)  # the old spelling
     up.add_argument("--engines", type=int, help="rollout engines to start (default: the config's)")
     up.add_argument(
         "--standby-trainers",

@@ -45,7 +45,7 @@ def otlp() -> Iterator[OtlpReceiver]:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Any, otlp: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """An idle stack, as `libra up --config configs/tiny.yaml` starts it."""
+    """An idle stack, as `libra up configs/tiny.yaml` starts it."""
     logs = tmp_path_factory.mktemp("stack") / "logs"
     # workload stats every 0.5 s (default 5 s): a tiny job lasts only seconds
     s = Stack(f"e2e-{int(time.time())}", logs, otlp.endpoint, {"LIBRA_SCHEDULER_STATS_INTERVAL_S": "0.5"})

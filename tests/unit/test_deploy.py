@@ -149,3 +149,36 @@ def test_dockerfiles_pass_hadolint() -> None:
     text = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
     for _, module in service_commands(1):
         assert f'CMD ["python", "-m", "{module}"]' in text
+
+
+def test_k8s_config_map_is_generated_from_configs_and_pods_have_probes() -> None:
+    from tools.k8s_config import OUT, config_map
+
+    assert OUT.read_text() == config_map(), "deploy/k8s/01-run-config.yaml is stale: run `make docs`"
+    data = yaml.safe_load(OUT.read_text())["data"]
+    pods = 0
+    for f in sorted((ROOT / "deploy" / "k8s").glob("2*.yaml")):
+        for doc in yaml.safe_load_all(f.read_text()):
+            if not doc or doc["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            spec = doc["spec"]["template"]["spec"]
+            for c in spec["containers"]:
+                pods += 1
+                env = {e["name"]: e.get("value") for e in c["env"]}
+                assert env["LIBRA_CONFIG"].removeprefix("/app/configs/") in data, f.name
+                port = {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"]
+                assert str(port) == env["LIBRA_METRICS_PORT"], f.name
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    assert c[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}, (f.name, probe)
+                mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+                writable = {v["name"]: v for v in spec["volumes"]}
+                for path in ("/app/.libra", "/app/runs"):  # written by uid 10001
+                    if path in mounts:
+                        assert (
+                            "configMap" not in writable[mounts[path]]
+                            and "secret" not in writable[mounts[path]]
+                        )
+    assert pods == 5
+    trainer = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "24-trainer.yaml").read_text()) if d]
+    claims = [d for d in trainer if d["kind"] == "PersistentVolumeClaim"]
+    assert claims, "the trainer's checkpoints need a persistent volume"
