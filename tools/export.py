@@ -4,11 +4,10 @@ architecture, with its tokenizer, loadable by `transformers.AutoModelForCausalLM
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 from services.common.runconfig import RunConfig
+from services.trainer.checkpoint import save_policy
 
 
 class ExportError(RuntimeError):
@@ -30,10 +29,6 @@ def export_policy(cfg: RunConfig, checkpoint: Path, out: Path, run_id: str = "")
         model.load_state_dict(payload["model"])
     except (KeyError, RuntimeError) as e:
         raise ExportError(f"{checkpoint} does not fit model {cfg.model.source}: {e}") from None
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    load_tokenizer(cfg.model).save_pretrained(tmp)
     meta = {
         "run_id": run_id,
         "step": int(payload["step"]),
@@ -41,7 +36,4 @@ def export_policy(cfg: RunConfig, checkpoint: Path, out: Path, run_id: str = "")
         "checkpoint": str(checkpoint),
         "model_source": cfg.model.source,
     }
-    (tmp / "libra.json").write_text(json.dumps(meta, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return save_policy(model, load_tokenizer(cfg.model), out, meta)

@@ -1,5 +1,6 @@
-"""Experiment loggers (`job.loggers`): every train step's metrics to TensorBoard and/or MLflow, as the
-step lands, from `libra run`. Off by default; `pip install 'libra[loggers]'` brings both.
+"""Experiment loggers (`job.loggers`): every train step's metrics to TensorBoard, MLflow and/or Weights
+& Biases, as the step lands, from `libra run`. Off by default; `pip install 'libra[loggers]'`
+brings all three.
 
 A logger never costs the job: one that fails is logged once and dropped for the rest of the run.
 """
@@ -143,9 +144,41 @@ class MlflowLogger:
         self.client.set_terminated(self.run.info.run_id, "FINISHED" if status == "completed" else "FAILED")
 
 
-LOGGERS: dict[str, type[TensorBoardLogger] | type[MlflowLogger]] = {
+class WandbLogger:
+    """One Weights & Biases run per Libra run (named by its run id) in project `job.experiment`
+    (default: the config's name), in `job.wandb_mode`: `online` needs WANDB_API_KEY (or a
+    `wandb login`); `offline` writes runs/<id>/wandb for a later `wandb sync`."""
+
+    name = "wandb"
+
+    def __init__(self, cfg: RunConfig, run_id: str, out_dir: Path):
+        try:
+            import wandb
+        except ImportError as e:
+            raise LoggerUnavailable(
+                "job.loggers: wandb needs the wandb package (pip install 'libra[loggers]')"
+            ) from e
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=cfg.job.experiment or cfg.name,
+            name=run_id,
+            dir=str(out_dir),
+            mode=cfg.job.wandb_mode,
+            config=cfg.model_dump(mode="json"),
+            settings=wandb.Settings(console="off", silent=True),  # the job's terminal stays ours
+        )
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def close(self, status: str) -> None:
+        self.run.finish(exit_code=0 if status == "completed" else 1)
+
+
+LOGGERS: dict[str, type[TensorBoardLogger] | type[MlflowLogger] | type[WandbLogger]] = {
     "tensorboard": TensorBoardLogger,
     "mlflow": MlflowLogger,
+    "wandb": WandbLogger,
 }
 
 
@@ -153,10 +186,10 @@ def check_loggers(cfg: RunConfig) -> None:
     """Raises LoggerUnavailable for a configured logger whose package is missing (before the run)."""
     import importlib.util
 
-    needs = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
+    needs = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
     for name in cfg.job.loggers:
         if importlib.util.find_spec(needs[name]) is None:
-            package = "tensorboard" if name == "tensorboard" else "mlflow-skinny"
+            package = {"tensorboard": "tensorboard", "mlflow": "mlflow-skinny", "wandb": "wandb"}[name]
             raise LoggerUnavailable(
                 f"job.loggers: {name} needs the {package} package (pip install 'libra[loggers]')"
             )

@@ -229,6 +229,10 @@ class TrainingConfig(_Strict):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """`bf16`: forward and backward under bfloat16 autocast, weights and optimizer state stay fp32
     (the master copy); `fp32` throughout. `auto`: bf16 on CUDA, fp32 on the CPU."""
+    save_every: int = Field(0, ge=0)
+    """Every this many committed steps the trainer also writes the policy in Hugging Face format to
+    `<checkpoint_dir>/hf/step_<n>` (blocking it for the write; 0: never — `libra run` still exports
+    the final policy, `job.export_final`)."""
     checkpoint_dir: str = "runs/{run_id}/checkpoints"
     """Where committed steps are saved (`{run_id}` is replaced); a restarted trainer resumes from it."""
     push_chunk_bytes: int = Field(2 << 20, ge=1024, le=32 << 20)
@@ -271,12 +275,15 @@ class JobConfig(_Strict):
     export_final: bool = True
     """When the job completes, `libra run` writes the trained policy in Hugging Face format (model
     and tokenizer, `from_pretrained`-loadable) to runs/<id>/final; `libra export RUN` does it later."""
-    loggers: list[Literal["tensorboard", "mlflow"]] = Field(default_factory=list)
+    loggers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(default_factory=list)
     """Experiment loggers that get every train step's metrics from `libra run` (off by default;
-    `pip install 'libra[loggers]'`): `tensorboard` writes runs/<id>/tensorboard, `mlflow` one
-    run per job (docs/observability.md)."""
+    `pip install 'libra[loggers]'`): `tensorboard` writes runs/<id>/tensorboard, `mlflow` and
+    `wandb` one run per job (docs/observability.md)."""
     experiment: str | None = None
-    """The MLflow experiment (default: the config's `name`)."""
+    """The MLflow experiment and W&B project (default: the config's `name`)."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """`online` sends to W&B (WANDB_API_KEY or `wandb login`); `offline` keeps the run in
+    runs/<id>/wandb for a later `wandb sync`."""
     mlflow_tracking_uri: str | None = None
     """Where MLflow runs go (default: $MLFLOW_TRACKING_URI, else a file store in runs/mlruns)."""
     lease_ttl_s: float = Field(10.0, ge=2.0, le=600.0)

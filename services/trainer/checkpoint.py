@@ -102,6 +102,22 @@ def save(
     return final
 
 
+def save_policy(model: Any, tokenizer: Any, out: Path, meta: dict[str, Any]) -> Path:
+    """The policy in Hugging Face format (safetensors, config, tokenizer, and libra.json with
+    `meta`), written beside `out` and renamed into place, replacing what was there."""
+    import json
+    import shutil
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "libra.json").write_text(json.dumps(meta, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
 def restore(path: Path, model: torch.nn.Module, optimizer: Any) -> TrainerState:
     """Loads a checkpoint into `model` and `optimizer` in place and returns the bookkeeping."""
     payload = torch.load(path, map_location="cpu", weights_only=True)

@@ -152,6 +152,19 @@ class Learner:
         self.state, self.loaded = new, path
         return path
 
+    def save_policy(self, run_id: str) -> Path:
+        """The committed weights in Hugging Face format under <checkpoint_dir>/hf/step_<n>."""
+        s = self.state
+        meta = {
+            "run_id": run_id,
+            "step": s.step,
+            "weight_version": s.version,
+            "model_source": self.run.model.source,
+        }
+        out = self.ckpt_dir / "hf" / f"step_{s.step:08d}"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return checkpoint.save_policy(self.model, self.tokenizer, out, meta)
+
     def snapshot(self) -> Snapshot:
         """The current weights for the wire (`training.push_dtype`). EMULATED end to end (emulated
         training and engines): neither side has real weights (the step changes none, the engines

@@ -382,6 +382,10 @@ class TrainerService:
                 for h in p.handles:
                     await _settle(h.ack())
             self.counts["trained"] += len(pendings)
+            every = self.run.training.save_every
+            if every and self.learner.state.step % every == 0 and self.run.training.backend != "emulated":
+                saved = await asyncio.to_thread(self.learner.save_policy, self.common.run_id)
+                self.log.info("policy_saved", step=self.learner.state.step, path=str(saved))
             span.set_attribute("libra.weight_version", self.version)
             span.set_attribute("libra.data_parallel", stats.data_parallel)
             self._trace_into_trajectories(span, pendings)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import yaml
 from tools.stack import ROOT
 
 pytestmark = pytest.mark.e2e
+RUN = f"cli-run-{uuid.uuid4().hex[:8]}"  # run ids are durable: a rerun of one would resume it
 
 
 def _libra(*args: str) -> subprocess.CompletedProcess[str]:
@@ -34,11 +36,11 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
     import transformers
 
     out = _libra(
-        "run", "configs/tiny.yaml", "--training.steps", "3", "task.max_turns=1", "--output-dir", str(tmp_path),
-        "--run-id", "cli-run",
+        "run", "configs/tiny.yaml", "--training.steps", "3", "task.max_turns=1", "--training.save_every=2",
+        "--output-dir", str(tmp_path), "--run-id", RUN,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    run = tmp_path / "cli-run"
+    run = tmp_path / RUN
     report = json.loads((run / "report.json").read_text())
     assert report["train_steps"] == 3 and report["final_weight_version"] == 3
     sent = yaml.safe_load((run / "config.yaml").read_text())
@@ -52,8 +54,15 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
         assert torch.equal(tensor, trained[name]), name
     assert transformers.AutoTokenizer.from_pretrained(str(run / "final")).eos_token_id is not None
     assert json.loads((run / "final" / "libra.json").read_text())["step"] == 3
+    # training.save_every=2: the trainer wrote step 2's policy itself (and no other)
+    (saved,) = (run / "checkpoints" / "hf").iterdir()
+    assert saved.name == "step_00000002" and json.loads((saved / "libra.json").read_text())["step"] == 2
+    assert (
+        transformers.AutoModelForCausalLM.from_pretrained(str(saved)).config.vocab_size
+        == policy.config.vocab_size
+    )
 
-    again = _libra("export", "cli-run", "--runs-dir", str(tmp_path), "--out", str(tmp_path / "exported"))
+    again = _libra("export", RUN, "--runs-dir", str(tmp_path), "--out", str(tmp_path / "exported"))
     assert again.returncode == 0, again.stderr
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
     assert all(torch.equal(t, trained[n]) for n, t in exported.state_dict().items())
