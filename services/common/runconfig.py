@@ -109,6 +109,11 @@ class TaskConfig(_Strict):
     """A trajectory whose context would exceed this ends with finish=length."""
     temperature: float = Field(1.0, gt=0.0, le=2.0)
     """Sampling temperature; every token carries the one that sampled it to the trainer."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: each token is drawn from the fewest most likely tokens whose probability
+    (at the temperature) reaches top_p. The engines report logprobs under that truncated
+    distribution (the behaviour policy), so the trainer's importance correction and the logprob
+    mismatch see the truncation; 1 samples the full distribution (docs/training.md)."""
     tool_timeout_s: float = Field(5.0, gt=0.0, le=300.0)
     """Wall-clock limit of one tool call in the sandbox (a timeout is the observation)."""
     tool_bonus: float = Field(0.1, ge=0.0, le=1.0)

@@ -66,6 +66,7 @@ def validate_turn(req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int
         len(req.stop) <= MAX_STOPS and all(len(s) <= MAX_STOP_CHARS for s in req.stop),
         f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters",
     )
+    require(math.isfinite(req.top_p) and 0.0 <= req.top_p <= 1.0, f"top_p must be in 0..1, got {req.top_p}")
     budget = min(req.max_new_tokens, backend.max_positions - len(ctx))
     require(req.min_new_tokens >= 0, f"min_new_tokens must be >= 0, got {req.min_new_tokens}")
     return GenRequest(
@@ -75,6 +76,7 @@ def validate_turn(req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int
         list(req.stop),
         int(req.priority),
         min(req.min_new_tokens, budget),
+        float(req.top_p) if req.top_p > 0 else 1.0,  # unset (0): the full distribution
     )
 
 

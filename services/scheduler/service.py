@@ -610,6 +610,7 @@ class SchedulerService:
             max_new_tokens=action.max_new_tokens,
             min_new_tokens=action.min_new_tokens,
             temperature=self.cfg.task.temperature,
+            top_p=self.cfg.task.top_p,
             min_policy_version=traj.min_policy_version,
             stop=self.stop_strings,
             priority=self.bucket_level.get(live.bucket, 0),

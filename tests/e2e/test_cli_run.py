@@ -37,6 +37,7 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
 
     out = _libra(
         "run", "configs/tiny.yaml", "--training.steps", "3", "task.max_turns=1", "--training.save_every=2",
+        "--task.top_p", "0.9", "training.filter_zero_advantage=false",
         "--output-dir", str(tmp_path), "--run-id", RUN,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -45,6 +46,9 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
     assert report["train_steps"] == 3 and report["final_weight_version"] == 3
     sent = yaml.safe_load((run / "config.yaml").read_text())
     assert sent["training"]["steps"] == 3 and sent["task"]["max_turns"] == 1
+    # top_p reached the engines: their logprobs are under the nucleus, the trainer's under the full
+    # distribution, so the mismatch on step 1 (same weights) is log(1 / nucleus mass), not ~1e-6
+    assert report["logprob_mismatch_per_step"][0] > 0.01
     assert Path(report["checkpoint"]).parent == run / "checkpoints"
     assert report["final_policy"] == str(run / "final")
 

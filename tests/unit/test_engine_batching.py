@@ -41,6 +41,23 @@ def test_sample_next_reports_logprob_under_tempered_distribution_and_greedy_argm
     assert lps[2].item() == pytest.approx(torch.log_softmax(logits[2], -1).max().item(), abs=1e-6)
 
 
+def test_top_p_samples_only_the_nucleus_and_reports_its_renormalised_logprob() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(probs).repeat(6000, 1)
+    top_p = torch.full((6000,), 0.8)
+    tokens, lps = sample_next(logits, torch.ones(6000), torch.Generator().manual_seed(0), top_p)
+    # the nucleus of 0.8 is {0, 1}: 0.5 + 0.3 reaches it; token 2 (0.15) would not be needed
+    assert set(tokens.tolist()) == {0, 1}
+    assert 0.60 < (tokens == 0).float().mean().item() < 0.65  # 0.5 / 0.8 = 0.625
+    for tok, want in ((0, 0.5 / 0.8), (1, 0.3 / 0.8)):
+        assert lps[tokens == tok][0].item() == pytest.approx(math.log(want), abs=1e-5)
+    # per row: top_p 1 is the full tempered distribution, exactly as without top_p
+    mixed = torch.tensor([1.0, 0.3])
+    t, lp = sample_next(torch.log(probs).repeat(2, 1), torch.ones(2), torch.Generator().manual_seed(3), mixed)
+    assert lp[0].item() == pytest.approx(math.log(probs[t[0]].item()), abs=1e-5)
+    assert t[1].item() == 0 and lp[1].item() == pytest.approx(0.0, abs=1e-6)  # nucleus {0}: certain
+
+
 def test_sample_next_follows_the_distribution() -> None:
     logits = torch.log(torch.tensor([[0.9, 0.1]])).repeat(4000, 1)
     tokens, _ = sample_next(logits, torch.ones(4000), torch.Generator().manual_seed(0))
@@ -124,6 +141,8 @@ def _turn(**kw: Any) -> ev.TurnRequest:
         {"context_token_ids": [1] * 40960},
         {"temperature": float("nan")},
         {"temperature": -1.0},
+        {"top_p": 1.5},
+        {"top_p": float("nan")},
         {"stop": ["x" * 300]},
     ],
 )
@@ -136,7 +155,10 @@ def test_validate_turn_clips_generation_to_the_model_positions() -> None:
     gen = validate_turn(
         _turn(context_token_ids=[1] * 40958, max_new_tokens=100), EmulatedBackend(EngineSettings()), 4096
     )
-    assert gen.max_new_tokens == 2 and gen.temperature == 1.0
+    assert gen.max_new_tokens == 2 and gen.temperature == 1.0 and gen.top_p == 1.0  # unset: full
+    assert validate_turn(_turn(top_p=0.9), EmulatedBackend(EngineSettings()), 4096).top_p == pytest.approx(
+        0.9
+    )
 
 
 class ScriptedBackend(StepBackend):
@@ -387,6 +409,20 @@ async def test_hf_logprobs_match_a_recomputed_forward_while_rows_join_and_leave(
         assert out.finish_reason == "length" and set(out.token_versions) == {0}
         assert all(math.isfinite(x) and x <= 0 for x in out.logprobs)
         assert out.logprobs == pytest.approx(_recomputed_logprobs(hf_backend, req, out), abs=1e-4)
+
+
+async def test_hf_top_p_rows_draw_from_their_nucleus_beside_full_rows(hf_backend: Any) -> None:
+    """A top_p request joins a batch of full-distribution ones: each reports logprobs under its own
+    sampling distribution (nucleus renormalised for it, the full one for the others)."""
+    nucleus = GenRequest(list(range(100, 112)), 10, 1.0, top_p=0.5)
+    full = GenRequest([7, 8, 9], 10, 1.0)
+    out_full, out_nucleus = await _generate(hf_backend, [full, nucleus], join_every=2)
+    assert out_full.logprobs == pytest.approx(_recomputed_logprobs(hf_backend, full, out_full), abs=1e-4)
+    raw = _recomputed_logprobs(hf_backend, nucleus, out_nucleus)
+    # renormalised over a nucleus of mass >= 0.5: each logprob is above the raw one by at most log 2
+    for got, want in zip(out_nucleus.logprobs, raw, strict=True):
+        assert want - 1e-4 <= got <= want + math.log(2) + 1e-4
+    assert any(got > want + 0.1 for got, want in zip(out_nucleus.logprobs, raw, strict=True))  # truncated
 
 
 async def test_hf_greedy_tokens_are_the_same_alone_and_joining_a_running_batch(hf_backend: Any) -> None:

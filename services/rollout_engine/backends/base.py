@@ -30,6 +30,8 @@ class GenRequest:
     min_new_tokens: int = 0
     """No EOS and no stop string ends the request before this many tokens (EOS is masked out of
     the sampling distribution until then, as vLLM's `min_tokens` does)."""
+    top_p: float = 1.0
+    """Nucleus sampling; below 1 the reported logprobs are under the truncated distribution."""
 
 
 @dataclass
@@ -38,7 +40,8 @@ class GenOutput:
     version that sampled it.
 
     The contract shared with the trainer: for a sampled token t at temperature T > 0,
-    `logprob = log_softmax(logits / T)[t]`, with top-k/top-p off, computed in float32 from the
+    `logprob = log_softmax(logits / T)[t]` (with top_p < 1: renormalised over the nucleus, -inf
+    outside it; no top-k), computed in float32 from the
     weights named by that token's `token_versions` entry. For greedy requests (T <= 0) it is
     `log_softmax(logits)[t]`. Stop strings stay in the output (the tokens completing them were
     sampled and are trained on). A request that was running when new weights arrived continues on

@@ -60,8 +60,8 @@ def _left_pad_kv(kv: torch.Tensor, width: int) -> torch.Tensor:
 @dataclass
 class _Batch:
     """The running rows: slot ids, their shared right-aligned KV cache and attention mask (one
-    column per cache column), each row's next position, last sampled token (not yet in the cache)
-    and temperature."""
+    column per cache column), each row's next position, last sampled token (not yet in the cache),
+    temperature and top_p."""
 
     slots: list[int]
     cache: Any
@@ -69,11 +69,12 @@ class _Batch:
     next_pos: torch.Tensor
     last: torch.Tensor
     temps: torch.Tensor
+    top_ps: torch.Tensor
 
     @classmethod
     def empty(cls, device: torch.device) -> _Batch:
         none = torch.zeros((0,), dtype=torch.long, device=device)
-        return cls([], None, none.view(0, 0), none, none, none.float())
+        return cls([], None, none.view(0, 0), none, none, none.float(), none.float())
 
     def without(self, leaving: set[int]) -> _Batch:
         keep = [i for i, s in enumerate(self.slots) if s not in leaving]
@@ -93,6 +94,7 @@ class _Batch:
             self.next_pos[idx],
             self.last[idx],
             self.temps[idx],
+            self.top_ps[idx],
         )
 
     def merged(self, other: _Batch) -> _Batch:
@@ -117,6 +119,7 @@ class _Batch:
             torch.cat([self.next_pos, other.next_pos]),
             torch.cat([self.last, other.last]),
             torch.cat([self.temps, other.temps]),
+            torch.cat([self.top_ps, other.top_ps]),
         )
 
 
@@ -206,20 +209,21 @@ class HFBackend(StepBackend):
                 use_cache=True,
             )
             logits = self._logits(out.logits[:, -1, :], b.slots, no_eos)
-            tokens, logprobs = sample_next(logits, b.temps, self.generator)
-            self.batch = _Batch(b.slots, out.past_key_values, mask, b.next_pos + 1, tokens, b.temps)
+            tokens, logprobs = sample_next(logits, b.temps, self.generator, b.top_ps)
+            self.batch = _Batch(b.slots, out.past_key_values, mask, b.next_pos + 1, tokens, b.temps, b.top_ps)
             sampled.update(zip(b.slots, zip(tokens.tolist(), logprobs.tolist(), strict=True), strict=True))
         if joins:
             ids, mask, pos = left_pad([j.context for j in joins], self.pad_id)
             ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
             temps = torch.tensor([j.temperature for j in joins], device=self.device)
+            top_ps = torch.tensor([j.request.top_p if j.request else 1.0 for j in joins], device=self.device)
             out = self.model(
                 input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
             )
             slots = [j.slot for j in joins]
             logits = self._logits(out.logits[:, -1, :], slots, no_eos)
-            tokens, logprobs = sample_next(logits, temps, self.generator)
-            joined = _Batch(slots, out.past_key_values, mask, pos[:, -1] + 1, tokens, temps)
+            tokens, logprobs = sample_next(logits, temps, self.generator, top_ps)
+            joined = _Batch(slots, out.past_key_values, mask, pos[:, -1] + 1, tokens, temps, top_ps)
             self.batch = self.batch.merged(joined)
             sampled.update(zip(slots, zip(tokens.tolist(), logprobs.tolist(), strict=True), strict=True))
         return sampled

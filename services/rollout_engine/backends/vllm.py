@@ -185,6 +185,7 @@ class VllmEngine(VersionGate):
 
         params = SamplingParams(
             temperature=max(req.temperature, 0.0),
+            top_p=req.top_p,
             max_tokens=req.max_new_tokens,
             min_tokens=min(req.min_new_tokens, req.max_new_tokens),
             stop=req.stop or None,
