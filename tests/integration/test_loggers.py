@@ -4,6 +4,7 @@ and an MLflow file store, read back with their own readers; a logger that fails 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -99,32 +100,36 @@ def test_a_logger_whose_package_is_missing_stops_the_run_before_it_starts(
         check_loggers(_cfg())
 
 
-def _wandb_history(run_file: Path) -> list[dict[str, object]]:
+def _wandb_records(run_file: Path) -> tuple[list[str], list[dict[str, object]]]:
     """The history rows of an offline W&B run file, read with W&B's own protobuf records: the file
     is `:W&B` + magic + version, then LevelDB-log blocks of 32 KiB whose chunks (crc32, length,
-    type) carry one serialized Record each (type 1), or one split over several (2, 3…, 4)."""
+    type) carry one serialized Record each (type 1), or one split over several (2, 3…, 4). Returns
+    every record's kind, in order, and the history rows."""
     import json
     import struct
 
     from wandb.proto.wandb_internal_pb2 import Record
 
-    data, block, pos, parts, rows = run_file.read_bytes(), 32768, 7, b"", []
+    data, block, pos, parts, kinds, rows = run_file.read_bytes(), 32768, 7, b"", [], []
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         parts = chunk if kind in (1, 2) else parts + chunk
         if kind in (1, 4):
             record = Record()
             record.ParseFromString(parts)
-            if record.WhichOneof("record_type") == "history":
+            kinds.append(str(record.WhichOneof("record_type")))
+            if kinds[-1] == "history":
                 rows.append(
                     {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
                 )
-    return rows
+    return kinds, rows
 
 
 def test_each_step_reaches_weights_and_biases_offline(
@@ -138,5 +143,12 @@ def test_each_step_reaches_weights_and_biases_offline(
         loggers.step(_metrics(step))
     loggers.close("completed")
     (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
-    rows = _wandb_history(run_file)
+    # finish() can return before W&B's core process has flushed the run file (seen once on a loaded
+    # CI machine: no history rows yet): read it once its closing `exit` record is there
+    deadline = time.monotonic() + 60
+    kinds, rows = _wandb_records(run_file)
+    while "exit" not in kinds and time.monotonic() < deadline:
+        time.sleep(0.2)
+        kinds, rows = _wandb_records(run_file)
+    assert "exit" in kinds, kinds
     assert [(r["_step"], r["train/reward_mean"]) for r in rows] == [(1, 0.25), (2, 0.5), (3, 0.75)]
