@@ -12,15 +12,36 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.stack import ROOT, STACK_FILE, Stack, pid_alive, read_stack_file
+from services.common.config import ConfigFileError
+from tools.stack import Stack, pid_alive, read_stack_file, stack_file
 
-DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+"""The configs shipped with Libra (configs/ of the repository, tools/configs in the package)."""
+DEFAULT_CONFIG = "default.yaml"
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def config_path(config: str) -> Path:
+    """A run config by path or, when no such file exists, a shipped config by name (`gpu`,
+    `gpu.yaml` or `configs/gpu.yaml`), so an installed Libra runs its examples from anywhere."""
+    path = Path(config)
+    if path.is_file():
+        return path
+    name = path.name if path.name.endswith((".yaml", ".yml")) else f"{path.name}.yaml"
+    if str(path.parent) in (".", "configs") and (CONFIG_DIR / name).is_file():
+        return CONFIG_DIR / name
+    raise ConfigFileError(
+        f"run config not found: {config} (shipped configs, usable by name: {', '.join(shipped_configs())})"
+    )
 
 
 def _load(config: str, overrides: list[str] | None = None) -> tuple[Path, object]:
     from services.common.runconfig import load_run_config
 
-    path = Path(config)
+    path = config_path(config)
     return path, load_run_config(path, overrides or [])
 
 
@@ -52,7 +73,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.common.runconfig import RunConfig
 
     if read_stack_file():
-        print(f"a stack is already up (see {STACK_FILE}); `libra down` first", file=sys.stderr)
+        print(f"a stack is already up (see {stack_file()}); `libra down` first", file=sys.stderr)
         return 1
     path, cfg = _load(args.config_option or args.config)
     assert isinstance(cfg, RunConfig)
@@ -74,14 +95,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         stack.start_infra()
         stack.start_services(engines, args.standby_trainers)
-        STACK_FILE.parent.mkdir(parents=True, exist_ok=True)
-        STACK_FILE.write_text(json.dumps(stack.state(), indent=2))
+        state_file = stack_file()
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        state_file.write_text(json.dumps(stack.state(), indent=2))
         print(f"Libra stack {name} up, idle: submit jobs with `libra run CONFIG`")
         print(f"  nats   {stack.nats_url}\n  redis  {stack.redis_url}\n  logs   {stack.log_dir}")
         print(f"  credentials  {stack.credentials.root if stack.credentials else 'none'} (mode 0700)")
         for svc, p in stack.procs.items():
             print(f"  {svc:<18} pid {p.pid:<8} metrics http://127.0.0.1:{stack.metrics_ports[svc]}/metrics")
-        print(f"state in {STACK_FILE}; Ctrl-C or `libra down` stops everything.", flush=True)
+        print(f"state in {state_file}; Ctrl-C or `libra down` stops everything.", flush=True)
         while not stopping["flag"]:
             time.sleep(0.5)
             restarted = stack.supervise()
@@ -89,7 +111,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 n = stack.restarts[svc]
                 print(f"service {svc} died; restarted ({n}/{stack.max_restarts})", file=sys.stderr)
             if restarted:
-                STACK_FILE.write_text(json.dumps(stack.state(), indent=2))
+                state_file.write_text(json.dumps(stack.state(), indent=2))
             for svc, code in stack.dead().items():
                 print(
                     f"service {svc} exited with code {code} and is not restarted again; stopping the stack",
@@ -100,12 +122,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         print("stopping the stack…", file=sys.stderr)
         stack.stop()
-        STACK_FILE.unlink(missing_ok=True)
+        stack_file().unlink(missing_ok=True)
     return 0
 
 
 def cmd_down(_: argparse.Namespace) -> int:
-    data = json.loads(STACK_FILE.read_text()) if STACK_FILE.exists() else None
+    state_file = stack_file()
+    data = json.loads(state_file.read_text()) if state_file.exists() else None
     if not data:
         print("no stack is up")
         return 0
@@ -118,7 +141,7 @@ def cmd_down(_: argparse.Namespace) -> int:
     for pid in [*data.get("services", {}).values(), *data.get("infra", {}).values()]:
         if pid_alive(int(pid)):  # the supervisor was killed hard: clean up after it
             os.kill(int(pid), signal.SIGKILL)
-    STACK_FILE.unlink(missing_ok=True)
+    state_file.unlink(missing_ok=True)
     print("stack stopped")
     return 0
 
@@ -141,20 +164,43 @@ def cmd_status(_: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from services.common.errors import CredentialsRefused
     from services.common.runconfig import RunConfig
     from tools.runner import run_job
 
     path, cfg = _load(args.config, args.overrides)
     assert isinstance(cfg, RunConfig)
-    report = run_job(
-        path,
-        cfg,
-        run_id=args.run_id,
-        runs_dir=Path(args.output_dir),
-        timeout_s=args.timeout,
-        otlp_endpoint=args.otlp_endpoint,
-        max_restarts=args.max_restarts,
-    )
+    stack = None
+    if args.nats_url or args.redis_url:
+        if not (args.nats_url and args.redis_url):
+            raise ConfigFileError("a remote stack needs both --nats-url and --redis-url")
+        try:
+            secrets = Path(args.secrets) if args.secrets else None
+            stack = Stack.reached_at(args.nats_url, args.redis_url, secrets, Path(args.output_dir).resolve())
+        except FileNotFoundError as e:
+            raise ConfigFileError(str(e)) from None
+    elif args.secrets:
+        raise ConfigFileError("--secrets is for a remote stack (--nats-url, --redis-url)")
+    try:
+        report = run_job(
+            path,
+            cfg,
+            run_id=args.run_id,
+            runs_dir=Path(args.output_dir),
+            timeout_s=args.timeout,
+            otlp_endpoint=args.otlp_endpoint,
+            max_restarts=args.max_restarts,
+            stack=stack,
+        )
+    except CredentialsRefused as e:
+        if stack is None:
+            raise
+        print(
+            f"the stack at {stack.nats_url} refused the CLI ({e.code}): pass its credentials with "
+            "--secrets DIR (the cli/ directory `libra credentials DIR` wrote in it)",
+            file=sys.stderr,
+        )
+        return 2
     return print_summary(report)
 
 
@@ -171,6 +217,13 @@ def print_summary(report: dict[str, Any]) -> int:
         if (w := report.get(k)) is not None:
             print(
                 f"{k:<24} {w['mean']} (95% CI {w['ci95'][0]} .. {w['ci95'][1]}, {w['trajectories']} trajectories)"
+            )
+    for r in report.get("eval") or []:
+        if "version" in r:
+            ci = f" (95% CI {r['ci95'][0]} .. {r['ci95'][1]})" if r.get("ci95") else ""
+            lost = f", failed {r['failed']}" if r.get("failed") else ""
+            print(
+                f"{'eval v' + str(r['version']):<24} {r['reward_mean']}{ci} on {r['completed']}/{r['prompts']} held-out prompts{lost}"
             )
     print(f"{'policy_versions_per_step':<24} {report['policy_versions_per_step']}")
     print(f"{'logprob_mismatch':<24} {report['logprob_mismatch_per_step']}")
@@ -233,6 +286,22 @@ def cmd_credentials(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_list(_: argparse.Namespace) -> int:
+    """The shipped configs with the first line of each one's header comment."""
+    for name in shipped_configs():
+        lines = [ln for ln in (CONFIG_DIR / name).read_text().splitlines() if ln.startswith("#")]
+        print(f"{name:<22} {lines[0].lstrip('# ').strip() if lines else ''}")
+    print(
+        f"({CONFIG_DIR.resolve()}; `libra run NAME`, or `libra config show NAME > mine.yaml` to start your own)"
+    )
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    print(config_path(args.name).read_text(), end="")
+    return 0
+
+
 def cmd_config_check(args: argparse.Namespace) -> int:
     """Validates a run config, reads its dataset and loads its reward, starting nothing."""
     from services.common.runconfig import RunConfig
@@ -269,6 +338,25 @@ def main(argv: list[str] | None = None) -> int:
         from services.tool_sandbox.cli import main as sandbox_main
 
         return sandbox_main(argv[1:])
+    p = parser()
+    args = parse(p, argv)
+    return int(args.fn(args))
+
+
+def parse(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The command line as `libra` reads it: config overrides (`--a.b v`) into `args.overrides`."""
+    args, extra = p.parse_known_args(argv)
+    if args.fn in (cmd_run, cmd_config_check):
+        try:
+            args.overrides = config_overrides(extra)
+        except ValueError as e:
+            p.error(str(e))
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="libra", description="Libra: resource management for agentic RL post-training"
     )
@@ -281,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument(
         "config",
         nargs="?",
-        default=str(DEFAULT_CONFIG),
+        default=DEFAULT_CONFIG,
         help="run config that sizes the stack (rollout.engines) and prepares its model, as for "
         "`libra run` (default: configs/default.yaml); jobs bring their own config",
     )
@@ -312,8 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "config",
         nargs="?",
-        default=str(DEFAULT_CONFIG),
-        help="run config (default: configs/default.yaml); any field can be overridden after it: "
+        default=DEFAULT_CONFIG,
+        help="run config: a file, or a shipped config by name (`libra config list`; default: "
+        "default.yaml); any field can be overridden after it: "
         "--training.lr 1e-6, --task.max_turns=4 or rollout.engines=3 (YAML values)",
     )
     run.add_argument("--run-id")
@@ -327,6 +416,15 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="end the job as timed_out after this many seconds (default: none; stalls are caught by "
         "the config's job.stall_timeout_s)",
+    )
+    run.add_argument(
+        "--nats-url",
+        help="run on a stack elsewhere (compose, Kubernetes, another host) reached at this NATS URL; "
+        "with --redis-url and, when it has credentials, --secrets",
+    )
+    run.add_argument("--redis-url", help="that stack's Redis URL")
+    run.add_argument(
+        "--secrets", help="that stack's credentials directory: the cli identity's files in DIR/cli/"
     )
     run.add_argument("--otlp-endpoint", help="embedded stack only: send traces to this OTLP endpoint")
     run.add_argument(
@@ -354,13 +452,20 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--out", help="directory to write (default: runs/<run>/final)")
     exp.add_argument("--checkpoint", help="a trainer checkpoint (default: the run's committed one)")
     exp.set_defaults(fn=cmd_export)
-    config = sub.add_parser("config", help="`libra config check FILE`: validate a run config")
+    config = sub.add_parser(
+        "config",
+        help="`libra config check FILE`: validate a run config; `list`/`show NAME`: the shipped ones",
+    )
     config_sub = config.add_subparsers(dest="config_cmd", required=True)
     check = config_sub.add_parser(
         "check", help="validate FILE, read its dataset and load its reward, starting nothing"
     )
     check.add_argument("file", help="run config; overrides after it as for `libra run`")
     check.set_defaults(fn=cmd_config_check)
+    config_sub.add_parser("list", help="the configs shipped with Libra").set_defaults(fn=cmd_config_list)
+    show = config_sub.add_parser("show", help="print a shipped config (a starting point for your own)")
+    show.add_argument("name", help="e.g. tiny, gpu.yaml")
+    show.set_defaults(fn=cmd_config_show)
     sub.add_parser("sim", help="discrete-event simulator (see `libra sim --help`)")
     sub.add_parser("sandbox", help="run one tool call in the sandbox (see `libra sandbox --help`)")
     sub.add_parser(
@@ -373,15 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         help="`libra bench live`: the live stack (emulated engines) against the simulator's prediction "
         "(see `libra bench live --help`)",
     )
-    args, extra = p.parse_known_args(argv)
-    if args.fn in (cmd_run, cmd_config_check):
-        try:
-            args.overrides = config_overrides(extra)
-        except ValueError as e:
-            p.error(str(e))
-    elif extra:
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(args.fn(args))
+    return p
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """`python -m tools.k8s_config`: writes deploy/k8s/01-run-config.yaml, the ConfigMap of every run
-config in configs/ (mounted at /app/configs; the services run `gpu.yaml`). `make docs` runs it and
+config in configs/ (mounted at /app/configs; the job, 30-job.yaml, runs `gpu.yaml`). `make docs` runs it and
 tests/unit/test_deploy.py fails when the ConfigMap and configs/ disagree."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "deploy" / "k8s" / "01-run-config.yaml"
 HEADER = (
     "# Generated from configs/ by `python -m tools.k8s_config` (`make docs`); do not edit by hand.\n"
-    "# Mounted at /app/configs in every Libra pod; LIBRA_CONFIG picks one (gpu.yaml).\n"
+    "# Mounted at /app/configs in every Libra pod; the job (30-job.yaml) runs one (gpu.yaml).\n"
 )
 
 

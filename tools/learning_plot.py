@@ -37,6 +37,23 @@ def write_reward_plot(report: dict[str, Any], out_dir: Path) -> Path | None:
             top.axhspan(
                 w["ci95"][0], w["ci95"][1], alpha=0.12, color=color, label=f"{label}: {w['mean']:.3f}"
             )
+    rounds = [r for r in report.get("eval") or [] if r.get("reward_mean") is not None]
+    if rounds:
+        x = [r["version"] for r in rounds]
+        means = [r["reward_mean"] for r in rounds]
+        ci = [r.get("ci95") or [m, m] for r, m in zip(rounds, means, strict=True)]
+        top.errorbar(
+            x,
+            means,
+            yerr=[
+                [m - c[0] for m, c in zip(means, ci, strict=True)],
+                [c[1] - m for m, c in zip(means, ci, strict=True)],
+            ],
+            fmt="D-",
+            capsize=3,
+            color="tab:red",
+            label="held-out eval after step (95% CI)",
+        )
     top.set_ylabel("reward per trajectory")
     top.set_title(f"{report.get('run_id', '')}: reward by step (trajectories of successive policies)")
     top.legend(fontsize=8, loc="best")

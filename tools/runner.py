@@ -30,7 +30,7 @@ from services.common.contracts import ev, ws, ws_grpc
 from services.common.grpc_auth import bearer_metadata
 from services.common.membership import SERVING_ROLES
 from services.common.ownership import committed_key, plans_key, role_changes_key, trained_key
-from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
+from services.common.runconfig import DatasetFile, ModelConfig, RunConfig, TaskConfig
 from services.scheduler.ledger import Accounting, read_accounting
 from tools.learning_plot import write_reward_plot
 from tools.loggers import LoggerUnavailable, StepLoggers, check_loggers
@@ -181,10 +181,17 @@ def job_config_yaml(cfg: RunConfig) -> str:
     return str(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True), sort_keys=False))
 
 
+def _model_paths(model: ModelConfig) -> dict[str, str]:
+    paths = {"cache_dir": str(Path(model.cache_dir).resolve())}
+    if model.path is not None:
+        paths["path"] = str(Path(model.path).resolve())
+    return paths
+
+
 def with_local_paths(cfg: RunConfig, runs_dir: Path) -> RunConfig:
-    """The config with its relative paths (dataset, plugins, checkpoints) made absolute from where
-    `libra run` started, since the services start elsewhere; checkpoints default to
-    <runs_dir>/<run-id>/checkpoints."""
+    """The config with its relative paths (model, dataset, plugins, checkpoints) made absolute from
+    where `libra run` started, since the services may have started elsewhere; checkpoints default
+    to <runs_dir>/<run-id>/checkpoints."""
     task: dict[str, Any] = {}
     if isinstance(cfg.task.dataset, DatasetFile):
         path = str(Path(cfg.task.dataset.path).resolve())
@@ -195,9 +202,12 @@ def with_local_paths(cfg: RunConfig, runs_dir: Path) -> RunConfig:
     ckpt = cfg.training.checkpoint_dir
     if "checkpoint_dir" not in cfg.training.model_fields_set:
         ckpt = str(runs_dir / "{run_id}" / "checkpoints")
-    training = {"checkpoint_dir": str(Path(ckpt).resolve())}
+    training: dict[str, Any] = {"checkpoint_dir": str(Path(ckpt).resolve())}
+    if (ref := cfg.training.reference_model) is not None:
+        training["reference_model"] = ref.model_copy(update=_model_paths(ref))
     return cfg.model_copy(
         update={
+            "model": cfg.model.model_copy(update=_model_paths(cfg.model)),
             "task": cfg.task.model_copy(update=task),
             "training": cfg.training.model_copy(update=training),
         }
@@ -497,7 +507,7 @@ class JobDriver:
                     f"trajectories={p.completed} in_flight={p.in_flight} reward={reward}", refresh=False
                 )
                 bar.update(0)
-                if p.committed_step >= steps and await self._engines_final():
+                if p.committed_step >= steps and await self._engines_final() and await self._evaluated():
                     return
                 now = time.monotonic()
                 if now - p.last_change > stall_s:
@@ -580,6 +590,29 @@ class JobDriver:
             raw = await self.redis.hgetall(committed_key(self.run_id))
             committed = {str(k): str(v) for k, v in raw.items()}
         self.progress.update(committed, stats)
+
+    async def _eval_report(self) -> list[dict[str, Any]] | None:
+        """Every evaluation round, by version (None when `eval` is off)."""
+        if self.cfg.eval.every <= 0:
+            return None
+        try:
+            return [r for _, r in sorted((await self._eval_rounds()).items())]
+        except Exception as err:  # Redis away: the report still gets written, saying so
+            return [{"error": f"the evaluation rounds could not be read: {type(err).__name__}: {err}"}]
+
+    async def _eval_rounds(self) -> dict[int, dict[str, Any]]:
+        """The finished evaluation rounds, as the scheduler recorded them in Redis."""
+        from services.scheduler.ledger import Ledger
+
+        return await Ledger(self.redis, self.run_id).load_eval()
+
+    async def _evaluated(self) -> bool:
+        """The final policy's evaluation is in (or none is configured)."""
+        if self.cfg.eval.every <= 0:
+            return True
+        with contextlib.suppress(Exception):
+            return self.cfg.training.steps in await self._eval_rounds()
+        return False
 
     def _engines(self) -> list[ev.WorkerStatus]:
         return [self.statuses.get(w, st) for w, st in self.targets.items() if st.service == "rollout-engine"]
@@ -744,6 +777,7 @@ class JobDriver:
             }
             if accounting
             else {"error": f"the ledger could not be read: {accounting_error}"},
+            "eval": await self._eval_report(),
             "engines": engines,
             "all_engines_on_final_version": bool(engines)
             and all(  # drained engines get no more weights
@@ -795,7 +829,7 @@ class JobDriver:
             "rejoined": dict(sorted(self.rejoined.items())),
             "longest_silence_s": {w: round(q, 1) for w, q in sorted(self.silences.items())},
             "stack": self.stack.name,
-            "logs": str(self.stack.log_dir),
+            "logs": None if self.stack.remote else str(self.stack.log_dir),
             "nats_url": self.stack.nats_url,
             "redis_url": self.stack.redis_url,
         }
@@ -844,7 +878,7 @@ def run_job(
 ) -> dict[str, Any]:
     """Runs one job on `stack`, on the stack `libra up` started, or on an embedded stack of its own,
     and writes its report whatever the outcome."""
-    from services.common.models import resolve_model_dir
+    from services.common.models import check_reference, resolve_model_dir
 
     run_id = run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     runs_dir = runs_dir.resolve()
@@ -852,6 +886,8 @@ def run_job(
     cfg = with_local_paths(cfg, runs_dir)
     print(f"preparing model '{cfg.model.source}' (converted once, then cached)…", file=sys.stderr)
     resolve_model_dir(cfg.model)
+    if cfg.training.kl_coef > 0:
+        check_reference(cfg.model, cfg.training.reference_model)  # builds it too, like the policy
     owned = False
     if stack is None:
         live = read_stack_file()
@@ -870,7 +906,8 @@ def run_job(
             stack.start_services(cfg.rollout.engines)
             owned = True
             print(f"run {run_id} on an embedded stack", file=sys.stderr)
-    print(f"  nats {stack.nats_url}  redis {stack.redis_url}  logs {stack.log_dir}", file=sys.stderr)
+    logs = "on the services' hosts" if stack.remote else str(stack.log_dir)
+    print(f"  nats {stack.nats_url}  redis {stack.redis_url}  logs {logs}", file=sys.stderr)
     out_dir = runs_dir / run_id
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(job_config_yaml(cfg))  # as run, overrides included

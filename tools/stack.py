@@ -19,8 +19,18 @@ from services.common.credentials import generate as generate_credentials
 from services.common.localstack import Server, die_with_parent, free_port, start_nats, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
-STATE_DIR = ROOT / ".libra"
-STACK_FILE = STATE_DIR / "stack.json"
+
+
+def state_dir() -> Path:
+    """`.libra/` of the directory Libra is started in (like `runs/`): the stack file, the embedded
+    servers' data and credentials, and the default model cache (`model.cache_dir`)."""
+    return Path.cwd() / ".libra"
+
+
+def stack_file() -> Path:
+    """Where `libra up` records its stack, for `libra run`, `status` and `down` started in the same
+    directory."""
+    return state_dir() / "stack.json"
 
 
 def service_commands(n_engines: int, standby_trainers: int = 0) -> list[tuple[str, str]]:
@@ -79,6 +89,11 @@ class Stack:
     """Services that died once too often (or with restarts off), with their last exit code."""
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """Each service's Prometheus port on loopback (kept across its restarts)."""
+    remote: bool = False
+    """Reached over the network only: no pids, no local logs (`Stack.reached_at`)."""
+    cwd: Path = field(default_factory=Path.cwd)
+    """Where the services start (the directory of `libra up`/`libra run`): their `.libra/` model
+    cache is this directory's."""
     _modules: dict[str, str] = field(default_factory=dict)
     _due: dict[str, float] = field(default_factory=dict)
 
@@ -100,6 +115,23 @@ class Stack:
             metrics_ports={str(k): int(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {},
         )
 
+    @classmethod
+    def reached_at(cls, nats_url: str, redis_url: str, secrets: Path | None, log_dir: Path) -> Stack:
+        """A stack this machine only reaches (compose, Kubernetes, other hosts): its services are
+        watched through their heartbeats, and `secrets` holds the `cli` identity's credentials
+        (`<secrets>/cli/`, as `libra credentials` writes them)."""
+        if secrets is not None and not (secrets / "cli").is_dir():
+            raise FileNotFoundError(f"--secrets {secrets}: no cli/ credentials in it")
+        return cls(
+            name=f"remote {nats_url}",
+            log_dir=log_dir,
+            nats_url=nats_url,
+            redis_url=redis_url,
+            credentials=StackCredentials(secrets) if secrets is not None else None,
+            max_restarts=0,
+            remote=True,
+        )
+
     def refresh(self) -> None:
         """An attached stack re-reads the supervisor's file: restarted services have new pids."""
         state = read_stack_file()
@@ -112,7 +144,7 @@ class Stack:
         """Generates the stack's credentials and starts nats-server (users with per-service
         permissions) and Redis (password) on free loopback ports."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        data = STATE_DIR / "data" / self.name
+        data = state_dir() / "data" / self.name
         self.credentials = generate_credentials(data / "secrets")
         self.nats = start_nats(
             data / "nats", self.log_dir / "nats-server.log", config=self.credentials.nats_conf
@@ -168,7 +200,7 @@ class Stack:
         log = open(self.log_dir / f"{worker_id}.log", "ab")
         self.procs[worker_id] = subprocess.Popen(
             [sys.executable, "-m", self._modules[worker_id]],
-            cwd=ROOT,
+            cwd=self.cwd,
             env=self.env(worker_id),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -280,14 +312,15 @@ class Stack:
 
 
 def read_stack_file() -> dict[str, object] | None:
-    if not STACK_FILE.exists():
+    path = stack_file()
+    if not path.exists():
         return None
     try:
-        data = json.loads(STACK_FILE.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
     pid = data.get("supervisor_pid")
     if isinstance(pid, int) and pid_alive(pid):
         return data
-    STACK_FILE.unlink(missing_ok=True)  # left by a supervisor that was killed (-9): its children are gone
+    path.unlink(missing_ok=True)  # left by a supervisor that was killed (-9): its children are gone
     return None

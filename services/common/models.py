@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from services.common.config import ConfigFileError
 from services.common.runconfig import ModelConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -105,6 +106,25 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def vocabulary_size(cfg: ModelConfig) -> int:
+    """The vocabulary of a model's config, read without loading its weights."""
+    import transformers
+
+    return int(transformers.AutoConfig.from_pretrained(str(resolve_model_dir(cfg))).vocab_size)
+
+
+def check_reference(policy: ModelConfig, reference: ModelConfig | None) -> None:
+    """A KL reference must score the policy's tokens: the same vocabulary (ConfigFileError if not)."""
+    if reference is None:
+        return
+    ref, own = vocabulary_size(reference), vocabulary_size(policy)
+    if ref != own:
+        raise ConfigFileError(
+            f"training.reference_model has a vocabulary of {ref} tokens, the policy {own}: "
+            "a KL between them is undefined"
+        )
 
 
 def load_model(cfg: ModelConfig) -> Any:

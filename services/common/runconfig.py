@@ -25,7 +25,8 @@ class ModelConfig(_Strict):
     seed: int = 0
     """Seed for the tiny-random weights."""
     cache_dir: str = ".libra/models"
-    """Where converted checkpoints are cached so later starts skip the GGUF conversion."""
+    """Where converted checkpoints are cached so later starts skip the GGUF conversion (relative:
+    from the directory `libra run` starts in)."""
 
 
 class DatasetFile(_Strict):
@@ -33,7 +34,7 @@ class DatasetFile(_Strict):
 
     path: str
     """JSONL (`.jsonl`/`.ndjson`), JSON (a list of objects) or Parquet (`.parquet`); a relative path
-    is resolved against the directory the service starts in (the repository root for `libra run`)."""
+    is resolved from the directory `libra run` starts in."""
     prompt_key: str = "prompt"
     """The prompt: plain text (sent as the user message) or chat messages
     (`[{role, content}, ...]`), rendered with the model's chat template."""
@@ -206,7 +207,10 @@ class TrainingConfig(_Strict):
     """Truncated importance sampling: the weight pi_prox / pi_behaviour that corrects for stale
     (and engine-vs-trainer mismatched) samples is capped here."""
     kl_coef: float = Field(0.0, ge=0.0, le=10.0)
-    """Weight of a k3 KL penalty to the frozen initial policy (0: no reference model is loaded)."""
+    """Weight of a k3 KL penalty to the frozen reference policy (0: no reference model is loaded)."""
+    reference_model: ModelConfig | None = None
+    """The frozen reference of the KL penalty, e.g. `{source: path, path: /models/sft}`; unset: the
+    policy's initial weights (`model`). It must have the policy's vocabulary."""
     mini_batches: int = Field(1, ge=1, le=64)
     """Optimizer updates per step (PPO mini-batches of whole groups: at most one per group the step
     trains on). Above 1 the trainer
@@ -234,6 +238,10 @@ class TrainingConfig(_Strict):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """`bf16`: forward and backward under bfloat16 autocast, weights and optimizer state stay fp32
     (the master copy); `fp32` throughout. `auto`: bf16 on CUDA, fp32 on the CPU."""
+    fsdp: int = Field(1, ge=1, le=64)
+    """Processes (one GPU each on CUDA) the trainer shards the policy, its gradients and optimizer
+    state over with FSDP2, for models that do not fit one GPU; 1: unsharded. The trainer starts the
+    other ranks itself on its own node (services/trainer/fsdp.py); not with hybrid workers yet."""
     save_every: int = Field(0, ge=0)
     """Every this many committed steps the trainer also writes the policy in Hugging Face format to
     `<checkpoint_dir>/hf/step_<n>` (blocking it for the write; 0: never — `libra run` still exports
@@ -271,6 +279,26 @@ class TrainingConfig(_Strict):
     @property
     def filter_limit(self) -> int:
         return self.groups_per_step if self.filter_budget is None else self.filter_budget
+
+
+class EvalConfig(_Strict):
+    """Held-out evaluation of the policy while it trains (docs/training.md): prompts the run never
+    trains on, one sample each, scored by the task's reward, never sent to the trainer."""
+
+    every: int = Field(0, ge=0)
+    """Evaluate the initial policy, then every this many trained steps, and the final policy (0:
+    never). The job ends once the final policy's evaluation is in the report."""
+    dataset: Literal["arithmetic", "expressions"] | DatasetFile | None = None
+    """Held-out prompts: a dataset file (its first `prompts` rows), or a built-in generator. Default:
+    the task's own built-in generator with `seed`, without any prompt the run trains on (required
+    for a task from a dataset file)."""
+    prompts: int = Field(32, ge=1, le=100_000)
+    """Prompts per evaluation."""
+    seed: int = 1_000_003
+    """Seed of a built-in generator's held-out prompts."""
+    temperature: float | None = Field(None, gt=0.0, le=2.0)
+    """Sampling temperature of the evaluation (default: the task's): the score is pass@1 at it; a
+    low one (0.05) is near-greedy."""
 
 
 class JobConfig(_Strict):
@@ -353,11 +381,21 @@ class RunConfig(_Strict):
     """How the job is watched."""
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
     """The live planner and the hybrid pool (docs/planner.md)."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation while the policy trains."""
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:
         if self.model.source == "path" and not self.model.path:
             raise ValueError("model.path is required when model.source is 'path'")
+        if self.eval.every > 0 and self.eval.dataset is None and not isinstance(self.task.dataset, str):
+            raise ValueError("eval.dataset is required to evaluate a task from a dataset file")
+        if self.eval.every > 0 and self.task.dataset == "synthetic":
+            raise ValueError("eval: a synthetic task learns nothing to evaluate")
+        if self.training.fsdp > 1 and self.planner.hybrid.workers > 0:
+            raise ValueError(
+                "training.fsdp > 1 with planner.hybrid.workers: hybrid workers cannot join a sharded step yet"
+            )
         if self.task.dataset == "synthetic":
             if not self.task.workload:
                 raise ValueError("task.workload is required when task.dataset is 'synthetic'")

@@ -38,6 +38,7 @@ class Ledger:
         self.outcomes_key = f"{prefix}:outcomes"
         self.decided_key = f"{prefix}:decided"
         self.policy_key = f"{prefix}:policy"
+        self.eval_key = f"{prefix}:eval"
 
     async def save_policy(self, state: dict[str, Any]) -> None:
         """What the routing policy learned (C-MLFQ's prefix trees), for a restarted scheduler."""
@@ -46,6 +47,13 @@ class Ledger:
     async def load_policy(self) -> dict[str, Any] | None:
         raw = await self.r.get(self.policy_key)
         return None if raw is None else dict(json.loads(raw))
+
+    async def eval_done(self, version: int, summary: dict[str, Any]) -> None:
+        """A finished evaluation round (services/scheduler/evaluation.py), by policy version."""
+        await self.r.hset(self.eval_key, str(version), json.dumps(summary))
+
+    async def load_eval(self) -> dict[int, dict[str, Any]]:
+        return {int(k): json.loads(v) for k, v in (await self.r.hgetall(self.eval_key)).items()}
 
     async def load(self) -> LedgerState | None:
         """What an earlier scheduler of this run recorded, or None for a fresh run."""

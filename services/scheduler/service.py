@@ -31,6 +31,7 @@ from services.scheduler.agent import STOP_STRINGS, observation
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.dispatch import build_dispatcher
 from services.scheduler.environment import EnvPool, Step
+from services.scheduler.evaluation import Evaluator
 from services.scheduler.feed import GroupTicket, build_feed
 from services.scheduler.ledger import Ledger
 from services.scheduler.plugins import PluginFailure
@@ -38,6 +39,7 @@ from services.scheduler.prefix_tree import ToolSignal, map_sandbox_status, size_
 from services.scheduler.prompting import Prompter
 from services.scheduler.rewards import SandboxClient, Scorer, reward_ref
 from services.scheduler.synthetic_task import SyntheticTask
+from services.scheduler.task import Task
 from services.scheduler.trajectory import (
     Action,
     CallTool,
@@ -87,6 +89,8 @@ class Live:
     """Finished, waiting for its `task.reward` score."""
     replies: list[str] = field(default_factory=list)
     """What its environment said between turns (a `task.environment`'s observations)."""
+    evaluation: bool = False
+    """A held-out evaluation trajectory: scored, never sent to the trainer."""
 
 
 class SchedulerService:
@@ -140,6 +144,9 @@ class SchedulerService:
         self.workload = WorkloadWindow(settings.stats_window_s)
         self._stats_published = 0.0
         self.ledger = Ledger(store.r, common.run_id)
+        self.evaluator = Evaluator(cfg) if cfg.eval.every > 0 else None
+        """Held-out evaluation rounds (`eval`), when configured."""
+        self._eval_nonce = uuid.uuid4().hex[:6]
         self.membership = Membership(
             bus,
             store,
@@ -304,6 +311,8 @@ class SchedulerService:
             await self._durably(self.ledger.launched(self.feed, tickets))
         for ticket in tickets:
             self._launch_group(ticket)
+        if self.evaluator is not None and (version := self.evaluator.due(self.trained_version)) is not None:
+            self._launch_eval(version)
         await self._drain_all()
         await self._watchdog()
         if time.monotonic() - self._stats_published > self.settings.stats_interval_s:
@@ -328,11 +337,11 @@ class SchedulerService:
         only tightens), so the whole group would be dropped when it completes. They end as failed
         (`stale`, never trained), their engine slots free at once, and the feed replaces the group,
         instead of the group running to the end for nothing (the simulator aborts them the same way)."""
-        trajs = [lv.traj for lv in self.live.values()]
+        trajs = [lv.traj for lv in self.live.values() if not lv.evaluation]
         doomed = doomed_groups(trajs, self.trained_version, self.cfg.training.max_staleness)
         if not doomed:
             return
-        for live in [lv for lv in self.live.values() if lv.traj.group_id in doomed]:
+        for live in [lv for lv in self.live.values() if lv.traj.group_id in doomed and not lv.evaluation]:
             self._forget_turn(live)
             self.by_call.pop(live.call_id, None)
             if live.step_span is not None:
@@ -387,6 +396,8 @@ class SchedulerService:
 
     async def _resume(self) -> None:
         """Continues an earlier scheduler's run of this job from the ledger, if there was one."""
+        if self.evaluator is not None:
+            self.evaluator.done.update(await self.ledger.load_eval())
         state = await self.ledger.load()
         if state is None:
             return
@@ -441,36 +452,69 @@ class SchedulerService:
             if self.synthetic is not None:
                 script = self.synthetic.script(specs[i])
                 prompt_ids = self.synthetic.prompt_ids(specs[i])
-            traj = Trajectory(
-                trajectory_id=ticket.trajectory_id(i),
-                group_id=ticket.group_id,
-                sample_index=i,
-                group_size=size,
-                task=ticket.task,
-                prompt_ids=prompt_ids,
-                max_turns=len(script) if script else self.cfg.task.max_turns,
-                max_new_tokens=self.cfg.task.max_new_tokens,
-                max_context_tokens=self.cfg.task.max_context_tokens,
-                started_at=time.monotonic(),
-                script=script,
-                launch_version=self.trained_version,
-                tool_bonus=self.cfg.task.tool_bonus,
-                scored_outside=self.scorer is not None,
-                builtin_reward=self.envs is None,
+            self._start(
+                ticket.trajectory_id(i),
+                ticket.group_id,
+                i,
+                size,
+                ticket.task,
+                prompt_ids,
+                script,
+                self.trained_version,
             )
-            span = tracer().start_span(
-                "trajectory",
-                attributes={
-                    "libra.trajectory_id": traj.trajectory_id,
-                    "libra.group_id": traj.group_id,
-                    "libra.prompt_id": ticket.task.prompt_id,
-                    "libra.run_id": self.common.run_id,
-                },
-            )
-            bucket = self.dispatch.admit(traj.trajectory_id, ticket.task.prompt_id, time.monotonic())
-            live = self.live[traj.trajectory_id] = Live(traj, span, bucket)
-            self.bus.spawn(self._begin(live))
         return launched
+
+    def _launch_eval(self, version: int) -> None:
+        """An evaluation round of the policy at `version`: one trajectory per held-out prompt, each
+        its own group of one, whose turns wait for engines that hold that version."""
+        assert self.evaluator is not None
+        rnd = self.evaluator.start(version, self._eval_nonce)
+        for i, task in enumerate(self.evaluator.tasks):
+            tid = rnd.trajectory_id(i)
+            self._start(tid, tid, 0, 1, task, self.prompter.prompt_ids(task), None, version, evaluation=True)
+        self.log.info("eval_started", policy_version=version, prompts=rnd.total)
+
+    def _start(
+        self,
+        trajectory_id: str,
+        group_id: str,
+        index: int,
+        size: int,
+        task: Task,
+        prompt_ids: list[int],
+        script: Any,
+        launch_version: int,
+        evaluation: bool = False,
+    ) -> None:
+        traj = Trajectory(
+            trajectory_id=trajectory_id,
+            group_id=group_id,
+            sample_index=index,
+            group_size=size,
+            task=task,
+            prompt_ids=prompt_ids,
+            max_turns=len(script) if script else self.cfg.task.max_turns,
+            max_new_tokens=self.cfg.task.max_new_tokens,
+            max_context_tokens=self.cfg.task.max_context_tokens,
+            started_at=time.monotonic(),
+            script=script,
+            launch_version=launch_version,
+            tool_bonus=self.cfg.task.tool_bonus,
+            scored_outside=self.scorer is not None,
+            builtin_reward=self.envs is None,
+        )
+        span = tracer().start_span(
+            "evaluation" if evaluation else "trajectory",
+            attributes={
+                "libra.trajectory_id": traj.trajectory_id,
+                "libra.group_id": traj.group_id,
+                "libra.prompt_id": task.prompt_id,
+                "libra.run_id": self.common.run_id,
+            },
+        )
+        bucket = self.dispatch.admit(traj.trajectory_id, task.prompt_id, time.monotonic())
+        live = self.live[traj.trajectory_id] = Live(traj, span, bucket, evaluation=evaluation)
+        self.bus.spawn(self._begin(live))
 
     async def _begin(self, live: Live) -> None:
         """A user environment's `reset` (it may bring its own prompt), then the first turn."""
@@ -609,7 +653,9 @@ class SchedulerService:
             context_token_ids=action.context,
             max_new_tokens=action.max_new_tokens,
             min_new_tokens=action.min_new_tokens,
-            temperature=self.cfg.task.temperature,
+            temperature=self.evaluator.temperature
+            if live.evaluation and self.evaluator is not None
+            else self.cfg.task.temperature,
             top_p=self.cfg.task.top_p,
             min_policy_version=traj.min_policy_version,
             stop=self.stop_strings,
@@ -708,7 +754,8 @@ class SchedulerService:
     async def _fail(self, live: Live, code: str, message: str) -> None:
         """Ends a trajectory the infrastructure could not carry; its group will not be trained."""
         live.failure = ev.ErrorInfo(code=code, message=message[:500])
-        self.failure_codes[code] += 1
+        if not live.evaluation:  # an evaluation's failures are its round's
+            self.failure_codes[code] += 1
         log = self.log.info if code == "stale" else self.log.warning  # stale: routine, not a fault
         log("trajectory_failed", trajectory_id=live.traj.trajectory_id, code=code, reason=message)
         await self._finish(live, live.traj.fail())
@@ -849,6 +896,9 @@ class SchedulerService:
         self.dispatch.finish(
             traj.trajectory_id, traj.output_tokens, time.monotonic(), live.failure is not None
         )
+        if live.evaluation:
+            await self._evaluated(live, fin)
+            return
         latency = time.monotonic() - traj.started_at
         versions = traj.versions or [0]
         msg = ev.CompletedTrajectory(
@@ -913,6 +963,26 @@ class SchedulerService:
             turns=traj.turns,
             latency_s=round(latency, 3),
         )
+
+    async def _evaluated(self, live: Live, fin: Finish) -> None:
+        """An evaluation trajectory ended: its score joins its round (a failure is counted by code,
+        not scored); the finished round goes to the ledger."""
+        traj, rnd = live.traj, self.evaluator.running if self.evaluator is not None else None
+        live.span.set_attribute("libra.reward", fin.reward)
+        live.span.end()
+        if rnd is None or not rnd.owns(traj.trajectory_id):
+            return  # a round that is over (a late straggler)
+        rnd.record(fin.reward, traj.versions, live.failure.code if live.failure is not None else "")
+        if rnd.done:
+            assert self.evaluator is not None
+            self.evaluator.finish()
+            summary = rnd.summary(self.trained_version)
+            await self._durably(self.ledger.eval_done(rnd.version, summary))
+            self.log.info(
+                "eval_finished",
+                **{k: v for k, v in summary.items() if k != "version"},
+                policy_version=rnd.version,
+            )
 
 
 async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:

@@ -64,8 +64,8 @@ def newer_than(directory: Path, step: int) -> list[Path]:
 def save(
     directory: Path,
     state: TrainerState,
-    model: torch.nn.Module,
-    optimizer: Any,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
     keep: int = 2,
     epoch: int = 0,
 ) -> Path:
@@ -81,8 +81,8 @@ def save(
         "step": state.step,
         "version": state.version,
         "trained_ids": sorted(state.trained_ids),
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": optimizer_state,
     }
     with open(tmp, "wb") as f:
         torch.save(payload, f)
@@ -118,11 +118,40 @@ def save_policy(model: Any, tokenizer: Any, out: Path, meta: dict[str, Any]) -> 
     return out
 
 
-def restore(path: Path, model: torch.nn.Module, optimizer: Any) -> TrainerState:
-    """Loads a checkpoint into `model` and `optimizer` in place and returns the bookkeeping."""
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
+def read(path: Path) -> dict[str, Any]:
+    """A checkpoint's payload: `model` and `optimizer` state dicts (the optimizer's keyed by
+    parameter index, as `Optimizer.state_dict` makes it), step, version and trained ids."""
+    return dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def state_of(payload: dict[str, Any]) -> TrainerState:
     return TrainerState(
         step=int(payload["step"]), version=int(payload["version"]), trained_ids=set(payload["trained_ids"])
     )
+
+
+def restore(path: Path, model: torch.nn.Module, optimizer: Any) -> TrainerState:
+    """Loads a checkpoint into `model` and `optimizer` in place and returns the bookkeeping."""
+    payload = read(path)
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    return state_of(payload)
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An `Optimizer.state_dict` (parameters by index) with parameters by name, as
+    torch.distributed.checkpoint's full optimizer state dict has them; `names` are the model's
+    parameters in the optimizer's order."""
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def optimizer_state_by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of `optimizer_state_by_name`: the format checkpoints keep."""
+    index = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {index[n]: v for n, v in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    }

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from services.common.cost_model import load_presets
-from services.common.models import load_model, load_tokenizer
+from services.common.models import check_reference, load_model, load_tokenizer
 from services.common.runconfig import RunConfig
 from services.trainer import checkpoint
 from services.trainer.data import Sample
+from services.trainer.fsdp import ShardedTrainer
 from services.trainer.grpo import LossConfig
 from services.trainer.hybrid import GroupBroken, Replica, TrainerGroup
 from services.trainer.step import StepAborted, StepSettings, StepStats, lr_at, train_step
@@ -35,10 +36,22 @@ class Learner:
         self.keep = keep_checkpoints
         self.tokenizer = load_tokenizer(run.model)
         self.device = compute_device(run)
-        self.model = load_model(run.model).to(self.device)
-        self.optimizer = optimizer_for(run, self.model)
-        self.ref = reference_for(run, self.device)
-        """The frozen initial policy of the KL penalty (None without training.kl_coef)."""
+        self.sharded: ShardedTrainer | None = None
+        """FSDP ranks (training.fsdp > 1): model, optimizer and reference are this rank's shards."""
+        self.model: Any
+        self.optimizer: torch.optim.Optimizer
+        self.ref: torch.nn.Module | None
+        """The frozen reference policy of the KL penalty (None without training.kl_coef)."""
+        if run.training.fsdp > 1 and run.training.backend != "emulated":
+            check_reference(run.model, run.training.reference_model)
+            self.sharded = ShardedTrainer(run)
+            self.model = self.sharded.model
+            self.optimizer = self.sharded.shards.optimizer
+            self.ref = self.sharded.shards.ref
+        else:
+            self.model = load_model(run.model).to(self.device)
+            self.optimizer = optimizer_for(run, self.model)
+            self.ref = reference_for(run, self.device)
         self.state = checkpoint.TrainerState()
         self.loaded: Path | None = None
         """The checkpoint the weights in memory are (None: the initial weights)."""
@@ -47,12 +60,31 @@ class Learner:
         self.group_error = ""
         """Why the last step's hybrid group broke ('' when it did not)."""
 
+    def close(self) -> None:
+        """Stops the FSDP ranks, if any (the trainer's job ended)."""
+        if self.sharded is not None:
+            self.sharded.close()
+
     def resume(self) -> Path | None:
         path = checkpoint.latest(self.ckpt_dir)
         if path is not None:
-            self.state = checkpoint.restore(path, self.model, self.optimizer)
+            self.state = self._restore(path)
             self.loaded = path
         return path
+
+    def _restore(self, path: Path) -> checkpoint.TrainerState:
+        if self.sharded is None:
+            return checkpoint.restore(path, self.model, self.optimizer)
+        payload = checkpoint.read(path)
+        self.sharded.load(payload)
+        self.optimizer = self.sharded.shards.optimizer
+        return checkpoint.state_of(payload)
+
+    def _full_state(self, optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model's (and optimizer's) full state, as a checkpoint keeps it."""
+        if self.sharded is not None:
+            return self.sharded.full_state(optimizer)
+        return self.model.state_dict(), self.optimizer.state_dict() if optimizer else {}
 
     def rollback(self, committed_step: int, committed_path: str = "") -> Path | None:
         """Returns to the last committed step: checkpoints past it (written, then refused by the
@@ -69,7 +101,11 @@ class Learner:
                 path.unlink(missing_ok=True)
         found = named or checkpoint.latest(self.ckpt_dir)
         if found is not None:
-            self.state = checkpoint.restore(found, self.model, self.optimizer)
+            self.state = self._restore(found)
+        elif self.sharded is not None:
+            self.sharded.load({"model": load_model(self.run.model).state_dict()}, reset_optimizer=True)
+            self.optimizer = self.sharded.shards.optimizer
+            self.state = checkpoint.TrainerState()
         else:
             self.model = load_model(self.run.model).to(self.device)
             self.optimizer = optimizer_for(self.run, self.model)
@@ -89,6 +125,10 @@ class Learner:
         self.group_error = ""
         if self.run.training.backend == "emulated":
             return self.emulated_step(samples, should_abort)
+        if self.sharded is not None:
+            settings = step_settings(self.run, self.pad_id, self.state.version, self.state.step, self.device)
+            stats: StepStats = self.sharded.call("step", (list(samples), settings))
+            return dataclasses.replace(stats, data_parallel=self.sharded.world)
         if group is not None and group.pg is not None:
             world = group.world
             try:
@@ -148,7 +188,8 @@ class Learner:
         under this trainer's epoch (its fencing token)."""
         s = self.state
         new = checkpoint.TrainerState(s.step + 1, s.version + 1, s.trained_ids | trajectory_ids)
-        path = checkpoint.save(self.ckpt_dir, new, self.model, self.optimizer, keep=self.keep, epoch=epoch)
+        model_state, optimizer_state = self._full_state()
+        path = checkpoint.save(self.ckpt_dir, new, model_state, optimizer_state, keep=self.keep, epoch=epoch)
         self.state, self.loaded = new, path
         return path
 
@@ -163,7 +204,11 @@ class Learner:
         }
         out = self.ckpt_dir / "hf" / f"step_{s.step:08d}"
         out.parent.mkdir(parents=True, exist_ok=True)
-        return checkpoint.save_policy(self.model, self.tokenizer, out, meta)
+        if self.sharded is None:
+            return checkpoint.save_policy(self.model, self.tokenizer, out, meta)
+        plain = load_model(self.run.model)  # the full weights, in the model's own class, on the host
+        plain.load_state_dict(self._full_state(optimizer=False)[0])
+        return checkpoint.save_policy(plain, self.tokenizer, out, meta)
 
     def snapshot(self) -> Snapshot:
         """The current weights for the wire (`training.push_dtype`). EMULATED end to end (emulated
@@ -176,7 +221,7 @@ class Learner:
         if self.run.training.backend == "emulated" and self.run.rollout.backend == "emulated":
             return snapshot({"emulated.version": torch.tensor([float(version)])}, version)
         dtype = self.run.training.push_dtype
-        return snapshot(self.model.state_dict(), version, None if dtype == "auto" else dtype)
+        return snapshot(self._full_state(optimizer=False)[0], version, None if dtype == "auto" else dtype)
 
 
 def compute_device(run: RunConfig) -> torch.device:
@@ -200,10 +245,12 @@ def optimizer_for(run: RunConfig, model: torch.nn.Module) -> torch.optim.Optimiz
 
 
 def reference_for(run: RunConfig, device: torch.device) -> torch.nn.Module | None:
-    """The frozen initial weights a KL penalty pulls towards, when one is configured."""
+    """The frozen policy a KL penalty pulls towards, when one is configured: training.reference_model,
+    or the initial weights."""
     if run.training.kl_coef <= 0 or run.training.backend == "emulated":
         return None
-    ref = load_model(run.model).to(device)
+    check_reference(run.model, run.training.reference_model)
+    ref = load_model(run.training.reference_model or run.model).to(device)
     ref.eval()
     ref.requires_grad_(False)
     return ref

@@ -93,7 +93,13 @@ class TrainerService:
             store,
             membership,
             lambda: learner.model,
-            unsupported="an emulated trainer has no gradients to share" if emulated else "",
+            unsupported=(
+                "an emulated trainer has no gradients to share"
+                if emulated
+                else "a sharded (FSDP) trainer does not take hybrid workers yet"
+                if run.training.fsdp > 1
+                else ""
+            ),
         )
 
     @property
@@ -695,6 +701,7 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
 
     ckpt_dir = checkpoint_dir(run.training.checkpoint_dir, common.run_id)
     learner = await asyncio.to_thread(Learner, run, ckpt_dir, settings.keep_checkpoints)
+    stack.callback(learner.close)
     if settings.resume:
         path = await asyncio.to_thread(learner.resume)
         if path is not None:

@@ -50,6 +50,10 @@ class StepSettings:
     """Where the model is: micro-batches are moved there."""
     bf16: bool = False
     """Forward and backward under bfloat16 autocast (the weights stay in their own dtype)."""
+    sharded: bool = False
+    """FSDP (services/trainer/fsdp.py): every rank holds a shard and steps its optimizer, gradients
+    are reduce-scattered by the backward pass itself, every rank runs as many passes, and the step
+    cannot be abandoned half-way (the ranks' collectives must match)."""
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,11 @@ def train_step(
     are the whole step's on every replica. A replica (rank > 0) needs no optimizer."""
     start = time.perf_counter()
     rank, world = (dp_group.rank(), dp_group.size()) if dp_group is not None else (0, 1)
-    if rank == 0 and optimizer is None:
-        raise ValueError("the replica that steps (rank 0) needs the optimizer")
+    sharded = settings.sharded and dp_group is not None
+    if (rank == 0 or sharded) and optimizer is None:
+        raise ValueError("the replica that steps (rank 0, or every FSDP rank) needs the optimizer")
+    if sharded:
+        should_abort = _never
     rewards = [s.reward for s in samples]
     by_group: dict[str, list[float]] = {}
     for s in samples:
@@ -174,28 +181,31 @@ def train_step(
     for k, mbs in enumerate(minis):
         tokens = sum(mb.num_tokens for mb in mbs)
         abortable = k == 0
-        for mb in share(mbs, rank, world):
+        for mb, weight in _passes(mbs, rank, world, sharded):
             if abortable and should_abort():
                 model.zero_grad(set_to_none=True)
                 raise StepAborted()
-            loss, m = _micro_step(model, mb, prox.get(id(mb)), settings, tokens, ref_model)
-            loss_sum += loss / len(minis)
-            metrics = metrics + m
+            # FSDP averages the gradients over its ranks; each rank's loss is its share of a sum
+            scale = weight * world if sharded else weight
+            loss, m = _micro_step(model, mb, prox.get(id(mb)), settings, tokens, ref_model, scale)
+            if weight:
+                loss_sum += loss / len(minis)
+                metrics = metrics + m
         if abortable and should_abort():
             model.zero_grad(set_to_none=True)
             raise StepAborted()
-        if dp_group is not None:
+        if dp_group is not None and not sharded:
             all_reduce_gradients(model, dp_group)
         params: list[Any] = [p for p in model.parameters() if p.grad is not None]
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)) if params else 0.0)
-        if rank == 0 and optimizer is not None:
+        norms.append(_clip(params, settings.max_grad_norm) if params else 0.0)
+        if (rank == 0 or sharded) and optimizer is not None:
             if settings.lr is not None:
                 for g in optimizer.param_groups:
                     g["lr"] = settings.lr
             lr = float(optimizer.param_groups[0]["lr"])
             optimizer.step()
         model.zero_grad(set_to_none=True)
-        if dp_group is not None and k < len(minis) - 1:
+        if dp_group is not None and not sharded and k < len(minis) - 1:
             from services.trainer.hybrid import broadcast_weights
 
             broadcast_weights(dp_group, model)  # the replicas' next mini-batch is on the new weights
@@ -229,6 +239,26 @@ def train_step(
     )
 
 
+def _never() -> bool:
+    return False
+
+
+def _passes(mbs: list[MicroBatch], rank: int, world: int, sharded: bool) -> list[tuple[MicroBatch, float]]:
+    """This rank's micro-batches with their weight (1). Sharded, every rank runs as many passes as
+    the busiest: a rank with fewer pads with weight-0 passes over the first micro-batch."""
+    mine = [(mb, 1.0) for mb in share(mbs, rank, world)]
+    if sharded:
+        mine += [(mbs[0], 0.0)] * (-(-len(mbs) // world) - len(mine))
+    return mine
+
+
+def _clip(params: list[Any], max_norm: float) -> float:
+    """Clips to the global norm and returns it (under FSDP the norm is a DTensor over the shards)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
+
+
 def _forward_logprobs(
     model: torch.nn.Module, mb: MicroBatch, settings: StepSettings
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,10 +281,12 @@ def _proximal(
     """The step-start policy's logprobs of this rank's micro-batches, before any update."""
     out = {}
     for mbs in minis:
-        for mb in share(mbs, rank, world):
+        for mb, weight in _passes(mbs, rank, world, settings.sharded):
             if should_abort():
                 raise StepAborted()
-            out[id(mb)] = _forward_logprobs(model, mb, settings)[1].detach()
+            lp = _forward_logprobs(model, mb, settings)[1].detach()
+            if weight:
+                out[id(mb)] = lp
     return out
 
 
@@ -265,8 +297,10 @@ def _micro_step(
     settings: StepSettings,
     tokens: int,
     ref_model: torch.nn.Module | None,
+    scale: float = 1.0,
 ) -> tuple[float, LossMetrics]:
-    """Forward and backward of one micro-batch; returns its loss and metric sums."""
+    """Forward and backward of one micro-batch (its gradient times `scale`); returns its loss and
+    metric sums."""
     logits, new_lp = _forward_logprobs(model, mb, settings)
     ref_lp = None
     if ref_model is not None and settings.loss.kl_coef > 0:
@@ -284,7 +318,7 @@ def _micro_step(
         same_weights=mb.versions == settings.version,
     )
     m = dataclasses.replace(m, entropy=entropy_sum(logits, mb.temperatures, mb.loss_mask))
-    loss.backward()
+    (loss * scale if scale != 1.0 else loss).backward()
     return float(loss.item()), m
 
 

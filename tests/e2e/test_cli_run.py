@@ -1,5 +1,7 @@
 """`libra run` as a user types it: overrides on the command line, output where asked, and the
-trained policy in Hugging Face format at the end (and again with `libra export`)."""
+trained policy in Hugging Face format at the end (and again with `libra export`); the trainer
+shards the policy over two processes (FSDP on gloo), so its pushes, checkpoints and exports are
+the sharded path's."""
 
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ pytestmark = pytest.mark.e2e
 RUN = f"cli-run-{uuid.uuid4().hex[:8]}"  # run ids are durable: a rerun of one would resume it
 
 
-def _libra(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")} | {"HF_HUB_OFFLINE": "1"}
+def _libra(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}
+    env |= {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "tools.cli", *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -35,15 +38,22 @@ def _libra(*args: str) -> subprocess.CompletedProcess[str]:
 def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -> None:
     import transformers
 
+    project = tmp_path / "project"  # a user's directory, not the repository: the shipped config by name
+    project.mkdir()
+    cache = ROOT / ".libra" / "models"  # the tiny model the session already built
     out = _libra(
-        "run", "configs/tiny.yaml", "--training.steps", "3", "task.max_turns=1", "--training.save_every=2",
-        "--task.top_p", "0.9", "training.filter_zero_advantage=false",
-        "--output-dir", str(tmp_path), "--run-id", RUN,
+        "run", "tiny", "--training.steps", "3", "task.max_turns=1", "--training.save_every=2",
+        "--task.top_p", "0.9", "training.filter_zero_advantage=false", f"--model.cache_dir={cache}",
+        "--training.fsdp", "2",
+        "--output-dir", "out", "--run-id", RUN, cwd=project,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    run = tmp_path / RUN
+    run = project / "out" / RUN
+    assert (project / ".libra" / "data" / f"embedded-{RUN}").is_dir()  # the stack's state is the caller's
     report = json.loads((run / "report.json").read_text())
     assert report["train_steps"] == 3 and report["final_weight_version"] == 3
+    trainer_log = (run / "logs" / "trainer.log").read_text()
+    assert trainer_log.count('"data_parallel": 2') == 3  # every step on both FSDP ranks
     sent = yaml.safe_load((run / "config.yaml").read_text())
     assert sent["training"]["steps"] == 3 and sent["task"]["max_turns"] == 1
     # top_p reached the engines: their logprobs are under the nucleus, the trainer's under the full
@@ -66,9 +76,50 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
         == policy.config.vocab_size
     )
 
-    again = _libra("export", RUN, "--runs-dir", str(tmp_path), "--out", str(tmp_path / "exported"))
+    again = _libra("export", RUN, "--runs-dir", str(project / "out"), "--out", str(tmp_path / "exported"))
     assert again.returncode == 0, again.stderr
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
     assert all(torch.equal(t, trained[n]) for n, t in exported.state_dict().items())
     missing = _libra("export", "no-such-run", "--runs-dir", str(tmp_path))
     assert missing.returncode == 2 and "no run at" in missing.stderr
+
+
+def test_run_on_a_stack_reached_by_its_endpoints(tmp_path: Path) -> None:
+    """What the compose and k8s job containers do: `libra run --nats-url --redis-url --secrets` on a
+    stack this process did not start and knows no stack file of (another directory, here)."""
+    from services.common.runconfig import load_run_config
+    from tools.stack import Stack
+
+    project = tmp_path / "elsewhere"
+    project.mkdir()
+    stack = Stack(f"remote-{uuid.uuid4().hex[:6]}", tmp_path / "logs")
+    stack.start_infra()
+    try:
+        stack.start_services(load_run_config(ROOT / "configs" / "tiny.yaml").rollout.engines)
+        assert stack.credentials is not None
+        endpoints = ["--nats-url", stack.nats_url, "--redis-url", stack.redis_url]
+        run_id = f"remote-{uuid.uuid4().hex[:8]}"
+        common = [
+            "--training.steps",
+            "2",
+            f"--model.cache_dir={ROOT / '.libra' / 'models'}",
+            "--output-dir",
+            "out",
+        ]
+        out = _libra("run", "tiny", *endpoints, "--secrets", str(stack.credentials.root), *common,
+                     "--run-id", run_id, cwd=project)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        report = json.loads((project / "out" / run_id / "report.json").read_text())
+        assert report["status"] == "completed" and report["train_steps"] == 2
+        assert report["stack"] == f"remote {stack.nats_url}" and report["logs"] is None
+        assert (project / "out" / run_id / "final" / "config.json").is_file()  # exported from the checkpoint
+        assert not (project / ".libra" / "stack.json").exists()
+
+        # without the stack's credentials the CLI is refused, with a message and nothing started
+        refused = _libra("run", "tiny", *endpoints, *common, "--run-id", f"{run_id}-x", cwd=project)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+        assert f"the stack at {stack.nats_url} refused the CLI (unauthenticated)" in refused.stderr
+        missing = _libra("run", "tiny", "--nats-url", stack.nats_url, cwd=project)
+        assert missing.returncode == 2 and "needs both --nats-url and --redis-url" in missing.stderr
+    finally:
+        stack.stop()

@@ -540,6 +540,43 @@ def test_rewards_that_raise_or_hang_fail_only_their_trajectories(stack: Stack, t
     assert report["trajectories_lost"] == 0
 
 
+def test_held_out_evaluation_scores_each_policy_and_trains_on_none_of_it(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """eval.every: the initial, intermediate and final policies scored on a held-out file by the
+    task's reward (a reward that raises fails its evaluation trajectory, counted by code), while
+    training sees none of those trajectories; the job ends once the final policy is scored."""
+    data, plugins = _own_task(tmp_path, ["ok"] * 6)
+    held_out = tmp_path / "data" / "held_out.jsonl"
+    held_out.write_text(
+        "".join(json.dumps({"question": f"Name {i}.", "answer": str(i), "mode": m}) + "\n"
+                for i, m in enumerate(["ok", "raise", "ok", "ok", "ok"]))
+    )  # fmt: skip
+    task = {
+        "dataset": {"path": str(data), "prompt_key": "question"},
+        "reward": "my_rewards:moody",
+        "plugin_paths": [str(plugins)],
+    }
+    evaluation = {"every": 1, "prompts": 4, "dataset": {"path": str(held_out), "prompt_key": "question"}}
+    config = _config(tmp_path, task=task, training={"filter_zero_advantage": False}, eval=evaluation)
+    report = _run(stack, config, f"eval-{RUN}", tmp_path)
+    assert report["status"] == "completed", report["reason"]
+    rounds = report["eval"]
+    assert [r["version"] for r in rounds] == [0, 1, 2]
+    for r in rounds:  # the first 4 rows: one raises
+        assert (r["prompts"], r["completed"], r["failed"], r["reward_mean"]) == (
+            4,
+            3,
+            {"reward_error": 1},
+            1.0,
+        ), r
+        assert r["policy_versions"] and min(r["policy_versions"]) >= r["version"]  # never an older policy
+    assert report["trajectories_failed_by_code"] == {}  # the evaluation's failure is its round's
+    accounting = report["trajectories_accounting"]
+    assert accounting["handed_to_trainer"] == report["trajectories_completed"]
+    assert report["reward_mean_per_step"] == [1.0, 1.0]
+
+
 ENV_PLUGIN = """
 class Countdown:
     \"\"\"Three turns whatever the model writes: an observation, a calculator call, then the end.\"\"\"

@@ -108,3 +108,22 @@ def test_the_compose_file_is_valid_compose(tmp_path: Path) -> None:
     # and it refuses what compose would refuse (a misspelt key), so this check can fail
     bogus = {**compose, "services": {**compose["services"], "x": {"image": "a", "helthcheck": {}}}}
     assert list(jsonschema.Draft7Validator(schema).iter_errors(bogus))
+
+
+def test_the_wheel_ships_the_configs_and_data(tmp_path: Path) -> None:
+    """What `pip install .` puts in site-packages: the configs `libra run NAME` finds by name, the
+    cost model's presets and workloads, the sandbox's data."""
+    import zipfile
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = tmp_path.glob("libra-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        for config in (ROOT / "configs").glob("*.yaml"):
+            assert z.read(f"tools/configs/{config.name}") == config.read_bytes(), config.name
+    assert {"services/common/presets/hardware.yaml", "services/common/workloads/r2e_gym.yaml"} <= names
+    assert any(n.startswith("services/tool_sandbox/data/") for n in names)

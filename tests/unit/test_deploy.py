@@ -26,19 +26,52 @@ def _bin(name: str) -> str:
     return found
 
 
+def _services(compose: dict) -> dict[str, dict]:
+    """The Libra service containers (not the one-shot credentials and job containers)."""
+    return {n: s for n, s in compose["services"].items() if "build" in s and n not in ("credentials", "job")}
+
+
+def _libra_run(argv: list[str]):
+    """`argv` (a container's `libra run …`) as the real CLI parses it."""
+    from tools.cli import cmd_run, parse, parser
+
+    assert argv[:2] == ["libra", "run"], argv
+    args = parse(parser(), argv[1:])
+    assert args.fn is cmd_run
+    return args
+
+
 def test_compose_runs_native_commands_for_every_service() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    services = {n: s for n, s in compose["services"].items() if "build" in s and n != "credentials"}
+    services = _services(compose)
     assert {tuple(s["command"]) for s in services.values()} == NATIVE
     for name, svc in services.items():
         env = svc["environment"]
         assert env["LIBRA_NATS_URL"].startswith("nats://") and env["LIBRA_OTLP_ENDPOINT"], name
+        assert "LIBRA_CONFIG" not in env and "LIBRA_RUN_ID" not in env, name  # idle, as under `libra up`
     assert "jaeger" in compose["services"]
+
+
+def test_compose_submits_jobs_with_libra_run() -> None:
+    """`docker compose run --rm job [CONFIG] [overrides]` is `libra run` against the stack's own
+    NATS and Redis, with the cli identity's credentials, writing where the trainer checkpoints."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    job, trainer = compose["services"]["job"], compose["services"]["trainer"]
+    assert job["profiles"] == ["job"] and str(job["user"]) == "10001"
+    command = [c.replace("${LIBRA_RUN_CONFIG:-gpu.yaml}", "gpu.yaml") for c in job["command"]]
+    args = _libra_run(job["entrypoint"] + command + ["--training.steps", "3"])
+    assert args.nats_url == trainer["environment"]["LIBRA_NATS_URL"]
+    assert args.redis_url == trainer["environment"]["LIBRA_REDIS_URL"]
+    assert args.overrides == ["training.steps=3"] and args.config == "/app/configs/gpu.yaml"
+    mounts = dict(v.rsplit(":", 2)[:2] if v.count(":") == 2 else v.split(":", 1) for v in job["volumes"])
+    assert mounts["./.libra/compose-secrets/cli"] == f"{args.secrets}/cli"
+    assert mounts["runs"] == args.output_dir and "runs:/app/runs" in trainer["volumes"]
+    assert set(job["depends_on"]) == set(_services(compose))
 
 
 def test_compose_gives_every_gpu_service_its_own_gpu_and_every_service_a_healthcheck() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    services = {n: s for n, s in compose["services"].items() if "build" in s and n != "credentials"}
+    services = _services(compose)
     devices = {}
     for name, svc in services.items():
         reserved = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
@@ -50,9 +83,7 @@ def test_compose_gives_every_gpu_service_its_own_gpu_and_every_service_a_healthc
         assert f"http://127.0.0.1:{port}/metrics" in probe, name
     assert set(devices) == {"rollout-engine-0", "rollout-engine-1", "trainer"}
     assert len(set(devices.values())) == len(devices)  # no two services on one GPU
-    default = re.search(
-        r"\$\{LIBRA_RUN_CONFIG:-([\w.]+)\}", services["trainer"]["environment"]["LIBRA_CONFIG"]
-    )
+    default = re.search(r"\$\{LIBRA_RUN_CONFIG:-([\w.]+)\}", compose["services"]["job"]["command"][0])
     assert default is not None
     gpu = yaml.safe_load((ROOT / "configs" / default.group(1)).read_text())
     assert gpu["rollout"]["backend"] == "vllm"  # vLLM serves in compose
@@ -68,7 +99,11 @@ def test_compose_is_secure_by_default() -> None:
     for name, svc in services.items():
         for port in svc.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), (name, port)
-        if "build" in svc and name != "credentials":
+        if name == "job":
+            assert [v for v in svc["volumes"] if "compose-secrets" in v] == [
+                "./.libra/compose-secrets/cli:/run/secrets/libra/cli:ro"
+            ]
+        elif "build" in svc and name != "credentials":
             secrets = [v for v in svc["volumes"] if "compose-secrets" in v]
             assert secrets == [f"./.libra/compose-secrets/{identity_of(name)}:/run/secrets/libra:ro"], name
             assert svc["environment"]["LIBRA_SECRETS_DIR"] == "/run/secrets/libra"
@@ -89,6 +124,36 @@ def test_k8s_manifests_validate_and_run_native_commands() -> None:
                     if "command" in c:
                         commands.add(tuple(c["command"]))
     assert commands == NATIVE
+
+
+def test_the_k8s_job_is_libra_run_against_the_stack() -> None:
+    docs = [
+        d
+        for f in sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
+        for d in yaml.safe_load_all(f.read_text())
+        if d
+    ]
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    args = _libra_run(c["command"] + c["args"])
+    trainer = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "trainer")
+    tpod = trainer["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in tpod["containers"][0]["env"]}
+    assert (args.nats_url, args.redis_url) == (env["LIBRA_NATS_URL"], env["LIBRA_REDIS_URL"])
+    assert job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "libra"
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts[f"{args.secrets}/cli"]]["secret"]["secretName"] == "libra-cli-credentials"
+    # the report and the export need the trainer's checkpoints: the same claim, on the same node
+    tvolumes = {v["name"]: v for v in tpod["volumes"]}
+    tmounts = {m["mountPath"]: m["name"] for m in tpod["containers"][0]["volumeMounts"]}
+    claim = volumes[mounts[args.output_dir]]["persistentVolumeClaim"]["claimName"]
+    assert claim == tvolumes[tmounts[args.output_dir]]["persistentVolumeClaim"]["claimName"]
+    (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["labelSelector"]["matchLabels"] == trainer["spec"]["selector"]["matchLabels"]
+    data = yaml.safe_load((ROOT / "deploy" / "k8s" / "01-run-config.yaml").read_text())["data"]
+    assert args.config.removeprefix("/app/configs/") in data
 
 
 def test_k8s_mounts_per_service_secrets_behind_a_network_policy() -> None:
@@ -135,7 +200,7 @@ def test_generated_k8s_secrets_are_the_ones_the_manifests_mount(tmp_path: Path) 
         v["secret"]["secretName"]
         for f in (ROOT / "deploy" / "k8s").glob("*.yaml")
         for d in yaml.safe_load_all(f.read_text())
-        if d and d["kind"] in ("Deployment", "StatefulSet")
+        if d and d["kind"] in ("Deployment", "StatefulSet", "Job")
         for v in d["spec"]["template"]["spec"].get("volumes", [])
         if "secret" in v
     }
@@ -155,7 +220,6 @@ def test_k8s_config_map_is_generated_from_configs_and_pods_have_probes() -> None
     from tools.k8s_config import OUT, config_map
 
     assert OUT.read_text() == config_map(), "deploy/k8s/01-run-config.yaml is stale: run `make docs`"
-    data = yaml.safe_load(OUT.read_text())["data"]
     pods = 0
     for f in sorted((ROOT / "deploy" / "k8s").glob("2*.yaml")):
         for doc in yaml.safe_load_all(f.read_text()):
@@ -165,7 +229,7 @@ def test_k8s_config_map_is_generated_from_configs_and_pods_have_probes() -> None
             for c in spec["containers"]:
                 pods += 1
                 env = {e["name"]: e.get("value") for e in c["env"]}
-                assert env["LIBRA_CONFIG"].removeprefix("/app/configs/") in data, f.name
+                assert "LIBRA_CONFIG" not in env and "LIBRA_RUN_ID" not in env, f.name  # idle until a job
                 port = {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"]
                 assert str(port) == env["LIBRA_METRICS_PORT"], f.name
                 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):

@@ -69,6 +69,30 @@ def test_the_job_config_carries_the_overrides_and_absolute_paths(tmp_path: Path)
         and Path(sent["task"]["dataset"]["path"]).is_file()
     )
     assert all(Path(p).is_absolute() for p in sent["task"]["plugin_paths"] + sent["task"]["tool_plugins"])
+    assert sent["model"]["cache_dir"] == str(Path.cwd() / ".libra" / "models")  # the caller's directory
     assert "lr_schedule" not in sent["training"]  # only what was set travels: defaults stay the services'
     again = parse_run_config(job_config_yaml(local), "sent")
     assert again == local
+
+
+def test_shipped_configs_are_found_by_name_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tools.cli import CONFIG_DIR, config_path, main, shipped_configs
+
+    monkeypatch.chdir(tmp_path)  # no configs/ here: the packaged ones answer
+    assert {"default.yaml", "gpu.yaml", "tiny.yaml"} <= set(shipped_configs())
+    for name in ("tiny", "tiny.yaml", "configs/tiny.yaml"):
+        assert config_path(name) == CONFIG_DIR / "tiny.yaml"
+    mine = tmp_path / "tiny.yaml"  # a file of the user's wins over the shipped one
+    mine.write_text("name: mine\n")
+    assert config_path("tiny.yaml").resolve() == mine
+    with pytest.raises(ConfigFileError) as err:
+        config_path("tinny")
+    assert "shipped configs, usable by name: " in err.value.message and "tiny.yaml" in err.value.message
+    with pytest.raises(ConfigFileError):
+        config_path("elsewhere/gpu.yaml")  # a path that names a directory is never replaced
+    assert main(["config", "show", "gpu"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["rollout"]["backend"] == "vllm"
+    assert main(["config", "list"]) == 0
+    assert "learn.yaml" in capsys.readouterr().out

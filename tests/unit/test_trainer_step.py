@@ -178,3 +178,53 @@ def test_a_step_on_cuda_matches_the_cpu(model: torch.nn.Module) -> None:
     gpu = train_step(model, opt, samples, settings(device="cuda", bf16=True))
     assert gpu.loss == pytest.approx(cpu.loss, abs=0.05) and gpu.tokens == cpu.tokens
     assert all(p.dtype == torch.float32 and p.is_cuda for p in model.parameters())
+
+
+def test_the_kl_reference_is_the_configured_model(
+    model: torch.nn.Module, tiny_model: ModelConfig, tmp_path
+) -> None:
+    """training.reference_model replaces the initial policy as the KL's reference; a reference with
+    another vocabulary is refused before anything loads."""
+    import transformers
+
+    from services.common.config import ConfigFileError
+    from services.common.runconfig import RunConfig
+    from services.trainer.learner import reference_for
+
+    base = {"model": tiny_model.model_dump(), "training": {"kl_coef": 0.1}}
+    cpu = torch.device("cpu")
+    initial = reference_for(RunConfig.model_validate(base), cpu)
+    other = tiny_model.model_copy(update={"seed": 1})
+    base["training"]["reference_model"] = other.model_dump()
+    configured = reference_for(RunConfig.model_validate(base), cpu)
+    assert initial is not None and configured is not None
+    emb = lambda m: m.get_input_embeddings().weight  # noqa: E731
+    assert torch.equal(emb(initial), emb(model)) and not torch.equal(emb(configured), emb(model))
+    samples = [engine_sample(model, f"t{i}", "g", float(i % 2), temperature=1.0, seed=i) for i in range(2)]
+    kls, frozen = [], torch.optim.SGD(model.parameters(), lr=0.0)
+    for ref in (initial, configured):
+        stats = train_step(
+            model,
+            frozen,
+            samples,
+            StepSettings(LossConfig(kl_coef=0.1), micro_batch=2, pad_id=0),
+            ref_model=ref,
+        )
+        kls.append(stats.ref_kl)
+    assert (
+        kls[0] == pytest.approx(0.0, abs=1e-6) and kls[1] > 1e-3
+    )  # the step scored against the weights it was given
+
+    small = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    transformers.LlamaForCausalLM(small).save_pretrained(tmp_path / "small")
+    base["training"]["reference_model"] = {"source": "path", "path": str(tmp_path / "small")}
+    with pytest.raises(ConfigFileError) as err:
+        reference_for(RunConfig.model_validate(base), cpu)
+    assert "vocabulary of 100 tokens" in err.value.message
