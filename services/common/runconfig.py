@@ -358,7 +358,7 @@ class PlannerConfig(_Strict):
     min_gain: float = Field(0.03, ge=0.0, le=1.0)
     """A new plan must predict at least this fractional reduction of the rollout time."""
     min_samples: int = Field(32, ge=1)
-    """Completed trajectories the planner needs before its first re-fit."""
+    """Finished trajectories (among the last 512 launched) the planner needs before its first re-fit."""
     cost_model: EmulatedConfig | None = None
     """GPU and model presets the planner predicts with; default `rollout.emulated`'s (for real
     engines, name your hardware and model here)."""

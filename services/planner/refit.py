@@ -2,10 +2,10 @@
 re-fit the buckets' token thresholds (or not) out.
 
 The triggers (`ReplanPolicy`) and the re-fit itself (`refit_thresholds`) are the simulator's; this
-only turns the live reports into their inputs: the scheduler's `WorkloadStats` (a sample of recent
-trajectories' output lengths, tool seconds per call, prompt tokens, turns, queued turns) and the
-trainer's `TrainMetrics` (the step time against the time between steps, i.e. the rollout/training
-balance). A threshold change moves no worker, so its reconfiguration cost is zero; the predicted
+only turns the live reports into their inputs: the scheduler's `WorkloadStats` (the output lengths
+of recently launched trajectories, those still running counted as censored by `length_sample`,
+tool seconds per call, prompt tokens, turns, queued turns) and the trainer's `TrainMetrics` (the
+step time against the time between steps, i.e. the rollout/training balance). A threshold change moves no worker, so its reconfiguration cost is zero; the predicted
 gain must still pass `planner.min_gain`.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from services.common.contracts import ev
 from services.common.cost_model import CostModel, load_presets
 from services.common.runconfig import RunConfig
-from services.planner.replan import ReplanPolicy, ReplanSignals, refit_thresholds
+from services.planner.replan import ReplanPolicy, ReplanSignals, length_sample, refit_thresholds
 from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
 
 
@@ -84,7 +84,7 @@ class LiveReplanner:
             return None
         stats = WorkloadStats(
             trajectories_per_step=self.cfg.trajectories_per_step,
-            output_tokens=list(s.trajectory_output_tokens),
+            output_tokens=length_sample(s.trajectory_output_tokens, s.running_output_tokens),
             mean_turns=max(1.0, s.turns_per_trajectory_mean),
             mean_tool_s=s.tool_s_per_turn / self._time_scale(),
             prompt_tokens=s.prompt_tokens,

@@ -14,6 +14,42 @@ REFIT_QUANTILES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 """Candidate bucket thresholds: these quantiles of recent trajectories' output tokens."""
 
 
+def length_sample(finished: Sequence[float], running: Sequence[float] = ()) -> list[float]:
+    """Trajectory output lengths for the re-fit, corrected for the ones still running.
+
+    `finished` and `running` are one cohort (the most recently launched trajectories): the final
+    lengths of those that ended, and the lengths so far of those still generating (or cut short),
+    which are lower bounds of their final lengths. Short trajectories finish first, so the finished
+    ones alone under-state the lengths early in a run and after a change in the workload. The
+    Kaplan-Meier estimate treats each running one as right-censored: its share goes to the finished
+    lengths above its length so far. Returns one length per cohort member, at evenly spaced
+    quantiles of that estimate; the share left above the longest finished length (every trajectory
+    that long is still running) sits at the longest running length, a lower bound.
+    """
+    obs = sorted([(float(x), 0) for x in finished] + [(float(x), 1) for x in running])
+    if not obs:
+        return []
+    at_risk, surv, mass = len(obs), 1.0, []
+    for value, group in itertools.groupby(obs, key=lambda o: o[0]):
+        kinds = [k for _, k in group]
+        ended = kinds.count(0)
+        if ended:
+            share = surv * ended / at_risk
+            mass.append((value, share))
+            surv -= share
+        at_risk -= len(kinds)
+    if surv > 1e-12:
+        mass.append((obs[-1][0], surv))
+    n, out, acc, i = len(obs), [], 0.0, 0
+    for k in range(n):
+        p = (k + 0.5) / n
+        while i < len(mass) - 1 and acc + mass[i][1] < p:
+            acc += mass[i][1]
+            i += 1
+        out.append(mass[i][0])
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class ReplanSignals:
     """Metrics a planner sees: queued turns per rollout slot, rejected requests since the last

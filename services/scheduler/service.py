@@ -514,6 +514,8 @@ class SchedulerService:
         )
         bucket = self.dispatch.admit(traj.trajectory_id, task.prompt_id, time.monotonic())
         live = self.live[traj.trajectory_id] = Live(traj, span, bucket, evaluation=evaluation)
+        if not evaluation:
+            self.workload.launched(traj.trajectory_id)
         self.bus.spawn(self._begin(live))
 
     async def _begin(self, live: Live) -> None:
@@ -715,7 +717,7 @@ class SchedulerService:
             return
         self.turns += 1
         self.metrics.turns.inc()
-        self.workload.turn(time.monotonic(), len(res.token_ids), res.context_tokens)
+        self.workload.turn(time.monotonic(), len(res.token_ids), res.context_tokens, traj_id)
         eos = (
             res.finish_reason == "stop" and bool(res.token_ids) and res.token_ids[-1] == self.prompter.eos_id
         )
@@ -944,7 +946,12 @@ class SchedulerService:
         live.span.end()
         if live.failure is None:  # what the workload is, not what the infrastructure cut short
             self.workload.trajectory(
-                time.monotonic(), traj.turns, latency, traj.output_tokens, len(traj.prompt_ids)
+                time.monotonic(),
+                traj.turns,
+                latency,
+                traj.output_tokens,
+                len(traj.prompt_ids),
+                traj.trajectory_id,
             )
         self.completed += 1
         self.failed += live.failure is not None

@@ -3,13 +3,14 @@ buckets and the rollout/training split. Pure: the caller passes `now`."""
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 
 from services.common.contracts import ev
 
 LENGTH_SAMPLE = 512
-"""Most recent trajectories whose output lengths travel in WorkloadStats (the planner's sample)."""
+"""Most recently launched trajectories whose output lengths travel in WorkloadStats (the planner's
+sample): the final lengths of those that finished, the lengths so far of the others."""
 
 
 def quantiles(values: Iterable[float]) -> ev.LengthQuantiles:
@@ -32,16 +33,34 @@ class WorkloadWindow:
         self._turns: deque[tuple[float, int, int]] = deque()
         self._trajs: deque[tuple[float, int, float, int, int]] = deque()
         self._tools: deque[tuple[float, str, float]] = deque()
-        self._lengths: deque[int] = deque(maxlen=LENGTH_SAMPLE)
+        self._cohort: OrderedDict[str, list[int]] = OrderedDict()
+        """trajectory id -> [output tokens so far, 1 when finished], in launch order."""
 
-    def turn(self, now: float, new_tokens: int, context_tokens: int) -> None:
+    def launched(self, trajectory_id: str) -> None:
+        self._cohort[trajectory_id] = [0, 0]
+        if len(self._cohort) > LENGTH_SAMPLE:
+            self._cohort.popitem(last=False)
+
+    def turn(self, now: float, new_tokens: int, context_tokens: int, trajectory_id: str = "") -> None:
         self._turns.append((now, new_tokens, context_tokens))
+        entry = self._cohort.get(trajectory_id)
+        if entry is not None and not entry[1]:
+            entry[0] += new_tokens
 
     def trajectory(
-        self, now: float, turns: int, latency_s: float, output_tokens: int = 0, prompt_tokens: int = 0
+        self,
+        now: float,
+        turns: int,
+        latency_s: float,
+        output_tokens: int = 0,
+        prompt_tokens: int = 0,
+        trajectory_id: str = "",
     ) -> None:
+        """A trajectory that finished; it is in the length sample if it was `launched` here (not
+        by a scheduler before a restart) among the last LENGTH_SAMPLE."""
         self._trajs.append((now, turns, latency_s, output_tokens, prompt_tokens))
-        self._lengths.append(output_tokens)
+        if trajectory_id in self._cohort:
+            self._cohort[trajectory_id] = [output_tokens, 1]
 
     def tool_return(self, now: float, status: str, seconds: float = 0.0) -> None:
         self._tools.append((now, status, seconds))
@@ -64,7 +83,8 @@ class WorkloadWindow:
             tool_returns_by_status=dict(Counter(s for _, s, _ in self._tools)),
             trajectories_per_s=len(self._trajs) / self.window_s,
             trained_version=trained_version,
-            trajectory_output_tokens=list(self._lengths),
+            trajectory_output_tokens=[n for n, done in self._cohort.values() if done],
+            running_output_tokens=[n for n, done in self._cohort.values() if not done],
             tool_s_per_turn=_mean(s for _, _, s in self._tools),
             prompt_tokens=_mean(t[4] for t in self._trajs),
             turns_per_trajectory_mean=_mean(t[1] for t in self._trajs),

@@ -1,4 +1,8 @@
-from services.planner.replan import ReplanPolicy, ReplanSignals
+import random
+
+import pytest
+
+from services.planner.replan import ReplanPolicy, ReplanSignals, length_sample
 
 STEADY = ReplanSignals(queue_pressure=0.5, rejected=0, rollout_train_ratio=1.0)
 
@@ -106,7 +110,64 @@ def test_the_live_replanner_waits_for_data_and_an_interval_and_only_refits_cmlfq
     d = r.decide(10.0, buckets, replicas)
     assert d is not None and d.trigger == "interval" and d.gain > 0.03
     assert d.limits[0] > 500 and d.limits[-1] == float("inf")
+    short, long_ = lengths[:180], lengths[180:]
+
+    def early(finished: list[int], running: list[int]) -> list[float] | None:
+        r = LiveReplanner(cfg())
+        seen = ev.WorkloadStats(
+            trajectory_output_tokens=finished,
+            running_output_tokens=running,
+            tool_s_per_turn=5.0,
+            prompt_tokens=2000,
+            turns_per_trajectory_mean=6,
+        )
+        r.observe_workload(0.0, seen)
+        refit = r.decide(10.0, buckets, replicas)
+        return None if refit is None else refit.limits
+
+    # the same cohort while half its long trajectories are still running (half-way): the
+    # threshold is where the finished cohort puts it
+    assert early(short + long_[:10], [n // 2 for n in long_[10:]]) == d.limits
+    # only the short ones finished so far: counted as censored, the running ones still move the
+    # threshold up from 500; left out, there is nothing to re-fit to
+    moved = early(short, [n // 2 for n in long_])
+    assert moved is not None and moved[0] > 500
+    assert early(short, []) is None
     for off in (cfg(policy="least_loaded"), cfg(buckets=[{"name": "all"}])):
         r = LiveReplanner(off)
         r.observe_workload(0.0, stats)
         assert r.decide(100.0, buckets, replicas) is None
+
+
+def test_length_sample_without_running_ones_is_the_finished_lengths() -> None:
+    assert length_sample([30, 10, 20]) == [10.0, 20.0, 30.0]
+    assert length_sample([], []) == []
+
+
+def test_length_sample_gives_a_running_ones_share_to_the_longer_finished_ones() -> None:
+    # Kaplan-Meier by hand: at 1 one of 3 at risk ends (1/3); 2 is censored; at 3 the last ends (2/3)
+    assert length_sample([1, 3], [2]) == [1.0, 3.0, 3.0]
+    # nothing finished beyond the running ones: their share stays at the longest so far (a bound)
+    assert length_sample([1], [5, 8]) == [1.0, 8.0, 8.0]
+
+
+def test_length_sample_recovers_the_lengths_that_the_finished_ones_understate() -> None:
+    """A cohort launched over 100 s, each trajectory generating for as long as its length (a
+    heavy tail), seen at 150 s: the long ones are still running. The finished ones alone put the
+    median and p90 far too low; the estimate that counts the running ones as censored does not."""
+    rng = random.Random(7)
+    launches = [rng.uniform(0, 100) for _ in range(4000)]
+    lengths = [rng.lognormvariate(4.0, 1.0) for _ in launches]  # median 55 s of generation
+    now = 200.0
+    finished = [n for t, n in zip(launches, lengths, strict=True) if t + n <= now]
+    running = [now - t for t, n in zip(launches, lengths, strict=True) if t + n > now]
+    assert len(running) > 0.1 * len(launches)
+
+    def q(xs: list[float], p: float) -> float:
+        xs = sorted(xs)
+        return xs[int(p * (len(xs) - 1))]
+
+    for p in (0.5, 0.9):
+        truth, naive, corrected = q(lengths, p), q(finished, p), q(length_sample(finished, running), p)
+        assert naive < 0.85 * truth  # the bias being corrected is real here
+        assert corrected == pytest.approx(truth, rel=0.08)

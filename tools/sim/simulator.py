@@ -12,13 +12,14 @@ import heapq
 import math
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.cost_model import CostModel
 from services.common.synthetic import TrajectorySpec, Workload
 from services.planner.hybrid_pool import HybridPool, PoolPolicy, Role
-from services.planner.replan import ReplanPolicy, ReplanSignals, refit_thresholds
+from services.planner.replan import ReplanPolicy, ReplanSignals, length_sample, refit_thresholds
 from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
 from services.scheduler.cmlfq import EngineView
 from tools.sim.engine import Engine, Request
@@ -84,6 +85,7 @@ class _Traj:
     """When its pending turn entered a bucket queue (-1: not queued)."""
     queue_s: float = 0.0
     tool_s: float = 0.0
+    finished: bool = False
 
 
 @dataclass(slots=True)
@@ -148,7 +150,8 @@ class Simulator:
         self.reprefill_tokens = 0
         self.timeline: list[tuple[float, int, int, int]] = []
         self.replans: list[dict[str, Any]] = []
-        self.recent_lengths: deque[int] = deque(maxlen=4 * self.B * workload.group_size)
+        self.recent: deque[_Traj] = deque(maxlen=4 * self.B * workload.group_size)
+        """The most recently admitted trajectories: the re-fit's length sample (`length_sample`)."""
         self._last_train_s = 0.0
         self.train_durations: list[float] = []
         self.train_gen = 0
@@ -221,6 +224,7 @@ class Simulator:
                 tid = f"{pid}s{k}"
                 bucket = self.router.admit(tid, pid, self.now, spec.output_tokens)
                 tr = _Traj(spec, gid, self.now, bucket, self.version, context=spec.prompt_tokens)
+                self.recent.append(tr)
                 self.trajs[tid] = tr
                 g.trajs.append(tid)
                 self._start_turn(tid)
@@ -360,7 +364,7 @@ class Simulator:
         self.router.finish(tid, tr.tokens, self.now)
         self.latencies.append(self.now - tr.admitted)
         self.waits.append((tr.queue_s, tr.tool_s))
-        self.recent_lengths.append(tr.tokens)
+        tr.finished = True
         self.finished += 1
         g = self.groups[tr.group]
         g.left -= 1
@@ -645,7 +649,8 @@ class Simulator:
         """Re-fit bucket thresholds to the recent length distribution when a trigger fires."""
         rp = self.sys.replan
         assert rp is not None
-        if len(self.sys.buckets) < 2 or len(self.recent_lengths) < self.B * self.wl.group_size:
+        finished = [t.tokens for t in self.recent if t.finished]
+        if len(self.sys.buckets) < 2 or len(finished) < self.B * self.wl.group_size:
             return
         slots = sum(e.max_seqs for e in self.engines.values() if e.accepting) or 1
         interval = self.step_ends[-1] - self.step_ends[-2] if len(self.step_ends) > 1 else self._last_train_s
@@ -654,7 +659,9 @@ class Simulator:
         fire, reason = rp.should_replan(self.now, sig)
         if not fire:
             return
-        stats = self.workload_stats(list(self.recent_lengths))
+        stats = self.workload_stats(
+            length_sample(finished, [t.tokens for t in self.recent if not t.finished])
+        )
         refit = refit_thresholds(self.cm, stats, self.sys.buckets, SearchOptions(max_seqs=self.sys.max_seqs))
         best, cur, best_t = refit.buckets, refit.current_s, refit.best_s
         applied = best is not None and rp.accept(self.now, cur, best_t, 0.0)
@@ -665,7 +672,7 @@ class Simulator:
             self.sys.buckets = best
             self.router.set_thresholds({b.name: b.max_tokens for b in best})
 
-    def workload_stats(self, lengths: list[int]) -> WorkloadStats:
+    def workload_stats(self, lengths: Sequence[float]) -> WorkloadStats:
         base = self.sys.notes.get("profile")
         if isinstance(base, WorkloadStats):
             return WorkloadStats(
@@ -753,7 +760,7 @@ def turn_payload(tr: _Traj) -> int:
 
 
 def workload_stats(
-    w: Workload, lengths: list[int], specs: list[TrajectorySpec] | None = None
+    w: Workload, lengths: Sequence[float], specs: list[TrajectorySpec] | None = None
 ) -> WorkloadStats:
     """Planner input from finished lengths (live) or sampled trajectories (profiling)."""
     if specs:

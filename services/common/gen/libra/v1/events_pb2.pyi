@@ -295,7 +295,7 @@ class LengthQuantiles(_message.Message):
     def __init__(self, count: _Optional[int] = ..., p50: _Optional[float] = ..., p90: _Optional[float] = ..., p99: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
 
 class WorkloadStats(_message.Message):
-    __slots__ = ("window_s", "new_tokens_per_turn", "context_tokens_per_turn", "turns_per_trajectory", "trajectory_latency_s", "queued_turns_by_bucket", "tool_returns_by_status", "trajectories_per_s", "trained_version", "trajectory_output_tokens", "tool_s_per_turn", "prompt_tokens", "turns_per_trajectory_mean", "running_turns_by_bucket")
+    __slots__ = ("window_s", "new_tokens_per_turn", "context_tokens_per_turn", "turns_per_trajectory", "trajectory_latency_s", "queued_turns_by_bucket", "tool_returns_by_status", "trajectories_per_s", "trained_version", "trajectory_output_tokens", "tool_s_per_turn", "prompt_tokens", "turns_per_trajectory_mean", "running_turns_by_bucket", "running_output_tokens")
     class QueuedTurnsByBucketEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,7 @@ class WorkloadStats(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TURNS_PER_TRAJECTORY_MEAN_FIELD_NUMBER: _ClassVar[int]
     RUNNING_TURNS_BY_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     window_s: float
     new_tokens_per_turn: LengthQuantiles
     context_tokens_per_turn: LengthQuantiles
@@ -345,7 +346,8 @@ class WorkloadStats(_message.Message):
     prompt_tokens: float
     turns_per_trajectory_mean: float
     running_turns_by_bucket: _containers.ScalarMap[str, int]
-    def __init__(self, window_s: _Optional[float] = ..., new_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., context_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., turns_per_trajectory: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., trajectory_latency_s: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., queued_turns_by_bucket: _Optional[_Mapping[str, int]] = ..., tool_returns_by_status: _Optional[_Mapping[str, int]] = ..., trajectories_per_s: _Optional[float] = ..., trained_version: _Optional[int] = ..., trajectory_output_tokens: _Optional[_Iterable[int]] = ..., tool_s_per_turn: _Optional[float] = ..., prompt_tokens: _Optional[float] = ..., turns_per_trajectory_mean: _Optional[float] = ..., running_turns_by_bucket: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    running_output_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, window_s: _Optional[float] = ..., new_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., context_tokens_per_turn: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., turns_per_trajectory: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., trajectory_latency_s: _Optional[_Union[LengthQuantiles, _Mapping]] = ..., queued_turns_by_bucket: _Optional[_Mapping[str, int]] = ..., tool_returns_by_status: _Optional[_Mapping[str, int]] = ..., trajectories_per_s: _Optional[float] = ..., trained_version: _Optional[int] = ..., trajectory_output_tokens: _Optional[_Iterable[int]] = ..., tool_s_per_turn: _Optional[float] = ..., prompt_tokens: _Optional[float] = ..., turns_per_trajectory_mean: _Optional[float] = ..., running_turns_by_bucket: _Optional[_Mapping[str, int]] = ..., running_output_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoleChange(_message.Message):
     __slots__ = ("worker_id", "from_role", "to_role", "bucket", "fencing_token")
