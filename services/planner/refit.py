@@ -5,8 +5,9 @@ The triggers (`ReplanPolicy`) and the re-fit itself (`refit_thresholds`) are the
 only turns the live reports into their inputs: the scheduler's `WorkloadStats` (the output lengths
 of recently launched trajectories, those still running counted as censored by `length_sample`,
 tool seconds per call, prompt tokens, turns, queued turns) and the trainer's `TrainMetrics` (the
-step time against the time between steps, i.e. the rollout/training balance). A threshold change moves no worker, so its reconfiguration cost is zero; the predicted
-gain must still pass `planner.min_gain`.
+step time against the time between steps, i.e. the rollout/training balance). A threshold change
+moves no worker, so its reconfiguration cost is zero; the predicted gain must still pass
+`planner.min_gain`.
 """
 
 from __future__ import annotations
