@@ -3,6 +3,7 @@ manifests must parse, pass their linters, and run exactly the commands `libra up
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -246,3 +247,66 @@ def test_k8s_config_map_is_generated_from_configs_and_pods_have_probes() -> None
     trainer = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "24-trainer.yaml").read_text()) if d]
     claims = [d for d in trainer if d["kind"] == "PersistentVolumeClaim"]
     assert claims, "the trainer's checkpoints need a persistent volume"
+
+
+def test_engines_reach_the_trainers_hybrid_rendezvous_in_compose_and_k8s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer's settings, read from each deployment's environment by the trainer's own
+    settings class, listen on every interface at a fixed port and announce a name the engines
+    resolve (the compose service, the k8s headless Service); k8s lets the group's ranks connect."""
+    from services.trainer.config import TrainerSettings
+
+    def settings(env: dict[str, str]) -> TrainerSettings:
+        for key in [k for k in os.environ if k.startswith("LIBRA_TRAINER_")]:
+            monkeypatch.delenv(key)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        return TrainerSettings()
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    s = settings({k: str(v) for k, v in compose["services"]["trainer"]["environment"].items()})
+    assert (s.hybrid_host, s.hybrid_port, s.hybrid_advertise_host) == ("0.0.0.0", 29500, "trainer")
+    assert "rollout-engine-0" in compose["services"] and "networks" not in compose["services"]["trainer"]
+
+    docs = [
+        d
+        for f in sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
+        for d in yaml.safe_load_all(f.read_text())
+        if d
+    ]
+    (trainer,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "trainer"]
+    container = trainer["spec"]["template"]["spec"]["containers"][0]
+    s = settings({e["name"]: e["value"] for e in container["env"] if "value" in e})
+    assert (s.hybrid_host, s.hybrid_port) == ("0.0.0.0", 29500)
+    assert {"name": "hybrid", "containerPort": s.hybrid_port} in container["ports"]
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "trainer"]
+    assert s.hybrid_advertise_host == f"trainer.{svc['metadata']['namespace']}.svc"
+    assert svc["spec"]["selector"] == trainer["spec"]["selector"]["matchLabels"]
+    assert svc["spec"]["ports"] == [{"name": "hybrid", "port": s.hybrid_port}]
+
+    def admits(policy: dict, labels: dict[str, str]) -> bool:
+        sel = policy["podSelector"]
+        return all(labels.get(k) == v for k, v in sel.get("matchLabels", {}).items()) and all(
+            labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", [])
+        )
+
+    policies = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy"]
+    pods = {
+        n: {"app.kubernetes.io/name": n, "app.kubernetes.io/part-of": "libra"}
+        for n in ("trainer", "rollout-engine")
+    }
+    for dst, src in (
+        ("trainer", "rollout-engine"),
+        ("rollout-engine", "trainer"),
+        ("rollout-engine", "rollout-engine"),
+    ):
+        # some policy selecting the destination admits the source on every port (gloo's pairs)
+        assert any(
+            admits(p, pods[dst])
+            and any(
+                "ports" not in rule and any(admits(peer, pods[src]) for peer in rule.get("from", []))
+                for rule in p.get("ingress", [])
+            )
+            for p in policies
+        ), (src, dst)
