@@ -9,7 +9,7 @@ the planner on real hardware and the simulator.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -109,6 +109,10 @@ class Calibration:
     join_fixed_s: float = 20.0
     """Fixed part of a hybrid worker joining the data-parallel group at a step boundary
     (communicator rebuild and regrouping), on top of its state fetch."""
+    activation_recompute: bool = True
+    """Training recomputes activations in the backward pass (one more forward per micro-batch):
+    verl's default (`enable_gradient_checkpointing: True`) and AReaL's example GRPO configs;
+    Korthikanti et al. (arXiv 2205.05198) Table 4 measure full recompute at +39 % of a layer."""
     sync_fixed_s: float = 2.0
     """Fixed part of a weight push to rollout engines (coordination, engine pause/resume)."""
 
@@ -153,18 +157,46 @@ class CostModel:
 
     def decode_step_s(self, batch: int, avg_context: float, tp: int) -> float:
         """One continuous-batching decode iteration for `batch` sequences of `avg_context` tokens."""
+        return self.verify_step_s(batch, avg_context, tp, batch)
+
+    def verify_step_s(self, batch: int, avg_context: float, tp: int, query_tokens: int) -> float:
+        """One decode iteration in which the `batch` sequences verify `query_tokens` tokens in all
+        (one each without speculative decoding; 1 + k with k drafted tokens): the weights and each
+        sequence's KV are read once, while FLOPs and the all-reduce grow with the query tokens."""
         if batch <= 0:
             return 0.0
+        c = self.calib
+        q = max(batch, query_tokens)
+        kv = batch * avg_context * self.model.kv_bytes_per_token
+        eff = c.mem_efficiency * c.tp_decode_efficiency ** math.log2(tp)
+        mem = (self.model.weight_bytes + kv) / (tp * self.gpu.mem_bw * eff)
+        flops = 2 * self.model.active_params * q + 4 * self.model.layers * self.model.hidden * q * avg_context
+        compute = flops / (tp * self.gpu.flops * c.prefill_mfu)
+        return c.decode * (max(mem, compute) + self._allreduce_s(tp, q)) + c.decode_overhead_s
+
+    def verify_cost(self, batch: int, avg_context: float, tp: int) -> Callable[[int], float]:
+        """`verify_step_s` of this batch as a function of its query tokens, with everything that
+        does not depend on them computed once (the speculation policy prices many draft lengths)."""
         c = self.calib
         kv = batch * avg_context * self.model.kv_bytes_per_token
         eff = c.mem_efficiency * c.tp_decode_efficiency ** math.log2(tp)
         mem = (self.model.weight_bytes + kv) / (tp * self.gpu.mem_bw * eff)
-        flops = (
-            2 * self.model.active_params * batch
-            + 4 * self.model.layers * self.model.hidden * batch * avg_context
+        per_q = (2 * self.model.active_params + 4 * self.model.layers * self.model.hidden * avg_context) / (
+            tp * self.gpu.flops * c.prefill_mfu
         )
-        compute = flops / (tp * self.gpu.flops * c.prefill_mfu)
-        return c.decode * (max(mem, compute) + self._allreduce_s(tp, batch)) + c.decode_overhead_s
+        ar_fixed = ar_per_q = 0.0
+        if tp > 1:
+            ar_fixed = self.model.layers * 2 * self.gpu.allreduce_latency_s
+            ar_per_q = (
+                self.model.layers * 2 * self.model.hidden * self.model.bytes_per_param * 2 * (tp - 1) / tp
+            ) / self.gpu.nvlink_bw
+        d, over = c.decode, c.decode_overhead_s
+
+        def step_s(query_tokens: int) -> float:
+            q = max(batch, query_tokens)
+            return d * (max(mem, per_q * q) + ar_fixed + ar_per_q * q) + over
+
+        return step_s
 
     def prefill_s(self, tokens: int, context_before: int, tp: int) -> float:
         """Prefill `tokens` new tokens after `context_before` cached ones."""
@@ -189,8 +221,10 @@ class CostModel:
         return max(tp, 1 << (need - 1).bit_length())
 
     def train_flops(self, tokens: float, avg_seq: float) -> float:
-        """Forward + backward + one forward for old log-probs (GRPO), with causal attention."""
-        per_token = 8 * self.model.active_params + 8 * self.model.layers * self.model.hidden * avg_seq
+        """Forward + backward (two forwards' worth) + one forward for old log-probs (GRPO) + one
+        recomputed forward when activations are checkpointed, with causal attention."""
+        passes = 4 + (1 if self.calib.activation_recompute else 0)
+        per_token = 2 * passes * (self.model.active_params + self.model.layers * self.model.hidden * avg_seq)
         return per_token * tokens
 
     def train_step_s(

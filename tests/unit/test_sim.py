@@ -7,12 +7,13 @@ import pytest
 from services.common.cost_model import load_presets
 from services.common.synthetic import Workload
 from services.planner.search import BucketPlan, Plan
+from services.rollout_engine.speculation import SpeculationPolicy
 from tools.sim.cli import main
 from tools.sim.engine import Engine, Request
 from tools.sim.ledger import CATEGORIES
 from tools.sim.simulator import Simulator
 from tools.sim.stats import mean_ci, paired_ratio
-from tools.sim.systems import SYSTEMS, Env, baseline_system, libra_system
+from tools.sim.systems import LIBRA_DRAFTER, LIBRA_SPECULATION, SYSTEMS, Env, baseline_system, libra_system
 
 N_GPUS = 16
 STEPS = 3
@@ -31,7 +32,7 @@ def env() -> Env:
 
 
 def _system(name: str, env: Env):
-    if name in ("libra", "libra-no-ehp", "libra-no-cmlfq"):
+    if name in ("libra", "libra-no-ehp", "libra-no-cmlfq", "libra-no-sd"):
         # An allocation with every mechanism present: three buckets and a hybrid pool.
         plan = Plan(
             4,
@@ -45,9 +46,12 @@ def _system(name: str, env: Env):
         )
         if name == "libra-no-ehp":
             plan.hybrid_gpus, plan.train_gpus = 0, 8
-        return libra_system(env, name, plan, routing="pooled" if name == "libra-no-cmlfq" else "cmlfq")
+        sd = {} if name == "libra-no-sd" else {"drafter": LIBRA_DRAFTER, "speculation": LIBRA_SPECULATION}
+        return libra_system(env, name, plan, routing="pooled" if name == "libra-no-cmlfq" else "cmlfq", **sd)
     settings = {
         "verl": {"tp": 2},
+        "areal-sd": {"split": 8, "tp": 2, "drafter": "suffix", "speculation": SpeculationPolicy("fixed", 4)},
+        "areal-lend": {"split": 8, "tp": 4},
         "libra-no-grp": {"split": 8, "mix": (1, 4)},
         "length-aware": {"split": 8, "mix": (1, 2, 4)},
     }.get(name, {"split": 8, "tp": 2})

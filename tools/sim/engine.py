@@ -1,9 +1,15 @@
 """One rollout replica under continuous batching, simulated without an event per token.
 
-Every running sequence advances one token per decode iteration, so the engine keeps a virtual
+Every running sequence advances one decode iteration at a time, so the engine keeps a virtual
 token clock `v`: a sequence that joins at `v0` needing `n` tokens finishes at `v0 + n`. Between
 membership changes the iteration time is constant, so an engine only wakes when a sequence
 finishes or another joins. Prefill and weight loading stall decoding (`resume`).
+
+Speculative decoding: sequences whose drafter has the same per-token acceptance share a *lane*
+with its own token clock, which advances by the lane's expected tokens per verify step
+(`services.rollout_engine.speculation.expected_tokens` at the draft length the engine's policy
+chose); the step time prices every verified token (`CostModel.verify_step_s`). Without
+speculation there is one lane advancing one token per step.
 
 KV cache, as vLLM manages it: a running sequence holds its context plus the tokens it may still
 generate; when its turn ends the blocks stay in the prefix cache (evictable, least recently used
@@ -16,10 +22,15 @@ for running sequences, the KV computed with the old weights: they re-prefill the
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.common.cost_model import CostModel
+from services.rollout_engine.speculation import Lane, SpeculationPolicy, expected_tokens
+
+BAND = 1.25
+"""Relative change of batch size or mean context that makes the speculation policy decide again."""
 
 
 @dataclass(slots=True)
@@ -29,40 +40,74 @@ class Request:
     context: int
     """Context at the start of decoding (after prefill)."""
     start_v: float = 0.0
+    acceptance: float = 0.0
+    """Per-token acceptance of this turn's drafter (0: no draft, plain decoding)."""
+
+
+class _Lane:
+    """Running sequences sharing one drafter acceptance, on one token clock."""
+
+    __slots__ = ("acceptance", "draft", "heap", "n", "rate", "s", "theta", "v")
+
+    def __init__(self, acceptance: float) -> None:
+        self.acceptance = acceptance
+        self.heap: list[tuple[float, int, Request]] = []
+        self.n = 0
+        self.s = 0.0
+        """Sum over running sequences of context at join minus the clock at join."""
+        self.v = 0.0
+        self.rate = 1.0
+        """Expected tokens per verify step at the current draft length."""
+        self.draft = 0
+        self.theta = -1.0
+        """The policy threshold `draft` and `rate` were set for."""
 
 
 class Engine:
     __slots__ = (
         "accepting",
+        "band",
         "bucket",
         "busy_s",
         "cache",
         "cached_tokens",
         "cm",
         "engine_id",
+        "drafted",
+        "accepted",
         "gen",
-        "heap",
         "hybrid",
+        "iterations",
         "kv_capacity",
         "kv_used",
+        "lanes",
         "max_seqs",
         "n",
         "open_since",
         "opened_s",
         "prompts",
         "resume",
-        "s",
         "seq",
-        "step",
+        "seq_iters",
+        "spec",
+        "stale",
+        "step_s",
         "sync_s",
         "t",
+        "threshold",
         "tp",
-        "v",
         "version",
     )
 
     def __init__(
-        self, engine_id: str, bucket: str, tp: int, cm: CostModel, max_seqs: int, hybrid: bool = False
+        self,
+        engine_id: str,
+        bucket: str,
+        tp: int,
+        cm: CostModel,
+        max_seqs: int,
+        hybrid: bool = False,
+        spec: SpeculationPolicy | None = None,
     ):
         self.engine_id = engine_id
         self.bucket = bucket
@@ -73,13 +118,19 @@ class Engine:
         self.kv_used = 0
         self.hybrid = hybrid
         self.accepting = True
-        self.heap: list[tuple[float, int, Request]] = []
+        self.spec = spec if spec is not None and spec.enabled else None
+        self.lanes: dict[float, _Lane] = {}
         self.n = 0
-        self.s = 0.0
-        self.v = 0.0
         self.t = 0.0
         self.resume = 0.0
-        self.step = 0.0
+        self.step_s = 0.0
+        self.stale = False
+        self.band = (0.0, 0.0)
+        """Batch band of the last speculation decision (see `_price`)."""
+        self.threshold = 0.0
+        """The speculation policy's last decision (`SpeculationPolicy.threshold`)."""
+        """Membership changed since `step_s` was priced (priced lazily: a burst of joins at one
+        instant prices the batch once)."""
         self.seq = 0
         self.gen = 0
         self.busy_s = 0.0
@@ -92,6 +143,13 @@ class Engine:
         self.cached_tokens = 0
         self.version = 0
         """Weight version this engine serves."""
+        self.iterations = 0.0
+        self.seq_iters = 0.0
+        """Sum over decode iterations of the sequences in the batch (verify steps taken)."""
+        self.drafted = 0.0
+        """Drafted tokens verified (expected counts, summed over decode iterations)."""
+        self.accepted = 0.0
+        """Drafted tokens accepted."""
 
     def open(self, now: float) -> None:
         self.t = max(self.t, now)
@@ -116,7 +174,14 @@ class Engine:
         start = max(self.t, self.resume)
         if now > start and self.n:
             self.busy_s += now - start
-            self.v += (now - start) / self.step
+            iters = (now - start) / self.step
+            self.iterations += iters
+            self.seq_iters += iters * self.n
+            for lane in self.lanes.values():
+                lane.v += iters * lane.rate
+                if lane.draft:
+                    self.drafted += iters * lane.n * lane.draft
+                    self.accepted += iters * lane.n * (lane.rate - 1.0)
         self.t = now
 
     def stall(self, now: float, seconds: float, sync: bool = False) -> None:
@@ -154,11 +219,17 @@ class Engine:
         self.resume = max(self.resume, now) + self.cm.prefill_s(
             prefill_tokens, req.context - prefill_tokens, self.tp
         )
-        req.start_v = self.v
+        key = round(req.acceptance, 3) if self.spec is not None else 0.0
+        req.acceptance = key
+        lane = self.lanes.get(key)
+        if lane is None:
+            lane = self.lanes[key] = _Lane(key)
+        req.start_v = lane.v
         self.seq += 1
-        heapq.heappush(self.heap, (self.v + req.tokens, self.seq, req))
+        heapq.heappush(lane.heap, (lane.v + req.tokens, self.seq, req))
+        lane.n += 1
+        lane.s += req.context - lane.v
         self.n += 1
-        self.s += req.context - self.v
         self.kv_used += req.context + req.tokens
         self._evict()
         self.prompts[prompt_id] = None
@@ -167,54 +238,107 @@ class Engine:
         self._retime()
 
     def _retime(self) -> None:
-        if self.n:
-            avg_ctx = self.s / self.n + self.v
-            self.step = self.cm.decode_step_s(self.n, avg_ctx, self.tp)
+        self.stale = True
         self.gen += 1
+
+    @property
+    def step(self) -> float:
+        """Seconds of one decode (verify) iteration of the current batch."""
+        if self.stale:
+            self.stale = False
+            self._price()
+        return self.step_s
+
+    def _price(self) -> None:
+        if not self.n:
+            return
+        lanes = list(self.lanes.values())
+        n = self.n
+        total = 0.0
+        query = n
+        for ln in lanes:
+            total += ln.s + ln.n * ln.v
+        avg_ctx = total / n
+        spec = self.spec
+        if spec is None:
+            self.step_s = self.cm.decode_step_s(n, avg_ctx, self.tp)
+            return
+        # The policy decides again when the batch size or its mean context moved by more than
+        # `BAND` since the last decision, as engines tune draft lengths per batch-size bucket (TLT;
+        # vLLM's num_speculative_tokens_per_batch_size); the step is priced exactly either way.
+        n0, ctx0 = self.band
+        if not (n0 <= n * BAND <= n0 * BAND * BAND and ctx0 <= avg_ctx * BAND <= ctx0 * BAND * BAND):
+            self.band = (n, avg_ctx)
+            cost = self.cm.verify_cost(n, avg_ctx, self.tp)
+            self.threshold = spec.threshold([Lane(ln.n, ln.acceptance) for ln in lanes], cost)
+        theta = self.threshold
+        for ln in lanes:
+            if ln.theta != theta:
+                ln.theta = theta
+                ln.draft = spec.draft_length(ln.acceptance, theta)
+                ln.rate = expected_tokens(ln.acceptance, ln.draft)
+            query += ln.n * ln.draft
+        self.step_s = self.cm.verify_step_s(n, avg_ctx, self.tp, query)
 
     def next_event(self) -> float | None:
         """Simulated time when the next sequence finishes its turn, or None when idle."""
         if not self.n:
             return None
-        return max(self.resume, self.t) + max(0.0, self.heap[0][0] - self.v) * self.step
+        step = self.step
+        iters = math.inf
+        for ln in self.lanes.values():  # empty lanes are removed
+            x = (ln.heap[0][0] - ln.v) / ln.rate
+            if x < iters:
+                iters = x
+        return max(self.resume, self.t) + max(0.0, iters) * step
+
+    def running(self) -> list[tuple[Request, float]]:
+        """Running sequences with the tokens each has generated in its current turn so far."""
+        return [(req, ln.v - req.start_v) for ln in self.lanes.values() for _, _, req in ln.heap]
 
     def pop_done(self, now: float) -> list[Request]:
         """Sequences whose turn ended; their context stays in the prefix cache for the next turn."""
         self.advance(now)
         done = []
-        while self.heap and self.heap[0][0] <= self.v + 1e-6:
-            _, _, req = heapq.heappop(self.heap)
-            self._release(req)
-            self.cache[req.traj_id] = req.context + req.tokens
-            self.cached_tokens += req.context + req.tokens
-            done.append(req)
-        if not self.n:
-            self.s = 0.0
+        for key, lane in list(self.lanes.items()):
+            while lane.heap and lane.heap[0][0] <= lane.v + 1e-6:
+                _, _, req = heapq.heappop(lane.heap)
+                self._release(lane, req)
+                self.cache[req.traj_id] = req.context + req.tokens
+                self.cached_tokens += req.context + req.tokens
+                done.append(req)
+            if not lane.n:
+                del self.lanes[key]
         self._evict()
         self._retime()
         return done
 
-    def _release(self, req: Request) -> None:
+    def _release(self, lane: _Lane, req: Request) -> None:
         self.n -= 1
-        self.s -= req.context - req.start_v
+        lane.n -= 1
+        lane.s -= req.context - req.start_v
         self.kv_used -= req.context + req.tokens
 
     def abort(self, now: float, traj_ids: set[str]) -> list[Request]:
         """Remove running sequences of trajectories that will never be trained (and their cache)."""
         self.advance(now)
-        gone = [item for item in self.heap if item[2].traj_id in traj_ids]
         for tid in traj_ids:
             self.forget(tid)
-        if not gone:
-            return []
-        self.heap = [item for item in self.heap if item[2].traj_id not in traj_ids]
-        heapq.heapify(self.heap)
-        for _, _, req in gone:
-            self._release(req)
-        if not self.n:
-            self.s = 0.0
-        self._retime()
-        return [req for _, _, req in gone]
+        gone: list[Request] = []
+        for key, lane in list(self.lanes.items()):
+            out = [item for item in lane.heap if item[2].traj_id in traj_ids]
+            if not out:
+                continue
+            lane.heap = [item for item in lane.heap if item[2].traj_id not in traj_ids]
+            heapq.heapify(lane.heap)
+            for _, _, req in out:
+                self._release(lane, req)
+                gone.append(req)
+            if not lane.n:
+                del self.lanes[key]
+        if gone:
+            self._retime()
+        return gone
 
     def load_weights(self, now: float, seconds: float, version: int) -> float:
         """Swap in new weights: cached blocks are dropped and running sequences re-prefill their
@@ -223,7 +347,7 @@ class Engine:
         self.drop_cache()
         self.version = version
         reprefill = sum(
-            self.cm.prefill_s(int(req.context + self.v - req.start_v), 0, self.tp) for _, _, req in self.heap
+            self.cm.prefill_s(int(req.context + done), 0, self.tp) for req, done in self.running()
         )
         self.stall(now, seconds, sync=True)
         self.stall(now, reprefill)
@@ -231,4 +355,4 @@ class Engine:
         return reprefill
 
     def reprefill_tokens(self) -> int:
-        return int(self.s + self.n * self.v) if self.n else 0
+        return int(sum(ln.s + ln.n * ln.v for ln in self.lanes.values())) if self.n else 0

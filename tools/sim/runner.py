@@ -78,6 +78,7 @@ def summarize(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "trajectories_finished": sim.finished,
         "trajectories_trained": trained,
         "dropped_stale_groups": sim.dropped_groups,
+        "speculation": speculation_stats(sim),
         "bucket_migrations": sim.migrations,
         "reprefill_tokens": sim.reprefill_tokens,
         "replans": sim.replans,
@@ -107,3 +108,18 @@ def latency_breakdown(latencies: list[float], waits: list[tuple[float, float]]) 
     queue = sum(w[0] for w in waits) / n
     tool = sum(w[1] for w in waits) / n
     return {"queue_s": queue, "tool_s": tool, "generate_s": sum(latencies) / n - queue - tool}
+
+
+def speculation_stats(sim: Simulator) -> dict[str, Any]:
+    """Drafted and accepted tokens over every engine, and the mean tokens a verify step emitted."""
+    drafted = sum(e.drafted for e in sim.engines.values())
+    accepted = sum(e.accepted for e in sim.engines.values())
+    steps = sum(e.seq_iters for e in sim.engines.values())
+    return {
+        "drafter": sim.sys.drafter if sim.spec is not None else "none",
+        "policy": f"{sim.sys.speculation.mode}/k{sim.sys.speculation.draft_tokens}" if sim.spec else "off",
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "tokens_per_verify_step": (steps + accepted) / steps if steps else 1.0,
+    }

@@ -23,8 +23,13 @@ from tools.sim.simulator import SystemConfig
 from tools.sim.stats import mean_ci, paired_ratio
 from tools.sim.systems import (
     ALIASES,
+    LIBRA_DRAFTER,
+    LIBRA_SPECULATION,
     MIXES,
     PLAN_SEED,
+    SD_DRAFT_TOKENS,
+    SD_DRAFTERS,
+    SD_LAYOUTS,
     SYSTEMS,
     TPS,
     Env,
@@ -35,10 +40,17 @@ from tools.sim.systems import (
     libra_colocated,
     libra_system,
     plan_key,
+    speculation_for,
     sweep_grid,
 )
 
-LIBRA_FAMILY = ("libra", "libra-no-ehp", "libra-no-cmlfq")
+LIBRA_FAMILY = ("libra", "libra-no-ehp", "libra-no-cmlfq", "libra-no-sd")
+LIBRA_SD = {
+    "drafter": LIBRA_DRAFTER,
+    "spec_mode": LIBRA_SPECULATION.mode,
+    "draft_tokens": LIBRA_SPECULATION.draft_tokens,
+}
+"""Settings of Libra's speculative decoding (every family member but `libra-no-sd`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +123,11 @@ class Runner:
     def build(self, job: Job) -> SystemConfig:
         s = job.settings
         env = self.env_for(job.seed, s.get("max_seqs"))
+        drafter, spec = speculation_for(s)
         if "colocated_tp" in s:
-            return libra_colocated(env, job.name, int(s["colocated_tp"]), s.get("routing", "cmlfq"))
+            return libra_colocated(
+                env, job.name, int(s["colocated_tp"]), s.get("routing", "cmlfq"), drafter, spec
+            )
         if "plan" in s:
             return libra_system(
                 env,
@@ -121,9 +136,17 @@ class Runner:
                 s.get("routing", "cmlfq"),
                 s.get("replan", True),
                 int(s.get("lend_tp", 0)),
+                drafter,
+                spec,
             )
         return baseline_system(
-            env, job.name, int(s.get("split", 0)), int(s.get("tp", 1)), tuple(s.get("mix", ()))
+            env,
+            job.name,
+            int(s.get("split", 0)),
+            int(s.get("tp", 1)),
+            tuple(s.get("mix", ())),
+            drafter,
+            spec,
         )
 
     def run_one(self, job: Job) -> dict[str, Any]:
@@ -190,6 +213,7 @@ def choose_settings(
             settings[name] = {
                 "plan": plan.to_dict(),
                 "routing": "pooled" if name == "libra-no-cmlfq" else "cmlfq",
+                **({} if name == "libra-no-sd" else LIBRA_SD),
             }
             sweeps[name] = {"best": plan_key(plan), "grid": []}
         return settings, sweeps
@@ -198,10 +222,14 @@ def choose_settings(
         jobs = [Job(n, s, PLAN_SEED, steps) for n, s in cands]
         return [_score(r) for r in runner.run_all(jobs, tick)]
 
-    for name in names:
+    layouts: dict[str, list[Proposal]] = {}
+    for name in _sweep_order(names):
         if name in LIBRA_FAMILY:
             continue
-        grid = [g for g in sweep_grid(name, env) if _feasible(runner, name, g)]
+        if name == "areal-sd":
+            grid = sd_grid(runner, layouts, measure)
+        else:
+            grid = [g for g in sweep_grid(name, env) if _feasible(runner, name, g)]
         if not grid:
             sweeps[name] = {
                 "best": None,
@@ -213,15 +241,22 @@ def choose_settings(
         rows = _with_more_seqs(
             name, [(sc, g, _label(g)) for sc, g in zip(scores, grid, strict=True)], measure
         )
+        layouts[name] = rows
         _, chosen, key = max(rows, key=lambda x: x[0])
-        settings[name] = chosen
-        sweeps[name] = {"best": key, "grid": [{**g, "trajectories_per_s": sc} for sc, g, _ in rows]}
-    for routing, family in (("cmlfq", ("libra", "libra-no-ehp")), ("pooled", ("libra-no-cmlfq",))):
+        if name in names:
+            settings[name] = chosen
+            sweeps[name] = {"best": key, "grid": [{**g, "trajectories_per_s": sc} for sc, g, _ in rows]}
+    families: tuple[tuple[str, dict[str, Any], tuple[str, ...]], ...] = (
+        ("cmlfq", LIBRA_SD, ("libra", "libra-no-ehp")),
+        ("pooled", LIBRA_SD, ("libra-no-cmlfq",)),
+        ("cmlfq", {}, ("libra-no-sd",)),
+    )
+    for routing, sd, family in families:
         wanted = [n for n in family if n in names]
         if not wanted:
             continue
         static, with_pool = plan_for(
-            runner, routing, measure, hybrid=any(n != "libra-no-ehp" for n in wanted)
+            runner, routing, measure, hybrid=any(n != "libra-no-ehp" for n in wanted), extra=sd
         )
         for n in wanted:
             # The elastic pool works both ways: hybrid workers (rollout -> training) and lending
@@ -232,6 +267,33 @@ def choose_settings(
             settings[n] = {k: v for k, v in chosen.items() if k != "replan"}
             sweeps[n] = {"best": key, "grid": [{"plan": k, "trajectories_per_s": sc} for sc, _, k in rows]}
     return settings, sweeps
+
+
+def _sweep_order(names: Sequence[str]) -> list[str]:
+    """Baselines to sweep, `areal` first whenever `areal-sd` needs its layouts."""
+    order = list(names)
+    if "areal-sd" in order:
+        order = ["areal", *[n for n in order if n != "areal"]]
+    return order
+
+
+def sd_grid(
+    runner: Runner,
+    layouts: dict[str, list[Proposal]],
+    measure: Callable[[list[tuple[str, dict[str, Any]]]], list[float]],
+) -> list[dict[str, Any]]:
+    """`areal-sd`'s candidates: `areal`'s best layouts (its sweep, turn slots included), each with
+    every drafter vLLM offers by one flag and every fixed draft length an operator tries."""
+    rows = layouts.get("areal")
+    if rows is None:
+        raise ValueError("areal-sd needs areal's sweep")
+    top = sorted(rows, key=lambda x: -x[0])[:SD_LAYOUTS]
+    return [
+        {**c, "drafter": d, "spec_mode": "fixed", "draft_tokens": k}
+        for _, c, _ in top
+        for d in SD_DRAFTERS
+        for k in SD_DRAFT_TOKENS
+    ]
 
 
 MORE_SEQS = 256
@@ -302,6 +364,8 @@ def _label(settings: dict[str, Any]) -> str:
         label = f"colocated/TP{settings.get('tp', 1)}"
     if settings.get("max_seqs"):
         label += f"/seqs{settings['max_seqs']}"
+    if settings.get("drafter", "none") != "none":
+        label += f"/sd-{settings['drafter']}-{settings.get('spec_mode', 'adaptive')}{settings.get('draft_tokens', 8)}"
     return label
 
 
@@ -322,6 +386,7 @@ def plan_for(
     routing: str,
     measure: Callable[[list[tuple[str, dict[str, Any]]]], list[float]],
     hybrid: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[Proposal], list[Proposal]]:
     """Libra's planner with the simulator as its judge (Frontier-style what-if).
 
@@ -341,19 +406,22 @@ def plan_for(
                 plans.append(plan)
     if not plans:
         raise ValueError(f"Libra's planner found no feasible allocation on {env.n_gpus} GPUs")
-    cands: list[dict[str, Any]] = [{"plan": p.to_dict(), "routing": routing, "replan": False} for p in plans]
-    cands += [{"colocated_tp": tp, "routing": routing} for tp in TPS if tp <= env.n_gpus]
+    sd = extra or {}
+    cands: list[dict[str, Any]] = [
+        {"plan": p.to_dict(), "routing": routing, "replan": False, **sd} for p in plans
+    ]
+    cands += [{"colocated_tp": tp, "routing": routing, **sd} for tp in TPS if tp <= env.n_gpus]
     for p in plans:
         tp = max(b.tp for b in p.buckets)
         if len(p.buckets) == 1 and tp >= 4 and p.train_gpus % tp == 0:
-            cands.append({"plan": p.to_dict(), "routing": routing, "replan": False, "lend_tp": tp})
+            cands.append({"plan": p.to_dict(), "routing": routing, "replan": False, "lend_tp": tp, **sd})
     static_scores = measure([("proposal", c) for c in cands])
     static = [(sc, c, _label(c)) for sc, c in zip(static_scores, cands, strict=True)]
     if not hybrid:
         return static, []
     top = sorted((x for x in static if "plan" in x[1] and "lend_tp" not in x[1]), key=lambda x: -x[0])[:2]
     variants = [
-        {"plan": v.to_dict(), "routing": routing}
+        {"plan": v.to_dict(), "routing": routing, **sd}
         for _, c, _ in top
         for v in hybrid_variants(env, Plan.from_dict(c["plan"]))
     ]
@@ -454,10 +522,14 @@ def sweep_size(runner_or_env: Any, names: Sequence[str]) -> int:
         if sc.sweep_steps <= 0 and not sc.plan_slice_gpus:
             return 0
     n = 0
-    for name in names:
+    for name in _sweep_order(names):
         if name in LIBRA_FAMILY:
             continue
-        n += len(sweep_grid(name, env))
-    per_libra = len(default_splits(env)) * (len(TPS) + len(MIXES) + 2) + len(TPS) + 4
-    n += per_libra * (("libra" in names or "libra-no-ehp" in names) + ("libra-no-cmlfq" in names))
+        if name == "areal-sd":
+            n += SD_LAYOUTS * len(SD_DRAFTERS) * len(SD_DRAFT_TOKENS) + 3
+        else:
+            n += len(sweep_grid(name, env)) + 3
+    per_libra = len(default_splits(env)) * (len(TPS) + len(MIXES) + 2) + len(TPS) + 7
+    families = ("libra" in names or "libra-no-ehp" in names) + ("libra-no-cmlfq" in names)
+    n += per_libra * (families + ("libra-no-sd" in names))
     return n

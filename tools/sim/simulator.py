@@ -21,7 +21,9 @@ from services.common.synthetic import TrajectorySpec, Workload
 from services.planner.hybrid_pool import HybridPool, PoolPolicy, Role
 from services.planner.replan import ReplanPolicy, ReplanSignals, length_sample, refit_thresholds
 from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
+from services.rollout_engine.speculation import SpeculationPolicy
 from services.scheduler.cmlfq import EngineView
+from tools.sim.drafting import DRAFTERS, AcceptanceModel
 from tools.sim.engine import Engine, Request
 from tools.sim.ledger import Ledger, Meter
 
@@ -64,6 +66,12 @@ class SystemConfig:
     """How engines take new weights: 'recompute' interrupts running turns, loads, and re-prefills
     their context under the new weights (AReaL's interruptible generation); 'drain' stops starting
     turns, lets running turns finish on the old weights, then loads."""
+    drafter: str = "none"
+    """Speculative decoding's draft source: 'none', 'ngram', 'suffix' or 'group'
+    (:mod:`tools.sim.drafting`)."""
+    speculation: SpeculationPolicy = field(default_factory=lambda: SpeculationPolicy("off"))
+    """How many drafted tokens a sequence verifies per step (fixed or adaptive)."""
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -95,6 +103,10 @@ class _Group:
     trajs: list[str]
     tokens: int = 0
     max_context: int = 0
+    turns_done: dict[int, int] = field(default_factory=dict)
+    """Turn index -> samples of the group that finished that turn (the group drafter's references)."""
+    turns_done_on: dict[tuple[str, int], int] = field(default_factory=dict)
+    """(engine, turn index) -> samples that finished that turn there (a per-engine suffix cache)."""
 
 
 class Simulator:
@@ -164,6 +176,9 @@ class Simulator:
 
     def _build(self) -> None:
         s = self.sys
+        if s.drafter not in DRAFTERS:
+            raise ValueError(f"{s.name}: unknown drafter {s.drafter!r}; known: {', '.join(DRAFTERS)}")
+        self.spec = s.speculation if s.drafter != "none" and s.speculation.enabled else None
         i = 0
         for b in s.buckets:
             for _ in range(b.replicas):
@@ -201,7 +216,7 @@ class Simulator:
         return min(self.sys.buckets, key=lambda b: (abs(math.log2(b.tp) - math.log2(tp)), b.tp)).name
 
     def _add_engine(self, eid: str, bucket: str, tp: int, hybrid: bool) -> None:
-        e = Engine(eid, bucket, tp, self.cm, self.sys.max_seqs, hybrid)
+        e = Engine(eid, bucket, tp, self.cm, self.sys.max_seqs, hybrid, self.spec)
         self.engines[eid] = e
         key = "all" if self.sys.pooled_routing else bucket
         self.by_bucket.setdefault(key, []).append(e)
@@ -288,12 +303,26 @@ class Simulator:
                 self.reprefill_tokens += prefill - new
         tr.engine = e.engine_id
         e.join(
-            Request(tid, turn.output_tokens - tr.partial, context),
+            Request(tid, turn.output_tokens - tr.partial, context, acceptance=self._acceptance(tr, e)),
             self.now,
             max(1, prefill),
             tr.spec.prompt_id,
         )
         self._wake(e)
+
+    def _acceptance(self, tr: _Traj, e: Engine) -> float:
+        """Per-token acceptance of this turn's drafter: what it can read of the group's same turn."""
+        if self.spec is None:
+            return 0.0
+        drafter = self.sys.drafter
+        g = self.groups[tr.group]
+        if drafter == "group":
+            siblings = g.turns_done.get(tr.turn, 0)
+        elif drafter == "suffix":
+            siblings = g.turns_done_on.get((e.engine_id, tr.turn), 0)
+        else:
+            siblings = 0
+        return self.sys.acceptance.acceptance(siblings)
 
     def _wake(self, e: Engine) -> None:
         e.gen += 1
@@ -337,6 +366,12 @@ class Simulator:
         tr.tokens += turn.output_tokens
         tr.context += turn.output_tokens
         tr.partial = 0
+        if self.spec is not None:
+            g = self.groups[tr.group]
+            g.turns_done[tr.turn] = g.turns_done.get(tr.turn, 0) + 1
+            if tr.engine is not None:
+                key = (tr.engine, tr.turn)
+                g.turns_done_on[key] = g.turns_done_on.get(key, 0) + 1
         tr.turn += 1
         if turn.tool is None:
             if tr.engine is not None:
@@ -433,7 +468,7 @@ class Simulator:
         self.lend_state = "training"
         moved: list[str] = []
         for e in self.lent:
-            running = [(req, e.v - req.start_v) for _, _, req in e.heap]
+            running = e.running()
             e.abort(self.now, {req.traj_id for req, _ in running})
             for req, done in running:
                 tr = self.trajs[req.traj_id]

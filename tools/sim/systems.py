@@ -27,12 +27,21 @@ from services.planner.search import (
     best_layout,
     train_time,
 )
+from services.rollout_engine.speculation import SpeculationPolicy
 from services.scheduler.cmlfq import CMLFQ, Bucket, CMLFQConfig
 from services.scheduler.routing import CMLFQRouter, StaticRouter
 from tools.sim.simulator import SystemConfig, workload_stats
 
-BASELINES = ("verl", "areal", "homogeneous-lb", "disaggregated-static", "length-aware")
-ABLATIONS = ("libra-no-ehp", "libra-no-grp", "libra-no-cmlfq")
+BASELINES = (
+    "verl",
+    "areal",
+    "areal-sd",
+    "areal-lend",
+    "homogeneous-lb",
+    "disaggregated-static",
+    "length-aware",
+)
+ABLATIONS = ("libra-no-ehp", "libra-no-grp", "libra-no-cmlfq", "libra-no-sd")
 SYSTEMS = ("libra", *BASELINES, *ABLATIONS)
 ALIASES = {"colocated-sync": "verl"}
 TPS = (1, 2, 4, 8)
@@ -40,6 +49,16 @@ MIXES = ((1, 4), (2, 8), (1, 2, 4), (2, 4, 8))
 """Heterogeneous bucket TP mixes a layout may use (short to long)."""
 LENGTH_PREDICTOR_SIGMA = 0.8
 """Lognormal error of the length-aware baseline's predictor (about 2.2x typical error)."""
+LIBRA_DRAFTER = "group"
+LIBRA_SPECULATION = SpeculationPolicy("adaptive", 8)
+"""Libra's engines draft from the whole GRPO group, at most 8 tokens (Seer's maximum, §4.1),
+as many as pay for themselves at the engine's load."""
+SD_DRAFTERS = ("ngram", "suffix")
+"""What an AReaL operator can switch on in vLLM with one flag (`method: ngram | suffix`)."""
+SD_DRAFT_TOKENS = (2, 4, 8)
+"""`num_speculative_tokens` an operator tries."""
+SD_LAYOUTS = 3
+"""`areal-sd` tries speculation on `areal`'s best layouts, as an operator turns it on after the layout."""
 PLAN_SEED = 10_000
 """Sweeps and planner proposals run on seeds from here on, disjoint from reported seeds."""
 
@@ -174,8 +193,26 @@ def libra_router(env: Env, buckets: list[BucketPlan], routing: str) -> Any:
     return StaticRouter([("all", math.inf)], mode="least", seed=env.seed)
 
 
+def speculation_for(settings: dict[str, Any]) -> tuple[str, SpeculationPolicy]:
+    """The drafter and speculation policy a system's settings name (`drafter`, `spec_mode`,
+    `draft_tokens`); none when the settings name no drafter."""
+    drafter = str(settings.get("drafter", "none"))
+    if drafter == "none":
+        return drafter, SpeculationPolicy("off")
+    return drafter, SpeculationPolicy(
+        str(settings.get("spec_mode", "adaptive")), int(settings.get("draft_tokens", 8))
+    )
+
+
 def libra_system(
-    env: Env, name: str, plan: Plan, routing: str = "cmlfq", replan: bool = True, lend_tp: int = 0
+    env: Env,
+    name: str,
+    plan: Plan,
+    routing: str = "cmlfq",
+    replan: bool = True,
+    lend_tp: int = 0,
+    drafter: str = "none",
+    speculation: SpeculationPolicy | None = None,
 ) -> SystemConfig:
     buckets = _copy(plan.buckets)
     router = libra_router(env, buckets, routing)
@@ -195,6 +232,8 @@ def libra_system(
         pooled_routing=routing != "cmlfq",
         update_mode="recompute",
         lend_tp=lend_tp,
+        drafter=drafter,
+        speculation=speculation or SpeculationPolicy("off"),
         notes={
             "profile": env.profile,
             "plan": plan.to_dict(),
@@ -203,7 +242,14 @@ def libra_system(
     )
 
 
-def libra_colocated(env: Env, name: str, tp: int, routing: str = "cmlfq") -> SystemConfig:
+def libra_colocated(
+    env: Env,
+    name: str,
+    tp: int,
+    routing: str = "cmlfq",
+    drafter: str = "none",
+    speculation: SpeculationPolicy | None = None,
+) -> SystemConfig:
     """Libra's planner choosing to time-share every GPU between the stages (the colocated plan):
     the same switch costs as `verl`, Libra's routing inside the rollout phase."""
     n = env.n_gpus
@@ -217,14 +263,24 @@ def libra_colocated(env: Env, name: str, tp: int, routing: str = "cmlfq") -> Sys
         buckets,
         router,
         max_seqs=env.max_seqs,
+        drafter=drafter,
+        speculation=speculation or SpeculationPolicy("off"),
         notes={"layout": f"colocated/TP{tp}", "rollout_tp": tp},
     )
 
 
 def baseline_system(
-    env: Env, name: str, split: int = 0, tp: int = 1, mix: tuple[int, ...] = ()
+    env: Env,
+    name: str,
+    split: int = 0,
+    tp: int = 1,
+    mix: tuple[int, ...] = (),
+    drafter: str = "none",
+    speculation: SpeculationPolicy | None = None,
 ) -> SystemConfig:
-    """A baseline at pinned settings: `split` training GPUs, rollout `tp` (or TP `mix` for layouts)."""
+    """A baseline at pinned settings: `split` training GPUs, rollout `tp` (or TP `mix` for layouts);
+    `areal-sd` with a drafter and a fixed draft length, `areal-lend` lending its training GPUs to
+    rollout as TP-`tp` engines while the trainer waits for a batch."""
     n = env.n_gpus
     if name == "verl":
         return SystemConfig(
@@ -237,10 +293,14 @@ def baseline_system(
             max_seqs=env.max_seqs,
             notes={"rollout_tp": tp},
         )
-    if name in ("areal", "homogeneous-lb", "disaggregated-static"):
+    if name in ("areal", "areal-sd", "areal-lend", "homogeneous-lb", "disaggregated-static"):
         plan = homogeneous_plan(env, split, tp)
         if plan is None:
             raise ValueError(f"{name}: no layout for split {split}, TP {tp}")
+        if name == "areal-sd" and (drafter not in SD_DRAFTERS or speculation is None):
+            raise ValueError(f"{name}: needs a drafter ({', '.join(SD_DRAFTERS)}) and a draft length")
+        if name == "areal-lend" and (tp < 4 or plan.train_gpus % tp):
+            raise ValueError(f"{name}: {plan.train_gpus} training GPUs cannot lend TP{tp} engines")
         return SystemConfig(
             name,
             "async",
@@ -252,7 +312,10 @@ def baseline_system(
             ),
             staleness=env.staleness,
             max_seqs=env.max_seqs,
-            update_mode="recompute" if name == "areal" else "drain",
+            update_mode="recompute" if name.startswith("areal") else "drain",
+            lend_tp=tp if name == "areal-lend" else 0,
+            drafter=drafter if name == "areal-sd" else "none",
+            speculation=speculation if name == "areal-sd" and speculation else SpeculationPolicy("off"),
             notes={"split": split, "rollout_tp": tp},
         )
     if name == "length-aware":
@@ -280,7 +343,10 @@ def baseline_system(
         plan = layout_plan(env, split, mix)
         if plan is None:
             raise ValueError(f"{name}: no layout for split {split}, TPs {mix}")
-        return libra_system(env, name, plan, replan=False)
+        # Everything Libra has but the planner's layout, so the ablation isolates the layout.
+        return libra_system(
+            env, name, plan, replan=False, drafter=LIBRA_DRAFTER, speculation=LIBRA_SPECULATION
+        )
     raise KeyError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
 
 
@@ -291,6 +357,9 @@ def sweep_grid(name: str, env: Env) -> list[dict[str, Any]]:
         return [{"tp": tp} for tp in TPS]
     if name in ("areal", "homogeneous-lb", "disaggregated-static"):
         return [{"split": s, "tp": tp} for s in splits for tp in TPS]
+    if name == "areal-lend":
+        # Libra's own lending menu (`plan_for`): TP4/TP8 engines on the training GPUs.
+        return [{"split": s, "tp": tp} for s in splits for tp in TPS if tp >= 4 and s % tp == 0]
     if name in ("length-aware", "libra-no-grp"):
         return [{"split": s, "mix": m} for s in splits for m in MIXES]
     return []
