@@ -346,3 +346,29 @@ def test_a_finite_job_launches_its_groups_and_replacements_only_and_its_drain_is
     assert steady_rate([10.0, 20.0, 40.0], 8) == pytest.approx(16 / 30)
     assert steady_rate([10.0, 20.0, 40.0], 8, drained=True) == pytest.approx(8 / 10)
     assert steady_rate([10.0, 20.0], 8, drained=True) == 0.0
+
+
+def test_sensitivity_settings_reach_the_model_and_bad_flags_change_nothing(tmp_path, capsys):
+    import dataclasses
+
+    from tools.sim.scenarios import LIBRA_SD, SCENARIOS, Job, Runner
+    from tools.sim.systems import homogeneous_plan
+
+    sc = dataclasses.replace(
+        SCENARIOS["paper-48gpu"],
+        n_gpus=16,
+        prompts_per_step=4,
+        acceptance_scale=0.0,
+        calibration=(("activation_recompute", False), ("tp_decode_efficiency", 0.66)),
+    )
+    runner = Runner(sc, None)
+    assert runner.cm.calib.tp_decode_efficiency == 0.66 and not runner.cm.calib.activation_recompute
+    plan = homogeneous_plan(runner.env, 8, 4)
+    r = runner.run_one(Job("libra", {"plan": plan.to_dict(), "routing": "cmlfq", **LIBRA_SD}, 0, 2))
+    assert r["speculation"]["drafter"] == "group" and r["speculation"]["accepted_tokens"] == 0.0
+    out = tmp_path / "out"
+    base = ["--workload", "search_r1", "--gpus", "16", "--out", str(out), "--no-plots"]
+    for bad in (["--calib", "nope=1"], ["--calib", "train_mfu=high"], ["--acceptance-scale", "-1"]):
+        assert main([*base, *bad]) == 2
+        assert "libra sim:" in capsys.readouterr().err
+    assert not out.exists()

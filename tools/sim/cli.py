@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.common.cost_model import Calibration
 from services.common.synthetic import Workload
 from tools.sim.scenarios import SCENARIOS, Runner, Scenario, default_jobs, resolve, run, sweep_size
 from tools.sim.systems import ALIASES, SYSTEMS
@@ -30,10 +31,44 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, help="reported seeds 0..K-1 (default: the scenario's; workloads: 5)")
     p.add_argument("--steps", type=int, help="RL steps to simulate per seed (default: the scenario's)")
     p.add_argument("--staleness", type=int, help="staleness bound of every async system (default 1)")
+    p.add_argument(
+        "--acceptance-scale",
+        type=float,
+        help="multiply every drafter's extra accepted tokens per step (default 1: Seer's Table 2)",
+    )
+    p.add_argument(
+        "--calib",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a cost-model constant for a sensitivity run, e.g. tp_decode_efficiency=0.66 "
+        "(repeatable; any field of services.common.cost_model.Calibration)",
+    )
     p.add_argument("--jobs", type=int, default=default_jobs(), help="parallel simulations (default: up to 2)")
     p.add_argument("--out", type=Path, default=Path("sim-out"), help="directory for results.json and plots")
     p.add_argument("--no-plots", action="store_true")
     return p
+
+
+def parse_calib(text: str) -> tuple[str, Any]:
+    """`KEY=VALUE` for a field of the cost model's `Calibration`, the value cast to its type."""
+    key, sep, raw = text.partition("=")
+    defaults = Calibration()
+    known = [f.name for f in dataclasses.fields(Calibration)]
+    if not sep or key not in known:
+        raise ValueError(f"--calib {text!r}: expected KEY=VALUE with KEY one of {', '.join(known)}")
+    current = getattr(defaults, key)
+    try:
+        if isinstance(current, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return key, raw.lower() in ("true", "1")
+        value = type(current)(float(raw)) if isinstance(current, int) else float(raw)
+    except ValueError:
+        raise ValueError(f"--calib {text!r}: {raw!r} is not a {type(current).__name__}") from None
+    if value < 0:
+        raise ValueError(f"--calib {text!r}: must be at least 0")
+    return key, value
 
 
 def _jsonable(x: Any) -> Any:
@@ -70,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.staleness is not None:
             scenario = dataclasses.replace(scenario, staleness=args.staleness)
+        if args.acceptance_scale is not None:
+            if args.acceptance_scale < 0:
+                raise ValueError("--acceptance-scale must be at least 0")
+            scenario = dataclasses.replace(scenario, acceptance_scale=args.acceptance_scale)
+        if args.calib:
+            scenario = dataclasses.replace(scenario, calibration=tuple(parse_calib(c) for c in args.calib))
         names = resolve([s.strip() for s in args.systems.split(",")] if args.systems else scenario.systems)
         seeds = args.seeds or scenario.seeds
         from tqdm import tqdm

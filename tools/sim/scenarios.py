@@ -73,6 +73,10 @@ class Scenario:
     """Choose settings on a slice of this many GPUs at the same per-GPU load (prompts scaled down),
     with `slice_sweep_steps`, then scale the allocation up: the 48-GPU planning, at any size."""
     slice_sweep_steps: int = 6
+    acceptance_scale: float = 1.0
+    """Multiplier on every drafter's extra accepted tokens per step (sensitivity)."""
+    calibration: tuple[tuple[str, Any], ...] = ()
+    """Cost-model constants overridden for this run (`Calibration` field, value): sensitivity."""
 
 
 SCENARIOS = {
@@ -114,7 +118,17 @@ class Runner:
         wl = workload or Workload.load(scenario.workload)
         over = {"prompts_per_step": scenario.prompts_per_step} if scenario.prompts_per_step else {}
         self.workload = wl.with_overrides(self.cm.model.max_context, **over)
-        self.env = Env(self.cm, self.workload, scenario.n_gpus, PLAN_SEED, scenario.staleness)
+        if scenario.calibration:
+            consts: dict[str, Any] = dict(scenario.calibration)
+            self.cm.calib = dataclasses.replace(self.cm.calib, **consts)
+        self.env = Env(
+            self.cm,
+            self.workload,
+            scenario.n_gpus,
+            PLAN_SEED,
+            scenario.staleness,
+            acceptance_scale=scenario.acceptance_scale,
+        )
         self.jobs = max(1, jobs)
 
     def env_for(self, seed: int, max_seqs: int | None = None) -> Env:

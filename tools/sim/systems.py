@@ -30,6 +30,7 @@ from services.planner.search import (
 from services.rollout_engine.speculation import SpeculationPolicy
 from services.scheduler.cmlfq import CMLFQ, Bucket, CMLFQConfig
 from services.scheduler.routing import CMLFQRouter, StaticRouter
+from tools.sim.drafting import AcceptanceModel
 from tools.sim.simulator import SystemConfig, workload_stats
 
 BASELINES = (
@@ -71,6 +72,8 @@ class Env:
     seed: int = 0
     staleness: int = 1
     max_seqs: int = 128
+    acceptance_scale: float = 1.0
+    """Multiplier on every drafter's extra accepted tokens (:class:`AcceptanceModel`)."""
     profile: WorkloadStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -227,6 +230,7 @@ def libra_system(
         hybrid_tp=env.hybrid_tp,
         staleness=env.staleness,
         max_seqs=env.max_seqs,
+        acceptance=AcceptanceModel(env.acceptance_scale),
         pool_policy=PoolPolicy(),
         replan=ReplanPolicy(interval_s=300.0, cooldown_s=120.0) if replan and len(buckets) > 1 else None,
         pooled_routing=routing != "cmlfq",
@@ -263,6 +267,7 @@ def libra_colocated(
         buckets,
         router,
         max_seqs=env.max_seqs,
+        acceptance=AcceptanceModel(env.acceptance_scale),
         drafter=drafter,
         speculation=speculation or SpeculationPolicy("off"),
         notes={"layout": f"colocated/TP{tp}", "rollout_tp": tp},
@@ -291,6 +296,7 @@ def baseline_system(
             [BucketPlan("all", tp, n // tp, math.inf)],
             StaticRouter([("all", math.inf)], seed=env.seed),
             max_seqs=env.max_seqs,
+            acceptance=AcceptanceModel(env.acceptance_scale),
             notes={"rollout_tp": tp},
         )
     if name in ("areal", "areal-sd", "areal-lend", "homogeneous-lb", "disaggregated-static"):
@@ -312,6 +318,7 @@ def baseline_system(
             ),
             staleness=env.staleness,
             max_seqs=env.max_seqs,
+            acceptance=AcceptanceModel(env.acceptance_scale),
             update_mode="recompute" if name.startswith("areal") else "drain",
             lend_tp=tp if name == "areal-lend" else 0,
             drafter=drafter if name == "areal-sd" else "none",
@@ -336,6 +343,7 @@ def baseline_system(
             router,
             staleness=env.staleness,
             max_seqs=env.max_seqs,
+            acceptance=AcceptanceModel(env.acceptance_scale),
             update_mode="drain",
             notes={"split": split, "mix": list(mix), "layout": plan_key(plan)},
         )
