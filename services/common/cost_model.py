@@ -113,6 +113,10 @@ class Calibration:
     """Training recomputes activations in the backward pass (one more forward per micro-batch):
     verl's default (`enable_gradient_checkpointing: True`) and AReaL's example GRPO configs;
     Korthikanti et al. (arXiv 2205.05198) Table 4 measure full recompute at +39 % of a layer."""
+    kv_transfer_efficiency: float = 0.71
+    """Share of the engine GPUs' network bandwidth a KV-cache transfer achieves: vLLM with the
+    Mooncake connector measured 142 GB/s of ~200 GB/s over 8 RoCE NICs (71 %; a 32k-token KV of
+    4.5 GB in 31.7 ms, Mooncake docs, vllm-v1-pd-performance)."""
     sync_fixed_s: float = 2.0
     """Fixed part of a weight push to rollout engines (coordination, engine pause/resume)."""
 
@@ -265,6 +269,12 @@ class CostModel:
         reshard = self.model.weight_bytes / rollout_tp / self.gpu.nvlink_bw
         engine_weights = self.model.weight_bytes / rollout_tp
         return (state + engine_weights) / self.gpu.pcie_bw + reshard + self.calib.colocate_fixed_s
+
+    def kv_transfer_s(self, tokens: float, tp: int) -> float:
+        """Moving a running sequence's KV cache of `tokens` tokens between engines of `tp` GPUs:
+        each GPU sends its shard over its own NIC (RDMA), no recomputation."""
+        bw = tp * self.gpu.net_bw * self.calib.kv_transfer_efficiency
+        return tokens * self.model.kv_bytes_per_token / bw
 
     def state_fetch_s(self, train_gpus: int) -> float:
         """A joining data-parallel replica fetches weights plus its optimizer shard, then the

@@ -200,6 +200,12 @@ class CMLFQ:
             self._qlen[t.level] -= 1
             t.queued = 0
 
+    def moved(self, traj_id: str, engine_id: str) -> None:
+        """The trajectory's context moved to `engine_id` with its KV: later turns prefer it."""
+        t = self.trajs.get(traj_id)
+        if t is not None:
+            t.last_engine = engine_id
+
     def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None:
         """Least-loaded engine with a free slot, biased towards the engine holding the context.
 

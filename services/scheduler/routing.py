@@ -34,6 +34,11 @@ class Router(Protocol):
 
     def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None: ...
 
+    def moved(self, traj_id: str, engine_id: str) -> None:
+        """The trajectory's context now lives on `engine_id` (its running turn moved there with its
+        KV), so later turns should return there."""
+        ...
+
     def enqueue(self, traj_id: str, now: float) -> None: ...
 
     def dequeue(self, bucket: str, now: float) -> str | None: ...
@@ -92,6 +97,9 @@ class CMLFQRouter:
 
     def drop(self, traj_id: str) -> None:
         self.core.drop(traj_id)
+
+    def moved(self, traj_id: str, engine_id: str) -> None:
+        self.core.moved(traj_id, engine_id)
 
     def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None:
         return self.core.pick_engine(bucket, engines, traj_id)
@@ -168,6 +176,10 @@ class StaticRouter:
         self.last.pop(traj_id, None)
         if bucket is not None and traj_id in self.queues[bucket]:
             self.queues[bucket].remove(traj_id)
+
+    def moved(self, traj_id: str, engine_id: str) -> None:
+        if traj_id in self.where:
+            self.last[traj_id] = engine_id
 
     def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None:
         free = [e for e in engines if e.load < e.capacity]

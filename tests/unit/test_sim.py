@@ -11,7 +11,7 @@ from services.rollout_engine.speculation import SpeculationPolicy
 from tools.sim.cli import main
 from tools.sim.engine import Engine, Request
 from tools.sim.ledger import CATEGORIES
-from tools.sim.simulator import Simulator
+from tools.sim.simulator import MOVED, Simulator
 from tools.sim.stats import mean_ci, paired_ratio
 from tools.sim.systems import LIBRA_DRAFTER, LIBRA_SPECULATION, SYSTEMS, Env, baseline_system, libra_system
 
@@ -32,7 +32,7 @@ def env() -> Env:
 
 
 def _system(name: str, env: Env):
-    if name in ("libra", "libra-no-ehp", "libra-no-cmlfq", "libra-no-sd"):
+    if name in ("libra", "libra-no-ehp", "libra-no-cmlfq", "libra-no-sd", "libra-no-kvm"):
         # An allocation with every mechanism present: three buckets and a hybrid pool.
         plan = Plan(
             4,
@@ -46,7 +46,10 @@ def _system(name: str, env: Env):
         )
         if name == "libra-no-ehp":
             plan.hybrid_gpus, plan.train_gpus = 0, 8
-        sd = {} if name == "libra-no-sd" else {"drafter": LIBRA_DRAFTER, "speculation": LIBRA_SPECULATION}
+        sd: dict = (
+            {} if name == "libra-no-sd" else {"drafter": LIBRA_DRAFTER, "speculation": LIBRA_SPECULATION}
+        )
+        sd["kv_migration"] = name != "libra-no-kvm"
         return libra_system(env, name, plan, routing="pooled" if name == "libra-no-cmlfq" else "cmlfq", **sd)
     settings = {
         "verl": {"tp": 2},
@@ -372,3 +375,65 @@ def test_sensitivity_settings_reach_the_model_and_bad_flags_change_nothing(tmp_p
         assert main([*base, *bad]) == 2
         assert "libra sim:" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_kv_migration_conserves_kv_and_moved_turns_resume_where_they_land(env):
+    plan = Plan(8, 1, [BucketPlan("all", 4, 2, math.inf)], 0)
+    runs = {}
+    for kvm in (False, True):
+        system = libra_system(env, "libra", plan, routing="pooled", replan=False, lend_tp=4, kv_migration=kvm)
+        sim = Simulator(system, env.workload, env.cm, N_GPUS, 4, seed=2)
+        sim.run()
+        in_transit = sum(p[3] for _, _, kind, p, _ in sim.events if kind == MOVED)
+        assert sim.kv_sent_tokens == sim.kv_received_tokens + in_transit
+        assert all(v == 0 for v in sim.inbound.values()) or in_transit
+        runs[kvm] = sim
+    assert runs[False].kv_moves == 0 and runs[True].kv_moves > 0
+    assert runs[True].kv_fallbacks < runs[True].kv_moves  # most moved turns resume without re-prefill
+    assert sum(runs[True].step_trajs) == sum(runs[False].step_trajs)
+
+
+def test_consolidation_evens_out_running_turns_within_capacity():
+    from services.scheduler.consolidation import EngineSlots, consolidation_moves
+
+    moves = consolidation_moves([EngineSlots("a", 10, 16), EngineSlots("b", 2, 16), EngineSlots("c", 3, 4)])
+    after = Counter({"a": 10, "b": 2, "c": 3})
+    for src, dst in moves:
+        after[src] -= 1
+        after[dst] += 1
+    assert after == Counter({"a": 6, "b": 5, "c": 4})  # c is full; a and b differ by less than 2
+    assert moves and all(src == "a" for src, _ in moves)
+    assert consolidation_moves([EngineSlots("a", 3, 8), EngineSlots("b", 2, 8)]) == []
+    assert consolidation_moves([EngineSlots("a", 9, 8)]) == []
+
+
+def test_a_detached_sequence_takes_its_kv_and_progress_with_it(env):
+    e = _engine(env)
+    e.open(0.0)
+    e.join(Request("stay", 400, 1000), 0.0, 1000, "p")
+    e.join(Request("go", 300, 2000), 0.0, 2000, "p")
+    used = e.kv_used
+    t = e.resume + 100 * e.step
+    out = e.detach(t, "go")
+    assert out is not None
+    req, done = out
+    assert req.traj_id == "go" and done == pytest.approx(100, rel=1e-6)
+    assert e.kv_used == used - 2300 and e.n == 1
+    assert e.detach(t, "go") is None
+    assert [r.traj_id for r in e.pop_done(e.next_event())] == ["stay"]
+
+
+@pytest.mark.parametrize("kind", ["cmlfq", "least"])
+def test_routers_send_later_turns_to_where_a_moved_turn_landed(env, kind):
+    from services.scheduler.cmlfq import EngineView
+
+    router = (
+        libra_system(env, "libra", Plan(8, 1, [BucketPlan("all", 4, 2, math.inf)], 0)).router
+        if kind == "cmlfq"
+        else baseline_system(env, "areal", 8, 4).router
+    )
+    bucket = router.admit("t", "p", 0.0, 100)
+    views = [EngineView("e0", 1, 8), EngineView("e1", 2, 8)]
+    assert router.pick_engine(bucket, views, "t") == "e0"
+    router.moved("t", "e1")
+    assert router.pick_engine(bucket, views, "t") == "e1"  # context affinity follows the KV

@@ -340,6 +340,26 @@ class Engine:
             self._retime()
         return gone
 
+    def detach(self, now: float, traj_id: str) -> tuple[Request, float] | None:
+        """Take one running sequence off this engine (its KV leaves with it): the request and
+        the tokens it generated in this turn so far."""
+        self.advance(now)
+        for key, lane in self.lanes.items():
+            for i, item in enumerate(lane.heap):
+                req = item[2]
+                if req.traj_id != traj_id:
+                    continue
+                done = lane.v - req.start_v
+                lane.heap[i] = lane.heap[-1]
+                lane.heap.pop()
+                heapq.heapify(lane.heap)
+                self._release(lane, req)
+                if not lane.n:
+                    del self.lanes[key]
+                self._retime()
+                return req, done
+        return None
+
     def load_weights(self, now: float, seconds: float, version: int) -> float:
         """Swap in new weights: cached blocks are dropped and running sequences re-prefill their
         context under the new weights. Returns the re-prefill seconds."""

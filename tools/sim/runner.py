@@ -79,6 +79,12 @@ def summarize(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "trajectories_trained": trained,
         "dropped_stale_groups": sim.dropped_groups,
         "speculation": speculation_stats(sim),
+        "kv_migration": {
+            "moves": sim.kv_moves,
+            "sent_tokens": sim.kv_sent_tokens,
+            "received_tokens": sim.kv_received_tokens,
+            "fallbacks": sim.kv_fallbacks,
+        },
         "bucket_migrations": sim.migrations,
         "reprefill_tokens": sim.reprefill_tokens,
         "replans": sim.replans,

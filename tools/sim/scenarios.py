@@ -44,13 +44,17 @@ from tools.sim.systems import (
     sweep_grid,
 )
 
-LIBRA_FAMILY = ("libra", "libra-no-ehp", "libra-no-cmlfq", "libra-no-sd")
-LIBRA_SD = {
+LIBRA_FAMILY = ("libra", "libra-no-ehp", "libra-no-cmlfq", "libra-no-sd", "libra-no-kvm")
+LIBRA_SD: dict[str, Any] = {
     "drafter": LIBRA_DRAFTER,
     "spec_mode": LIBRA_SPECULATION.mode,
     "draft_tokens": LIBRA_SPECULATION.draft_tokens,
 }
-"""Settings of Libra's speculative decoding (every family member but `libra-no-sd`)."""
+"""Settings of Libra's speculative decoding."""
+LIBRA_TAIL: dict[str, Any] = {**LIBRA_SD, "kv_migration": True}
+"""Libra's mechanisms against the tail: group-drafted speculation and KV migration."""
+TAIL_OF: dict[str, dict[str, Any]] = {"libra-no-sd": {"kv_migration": True}, "libra-no-kvm": LIBRA_SD}
+"""Tail mechanisms of the family members that leave one out (the rest have `LIBRA_TAIL`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +156,7 @@ class Runner:
                 int(s.get("lend_tp", 0)),
                 drafter,
                 spec,
+                bool(s.get("kv_migration", False)),
             )
         return baseline_system(
             env,
@@ -227,7 +232,7 @@ def choose_settings(
             settings[name] = {
                 "plan": plan.to_dict(),
                 "routing": "pooled" if name == "libra-no-cmlfq" else "cmlfq",
-                **({} if name == "libra-no-sd" else LIBRA_SD),
+                **TAIL_OF.get(name, LIBRA_TAIL),
             }
             sweeps[name] = {"best": plan_key(plan), "grid": []}
         return settings, sweeps
@@ -261,9 +266,10 @@ def choose_settings(
             settings[name] = chosen
             sweeps[name] = {"best": key, "grid": [{**g, "trajectories_per_s": sc} for sc, g, _ in rows]}
     families: tuple[tuple[str, dict[str, Any], tuple[str, ...]], ...] = (
-        ("cmlfq", LIBRA_SD, ("libra", "libra-no-ehp")),
-        ("pooled", LIBRA_SD, ("libra-no-cmlfq",)),
-        ("cmlfq", {}, ("libra-no-sd",)),
+        ("cmlfq", LIBRA_TAIL, ("libra", "libra-no-ehp")),
+        ("pooled", LIBRA_TAIL, ("libra-no-cmlfq",)),
+        ("cmlfq", TAIL_OF["libra-no-sd"], ("libra-no-sd",)),
+        ("cmlfq", TAIL_OF["libra-no-kvm"], ("libra-no-kvm",)),
     )
     for routing, sd, family in families:
         wanted = [n for n in family if n in names]
@@ -378,6 +384,8 @@ def _label(settings: dict[str, Any]) -> str:
         label = f"colocated/TP{settings.get('tp', 1)}"
     if settings.get("max_seqs"):
         label += f"/seqs{settings['max_seqs']}"
+    if settings.get("kv_migration"):
+        label += "/kvm"
     if settings.get("drafter", "none") != "none":
         label += f"/sd-{settings['drafter']}-{settings.get('spec_mode', 'adaptive')}{settings.get('draft_tokens', 8)}"
     return label
@@ -544,6 +552,8 @@ def sweep_size(runner_or_env: Any, names: Sequence[str]) -> int:
         else:
             n += len(sweep_grid(name, env)) + 3
     per_libra = len(default_splits(env)) * (len(TPS) + len(MIXES) + 2) + len(TPS) + 7
-    families = ("libra" in names or "libra-no-ehp" in names) + ("libra-no-cmlfq" in names)
-    n += per_libra * (families + ("libra-no-sd" in names))
+    families = ("libra" in names or "libra-no-ehp" in names) + sum(
+        n in names for n in ("libra-no-cmlfq", "libra-no-sd", "libra-no-kvm")
+    )
+    n += per_libra * families
     return n

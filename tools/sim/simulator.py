@@ -23,11 +23,12 @@ from services.planner.replan import ReplanPolicy, ReplanSignals, length_sample, 
 from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
 from services.rollout_engine.speculation import SpeculationPolicy
 from services.scheduler.cmlfq import EngineView
+from services.scheduler.consolidation import EngineSlots, consolidation_moves
 from tools.sim.drafting import DRAFTERS, AcceptanceModel
 from tools.sim.engine import Engine, Request
 from tools.sim.ledger import Ledger, Meter
 
-ENGINE, TOOL, TRAIN_DONE, SYNC_DONE, FETCHED, TICK = range(6)
+ENGINE, TOOL, TRAIN_DONE, SYNC_DONE, FETCHED, TICK, MOVED = range(7)
 KV_RESERVE = 2048
 STALL_S = 3600.0
 """Simulated seconds without any event but ticks after which a run is declared stuck."""
@@ -72,6 +73,9 @@ class SystemConfig:
     speculation: SpeculationPolicy = field(default_factory=lambda: SpeculationPolicy("off"))
     """How many drafted tokens a sequence verifies per step (fixed or adaptive)."""
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    kv_migration: bool = False
+    """Running turns move with their KV cache (RDMA, no re-prefill) from busy engines to idle ones
+    when nothing is queued, and off engines taken back for training (Seer's divided rollout)."""
     notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -160,6 +164,14 @@ class Simulator:
         self.draining: set[str] = set()
         self.migrations = 0
         self.reprefill_tokens = 0
+        self.kv_moves = 0
+        self.kv_sent_tokens = 0
+        """KV tokens that left an engine with a moved sequence; each arrives (`kv_received_tokens`)
+        after the transfer time, whether it is then used or re-prefilled."""
+        self.kv_received_tokens = 0
+        self.kv_fallbacks = 0
+        """Moved sequences whose destination was full or had newer weights on arrival."""
+        self.inbound: dict[str, int] = {}
         self.timeline: list[tuple[float, int, int, int]] = []
         self.replans: list[dict[str, Any]] = []
         self.recent: deque[_Traj] = deque(maxlen=4 * self.B * workload.group_size)
@@ -467,7 +479,13 @@ class Simulator:
         and continue on other engines (re-prefilling their context). Returns the switch time."""
         self.lend_state = "training"
         moved: list[str] = []
+        lent = {e.engine_id for e in self.lent}
         for e in self.lent:
+            if self.sys.kv_migration:
+                for req, _ in e.running():
+                    dst = self._kv_target(req.traj_id, exclude=lent)
+                    if dst is not None:
+                        self._move(req.traj_id, e, dst)
             running = e.running()
             e.abort(self.now, {req.traj_id for req, _ in running})
             for req, done in running:
@@ -605,12 +623,90 @@ class Simulator:
                 if e.n == 0 and self._serving(e):
                     self._fill(e)
                     self._wake(e)
+        if self.sys.kv_migration:
+            self._consolidate()
         if self.pool is not None and self.sys.mode == "async":
             self._pool_tick()
         if self.sys.replan is not None:
             self._replan_tick()
         if self.version < self.steps:
             self._push(self.now + self.tick_s, TICK, None)
+
+    def _consolidate(self) -> None:
+        """Even out running turns across each bucket's engines, moving the longest-running ones
+        with their KV, where no queued turn would fill the idle engines anyway."""
+        for key, pool in self.by_bucket.items():
+            if len(pool) < 2 or self.router.queued(key):
+                continue
+            serving = {e.engine_id: e for e in pool if self._serving(e)}
+            slots = [EngineSlots(i, e.n + self.inbound.get(i, 0), e.max_seqs) for i, e in serving.items()]
+            for src_id, dst_id in consolidation_moves(slots):
+                src, dst = serving[src_id], serving[dst_id]
+                running = sorted(src.running(), key=lambda x: -x[1])
+                for req, _ in running:
+                    if self._kv_fits(req.traj_id, dst):
+                        self._move(req.traj_id, src, dst)
+                        break
+
+    def _kv_fits(self, tid: str, e: Engine) -> bool:
+        tr = self.trajs[tid]
+        return e.fits(tr.context + tr.partial, tr.spec.turns[tr.turn].output_tokens + KV_RESERVE) and (
+            e.n + self.inbound.get(e.engine_id, 0) < e.max_seqs
+        )
+
+    def _kv_target(self, tid: str, exclude: set[str]) -> Engine | None:
+        """The serving engine with the fewest running turns that has room for this one's KV."""
+        tr = self.trajs[tid]
+        best = None
+        for e in self.by_bucket.get(self._key(tr.bucket), []):
+            if e.engine_id in exclude or not self._serving(e):
+                continue
+            load = e.n + self.inbound.get(e.engine_id, 0)
+            if (best is None or load < best[0]) and self._kv_fits(tid, e):
+                best = (load, e)
+        return best[1] if best else None
+
+    def _move(self, tid: str, src: Engine, dst: Engine) -> None:
+        """Detach a running turn and send its KV to `dst`; it resumes there on arrival."""
+        out = src.detach(self.now, tid)
+        if out is None:
+            return
+        req, done = out
+        tr = self.trajs[tid]
+        tr.partial += min(req.tokens - 1, int(done))
+        tokens = tr.context + tr.partial
+        tr.engine = None
+        self.kv_moves += 1
+        self.kv_sent_tokens += tokens
+        self.inbound[dst.engine_id] = self.inbound.get(dst.engine_id, 0) + 1
+        arrive = self.now + self.cm.kv_transfer_s(tokens, min(src.tp, dst.tp))
+        self._push(arrive, MOVED, (tid, dst.engine_id, src.version, tokens))
+        if src.n == 0 and src.engine_id in self.draining:
+            self._load(src)
+        self._wake(src)
+
+    def _on_moved(self, payload: tuple[str, str, int, int]) -> None:
+        tid, eid, version, tokens = payload
+        self.kv_received_tokens += tokens
+        self.inbound[eid] -= 1
+        tr = self.trajs.get(tid)
+        if tr is None:
+            return  # aborted in transit: its group can no longer be trained
+        e = self.engines[eid]
+        turn = tr.spec.turns[tr.turn]
+        if (
+            version != e.version
+            or not self._serving(e)
+            or not e.fits(tokens, turn.output_tokens - tr.partial)
+        ):
+            self.kv_fallbacks += 1
+            self._start_turn(tid)  # the KV is stale or has no room: re-prefill wherever it goes
+            return
+        tr.engine = eid
+        self.router.moved(tid, eid)
+        req = Request(tid, turn.output_tokens - tr.partial, tokens, acceptance=self._acceptance(tr, e))
+        e.join(req, self.now, 0, tr.spec.prompt_id)
+        self._wake(e)
 
     def _hybrid_demand(self) -> float:
         """(running + queued turns) over the turn slots of the hybrid workers' bucket."""
@@ -766,6 +862,8 @@ class Simulator:
                 self._on_fetched(payload)
             elif kind == TICK:
                 self._on_tick()
+            elif kind == MOVED:
+                self._on_moved(payload)
         if self.version < self.steps:
             raise RuntimeError(f"{self.sys.name}: simulation stalled at step {self.version}")
         return self._close()

@@ -42,7 +42,7 @@ BASELINES = (
     "disaggregated-static",
     "length-aware",
 )
-ABLATIONS = ("libra-no-ehp", "libra-no-grp", "libra-no-cmlfq", "libra-no-sd")
+ABLATIONS = ("libra-no-ehp", "libra-no-grp", "libra-no-cmlfq", "libra-no-sd", "libra-no-kvm")
 SYSTEMS = ("libra", *BASELINES, *ABLATIONS)
 ALIASES = {"colocated-sync": "verl"}
 TPS = (1, 2, 4, 8)
@@ -216,6 +216,7 @@ def libra_system(
     lend_tp: int = 0,
     drafter: str = "none",
     speculation: SpeculationPolicy | None = None,
+    kv_migration: bool = False,
 ) -> SystemConfig:
     buckets = _copy(plan.buckets)
     router = libra_router(env, buckets, routing)
@@ -238,6 +239,7 @@ def libra_system(
         lend_tp=lend_tp,
         drafter=drafter,
         speculation=speculation or SpeculationPolicy("off"),
+        kv_migration=kv_migration,
         notes={
             "profile": env.profile,
             "plan": plan.to_dict(),
@@ -353,7 +355,13 @@ def baseline_system(
             raise ValueError(f"{name}: no layout for split {split}, TPs {mix}")
         # Everything Libra has but the planner's layout, so the ablation isolates the layout.
         return libra_system(
-            env, name, plan, replan=False, drafter=LIBRA_DRAFTER, speculation=LIBRA_SPECULATION
+            env,
+            name,
+            plan,
+            replan=False,
+            drafter=LIBRA_DRAFTER,
+            speculation=LIBRA_SPECULATION,
+            kv_migration=True,
         )
     raise KeyError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
 
