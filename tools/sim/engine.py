@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from services.common.cost_model import CostModel
 from services.rollout_engine.speculation import Lane, SpeculationPolicy, expected_tokens
 
-BAND = 1.25
+BAND = 1.5
 """Relative change of batch size or mean context that makes the speculation policy decide again."""
 
 
@@ -75,6 +75,8 @@ class Engine:
         "engine_id",
         "drafted",
         "accepted",
+        "accept_sum",
+        "draft_sum",
         "gen",
         "hybrid",
         "iterations",
@@ -150,6 +152,10 @@ class Engine:
         """Drafted tokens verified (expected counts, summed over decode iterations)."""
         self.accepted = 0.0
         """Drafted tokens accepted."""
+        self.draft_sum = 0
+        """Drafted tokens verified per decode iteration by the whole batch (at the last pricing)."""
+        self.accept_sum = 0.0
+        """Drafted tokens expected to be accepted per decode iteration."""
 
     def open(self, now: float) -> None:
         self.t = max(self.t, now)
@@ -179,9 +185,9 @@ class Engine:
             self.seq_iters += iters * self.n
             for lane in self.lanes.values():
                 lane.v += iters * lane.rate
-                if lane.draft:
-                    self.drafted += iters * lane.n * lane.draft
-                    self.accepted += iters * lane.n * (lane.rate - 1.0)
+            if self.spec is not None:
+                self.drafted += iters * self.draft_sum
+                self.accepted += iters * self.accept_sum
         self.t = now
 
     def stall(self, now: float, seconds: float, sync: bool = False) -> None:
@@ -264,7 +270,7 @@ class Engine:
             self.step_s = self.cm.decode_step_s(n, avg_ctx, self.tp)
             return
         # The policy decides again when the batch size or its mean context moved by more than
-        # `BAND` since the last decision, as engines tune draft lengths per batch-size bucket (TLT;
+        # half since the last decision (`BAND`), as engines tune draft lengths per batch-size bucket (TLT;
         # vLLM's num_speculative_tokens_per_batch_size); the step is priced exactly either way.
         n0, ctx0 = self.band
         if not (n0 <= n * BAND <= n0 * BAND * BAND and ctx0 <= avg_ctx * BAND <= ctx0 * BAND * BAND):
@@ -272,12 +278,16 @@ class Engine:
             cost = self.cm.verify_cost(n, avg_ctx, self.tp)
             self.threshold = spec.threshold([Lane(ln.n, ln.acceptance) for ln in lanes], cost)
         theta = self.threshold
+        accept = 0.0
         for ln in lanes:
             if ln.theta != theta:
                 ln.theta = theta
                 ln.draft = spec.draft_length(ln.acceptance, theta)
                 ln.rate = expected_tokens(ln.acceptance, ln.draft)
             query += ln.n * ln.draft
+            accept += ln.n * (ln.rate - 1.0)
+        self.draft_sum = query - n
+        self.accept_sum = accept
         self.step_s = self.cm.verify_step_s(n, avg_ctx, self.tp, query)
 
     def next_event(self) -> float | None:

@@ -378,10 +378,11 @@ class Simulator:
         tr.tokens += turn.output_tokens
         tr.context += turn.output_tokens
         tr.partial = 0
-        if self.spec is not None:
+        if self.spec is not None and self.sys.drafter != "ngram":
             g = self.groups[tr.group]
-            g.turns_done[tr.turn] = g.turns_done.get(tr.turn, 0) + 1
-            if tr.engine is not None:
+            if self.sys.drafter == "group":
+                g.turns_done[tr.turn] = g.turns_done.get(tr.turn, 0) + 1
+            elif tr.engine is not None:
                 key = (tr.engine, tr.turn)
                 g.turns_done_on[key] = g.turns_done_on.get(key, 0) + 1
         tr.turn += 1
