@@ -437,3 +437,22 @@ def test_routers_send_later_turns_to_where_a_moved_turn_landed(env, kind):
     assert router.pick_engine(bucket, views, "t") == "e0"
     router.moved("t", "e1")
     assert router.pick_engine(bucket, views, "t") == "e1"  # context affinity follows the KV
+
+
+def test_sensitivity_moves_each_constant_both_ways_and_reads_the_lead():
+    from tools.sim.sensitivity import lead, main, points
+
+    grid = points(["tp_decode_efficiency", "decode_overhead_s"], 0.25)
+    assert grid[0] == ("as shipped", "", {})
+    moved = {(c, v) for c, v, _ in grid[1:]}
+    assert ("tp_decode_efficiency", "0.66") in moved and ("tp_decode_efficiency", "1") in moved
+    assert ("decode_overhead_s", "0.0015") in moved and ("decode_overhead_s", "0.0025") in moved
+    assert {v for c, v, _ in grid if c == "acceptance_scale"} == {"0.5", "1.5"}
+    results = {
+        "systems": {"libra": {"trajectories_per_s": 2.0}, "a": {"trajectories_per_s": 1.0, "settings": "x"},
+                    "b": {"trajectories_per_s": 1.6, "settings": "y"}},
+        "ratios_vs_libra": {"a": {"mean": 2.0, "ci95": [1.9, 2.1]}, "b": {"mean": 1.25, "ci95": [1.2, 1.3]}},
+    }  # fmt: skip
+    assert lead(results) == {"best": "b", "mean": 1.25, "ci95": [1.2, 1.3], "settings": "y"}
+    assert main(["--constants", "nope"]) == 2
+    assert main(["--systems", "areal"]) == 2
