@@ -137,7 +137,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     names = list(dict.fromkeys(r["constant"] for r in rows[1:]))
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
     for i, name in enumerate(names):
-        for r in (r for r in rows if r["constant"] == name):
+        for k, r in enumerate(r for r in rows if r["constant"] == name):
             ax.plot([base, r["mean"]], [i, i], color="tab:gray", lw=6, solid_capstyle="butt")
             ax.errorbar(
                 r["mean"],
@@ -146,14 +146,15 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
                 fmt="o",
                 color="k",
             )
+            offset = (0, 7) if k % 2 else (0, -13)  # the low value's label below, the high one's above
             ax.annotate(
-                r["value"], (r["mean"], i), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=7
+                r["value"], (r["mean"], i), textcoords="offset points", xytext=offset, ha="center", fontsize=7
             )
     ax.axvline(base, color="tab:green", label=f"as shipped {base:.3f}")
     ax.axvline(1.0, color="tab:red", ls="--", label="tie")
     ax.set_yticks(range(len(names)), names)
     ax.set_xlabel("Libra / best baseline (95 % CI)")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
