@@ -30,7 +30,7 @@ from services.common.cost_model import CostModel
 from services.rollout_engine.speculation import Lane, SpeculationPolicy, expected_tokens
 
 BAND = 1.5
-"""Relative change of batch size or mean context that makes the speculation policy decide again."""
+"""Factor by which batch size or mean context must move for the speculation policy to decide again."""
 
 
 @dataclass(slots=True)
@@ -79,7 +79,6 @@ class Engine:
         "draft_sum",
         "gen",
         "hybrid",
-        "iterations",
         "kv_capacity",
         "kv_used",
         "lanes",
@@ -127,12 +126,12 @@ class Engine:
         self.resume = 0.0
         self.step_s = 0.0
         self.stale = False
-        self.band = (0.0, 0.0)
-        """Batch band of the last speculation decision (see `_price`)."""
-        self.threshold = 0.0
-        """The speculation policy's last decision (`SpeculationPolicy.threshold`)."""
         """Membership changed since `step_s` was priced (priced lazily: a burst of joins at one
         instant prices the batch once)."""
+        self.band = (0.0, 0.0)
+        """Batch size and mean context at the last speculation decision (see `_price`)."""
+        self.threshold = 0.0
+        """The speculation policy's last decision (`SpeculationPolicy.threshold`)."""
         self.seq = 0
         self.gen = 0
         self.busy_s = 0.0
@@ -145,7 +144,6 @@ class Engine:
         self.cached_tokens = 0
         self.version = 0
         """Weight version this engine serves."""
-        self.iterations = 0.0
         self.seq_iters = 0.0
         """Sum over decode iterations of the sequences in the batch (verify steps taken)."""
         self.drafted = 0.0
@@ -181,7 +179,6 @@ class Engine:
         if now > start and self.n:
             self.busy_s += now - start
             iters = (now - start) / self.step
-            self.iterations += iters
             self.seq_iters += iters * self.n
             for lane in self.lanes.values():
                 lane.v += iters * lane.rate
@@ -270,10 +267,10 @@ class Engine:
             self.step_s = self.cm.decode_step_s(n, avg_ctx, self.tp)
             return
         # The policy decides again when the batch size or its mean context moved by more than
-        # half since the last decision (`BAND`), as engines tune draft lengths per batch-size bucket (TLT;
-        # vLLM's num_speculative_tokens_per_batch_size); the step is priced exactly either way.
+        # `BAND` since the last decision, as engines tune draft lengths per batch-size bucket
+        # (TLT; vLLM's num_speculative_tokens_per_batch_size); the step is priced exactly anyway.
         n0, ctx0 = self.band
-        if not (n0 <= n * BAND <= n0 * BAND * BAND and ctx0 <= avg_ctx * BAND <= ctx0 * BAND * BAND):
+        if not (n0 / BAND <= n <= n0 * BAND and ctx0 / BAND <= avg_ctx <= ctx0 * BAND):
             self.band = (n, avg_ctx)
             cost = self.cm.verify_cost(n, avg_ctx, self.tp)
             self.threshold = spec.threshold([Lane(ln.n, ln.acceptance) for ln in lanes], cost)
