@@ -108,6 +108,22 @@ def test_no_trained_group_is_older_than_the_staleness_bound(name, staleness, see
     assert len(sim.trained_staleness) == 4 * env.workload.prompts_per_step
     assert min(sim.trained_staleness) >= 0
     assert max(sim.trained_staleness) <= staleness
+    # Per segment: no token is older than its group's admission, none newer than the trainer.
+    assert len(sim.trained_token_staleness) == len(sim.trained_staleness)
+    assert all(
+        0 <= t <= a + 1e-9 for t, a in zip(sim.trained_token_staleness, sim.trained_staleness, strict=True)
+    )
+
+
+def test_token_staleness_counts_each_segment_at_the_version_that_generated_it(env):
+    sync, _, _ = _run("verl", env, steps=3)
+    assert sync.trained_token_staleness == [0.0] * len(sync.trained_staleness)  # one version per step
+    recompute, _, _ = _run("areal", _env(2), seed=1, steps=5)
+    admission = sum(recompute.trained_staleness) / len(recompute.trained_staleness)
+    tokens = sum(recompute.trained_token_staleness) / len(recompute.trained_token_staleness)
+    # Interruptible generation continues old groups under newer weights: their later segments
+    # are fresher than their admission, so the token-weighted staleness is strictly lower.
+    assert 0 < tokens < admission
 
 
 def test_hybrid_workers_join_training_at_step_boundaries_and_come_back(env):

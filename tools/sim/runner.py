@@ -78,6 +78,8 @@ def summarize(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "trajectories_finished": sim.finished,
         "trajectories_trained": trained,
         "dropped_stale_groups": sim.dropped_groups,
+        "trained_staleness_mean": _mean(sim.trained_staleness),
+        "trained_token_staleness_mean": _mean(sim.trained_token_staleness),
         "speculation": speculation_stats(sim),
         "kv_migration": {
             "moves": sim.kv_moves,
@@ -129,3 +131,7 @@ def speculation_stats(sim: Simulator) -> dict[str, Any]:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "tokens_per_verify_step": (steps + accepted) / steps if steps else 1.0,
     }
+
+
+def _mean(xs: list[float] | list[int]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0

@@ -508,6 +508,8 @@ def run(
             "trained_tokens_per_s": mean_ci([r["trained_tokens_per_s"] for r in runs])[0],
             "trajectories_per_step": first["trajectories_trained"] / max(1, len(first["step_times_s"])),
             "max_staleness_trained": max(r["max_staleness_trained"] for r in runs),
+            "trained_staleness_mean": mean_ci([r["trained_staleness_mean"] for r in runs])[0],
+            "trained_token_staleness_mean": mean_ci([r["trained_token_staleness_mean"] for r in runs])[0],
             "dropped_stale_groups": [r["dropped_stale_groups"] for r in runs],
             "settings": sweeps[n].get("scaled_to", sweeps[n]["best"]),
         }
