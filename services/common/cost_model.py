@@ -159,6 +159,13 @@ class CostModel:
         per_layer = 2 * (self.gpu.allreduce_latency_s + msg / self.gpu.nvlink_bw)
         return self.model.layers * per_layer
 
+    def _decode_read_s(self, batch: int, avg_context: float, tp: int) -> float:
+        """Reading the weights and the batch's KV cache once, at the achieved share of HBM bandwidth."""
+        c = self.calib
+        kv = batch * avg_context * self.model.kv_bytes_per_token
+        eff = c.mem_efficiency * c.tp_decode_efficiency ** math.log2(tp)
+        return (self.model.weight_bytes + kv) / (tp * self.gpu.mem_bw * eff)
+
     def decode_step_s(self, batch: int, avg_context: float, tp: int) -> float:
         """One continuous-batching decode iteration for `batch` sequences of `avg_context` tokens."""
         return self.verify_step_s(batch, avg_context, tp, batch)
@@ -171,9 +178,7 @@ class CostModel:
             return 0.0
         c = self.calib
         q = max(batch, query_tokens)
-        kv = batch * avg_context * self.model.kv_bytes_per_token
-        eff = c.mem_efficiency * c.tp_decode_efficiency ** math.log2(tp)
-        mem = (self.model.weight_bytes + kv) / (tp * self.gpu.mem_bw * eff)
+        mem = self._decode_read_s(batch, avg_context, tp)
         flops = 2 * self.model.active_params * q + 4 * self.model.layers * self.model.hidden * q * avg_context
         compute = flops / (tp * self.gpu.flops * c.prefill_mfu)
         return c.decode * (max(mem, compute) + self._allreduce_s(tp, q)) + c.decode_overhead_s
@@ -182,18 +187,12 @@ class CostModel:
         """`verify_step_s` of this batch as a function of its query tokens, with everything that
         does not depend on them computed once (the speculation policy prices many draft lengths)."""
         c = self.calib
-        kv = batch * avg_context * self.model.kv_bytes_per_token
-        eff = c.mem_efficiency * c.tp_decode_efficiency ** math.log2(tp)
-        mem = (self.model.weight_bytes + kv) / (tp * self.gpu.mem_bw * eff)
+        mem = self._decode_read_s(batch, avg_context, tp)
         per_q = (2 * self.model.active_params + 4 * self.model.layers * self.model.hidden * avg_context) / (
             tp * self.gpu.flops * c.prefill_mfu
         )
-        ar_fixed = ar_per_q = 0.0
-        if tp > 1:
-            ar_fixed = self.model.layers * 2 * self.gpu.allreduce_latency_s
-            ar_per_q = (
-                self.model.layers * 2 * self.model.hidden * self.model.bytes_per_param * 2 * (tp - 1) / tp
-            ) / self.gpu.nvlink_bw
+        ar_fixed = self._allreduce_s(tp, 0)  # the all-reduce is linear in the tokens it carries
+        ar_per_q = self._allreduce_s(tp, 1) - ar_fixed
         d, over = c.decode, c.decode_overhead_s
 
         def step_s(query_tokens: int) -> float:
