@@ -53,6 +53,7 @@ def _system(name: str, env: Env):
         return libra_system(env, name, plan, routing="pooled" if name == "libra-no-cmlfq" else "cmlfq", **sd)
     settings = {
         "verl": {"tp": 2},
+        "verl-apr": {"tp": 2, "partial": 2.0},
         "areal-sd": {"split": 8, "tp": 2, "drafter": "suffix", "speculation": SpeculationPolicy("fixed", 4)},
         "areal-lend": {"split": 8, "tp": 4},
         "libra-no-grp": {"split": 8, "mix": (1, 4)},
@@ -100,7 +101,7 @@ def test_every_trajectory_finishes_at_most_once_and_gpu_time_adds_up(env, name):
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2])
-@pytest.mark.parametrize("name", ["libra", "areal", "homogeneous-lb", "length-aware"])
+@pytest.mark.parametrize("name", ["libra", "areal", "homogeneous-lb", "length-aware", "verl-apr"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_no_trained_group_is_older_than_the_staleness_bound(name, staleness, seed):
     env = _env(staleness)
@@ -124,6 +125,51 @@ def test_token_staleness_counts_each_segment_at_the_version_that_generated_it(en
     # Interruptible generation continues old groups under newer weights: their later segments
     # are fresher than their admission, so the token-weighted staleness is strictly lower.
     assert 0 < tokens < admission
+
+
+class _TokensChecked(Simulator):
+    """Every trajectory that finishes has generated exactly its output, each token counted once
+    at the version that generated it, however often it was stopped and continued."""
+
+    def _finish(self, tid):
+        tr = self.trajs[tid]
+        assert tr.gen_tokens == tr.spec.output_tokens, (tid, tr.gen_tokens, tr.spec.output_tokens)
+        super()._finish(tid)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_partial_rollout_trains_the_first_complete_groups_and_carries_the_rest(seed):
+    env = _env(2)
+    B = env.workload.prompts_per_step
+    plain = _TokensChecked(baseline_system(env, "verl", tp=2), env.workload, env.cm, N_GPUS, 5, seed=seed)
+    plain.run()
+    system = baseline_system(env, "verl-apr", tp=2, partial=2.0)
+    sim = _TokensChecked(system, env.workload, env.cm, N_GPUS, 5, seed=seed)
+    sim.run()
+    assert sum(sim.step_trajs) == sum(plain.step_trajs) == 5 * B * env.workload.group_size
+    # Over-provisioned: twice the batch in flight, never more; nothing lost.
+    assert len(sim.groups) <= 2 * B
+    assert sim.admitted_groups == 5 * B + sim.dropped_groups + len(sim.groups)
+    # Turns stopped by a step continue under the next weights: groups trained a step or more
+    # after admission, their tokens fresher than their admission, their context re-prefilled.
+    assert max(sim.trained_staleness) >= 1 and max(sim.trained_staleness) <= env.staleness
+    assert 0 < sum(sim.trained_token_staleness) < sum(sim.trained_staleness)
+    assert sim.reprefill_tokens > 0 and plain.reprefill_tokens == 0
+    assert plain.trained_staleness == [0] * len(plain.trained_staleness)
+    # The rollout phase ends at the first B complete groups, not at the last trajectory.
+    assert sim.now < plain.now
+    assert sim.ledger.total() == pytest.approx(N_GPUS * sim.now, rel=1e-6)
+
+
+def test_partial_rollout_is_for_colocated_systems_with_a_ratio_of_at_least_one(env):
+    with pytest.raises(ValueError, match="verl-apr only"):
+        baseline_system(env, "verl", tp=2, partial=2.0)
+    with pytest.raises(ValueError, match="over-provision ratio >= 1"):
+        Simulator(baseline_system(env, "verl-apr", tp=2, partial=0.5), env.workload, env.cm, N_GPUS, 1)
+    areal = baseline_system(env, "areal", split=8, tp=2)
+    areal.partial_rollout = 2.0
+    with pytest.raises(ValueError, match="needs a colocated system"):
+        Simulator(areal, env.workload, env.cm, N_GPUS, 1)
 
 
 def test_hybrid_workers_join_training_at_step_boundaries_and_come_back(env):
@@ -279,7 +325,7 @@ def test_unknown_system_exits_2(tmp_path, capsys):
 
 
 def test_libras_planner_menu_holds_every_homogeneous_baseline_setting_and_colocated():
-    from tools.sim.scenarios import Job, Runner, Scenario, plan_for
+    from tools.sim.scenarios import Job, Runner, Scenario, _label, plan_for
     from tools.sim.systems import homogeneous_plan, plan_key, sweep_grid
 
     scenario = Scenario("t", "A800", "qwen3-14b", "search_r1", 32, 2, ("libra",), sweep_steps=1)
@@ -298,6 +344,8 @@ def test_libras_planner_menu_holds_every_homogeneous_baseline_setting_and_coloca
         if plan is not None:
             assert plan_key(plan) in keys
     assert {f"colocated/TP{tp}" for tp in (1, 2, 4, 8)} <= keys
+    # ... and every partial-rollout setting `verl-apr` sweeps, as a colocated plan of its own.
+    assert {_label(g) for g in sweep_grid("verl-apr", runner.env)} <= keys
     assert max(static + hybrid, key=lambda x: x[0])[2] == "colocated/TP4"
     # A colocated plan builds and runs as Libra in the time-shared mode.
     system = runner.build(Job("libra", {"colocated_tp": 4}, 0, 1))

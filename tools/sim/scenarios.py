@@ -33,6 +33,7 @@ from tools.sim.systems import (
     SYSTEMS,
     TPS,
     Env,
+    april_ratios,
     baseline_system,
     default_splits,
     hybrid_variants,
@@ -144,7 +145,13 @@ class Runner:
         drafter, spec = speculation_for(s)
         if "colocated_tp" in s:
             return libra_colocated(
-                env, job.name, int(s["colocated_tp"]), s.get("routing", "cmlfq"), drafter, spec
+                env,
+                job.name,
+                int(s["colocated_tp"]),
+                s.get("routing", "cmlfq"),
+                drafter,
+                spec,
+                float(s.get("partial", 0.0)),
             )
         if "plan" in s:
             return libra_system(
@@ -166,6 +173,7 @@ class Runner:
             tuple(s.get("mix", ())),
             drafter,
             spec,
+            float(s.get("partial", 0.0)),
         )
 
     def run_one(self, job: Job) -> dict[str, Any]:
@@ -241,12 +249,31 @@ def choose_settings(
         jobs = [Job(n, s, PLAN_SEED, steps) for n, s in cands]
         return [_score(r) for r in runner.run_all(jobs, tick)]
 
+    def confirm(name: str, rows: list[Proposal]) -> tuple[dict[str, Any], str, list[dict[str, Any]]]:
+        """The last step of every system's choice: its `CONFIRM_TOP` best candidates measured on
+        `CONFIRM_SEEDS` more planning seeds, the best mean over all its planning seeds kept, so
+        one seed's luck does not pick the settings."""
+        top = sorted(rows, key=lambda x: -x[0])[:CONFIRM_TOP]
+        jobs = [Job(name, c, PLAN_SEED + k, steps) for k in range(1, CONFIRM_SEEDS + 1) for _, c, _ in top]
+        scores = [_score(r) for r in runner.run_all(jobs, tick)]
+        means = [
+            (first + sum(scores[k * len(top) + i] for k in range(CONFIRM_SEEDS))) / (1 + CONFIRM_SEEDS)
+            for i, (first, _, _) in enumerate(top)
+        ]
+        best = max(range(len(top)), key=lambda i: means[i])
+        table = [
+            {"settings": key, "trajectories_per_s": m} for m, (_, _, key) in zip(means, top, strict=True)
+        ]
+        return top[best][1], top[best][2], table
+
     layouts: dict[str, list[Proposal]] = {}
     for name in _sweep_order(names):
         if name in LIBRA_FAMILY:
             continue
         if name == "areal-sd":
-            grid = sd_grid(runner, layouts, measure)
+            if "areal" not in layouts:
+                raise ValueError("areal-sd needs areal's sweep")
+            grid = drafter_grid(layouts["areal"])
         else:
             grid = [g for g in sweep_grid(name, env) if _feasible(runner, name, g)]
         if not grid:
@@ -257,14 +284,23 @@ def choose_settings(
             }
             continue
         scores = measure([(name, g) for g in grid])
-        rows = _with_more_seqs(
-            name, [(sc, g, _label(g)) for sc, g in zip(scores, grid, strict=True)], measure
-        )
+        rows = [(sc, g, _label(g)) for sc, g in zip(scores, grid, strict=True)]
+        if name == "verl-apr":
+            # slime's rollout is SGLang's, which offers speculative decoding as vLLM does.
+            spec = drafter_grid(rows)
+            rows += [
+                (sc, g, _label(g)) for sc, g in zip(measure([(name, g) for g in spec]), spec, strict=True)
+            ]
+        rows = _with_more_seqs(name, rows, measure)
         layouts[name] = rows
-        _, chosen, key = max(rows, key=lambda x: x[0])
         if name in names:
+            chosen, key, confirmed = confirm(name, rows)
             settings[name] = chosen
-            sweeps[name] = {"best": key, "grid": [{**g, "trajectories_per_s": sc} for sc, g, _ in rows]}
+            sweeps[name] = {
+                "best": key,
+                "grid": [{**g, "trajectories_per_s": sc} for sc, g, _ in rows],
+                "confirmed": confirmed,
+            }
     families: tuple[tuple[str, dict[str, Any], tuple[str, ...]], ...] = (
         ("cmlfq", LIBRA_TAIL, ("libra", "libra-no-ehp")),
         ("pooled", LIBRA_TAIL, ("libra-no-cmlfq",)),
@@ -283,9 +319,15 @@ def choose_settings(
             # (training -> rollout); the no-EHP ablation gets neither.
             rows = [x for x in static if "lend_tp" not in x[1]] if n == "libra-no-ehp" else static + with_pool
             rows = _with_more_seqs(n, rows, measure)
-            _, chosen, key = max(rows, key=lambda x: x[0])
+            if routing == "cmlfq":
+                rows = _with_pooled_routing(n, rows, measure)
+            chosen, key, confirmed = confirm(n, rows)
             settings[n] = {k: v for k, v in chosen.items() if k != "replan"}
-            sweeps[n] = {"best": key, "grid": [{"plan": k, "trajectories_per_s": sc} for sc, _, k in rows]}
+            sweeps[n] = {
+                "best": key,
+                "grid": [{"plan": k, "trajectories_per_s": sc} for sc, _, k in rows],
+                "confirmed": confirmed,
+            }
     return settings, sweeps
 
 
@@ -297,16 +339,10 @@ def _sweep_order(names: Sequence[str]) -> list[str]:
     return order
 
 
-def sd_grid(
-    runner: Runner,
-    layouts: dict[str, list[Proposal]],
-    measure: Callable[[list[tuple[str, dict[str, Any]]]], list[float]],
-) -> list[dict[str, Any]]:
-    """`areal-sd`'s candidates: `areal`'s best layouts (its sweep, turn slots included), each with
-    every drafter vLLM offers by one flag and every fixed draft length an operator tries."""
-    rows = layouts.get("areal")
-    if rows is None:
-        raise ValueError("areal-sd needs areal's sweep")
+def drafter_grid(rows: list[Proposal]) -> list[dict[str, Any]]:
+    """Speculative decoding switched on after the layout, as an operator does: the best
+    `SD_LAYOUTS` settings of a sweep, each with every drafter vLLM offers by one flag and every
+    fixed draft length an operator tries."""
     top = sorted(rows, key=lambda x: -x[0])[:SD_LAYOUTS]
     return [
         {**c, "drafter": d, "spec_mode": "fixed", "draft_tokens": k}
@@ -316,6 +352,10 @@ def sd_grid(
     ]
 
 
+CONFIRM_TOP = 3
+CONFIRM_SEEDS = 2
+"""Every system's three best candidates are measured on two more planning seeds before one is
+chosen (`choose_settings`)."""
 MORE_SEQS = 256
 """The second `max_seqs` (vLLM's max_num_seqs) an operator tries on the best settings."""
 
@@ -329,6 +369,17 @@ def _with_more_seqs(
     more = [{**c, "max_seqs": MORE_SEQS} for _, c, _ in top]
     scores = measure([(name, c) for c in more])
     return rows + [(sc, c, _label(c)) for sc, c in zip(scores, more, strict=True)]
+
+
+def _with_pooled_routing(
+    name: str, rows: list[Proposal], measure: Callable[[list[tuple[str, dict[str, Any]]]], list[float]]
+) -> list[Proposal]:
+    """The planner switching C-MLFQ off where it adds nothing: its three best proposals measured
+    again with one pool routed least-connections (the `libra-no-cmlfq` routing), the faster kept."""
+    top = sorted(rows, key=lambda x: -x[0])[:3]
+    pooled = [{**c, "routing": "pooled"} for _, c, _ in top]
+    scores = measure([(name, c) for c in pooled])
+    return rows + [(sc, c, _label(c)) for sc, c in zip(scores, pooled, strict=True)]
 
 
 def _choose_on_slice(
@@ -382,10 +433,14 @@ def _label(settings: dict[str, Any]) -> str:
         label = f"train{settings['split']}/" + "+".join(f"TP{t}" for t in tps)
     else:
         label = f"colocated/TP{settings.get('tp', 1)}"
+    if settings.get("partial"):
+        label += f"/apr{settings['partial']:g}x"
     if settings.get("max_seqs"):
         label += f"/seqs{settings['max_seqs']}"
-    if settings.get("kv_migration"):
-        label += "/kvm"
+    if settings.get("kv_migration") and "colocated_tp" not in settings:
+        label += "/kvm"  # a colocated plan has one engine per GPU group and nowhere to move KV
+    if settings.get("routing") == "pooled":
+        label += "/pooled"
     if settings.get("drafter", "none") != "none":
         label += f"/sd-{settings['drafter']}-{settings.get('spec_mode', 'adaptive')}{settings.get('draft_tokens', 8)}"
     return label
@@ -432,7 +487,12 @@ def plan_for(
     cands: list[dict[str, Any]] = [
         {"plan": p.to_dict(), "routing": routing, "replan": False, **sd} for p in plans
     ]
-    cands += [{"colocated_tp": tp, "routing": routing, **sd} for tp in TPS if tp <= env.n_gpus]
+    cands += [
+        {"colocated_tp": tp, "routing": routing, **sd, **({"partial": r} if r else {})}
+        for tp in TPS
+        if tp <= env.n_gpus
+        for r in (0.0, *april_ratios(env))
+    ]
     for p in plans:
         tp = max(b.tp for b in p.buckets)
         if len(p.buckets) == 1 and tp >= 4 and p.train_gpus % tp == 0:
@@ -549,11 +609,18 @@ def sweep_size(runner_or_env: Any, names: Sequence[str]) -> int:
     for name in _sweep_order(names):
         if name in LIBRA_FAMILY:
             continue
+        with_sd = SD_LAYOUTS * len(SD_DRAFTERS) * len(SD_DRAFT_TOKENS)
         if name == "areal-sd":
-            n += SD_LAYOUTS * len(SD_DRAFTERS) * len(SD_DRAFT_TOKENS) + 3
+            n += with_sd + 3
         else:
-            n += len(sweep_grid(name, env)) + 3
-    per_libra = len(default_splits(env)) * (len(TPS) + len(MIXES) + 2) + len(TPS) + 7
+            n += len(sweep_grid(name, env)) + 3 + (with_sd if name == "verl-apr" else 0)
+        n += CONFIRM_TOP * CONFIRM_SEEDS if name in names else 0
+    per_libra = (
+        len(default_splits(env)) * (len(TPS) + len(MIXES) + 2)
+        + len(TPS) * (1 + len(april_ratios(env)))
+        + 10
+        + CONFIRM_TOP * CONFIRM_SEEDS
+    )
     families = ("libra" in names or "libra-no-ehp" in names) + sum(
         n in names for n in ("libra-no-cmlfq", "libra-no-sd", "libra-no-kvm")
     )

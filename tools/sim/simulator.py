@@ -76,6 +76,15 @@ class SystemConfig:
     kv_migration: bool = False
     """Running turns move with their KV cache (RDMA, no re-prefill) from busy engines to idle ones
     when nothing is queued, and off engines taken back for training (Seer's divided rollout)."""
+    partial_rollout: float = 0.0
+    """Colocated ('sync') systems only, 0 for off: APRIL's active partial rollout (arXiv 2509.18521;
+    slime's `--partial-rollout` with `--over-sampling-batch-size`). Rollout keeps this many times
+    the batch's groups in flight, training starts at the first B complete groups, and the turns
+    still running then stop, keep the tokens they generated and continue in the next rollout phase
+    under the new weights (re-prefilling their context) before new groups start. The staleness
+    bound holds as for the asynchronous systems: at most (η + 1)·B groups in flight (AReaL's
+    admission rule), and a group that could no longer be trained within it is dropped and
+    replaced."""
     notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -215,6 +224,15 @@ class Simulator:
             hybrid_ids.append(f"e{i}")
             i += 1
         self.pool = HybridPool(hybrid_ids, s.pool_policy) if hybrid_ids else None
+        if s.partial_rollout and (s.mode != "sync" or s.partial_rollout < 1.0):
+            raise ValueError(
+                f"{s.name}: partial rollout needs a colocated system and an over-provision ratio >= 1,"
+                f" got mode {s.mode!r} and {s.partial_rollout}"
+            )
+        self.bounded = s.mode == "async" or s.partial_rollout > 0
+        """Whether groups can be trained after a weight update, so the staleness bound applies."""
+        self.carried: list[str] = []
+        """Trajectories whose running turn stopped when a partial-rollout step started training."""
         self.lent: list[Engine] = []
         self.lend_state = "training"
         if s.lend_tp:
@@ -452,7 +470,7 @@ class Simulator:
     def _maybe_train(self) -> None:
         if self.training or self.syncing or self.version >= self.steps or self.lend_state == "switching":
             return
-        if self.sys.mode == "async":
+        if self.bounded:
             # Every ready group is checked, not only the head: none older than the bound trains.
             floor = self.version - self.sys.staleness
             fresh = deque(g for g in self.ready if self.groups[g].version >= floor)
@@ -475,6 +493,8 @@ class Simulator:
         gpus = self.sys.train_gpus if self.sys.mode == "async" else self.n_gpus
         if self.sys.mode == "sync":
             for e in self.engines.values():
+                if self.sys.partial_rollout:
+                    self.carried += self._evict(e)
                 e.close(self.now)
             switch = self._switch_s()
             self.trainer.set("switch", self.now)
@@ -515,21 +535,29 @@ class Simulator:
                     dst = self._kv_target(req.traj_id, exclude=lent)
                     if dst is not None:
                         self._move(req.traj_id, e, dst)
-            running = e.running()
-            e.abort(self.now, {req.traj_id for req, _ in running})
-            for req, done in running:
-                tr = self.trajs[req.traj_id]
-                tr.partial += min(req.tokens - 1, int(done))
-                self._attribute(tr, tr.partial, e.version)
-                tr.engine = None
-                moved.append(req.traj_id)
+            moved += self._evict(e)
             e.close(self.now)
-            e.drop_cache()
-            e.gen += 1
         self.trainer.set("switch", self.now)
         for tid in moved:
             self._start_turn(tid)
         return self.cm.colocated_switch_s(self.sys.train_gpus, self.sys.lend_tp)
+
+    def _evict(self, e: Engine) -> list[str]:
+        """Stop every turn running on `e` because its GPUs go to training: each keeps the tokens it
+        generated (counted at the engine's version) and will re-prefill its context wherever it
+        continues; the engine's KV and prefix cache are gone. Returns the stopped trajectories."""
+        running = e.running()
+        e.abort(self.now, {req.traj_id for req, _ in running})
+        stopped: list[str] = []
+        for req, done in running:
+            tr = self.trajs[req.traj_id]
+            tr.partial += min(req.tokens - 1, int(done))
+            self._attribute(tr, tr.partial, e.version)
+            tr.engine = None
+            stopped.append(req.traj_id)
+        e.drop_cache()
+        e.gen += 1
+        return stopped
 
     def _switch_s(self) -> float:
         """Colocated role switch: offload/onload training state, reshard, sleep/wake the engines."""
@@ -553,6 +581,8 @@ class Simulator:
         if self.version >= self.steps:
             return
         if self.sys.mode == "sync":
+            if self.sys.partial_rollout:
+                self._abort_hopeless()
             self.trainer.set("switch", self.now)
             self._push(self.now + self._switch_s(), SYNC_DONE, "to_rollout")
             return
@@ -611,7 +641,7 @@ class Simulator:
             for e in self.engines.values():
                 e.load_weights(self.now, 0.0, self.version)
                 e.open(self.now)
-            self._admit(self.B)
+            self._admit_sync()
             return
         if what == "lend":
             self.lend_state = "lent"
@@ -636,6 +666,25 @@ class Simulator:
             )
             return
         self._maybe_train()
+
+    def _admit_sync(self) -> None:
+        """A colocated rollout phase starts: turns stopped by the last step first (APRIL's
+        prioritised resumption), then turns that came back from their tools meanwhile, then new
+        groups up to the batch times the over-provision ratio, counting the groups carried."""
+        if not self.sys.partial_rollout:
+            self._admit(self.B)
+            return
+        carried, self.carried = self.carried, []
+        for tid in carried:
+            if tid in self.trajs:  # its group may have been dropped as too stale
+                self._start_turn(tid)
+        for e in self.engines.values():
+            self._fill(e)
+            self._wake(e)
+        # AReaL's admission rule bounds it too: with v·B groups trained and the dropped ones
+        # replaced, (v + η + 1)·B admitted means at most (η + 1)·B in flight.
+        target = min(math.ceil(self.sys.partial_rollout * self.B), (self.sys.staleness + 1) * self.B)
+        self._admit(max(0, target - len(self.groups)))
 
     def _admit_async(self) -> None:
         """Bounded staleness at admission (AReaL's rule): at most (version + staleness + 1) batches
@@ -864,7 +913,7 @@ class Simulator:
         if self.sys.mode == "sync":
             for e in self.engines.values():
                 e.open(0.0)
-            self._admit(self.B)
+            self._admit_sync()
         else:
             for e in self.engines.values():
                 e.open(0.0)

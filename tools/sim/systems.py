@@ -35,6 +35,7 @@ from tools.sim.simulator import SystemConfig, workload_stats
 
 BASELINES = (
     "verl",
+    "verl-apr",
     "areal",
     "areal-sd",
     "areal-lend",
@@ -60,6 +61,10 @@ SD_DRAFT_TOKENS = (2, 4, 8)
 """`num_speculative_tokens` an operator tries."""
 SD_LAYOUTS = 3
 """`areal-sd` tries speculation on `areal`'s best layouts, as an operator turns it on after the layout."""
+APRIL_RATIOS = (1.5, 2.0, 3.0, 4.0)
+"""Groups kept in flight per group trained that an operator of slime's partial rollout tries
+(`--over-sampling-batch-size` over `--rollout-batch-size`: slime's examples use 1.25x-2x; 3x and
+4x keep as many groups in flight as AReaL's bound does at η = 2 and 3)."""
 PLAN_SEED = 10_000
 """Sweeps and planner proposals run on seeds from here on, disjoint from reported seeds."""
 
@@ -255,9 +260,11 @@ def libra_colocated(
     routing: str = "cmlfq",
     drafter: str = "none",
     speculation: SpeculationPolicy | None = None,
+    partial: float = 0.0,
 ) -> SystemConfig:
     """Libra's planner choosing to time-share every GPU between the stages (the colocated plan):
-    the same switch costs as `verl`, Libra's routing inside the rollout phase."""
+    the same switch costs as `verl`, Libra's routing inside the rollout phase, and APRIL's partial
+    rollout when `partial` (the over-provision ratio) is set."""
     n = env.n_gpus
     buckets = [BucketPlan("all", tp, n // tp, math.inf)]
     router = libra_router(env, buckets, routing)
@@ -272,6 +279,8 @@ def libra_colocated(
         acceptance=AcceptanceModel(env.acceptance_scale),
         drafter=drafter,
         speculation=speculation or SpeculationPolicy("off"),
+        staleness=env.staleness,
+        partial_rollout=partial,
         notes={"layout": f"colocated/TP{tp}", "rollout_tp": tp},
     )
 
@@ -284,12 +293,18 @@ def baseline_system(
     mix: tuple[int, ...] = (),
     drafter: str = "none",
     speculation: SpeculationPolicy | None = None,
+    partial: float = 0.0,
 ) -> SystemConfig:
     """A baseline at pinned settings: `split` training GPUs, rollout `tp` (or TP `mix` for layouts);
     `areal-sd` with a drafter and a fixed draft length, `areal-lend` lending its training GPUs to
-    rollout as TP-`tp` engines while the trainer waits for a batch."""
+    rollout as TP-`tp` engines while the trainer waits for a batch, `verl-apr` keeping `partial`
+    times the batch in flight (APRIL)."""
     n = env.n_gpus
-    if name == "verl":
+    if name in ("verl", "verl-apr"):
+        if (name == "verl-apr") != (partial > 0):
+            raise ValueError(
+                f"{name}: partial rollout's over-provision ratio is for verl-apr only, got {partial}"
+            )
         return SystemConfig(
             name,
             "sync",
@@ -299,6 +314,10 @@ def baseline_system(
             StaticRouter([("all", math.inf)], seed=env.seed),
             max_seqs=env.max_seqs,
             acceptance=AcceptanceModel(env.acceptance_scale),
+            staleness=env.staleness,
+            partial_rollout=partial,
+            drafter=drafter,
+            speculation=speculation or SpeculationPolicy("off"),
             notes={"rollout_tp": tp},
         )
     if name in ("areal", "areal-sd", "areal-lend", "homogeneous-lb", "disaggregated-static"):
@@ -366,11 +385,19 @@ def baseline_system(
     raise KeyError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
 
 
+def april_ratios(env: Env) -> list[float]:
+    """The over-provision ratios worth trying under the bound: more than (η + 1) groups in flight
+    per group trained is never admitted (AReaL's rule, which partial rollout follows too)."""
+    return [r for r in APRIL_RATIOS if r <= env.staleness + 1]
+
+
 def sweep_grid(name: str, env: Env) -> list[dict[str, Any]]:
     """The settings a skilled operator would try for a baseline."""
     splits = default_splits(env)
     if name == "verl":
         return [{"tp": tp} for tp in TPS]
+    if name == "verl-apr":
+        return [{"tp": tp, "partial": r} for tp in TPS for r in april_ratios(env)]
     if name in ("areal", "homogeneous-lb", "disaggregated-static"):
         return [{"split": s, "tp": tp} for s in splits for tp in TPS]
     if name == "areal-lend":
