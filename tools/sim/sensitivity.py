@@ -32,7 +32,7 @@ CONSTANTS = (
 """Calibration fields whose value no measurement or publication fixes (docs/simulator.md)."""
 FRACTIONS = ("mem_efficiency", "prefill_mfu", "train_mfu", "tp_decode_efficiency", "tp_mfu_decay")
 """Constants that cannot exceed 1."""
-SYSTEMS = "libra,areal,areal-sd,areal-lend"
+SYSTEMS = "libra,verl-apr,areal,areal-sd,areal-lend"
 
 
 def _parser() -> argparse.ArgumentParser:
