@@ -360,15 +360,25 @@ MORE_SEQS = 256
 """The second `max_seqs` (vLLM's max_num_seqs) an operator tries on the best settings."""
 
 
+def _with_top_changed(
+    name: str,
+    rows: list[Proposal],
+    measure: Callable[[list[tuple[str, dict[str, Any]]]], list[float]],
+    change: dict[str, Any],
+) -> list[Proposal]:
+    """`rows` plus a system's three best candidates measured again with `change` applied."""
+    top = sorted(rows, key=lambda x: -x[0])[:3]
+    changed = [{**c, **change} for _, c, _ in top]
+    scores = measure([(name, c) for c in changed])
+    return rows + [(sc, c, _label(c)) for sc, c in zip(scores, changed, strict=True)]
+
+
 def _with_more_seqs(
     name: str, rows: list[Proposal], measure: Callable[[list[tuple[str, dict[str, Any]]]], list[float]]
 ) -> list[Proposal]:
     """Re-measure a system's three best candidates with `MORE_SEQS` turn slots per engine, as an
     operator tunes max_num_seqs after the layout; the same step for every system."""
-    top = sorted(rows, key=lambda x: -x[0])[:3]
-    more = [{**c, "max_seqs": MORE_SEQS} for _, c, _ in top]
-    scores = measure([(name, c) for c in more])
-    return rows + [(sc, c, _label(c)) for sc, c in zip(scores, more, strict=True)]
+    return _with_top_changed(name, rows, measure, {"max_seqs": MORE_SEQS})
 
 
 def _with_pooled_routing(
@@ -376,10 +386,7 @@ def _with_pooled_routing(
 ) -> list[Proposal]:
     """The planner switching C-MLFQ off where it adds nothing: its three best proposals measured
     again with one pool routed least-connections (the `libra-no-cmlfq` routing), the faster kept."""
-    top = sorted(rows, key=lambda x: -x[0])[:3]
-    pooled = [{**c, "routing": "pooled"} for _, c, _ in top]
-    scores = measure([(name, c) for c in pooled])
-    return rows + [(sc, c, _label(c)) for sc, c in zip(scores, pooled, strict=True)]
+    return _with_top_changed(name, rows, measure, {"routing": "pooled"})
 
 
 def _choose_on_slice(

@@ -581,7 +581,7 @@ class Simulator:
         if self.version >= self.steps:
             return
         if self.sys.mode == "sync":
-            if self.sys.partial_rollout:
+            if self.bounded:
                 self._abort_hopeless()
             self.trainer.set("switch", self.now)
             self._push(self.now + self._switch_s(), SYNC_DONE, "to_rollout")
