@@ -28,6 +28,8 @@ from services.common.signals import ToolSignal
 WORKLOAD_DIR = Path(__file__).parent / "workloads"
 STATUSES = ("success", "failure", "timeout")
 SIZES = ("small", "medium", "large")
+GROUP_MEMO = 1 << 15
+"""Groups `Workload.group_for` keeps (a few tens of MB at most: a 1,024-GPU run draws ~5k)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +161,7 @@ class Workload:
         self.tools = spec["tools"]
         self._tool_names = list(self.tools)
         self._tool_cum = list(itertools.accumulate(float(self.tools[t]["weight"]) for t in self._tool_names))
+        self._groups: dict[tuple[int, int, int, str], tuple[TrajectorySpec, ...]] = {}
 
     def with_overrides(self, max_context: int = 0, **fields: Any) -> Workload:
         return Workload(
@@ -189,8 +192,16 @@ class Workload:
     def group_for(self, seed: int, index: int, step: int, prompt_id: str) -> list[TrajectorySpec]:
         """The `index`-th group a run admits (counting replacements), drawn at RL step `step`: the
         same draw in the simulator and on the live stack for the same seed (common random numbers),
-        whatever the timing."""
-        return self.sample_group(random.Random(f"{seed}:{index}"), prompt_id, step)
+        whatever the timing. Draws are pure and immutable, so the last `GROUP_MEMO` are kept: the
+        planner's what-if simulations on one seed draw the same groups again and again."""
+        key = (seed, index, step, prompt_id)
+        group = self._groups.get(key)
+        if group is None:
+            if len(self._groups) >= GROUP_MEMO:
+                del self._groups[next(iter(self._groups))]
+            group = tuple(self.sample_group(random.Random(f"{seed}:{index}"), prompt_id, step))
+            self._groups[key] = group
+        return list(group)
 
     def sample_group(self, rng: random.Random, prompt_id: str, step: int) -> list[TrajectorySpec]:
         s = self.spec

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.common import synthetic
 from services.common.runconfig import RunConfig
 from services.scheduler.feed import build_feed
 from services.scheduler.synthetic_task import SyntheticTask
@@ -17,6 +18,17 @@ def _cfg(**task: object) -> RunConfig:
             "rollout": {"emulated": {"time_scale": 0.1}},
         }
     )
+
+
+def test_remembered_draws_equal_fresh_ones_and_the_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(synthetic, "GROUP_MEMO", 3)
+    wl, fresh = synthetic.Workload.load("r2e_gym"), synthetic.Workload.load("r2e_gym")
+    keys = [(seed, index, step) for seed in (0, 1) for index in range(3) for step in (0, 2)]
+    first = {k: wl.group_for(*k, f"p{k[1]}") for k in keys}
+    for k in keys:
+        assert wl.group_for(*k, f"p{k[1]}") == first[k] == fresh.group_for(*k, f"p{k[1]}")
+    assert len(wl._groups) == 3
+    assert first[(0, 0, 0)] != first[(1, 0, 0)] and first[(0, 0, 0)] != first[(0, 0, 2)]
 
 
 def test_a_group_is_drawn_the_same_way_every_time_and_as_the_simulator_draws_it() -> None:
