@@ -37,10 +37,11 @@ test: $(STAMP) ## Run unit, integration and e2e tests (real nats-server, redis-s
 chaos: $(STAMP) ## Kill -9 each service in turn mid-job; the job must complete, every group trained once
 	$(PY) -m pytest -q -s tests/e2e/test_chaos.py
 
-lint: $(STAMP) ## ruff format check, ruff check, mypy on services/ and tools/
+lint: $(STAMP) ## ruff format check, ruff check, mypy on services/ and tools/, the architecture contracts
 	$(VENV)/bin/ruff format --check services tools tests examples
 	$(VENV)/bin/ruff check services tools tests examples
 	$(VENV)/bin/mypy services tools
+	$(VENV)/bin/lint-imports
 
 docs: $(STAMP) ## Regenerate docs/config.md from the run-config models and the k8s ConfigMap from configs/
 	$(VENV)/bin/python -m tools.config_doc

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 
 def samples() -> list:
-    from services.trainer.data import Sample
+    from services.learning.data import Sample
 
     g = torch.Generator().manual_seed(7)
     out = []
@@ -29,8 +29,8 @@ def samples() -> list:
 def step(model_dir: str, group: object = None, mini_batches: int = 1) -> tuple[torch.nn.Module, dict]:
     from services.common.models import load_model
     from services.common.runconfig import ModelConfig
-    from services.trainer.grpo import LossConfig
-    from services.trainer.step import StepSettings, train_step
+    from services.learning.grpo import LossConfig
+    from services.learning.step import StepSettings, train_step
 
     torch.manual_seed(0)
     model = load_model(ModelConfig(source="tiny-random", cache_dir=model_dir))

@@ -18,7 +18,7 @@ def main(argv: list[str]) -> None:
     port, gen, rank, world = (int(x) for x in argv[:4])
     model_dir, out, die = argv[4], Path(argv[5]), argv[6:] == ["die-after-join"]
     from services.common.runconfig import RunConfig
-    from services.trainer.learner import replica_for
+    from services.learning.recipe import replica_for
 
     torch.set_num_threads(1)
     run = RunConfig.model_validate(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.common.runconfig import RunConfig
-from services.trainer.checkpoint import save_policy
+from services.learning.checkpoint import save_policy
 
 
 class ExportError(RuntimeError):

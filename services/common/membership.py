@@ -23,10 +23,10 @@ DEFAULT_LEASE_TTL_S = 10.0
 """Until the first plan says otherwise (the run config's job.lease_ttl_s)."""
 TRAINER_ROLE = "role:trainer"
 HYBRID_ROLE = "hybrid"
-"""An engine in the trainer's data-parallel group (services/trainer/hybrid.py)."""
+"""An engine in the trainer's data-parallel group (services/learning/hybrid.py)."""
 SERVING_ROLES = ("rollout",)
 """Roles in which an engine serves turns (and takes every new weight version). Not `draining`
-(out of rollout) nor `hybrid` (in the trainer's data-parallel group, services/trainer/hybrid.py)."""
+(out of rollout) nor `hybrid` (in the trainer's data-parallel group, services/learning/hybrid.py)."""
 
 
 def lease_resource(role: str, worker_id: str) -> str:

@@ -241,7 +241,7 @@ class TrainingConfig(_Strict):
     fsdp: int = Field(1, ge=1, le=64)
     """Processes (one GPU each on CUDA) the trainer shards the policy, its gradients and optimizer
     state over with FSDP2, for models that do not fit one GPU; 1: unsharded. The trainer starts the
-    other ranks itself on its own node (services/trainer/fsdp.py); not with hybrid workers yet."""
+    other ranks itself on its own node (services/learning/fsdp.py); not with hybrid workers yet."""
     save_every: int = Field(0, ge=0)
     """Every this many committed steps the trainer also writes the policy in Hugging Face format to
     `<checkpoint_dir>/hf/step_<n>` (blocking it for the write; 0: never — `libra run` still exports

@@ -29,10 +29,10 @@ from services.common.ownership import Lease, OwnershipStore
 from services.common.runconfig import RunConfig, load_run_config
 from services.common.tracing import tracer
 from services.rollout_engine.backends import create_backend
-from services.rollout_engine.backends.base import Backend, GenRequest
+from services.rollout_engine.backends.base import Backend, EngineClosed, GenRequest
 from services.rollout_engine.backends.emulated import EmulatedBackend
 from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.engine import EngineClosed, engine_for
+from services.rollout_engine.engine import engine_for
 from services.rollout_engine.training_side import TrainingSide
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 

@@ -95,8 +95,8 @@ class TrainingSide:
             self._span = None
 
     async def _run(self, token: int, drain_s: float) -> None:
-        from services.trainer.hybrid import GroupBroken
-        from services.trainer.learner import replica_for
+        from services.learning.hybrid import GroupBroken
+        from services.learning.recipe import replica_for
 
         await self.state("drained", token, drain_s)
         start = time.monotonic()

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
-from services.scheduler.task import Task, builtin_tasks
+from services.scheduler.datasets import file_tasks
+from services.scheduler.task import Task, builtin_tasks, synthetic_tasks
 
 
 @dataclass
@@ -101,9 +102,6 @@ class TaskFeed:
 
 def task_list(task: TaskConfig) -> list[Task]:
     """Every task of the run, in feed order: generated, or read (and checked) from the dataset file."""
-    from services.scheduler.datasets import file_tasks
-    from services.scheduler.synthetic_task import synthetic_tasks
-
     if isinstance(task.dataset, DatasetFile):
         return file_tasks(task.dataset, task.num_prompts if "num_prompts" in task.model_fields_set else None)
     if task.dataset == "synthetic":

@@ -18,15 +18,10 @@ from services.common.runconfig import RunConfig
 from services.common.synthetic import TrajectorySpec, Workload
 from services.scheduler.agent import ToolRequest
 from services.scheduler.feed import GroupTicket
-from services.scheduler.task import Task
 from services.scheduler.trajectory import ScriptedTurn
 
 FILLER = tuple(range(1000, 1064))
 """Token ids used for prompts and observations (valid in every vocabulary we ship)."""
-
-
-def synthetic_tasks(n: int) -> list[Task]:
-    return [Task(f"w{i}", "", 0) for i in range(n)]
 
 
 class SyntheticTask:

@@ -115,6 +115,11 @@ def builtin_tasks(dataset: str, n: int, seed: int) -> list[Task]:
     raise ValueError(f"no built-in dataset {dataset!r}")
 
 
+def synthetic_tasks(n: int) -> list[Task]:
+    """Prompt ids for `task.dataset: synthetic`; the workload draws the trajectories (synthetic_task.py)."""
+    return [Task(f"w{i}", "", 0) for i in range(n)]
+
+
 def expression_tasks(n: int, seed: int) -> list[Task]:
     rng = random.Random(seed)
     tasks: list[Task] = []

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from services.common.contracts import ev
-from services.trainer.advantages import informative
+from services.learning.advantages import informative
 
 H = TypeVar("H")
 

@@ -28,7 +28,7 @@ from services.common.tracing import tracer
 from services.trainer.config import TrainerSettings
 
 if TYPE_CHECKING:
-    from services.trainer.hybrid import TrainerGroup
+    from services.learning.hybrid import TrainerGroup
 
 
 class HybridHost:
@@ -133,7 +133,7 @@ class HybridHost:
 
     async def _host(self) -> TrainerGroup:
         if self.group is None:
-            from services.trainer.hybrid import TrainerGroup
+            from services.learning.hybrid import TrainerGroup
 
             s = self.settings
             self.group = await asyncio.to_thread(

@@ -30,15 +30,16 @@ from services.common.metrics import trainer_metrics
 from services.common.ownership import OwnershipStore, trained_key
 from services.common.runconfig import RunConfig, load_run_config
 from services.common.tracing import extract_context, tracer
+from services.learning.data import to_sample, validate
+from services.learning.snapshot import Snapshot
 from services.trainer.batcher import GroupBuffer, Pending
 from services.trainer.config import TrainerSettings
-from services.trainer.data import to_sample, validate
 from services.trainer.hybrid_host import HybridHost
-from services.trainer.weight_push import PushResult, Snapshot, WeightPusher
+from services.trainer.weight_push import PushResult, WeightPusher
 
 if TYPE_CHECKING:
-    from services.trainer.learner import Learner
-    from services.trainer.step import StepStats
+    from services.learning.learner import Learner
+    from services.learning.step import StepStats
 
 
 class TrainerService:
@@ -352,7 +353,7 @@ class TrainerService:
     async def _step_groups(
         self, groups: list[list[Pending[Msg]]], pendings: list[Pending[Msg]], stop: asyncio.Event
     ) -> None:
-        from services.trainer.step import StepAborted  # torch: loaded by now, with the learner
+        from services.learning.step import StepAborted  # torch: loaded by now, with the learner
 
         links = []
         for p in pendings:
@@ -696,8 +697,8 @@ async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.A
     log = get_logger(component="trainer")
     worker_id = common.worker_id or "trainer"
 
-    from services.trainer.checkpoint import checkpoint_dir
-    from services.trainer.learner import Learner
+    from services.learning.checkpoint import checkpoint_dir
+    from services.learning.learner import Learner
 
     ckpt_dir = checkpoint_dir(run.training.checkpoint_dir, common.run_id)
     learner = await asyncio.to_thread(Learner, run, ckpt_dir, settings.keep_checkpoints)

@@ -33,68 +33,18 @@ from services.common.grpc_auth import bearer_metadata
 from services.common.logging import get_logger
 from services.common.tls import TlsFiles, grpc_channel
 from services.common.tracing import grpc_metadata
-from services.common.weights import FORMAT, ITEMSIZE, state_checksum, subtree, torch_dtype
+from services.common.weights import FORMAT, ITEMSIZE, subtree
+from services.learning.snapshot import Snapshot, raw_bytes
 
 # Codes after which another attempt cannot help: we lost the lease, or the engine refuses the push.
 _FINAL_CODES = {"stale_token", "stale_version", "malformed", "too_large", "unauthenticated", "base_mismatch"}
 
 PUSH_METHOD = "/libra.v1.WeightSync/PushWeights"
-_NAMES = {torch_dtype(k): k for k in ITEMSIZE}
 _BITS = {4: torch.int32, 2: torch.int16}
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One version's weights as pushed: flat contiguous CPU copies in the wire dtype, tied
-    parameters once (under their first name; receivers keep their own tie, as `save_pretrained`)."""
-
-    version: int
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    tensors: list[torch.Tensor]
-    dtype: str
-    checksum: str
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() for t in self.tensors) * ITEMSIZE[self.dtype]
-
-    def specs(self) -> list[ws.TensorSpec]:
-        return [
-            ws.TensorSpec(name=n, dtype=self.dtype, shape=s)
-            for n, s in zip(self.names, self.shapes, strict=True)
-        ]
-
-
-def snapshot(state_dict: dict[str, torch.Tensor], version: int, dtype: str | None = None) -> Snapshot:
-    """Copies the weights for the wire; `dtype` None keeps the training dtype."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    names, shapes, tensors = [], [], []
-    wire: torch.dtype | None = torch_dtype(dtype) if dtype else None
-    for name, t in state_dict.items():
-        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        target = wire or t.dtype
-        if target not in _NAMES:
-            raise ValueError(f"{name}: {t.dtype} cannot go on the wire; set training.push_dtype")
-        names.append(name)
-        shapes.append(tuple(t.shape))
-        tensors.append(t.detach().to(device="cpu", dtype=target, copy=True).reshape(-1))
-    name = _NAMES[tensors[0].dtype] if tensors else "float32"
-    if any(_NAMES[t.dtype] != name for t in tensors):
-        raise ValueError("mixed parameter dtypes: set training.push_dtype to push one")
-    digest = state_checksum(_raw(t) for t in tensors)
-    return Snapshot(version, names, shapes, tensors, name, digest)
 
 
 def _as_is(b: bytes) -> bytes:
     return b
-
-
-def _raw(t: torch.Tensor) -> Any:
-    return t.view(torch.uint8).numpy()
 
 
 @dataclass
@@ -189,7 +139,7 @@ def _record(
 ) -> bytes:
     """One serialized WeightChunk, its data copied once, straight from the tensor's memory
     (protobuf takes fields in any order, so the data field is appended after the small ones)."""
-    data = memoryview(_raw(values)).cast("B")
+    data = memoryview(raw_bytes(values)).cast("B")
     head = ws.WeightChunk(
         index=index,
         tensor=tensor,
@@ -239,11 +189,11 @@ def _sparse(
         first = int(part[0])
         gaps = torch.diff(part, prepend=part[:1])
         if int(gaps.max()) <= 0xFFFF:
-            coded, width = _raw(gaps.to(torch.int32).to(torch.int16)).tobytes(), 2
+            coded, width = raw_bytes(gaps.to(torch.int32).to(torch.int16)).tobytes(), 2
         elif flat.numel() < 2**31:
-            coded, width = _raw(part.to(torch.int32)).tobytes(), 4
+            coded, width = raw_bytes(part.to(torch.int32)).tobytes(), 4
         else:
-            coded, width = _raw(part).tobytes(), 8
+            coded, width = raw_bytes(part).tobytes(), 8
         out.append((tensor, first, flat[part], coded, width))
     return out
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.common.runconfig import ModelConfig
-from services.trainer.data_parallel import share
+from services.learning.data_parallel import share
 from tests.dp_rig import assert_same_update, step
 
 pytestmark = pytest.mark.integration

@@ -274,9 +274,10 @@ async def test_emulated_engine_is_labelled_and_holds_requests_until_weights_arri
     from services.common.config import CommonSettings
     from services.common.membership import TRAINER_ROLE
     from services.common.runconfig import RunConfig
+    from services.learning.snapshot import snapshot
     from services.rollout_engine.config import EngineSettings
     from services.rollout_engine.service import RolloutEngineService
-    from services.trainer.weight_push import encode_dense, snapshot
+    from services.trainer.weight_push import encode_dense
 
     worker = "engine-emu"
     common = CommonSettings(

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from services.common.runconfig import ModelConfig, RunConfig
-from services.trainer.data import Sample
-from services.trainer.learner import Learner
+from services.learning.data import Sample
+from services.learning.learner import Learner
 
 pytestmark = pytest.mark.integration
 
@@ -110,7 +110,7 @@ def test_a_sharded_trainer_steps_checkpoints_and_resumes_like_an_unsharded_one(
 
 
 def test_a_dead_rank_is_reported_not_waited_for(tiny_model: ModelConfig, tmp_path: Path) -> None:
-    from services.trainer.fsdp import ShardFailure
+    from services.learning.fsdp import ShardFailure
 
     sharded = Learner(_run(tiny_model, 2), tmp_path / "ckpt")
     try:

@@ -17,8 +17,8 @@ import torch
 
 from services.common.localstack import Server
 from services.common.runconfig import ModelConfig, RunConfig
-from services.trainer.hybrid import GroupBroken, TrainerGroup
-from services.trainer.learner import Learner
+from services.learning.hybrid import GroupBroken, TrainerGroup
+from services.learning.learner import Learner
 from tests.dp_rig import assert_same_update, samples
 
 pytestmark = pytest.mark.integration

@@ -36,9 +36,9 @@ from services.common.ownership import OwnershipStore, trained_key
 from services.common.runconfig import ModelConfig
 from services.common.tracing import tracer
 from services.common.weights import check_record
+from services.learning.checkpoint import latest
+from services.learning.grpo import token_logprobs
 from services.rollout_engine.weight_sync import InPlaceWriter
-from services.trainer.checkpoint import latest
-from services.trainer.grpo import token_logprobs
 from services.trainer.service import serve
 
 pytestmark = pytest.mark.integration

@@ -18,11 +18,12 @@ from services.common.localstack import Server
 from services.common.membership import TRAINER_ROLE
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
+from services.learning.snapshot import Snapshot, snapshot
 from services.rollout_engine.backends.base import GenRequest
 from services.rollout_engine.backends.hf import HFBackend
 from services.rollout_engine.engine import ContinuousEngine
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
-from services.trainer.weight_push import Snapshot, WeightPusher, encode_delta, encode_dense, snapshot
+from services.trainer.weight_push import WeightPusher, encode_delta, encode_dense
 
 pytestmark = pytest.mark.integration
 

@@ -13,10 +13,10 @@ from services.common.contracts import ev
 from services.common.cost_model import load_presets
 from services.common.errors import InvalidMessage
 from services.common.runconfig import EmulatedConfig, ModelConfig
-from services.rollout_engine.backends.base import GenOutput, GenRequest, Join, StepBackend
+from services.rollout_engine.backends.base import EngineClosed, GenOutput, GenRequest, Join, StepBackend
 from services.rollout_engine.backends.emulated import EmulatedBackend
 from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.engine import ContinuousEngine, EngineClosed
+from services.rollout_engine.engine import ContinuousEngine
 from services.rollout_engine.sampling import left_pad, sample_next
 from services.rollout_engine.service import validate_turn
 from services.rollout_engine.stops import StopMatcher

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from services.trainer.advantages import group_advantages, informative
-from services.trainer.data import Sample, collate
-from services.trainer.grpo import LossConfig, entropy_sum, policy_loss, token_logprobs
-from services.trainer.step import lr_at, split_groups
+from services.learning.advantages import group_advantages, informative
+from services.learning.data import Sample, collate
+from services.learning.grpo import LossConfig, entropy_sum, policy_loss, token_logprobs
+from services.learning.step import lr_at, split_groups
 
 PPO = LossConfig(clip_eps=0.2, dual_clip=None, tis_cap=2.0)
 

@@ -7,7 +7,7 @@ import torch
 
 from services.common.contracts import ev
 from services.common.errors import InvalidMessage
-from services.trainer.data import collate, micro_batches, to_sample, validate
+from services.learning.data import collate, micro_batches, to_sample, validate
 
 
 def traj(tid: str = "t0", **kw) -> ev.CompletedTrajectory:

@@ -10,9 +10,9 @@ import torch
 
 from services.common.cost_model import load_presets
 from services.common.runconfig import ModelConfig, RunConfig
-from services.trainer.data import Sample
-from services.trainer.learner import Learner
-from services.trainer.step import StepAborted
+from services.learning.data import Sample
+from services.learning.learner import Learner
+from services.learning.step import StepAborted
 
 
 def _run(model: ModelConfig, scale: float) -> RunConfig:

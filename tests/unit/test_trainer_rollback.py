@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from services.common.runconfig import ModelConfig, RunConfig
-from services.trainer.checkpoint import checkpoints, latest, newer_than
-from services.trainer.learner import Learner
+from services.learning.checkpoint import checkpoints, latest, newer_than
+from services.learning.learner import Learner
 
 
 def _names(directory: Path) -> list[str]:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from services.common.runconfig import ModelConfig
-from services.trainer.data import Sample
-from services.trainer.grpo import LossConfig
-from services.trainer.step import StepAborted, StepSettings, train_step
+from services.learning.data import Sample
+from services.learning.grpo import LossConfig
+from services.learning.step import StepAborted, StepSettings, train_step
 
 
 @pytest.fixture
@@ -189,7 +189,7 @@ def test_the_kl_reference_is_the_configured_model(
 
     from services.common.config import ConfigFileError
     from services.common.runconfig import RunConfig
-    from services.trainer.learner import reference_for
+    from services.learning.recipe import reference_for
 
     base = {"model": tiny_model.model_dump(), "training": {"kl_coef": 0.1}}
     cpu = torch.device("cpu")

@@ -10,8 +10,9 @@ import torch
 
 from services.common.contracts import ws
 from services.common.weights import RecordError, check_record, record_crc, subtree
+from services.learning.snapshot import snapshot
 from services.rollout_engine.weight_sync import InPlaceWriter, Writer
-from services.trainer.weight_push import encode_delta, encode_dense, relay_tree, snapshot
+from services.trainer.weight_push import encode_delta, encode_dense, relay_tree
 
 
 def state(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -65,9 +65,9 @@ def _train_step(model: Any) -> None:
     """One GRPO step of the trainer's code on random token sequences (AdamW, lr 2e-6)."""
     import torch
 
-    from services.trainer.data import Sample
-    from services.trainer.grpo import LossConfig
-    from services.trainer.step import StepSettings, train_step
+    from services.learning.data import Sample
+    from services.learning.grpo import LossConfig
+    from services.learning.step import StepSettings, train_step
 
     g = torch.Generator().manual_seed(3)
     samples = []
@@ -86,7 +86,8 @@ async def _measure(tmp: Path) -> dict[str, Any]:
     from services.common.localstack import start_redis
     from services.common.membership import TRAINER_ROLE
     from services.common.ownership import OwnershipStore
-    from services.trainer.weight_push import WeightPusher, encode_delta, encode_dense, snapshot
+    from services.learning.snapshot import snapshot
+    from services.trainer.weight_push import WeightPusher, encode_delta, encode_dense
     from tools.bench._weight_engine import smollm2_shaped
 
     torch.set_num_threads(2)

@@ -7,14 +7,18 @@ Two shapes of backend:
   requests join and leave, and new weights land. It never runs two calls at once, so it needs no
   locking of its own.
 - A backend with its own iteration-level scheduler (vllm's AsyncLLM) implements the engine
-  interface itself (see `backends/vllm.py`).
+  interface itself (`Engine`, see `backends/vllm.py`).
+
+Every engine, whichever shape, serves one weight version at a time (`VersionGate`).
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass
@@ -103,7 +107,7 @@ class Backend(abc.ABC):
 
     def make_engine(self, max_batch: int) -> Any:
         """A backend that schedules its own iterations returns its engine here (see
-        `services.rollout_engine.engine.Engine`); step backends run under the continuous batcher."""
+        `Engine`); step backends run under the continuous batcher."""
         raise TypeError(f"backend {self.name!r} is neither a StepBackend nor brings an engine")
 
     async def close(self) -> None:
@@ -145,3 +149,93 @@ class StepBackend(Backend):
         """Whether a request with `context` tokens fits next to rows holding `running_tokens`
         tokens of KV (the engine's batch size limit applies on top)."""
         return True
+
+
+class EngineClosed(Exception):
+    """The engine stopped before the request finished; the caller hands it back."""
+
+
+@dataclass
+class Finished:
+    output: GenOutput
+    policy_version: int
+    """Version of the request's first generated token (the oldest; see `output.token_versions`)."""
+    queue_s: float
+    generate_s: float
+
+
+class Engine(Protocol):
+    """What the service drives: the continuous batcher below, or a backend with its own (vllm)."""
+
+    version: int
+    checksum: str
+    tokens_generated: int
+    max_batch: int
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def submit(self, req: GenRequest) -> Finished: ...
+
+    async def wait_for_version(self, version: int, timeout: float) -> bool: ...
+
+    async def swap_weights(self, state_dict: dict[str, Any], version: int, checksum: str) -> bool: ...
+
+    async def apply_update(
+        self,
+        version: int,
+        checksum: str,
+        consume: Callable[[], Awaitable[None]],
+        dirty: Callable[[], bool],
+    ) -> bool:
+        """Runs `consume` (which writes the new weights in place) with generation paused; False
+        (nothing run) if `version` is not newer. If it raises after writing (`dirty()`), the
+        engine is torn until a full push lands."""
+        ...
+
+    @property
+    def torn(self) -> bool: ...
+
+    async def close(self, timeout: float) -> None: ...
+
+
+class VersionGate:
+    """The weight version an engine serves, and waiting for a newer one (shared by every engine)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.checksum = ""
+        self._torn = False
+        self._closed = False
+        self._version_changed = asyncio.Condition()
+
+    @property
+    def torn(self) -> bool:
+        """A push failed after it had started writing: the weights are neither version."""
+        return self._torn
+
+    def _tear(self) -> None:
+        self._torn, self.checksum = True, ""
+
+    async def wait_for_version(self, version: int, timeout: float) -> bool:
+        """Waits until weights of at least `version` are live; False on timeout or shutdown."""
+
+        async def reached() -> None:
+            async with self._version_changed:
+                await self._version_changed.wait_for(lambda: self.version >= version or self._closed)
+
+        try:
+            await asyncio.wait_for(reached(), timeout)
+        except TimeoutError:
+            return False
+        return self.version >= version
+
+    async def _announce(self) -> None:
+        """Wakes the waiters after the version changed or the engine began to close."""
+        async with self._version_changed:
+            self._version_changed.notify_all()

@@ -34,9 +34,15 @@ from typing import Any
 from services.common.logging import get_logger
 from services.common.models import resolve_model_dir
 from services.common.runconfig import RunConfig
-from services.rollout_engine.backends.base import Backend, GenOutput, GenRequest
+from services.rollout_engine.backends.base import (
+    Backend,
+    EngineClosed,
+    Finished,
+    GenOutput,
+    GenRequest,
+    VersionGate,
+)
 from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.engine import EngineClosed, Finished, VersionGate
 
 
 def _load_weights_on_worker(worker: Any, items: list[tuple[str, Any]]) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.trainer.data import Sample
+from services.learning.data import Sample
 
 CMD_STEP, CMD_PING, CMD_CLOSE = 1, 2, 3
 _COMMANDS = {CMD_STEP: "step", CMD_PING: "ping", CMD_CLOSE: "close"}

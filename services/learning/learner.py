@@ -1,8 +1,8 @@
 """The trainer's torch side: model, optimizer and bookkeeping, stepped and checkpointed as one unit.
 
-Everything here is blocking and runs in a worker thread; the service shell owns all I/O with NATS,
-Redis and the engines. Keeping the two apart is what lets `python -m services.trainer --help` (and
-the shell's start-up) avoid importing torch.
+Everything here is blocking and runs in a worker thread; the trainer service's shell owns all I/O
+with NATS, Redis and the engines. Keeping the two apart is what lets `python -m services.trainer
+--help` (and the shell's start-up) avoid importing torch.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch
 from services.common.cost_model import load_presets
 from services.common.models import check_reference, load_model, load_tokenizer
 from services.common.runconfig import RunConfig
-from services.trainer import checkpoint
-from services.trainer.data import Sample
-from services.trainer.fsdp import ShardedTrainer
-from services.trainer.grpo import LossConfig
-from services.trainer.hybrid import GroupBroken, Replica, TrainerGroup
-from services.trainer.step import StepAborted, StepSettings, StepStats, lr_at, train_step
-from services.trainer.weight_push import Snapshot, snapshot
+from services.learning import checkpoint
+from services.learning.data import Sample
+from services.learning.fsdp import ShardedTrainer
+from services.learning.hybrid import GroupBroken, TrainerGroup
+from services.learning.recipe import compute_device, optimizer_for, reference_for, run_step, step_settings
+from services.learning.snapshot import Snapshot, snapshot
+from services.learning.step import StepAborted, StepStats
 
 
 class Learner:
@@ -222,115 +222,3 @@ class Learner:
             return snapshot({"emulated.version": torch.tensor([float(version)])}, version)
         dtype = self.run.training.push_dtype
         return snapshot(self._full_state(optimizer=False)[0], version, None if dtype == "auto" else dtype)
-
-
-def compute_device(run: RunConfig) -> torch.device:
-    """training.device as a torch device; `cuda` without a GPU torch can see is an error."""
-    want = run.training.device
-    if want == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if want == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("training.device is cuda but torch sees no CUDA GPU (a CPU build of torch?)")
-    return torch.device(want)
-
-
-def uses_bf16(run: RunConfig, device: torch.device) -> bool:
-    precision = run.training.precision
-    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
-
-
-def optimizer_for(run: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    t = run.training
-    return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
-
-
-def reference_for(run: RunConfig, device: torch.device) -> torch.nn.Module | None:
-    """The frozen policy a KL penalty pulls towards, when one is configured: training.reference_model,
-    or the initial weights."""
-    if run.training.kl_coef <= 0 or run.training.backend == "emulated":
-        return None
-    check_reference(run.model, run.training.reference_model)
-    ref = load_model(run.training.reference_model or run.model).to(device)
-    ref.eval()
-    ref.requires_grad_(False)
-    return ref
-
-
-def step_settings(
-    run: RunConfig,
-    pad_id: int,
-    version: int,
-    step_index: int | None = None,
-    device: torch.device | None = None,
-) -> StepSettings:
-    """The step's settings from the run config, the same on every rank of a hybrid group (their
-    micro-batches must agree). `step_index` (rank 0) sets the scheduled learning rate."""
-    t = run.training
-    lr = None
-    if step_index is not None:
-        lr = lr_at(
-            step_index,
-            lr=t.lr,
-            schedule=t.lr_schedule,
-            warmup=t.lr_warmup_steps,
-            total=t.steps,
-            min_ratio=t.min_lr_ratio,
-        )
-    return StepSettings(
-        loss=LossConfig(
-            clip_eps=t.clip_eps,
-            clip_eps_high=t.clip_eps_high,
-            dual_clip=t.dual_clip,
-            tis_cap=t.tis_cap,
-            kl_coef=t.kl_coef,
-        ),
-        micro_batch=t.micro_batch,
-        pad_id=pad_id,
-        mini_batches=t.mini_batches,
-        max_grad_norm=t.max_grad_norm,
-        lr=lr,
-        version=version,
-        drop_zero_advantage=run.filters_zero_advantage,
-        device=str(device or torch.device("cpu")),
-        bf16=uses_bf16(run, device or torch.device("cpu")),
-    )
-
-
-def run_step(
-    run: RunConfig,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    pad_id: int,
-    samples: Sequence[Sample],
-    version: int,
-    should_abort: Callable[[], bool] = lambda: False,
-    pg: Any = None,
-    *,
-    ref: torch.nn.Module | None = None,
-    step_index: int | None = None,
-) -> StepStats:
-    """The job's GRPO step, the same on every rank of a hybrid group."""
-    device = next(model.parameters()).device
-    return train_step(
-        model,
-        optimizer,
-        samples,
-        step_settings(run, pad_id, version, step_index, device),
-        should_abort=should_abort,
-        dp_group=pg,
-        ref_model=ref,
-    )
-
-
-def replica_for(run: RunConfig) -> Replica:
-    """A hybrid worker's training side: the job's model (its weights come from the trainer when it
-    joins a generation) and the trainer's step, without an optimizer (rank 0 alone steps)."""
-    torch.set_num_threads(run.training.torch_threads)
-    device = compute_device(run)
-    model = load_model(run.model).to(device)
-    ref = reference_for(run, device)
-    pad_id = int(load_tokenizer(run.model).pad_token_id)
-    return Replica(
-        model,
-        lambda samples, pg, version: run_step(run, model, None, pad_id, samples, version, pg=pg, ref=ref),
-    )

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from services.trainer.advantages import group_advantages, informative
-from services.trainer.data import MicroBatch, Sample, micro_batches
-from services.trainer.data_parallel import all_reduce_gradients, share
-from services.trainer.grpo import LossConfig, LossMetrics, entropy_sum, policy_loss, token_logprobs
+from services.learning.advantages import group_advantages, informative
+from services.learning.data import MicroBatch, Sample, micro_batches
+from services.learning.data_parallel import all_reduce_gradients, share
+from services.learning.grpo import LossConfig, LossMetrics, entropy_sum, policy_loss, token_logprobs
 
 
 class StepAborted(Exception):
@@ -51,7 +51,7 @@ class StepSettings:
     bf16: bool = False
     """Forward and backward under bfloat16 autocast (the weights stay in their own dtype)."""
     sharded: bool = False
-    """FSDP (services/trainer/fsdp.py): every rank holds a shard and steps its optimizer, gradients
+    """FSDP (services/learning/fsdp.py): every rank holds a shard and steps its optimizer, gradients
     are reduce-scattered by the backward pass itself, every rank runs as many passes, and the step
     cannot be abandoned half-way (the ranks' collectives must match)."""
 
@@ -206,7 +206,7 @@ def train_step(
             optimizer.step()
         model.zero_grad(set_to_none=True)
         if dp_group is not None and not sharded and k < len(minis) - 1:
-            from services.trainer.hybrid import broadcast_weights
+            from services.learning.hybrid import broadcast_weights
 
             broadcast_weights(dp_group, model)  # the replicas' next mini-batch is on the new weights
     if dp_group is not None:

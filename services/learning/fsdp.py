@@ -28,7 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from services.common.models import load_model
 from services.common.runconfig import RunConfig
+from services.learning.checkpoint import optimizer_state_by_index, optimizer_state_by_name
+from services.learning.recipe import compute_device, optimizer_for
+from services.learning.step import train_step
 
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
 """Ranks wait for rank 0's next operation on the control group for as long as a rollout takes."""
@@ -54,8 +58,6 @@ class Shards:
 
 
 def rank_device(run: RunConfig, rank: int) -> torch.device:
-    from services.trainer.learner import compute_device
-
     device = compute_device(run)
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
@@ -76,9 +78,6 @@ def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 
 def build(run: RunConfig, device: torch.device) -> Shards:
-    from services.common.models import load_model
-    from services.trainer.learner import optimizer_for
-
     model = load_model(run.model)
     names = [n for n, p in model.named_parameters()]
     first: dict[int, str] = {}
@@ -104,8 +103,6 @@ def _full_state(shards: Shards, optimizer: bool) -> tuple[dict[str, Any], dict[s
         get_optimizer_state_dict,
     )
 
-    from services.trainer.checkpoint import optimizer_state_by_index
-
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model = get_model_state_dict(shards.model, options=options)
     for name, owner in shards.tied.items():
@@ -126,9 +123,6 @@ def _load(shards: Shards, payload: dict[str, Any] | None, reset_optimizer: bool,
         set_optimizer_state_dict,
     )
 
-    from services.trainer.checkpoint import optimizer_state_by_name
-    from services.trainer.learner import optimizer_for
-
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     payload = payload or {}
     set_model_state_dict(shards.model, payload.get("model", {}), options=options)
@@ -141,8 +135,6 @@ def _load(shards: Shards, payload: dict[str, Any] | None, reset_optimizer: bool,
 
 def _perform(shards: Shards, run: RunConfig, op: str, arg: Any, payload: dict[str, Any] | None = None) -> Any:
     """One operation, run by every rank in the same order (`payload`: rank 0's data)."""
-    from services.trainer.step import train_step
-
     if op == "step":
         samples, settings = arg
         device = rank_device(run, dist.get_rank())  # rank 0 named its own device
