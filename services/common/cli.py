@@ -1,14 +1,16 @@
 """The shared entry point of `python -m services.<name>`: `--help` lists every setting without
-importing the service (so no torch), otherwise the service runs under `run_service`."""
+importing the service (so no torch); otherwise the settings are checked (a bad one answers at once)
+and the service runs under `run_service`, which parses a pinned job's run config once."""
 
 from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 from pydantic_settings import BaseSettings
 
-from services.common.config import CommonSettings
+from services.common.config import CommonSettings, load_settings
 
 
 def describe(cls: type[BaseSettings]) -> str:
@@ -21,27 +23,37 @@ def describe(cls: type[BaseSettings]) -> str:
     return "\n".join(lines)
 
 
-def _load_settings_class(path: str) -> type[BaseSettings]:
+def _load(path: str) -> Any:
     module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), name)
 
 
 def service_main(
-    service: str, module: str, settings_path: str | None = None, argv: list[str] | None = None
+    service: str,
+    module: str,
+    settings_path: str,
+    argv: list[str] | None = None,
+    *,
+    before: str | None = None,
 ) -> int:
+    """`settings_path` (`module:Class`) is the service's settings; `before` (`module:function`) runs
+    before the service module is imported (process-wide set-up that must precede any thread)."""
     args = sys.argv[1:] if argv is None else argv
+    settings: type[BaseSettings] = _load(settings_path)
     if any(a in ("-h", "--help") for a in args):
         print(f"usage: python -m services.{service.replace('-', '_')}\n")
         print(f"Runs the Libra {service} service. Configured through the environment:\n")
         print(describe(CommonSettings))
-        if settings_path:
-            print(describe(_load_settings_class(settings_path)))
+        print(describe(settings))
         return 0
     if args:
         print(
             f"unexpected arguments {args}; configure through LIBRA_* variables (see --help)", file=sys.stderr
         )
         return 2
+    load_settings(settings)
+    if before:
+        _load(before)()
     from services.common.lifecycle import run_service
 
     return run_service(service, importlib.import_module(module).serve)

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import os
 import socket
-import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from services.common.config import CommonSettings, ConfigFileError, load_setting
 from services.common.contracts import ev
 from services.common.errors import MalformedMessage
 from services.common.logging import get_logger
-from services.common.runconfig import parse_run_config
+from services.common.runconfig import RunConfig, parse_run_config
 from services.common.tasks import cancel_and_wait
 from services.common.tracing import set_trace_file
 
@@ -41,7 +40,8 @@ STATUS = f"{CTL}.status"
 HEARTBEAT = f"{CTL}.heartbeat"
 HEARTBEAT_S = 2.0
 
-Serve = Callable[[CommonSettings, asyncio.Event, contextlib.AsyncExitStack], Awaitable[None]]
+Serve = Callable[[CommonSettings, RunConfig, asyncio.Event, contextlib.AsyncExitStack], Awaitable[None]]
+"""One job of a service: its settings, the job's parsed run config, the stop event, the exit stack."""
 
 _detail: dict[str, str] = {}
 
@@ -55,7 +55,7 @@ def set_detail(**values: object) -> None:
 class Job:
     spec: ev.JobSpec
     common: CommonSettings
-    config_path: Path
+    run: RunConfig
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Future[None] | None = None
     error: ev.ErrorInfo | None = None
@@ -171,17 +171,13 @@ class JobAgent:
         await self._reply(msg, self._ack(spec.run_id))
 
     def _prepare(self, spec: ev.JobSpec) -> Job:
-        """Validates the job's run id and config and writes the config where `serve` reads it."""
+        """Validates the job's run id and parses its config, once: `serve` gets the parsed config."""
         where = f"job {spec.run_id!r} config ({spec.config_name or 'sent over the bus'})"
-        parse_run_config(spec.config_yaml, where)
+        run = parse_run_config(spec.config_yaml, where)
         common = load_settings(
             CommonSettings, run_id=spec.run_id, config=None, worker_id=self.worker_id
         )  # validates the run id like LIBRA_RUN_ID
-        directory = Path(tempfile.gettempdir()) / "libra-jobs" / spec.run_id
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{self.worker_id}.yaml"
-        path.write_text(spec.config_yaml)
-        return Job(spec, common.model_copy(update={"config": str(path)}), path)
+        return Job(spec, common, run)
 
     async def _run(self, job: Job) -> None:
         structlog.contextvars.bind_contextvars(run_id=job.spec.run_id)
@@ -190,7 +186,7 @@ class JobAgent:
         set_trace_file(trace_file)
         try:
             async with contextlib.AsyncExitStack() as stack:
-                await self.serve(job.common, job.stop, stack)
+                await self.serve(job.common, job.run, job.stop, stack)
         except asyncio.CancelledError:
             raise
         except ConfigFileError as err:  # a SystemExit: caught here, or asyncio would end the process
@@ -224,8 +220,6 @@ class JobAgent:
             if not done:
                 self.log.warning("job_stop_timeout", grace_s=self.grace_s)
                 await cancel_and_wait([job.task])
-        with contextlib.suppress(OSError):
-            job.config_path.unlink()
         if self.job is job:
             self.job = None
         self.log.info("job_stopped", run_id=job.spec.run_id)

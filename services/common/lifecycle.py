@@ -1,6 +1,6 @@
 """Process lifecycle: parse settings, set up logging and tracing, run until a signal, drain, exit.
 
-A service provides `serve(common, stop: asyncio.Event, stack: AsyncExitStack)` for one job; resources
+A service provides `serve(common, run, stop: asyncio.Event, stack: AsyncExitStack)` for one job; resources
 it enters into the stack are closed in reverse order after `stop` is set, within `grace_s`. With
 `LIBRA_CONFIG` set the process runs that one job (the container deployments); without it, it waits
 for jobs on the control plane and runs them one after another (`libra up`, see control.py).
@@ -27,11 +27,11 @@ from services.common.tracing import configure_tracing, set_trace_file, shutdown_
 
 def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
     common = load_settings(CommonSettings)
-    if common.config:  # every service checks the run config up front, used or not: one clear error
-        load_run_config(common.config)
+    # A pinned job's run config is parsed here, once, before anything starts: one clear error.
+    run = load_run_config(common.config) if common.config else None
+    pinned = run is not None
     worker_id = common.worker_id or f"{service}-{socket.gethostname()}-{os.getpid()}"
     common = common.model_copy(update={"worker_id": worker_id})
-    pinned = common.config is not None
     run_id = common.run_id if pinned else None
     configure_logging(
         service, fmt=common.log_format, level=common.log_level, run_id=run_id, worker_id=worker_id
@@ -62,12 +62,13 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
         set_trace_file(Path(common.trace_dir) / common.run_id / f"{worker_id}.jsonl")
 
     async def main() -> int:
+        assert run is not None
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         async with contextlib.AsyncExitStack() as stack:
-            task: asyncio.Future[Any] = asyncio.ensure_future(serve(common, stop, stack))
+            task: asyncio.Future[Any] = asyncio.ensure_future(serve(common, run, stop, stack))
             stopper: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
             failure = task.exception() if task in done else None

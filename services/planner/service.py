@@ -27,7 +27,7 @@ from services.common.logging import get_logger
 from services.common.membership import HYBRID_ROLE, TRAINER_ROLE, lease_resource
 from services.common.metrics import planner_metrics
 from services.common.ownership import Lease, OwnershipStore, role_changes_key
-from services.common.runconfig import RunConfig, load_run_config
+from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.planner.assign import ROLE_BY_KIND, Slot, StaticAssigner
 from services.planner.config import PlannerSettings
@@ -377,9 +377,11 @@ class PlannerService:
         return True
 
 
-async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:
+async def serve(
+    common: CommonSettings, run: RunConfig, stop: asyncio.Event, stack: contextlib.AsyncExitStack
+) -> None:
     settings = load_settings(PlannerSettings)
-    cfg = load_run_config(common.config)
+    cfg = run
     assert common.worker_id is not None
     bus = await Bus.connect(
         common.nats_url, common.run_id, "planner", common.worker_id, common.nats_auth(), common.nats_tls()

@@ -26,7 +26,7 @@ from services.common.logging import get_logger
 from services.common.membership import HYBRID_ROLE, SERVING_ROLES, Membership, lease_resource
 from services.common.metrics import engine_metrics
 from services.common.ownership import Lease, OwnershipStore
-from services.common.runconfig import RunConfig, load_run_config
+from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.rollout_engine.backends import create_backend
 from services.rollout_engine.backends.base import Backend, EngineClosed, GenRequest
@@ -418,9 +418,10 @@ class RolloutEngineService:
         await self.backend.close()
 
 
-async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:
+async def serve(
+    common: CommonSettings, run: RunConfig, stop: asyncio.Event, stack: contextlib.AsyncExitStack
+) -> None:
     settings = load_settings(EngineSettings)
-    run = load_run_config(common.config)
     svc = RolloutEngineService(common, settings, run)
     stack.push_async_callback(svc.shutdown)
     await svc.start(stop)

@@ -992,13 +992,14 @@ class SchedulerService:
             )
 
 
-async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:
+async def serve(
+    common: CommonSettings, run: RunConfig, stop: asyncio.Event, stack: contextlib.AsyncExitStack
+) -> None:
     from services.common.config import load_settings
     from services.common.models import load_tokenizer
-    from services.common.runconfig import load_run_config
 
     settings = load_settings(SchedulerSettings)
-    cfg = load_run_config(common.config)
+    cfg = run
     assert common.worker_id is not None
     prompter = Prompter(load_tokenizer(cfg.model), cfg.task.dataset)
     bus = await Bus.connect(

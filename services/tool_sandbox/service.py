@@ -17,6 +17,7 @@ from services.common.logging import get_logger
 from services.common.membership import Membership
 from services.common.metrics import sandbox_metrics
 from services.common.ownership import OwnershipStore
+from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.tool_sandbox.config import SandboxSettings
 from services.tool_sandbox.executor import SandboxExecutor, ToolOutcome
@@ -117,12 +118,12 @@ def _flatten(d: dict[str, object], prefix: str = "") -> dict[str, object]:
     return out
 
 
-async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:
-    from services.common.runconfig import load_run_config
-
+async def serve(
+    common: CommonSettings, run: RunConfig, stop: asyncio.Event, stack: contextlib.AsyncExitStack
+) -> None:
     settings = load_settings(SandboxSettings)
     assert common.worker_id is not None
-    plugins = tool_plugin_files(load_run_config(common.config).task.tool_plugins if common.config else [])
+    plugins = tool_plugin_files(run.task.tool_plugins)
     executor = SandboxExecutor(settings, plugins)
     await executor.start()
     stack.push_async_callback(executor.close)

@@ -28,7 +28,7 @@ from services.common.logging import get_logger
 from services.common.membership import SERVING_ROLES, TRAINER_ROLE, Membership
 from services.common.metrics import trainer_metrics
 from services.common.ownership import OwnershipStore, trained_key
-from services.common.runconfig import RunConfig, load_run_config
+from services.common.runconfig import RunConfig
 from services.common.tracing import extract_context, tracer
 from services.learning.data import to_sample, validate
 from services.learning.snapshot import Snapshot
@@ -691,9 +691,10 @@ async def _settle(op: Any) -> None:
         await op
 
 
-async def serve(common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack) -> None:
+async def serve(
+    common: CommonSettings, run: RunConfig, stop: asyncio.Event, stack: contextlib.AsyncExitStack
+) -> None:
     settings = load_settings(TrainerSettings)
-    run = load_run_config(common.config)
     log = get_logger(component="trainer")
     worker_id = common.worker_id or "trainer"
 

@@ -17,6 +17,7 @@ from services.common.bus import close_nats
 from services.common.config import CommonSettings
 from services.common.contracts import ev
 from services.common.localstack import Server
+from services.common.runconfig import RunConfig, parse_run_config
 
 pytestmark = pytest.mark.integration
 
@@ -28,13 +29,15 @@ class Probe:
 
     def __init__(self) -> None:
         self.started: list[CommonSettings] = []
+        self.runs: list[RunConfig] = []
         self.closed = 0
         self.fail_with: Exception | None = None
 
     async def serve(
-        self, common: CommonSettings, stop: asyncio.Event, stack: contextlib.AsyncExitStack
+        self, common: CommonSettings, run: RunConfig, stop: asyncio.Event, stack: contextlib.AsyncExitStack
     ) -> None:
         self.started.append(common)
+        self.runs.append(run)
 
         async def closed() -> None:
             self.closed += 1
@@ -81,7 +84,7 @@ async def test_one_job_at_a_time_then_idle(plane: tuple[Probe, NATS, Callable[[]
     assert not busy.ok and busy.error.code == "busy" and "run-1" in busy.error.message
     await asyncio.sleep(0.1)
     assert [c.run_id for c in probe.started] == ["run-1"]
-    assert probe.started[0].config and open(probe.started[0].config).read() == GOOD
+    assert probe.runs[0] == parse_run_config(GOOD, "the job") and probe.started[0].config is None
     st = status()
     assert (st.state, st.run_id) == ("running", "run-1")
     assert (await _stop(nc, "run-1")).ok

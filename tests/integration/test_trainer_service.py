@@ -33,7 +33,7 @@ from services.common.errors import DurableStateLost
 from services.common.membership import TRAINER_ROLE
 from services.common.models import load_model
 from services.common.ownership import OwnershipStore, trained_key
-from services.common.runconfig import ModelConfig
+from services.common.runconfig import ModelConfig, load_run_config
 from services.common.tracing import tracer
 from services.common.weights import check_record
 from services.learning.checkpoint import latest
@@ -264,7 +264,7 @@ async def test_trainer_trains_once_pushes_and_resumes(
         stop = asyncio.Event()
         stack = contextlib.AsyncExitStack()
         await stack.__aenter__()
-        return stop, asyncio.create_task(serve(common, stop, stack)), stack
+        return stop, asyncio.create_task(serve(common, load_run_config(cfg), stop, stack)), stack
 
     async def stop_trainer(
         stop: asyncio.Event, task: asyncio.Task[None], stack: contextlib.AsyncExitStack
