@@ -120,8 +120,7 @@ class ContinuousEngine(VersionGate):
             await self.backend.swap_weights(state_dict, version)
             self.version, self.checksum = version, checksum
             self._reset = self.backend.recompute_on_swap and bool(self._running)
-        await self._announce()
-        self.log.info("weights_swapped", policy_version=version, running=len(self._running))
+        await self._swapped(version, self.running)
         return True
 
     async def apply_update(
@@ -136,19 +135,12 @@ class ContinuousEngine(VersionGate):
         async with self._step:
             if version <= self.version:
                 return False
-            try:
-                await consume()
-            except BaseException:
-                if dirty():
-                    self._tear()
-                    self.log.error("weights_torn", policy_version=self.version, failed_version=version)
-                raise
+            await self._write_or_tear(version, consume, dirty)
             await self.backend.weights_loaded(version)
             self.version, self.checksum, self._torn = version, checksum, False
             self._reset = self.backend.recompute_on_swap and bool(self._running)
         self._wake.set()
-        await self._announce()
-        self.log.info("weights_swapped", policy_version=version, running=len(self._running))
+        await self._swapped(version, self.running)
         return True
 
     async def close(self, timeout: float) -> None:

@@ -207,6 +207,9 @@ class Engine(Protocol):
 class VersionGate:
     """The weight version an engine serves, and waiting for a newer one (shared by every engine)."""
 
+    log: Any
+    """The engine's logger (set by the engine)."""
+
     def __init__(self) -> None:
         self.version = 0
         self.checksum = ""
@@ -221,6 +224,30 @@ class VersionGate:
 
     def _tear(self) -> None:
         self._torn, self.checksum = True, ""
+
+    async def _write_or_tear(
+        self,
+        version: int,
+        consume: Callable[[], Awaitable[None]],
+        dirty: Callable[[], bool],
+        on_clean_failure: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
+        """Runs `consume` (new weights written in place); if it raises after writing (`dirty()`)
+        the engine is torn until a full push lands, if before, `on_clean_failure` runs."""
+        try:
+            await consume()
+        except BaseException:
+            if dirty():
+                self._tear()
+                self.log.error("weights_torn", policy_version=self.version, failed_version=version)
+            elif on_clean_failure is not None:
+                await on_clean_failure()
+            raise
+
+    async def _swapped(self, version: int, running: int) -> None:
+        """Announces a new live version (to waiters and in the log)."""
+        await self._announce()
+        self.log.info("weights_swapped", policy_version=version, running=running)
 
     async def wait_for_version(self, version: int, timeout: float) -> bool:
         """Waits until weights of at least `version` are live; False on timeout or shutdown."""

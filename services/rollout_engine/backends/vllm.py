@@ -239,8 +239,7 @@ class VllmEngine(VersionGate):
                 return False
             await self.backend.swap_weights(state_dict, version)
             self.version, self.checksum, self._sampling_version = version, checksum, version
-        await self._announce()
-        self.log.info("weights_swapped", policy_version=version, running=self.running)
+        await self._swapped(version, self.running)
         return True
 
     async def apply_update(
@@ -257,20 +256,11 @@ class VllmEngine(VersionGate):
                 return False
             if not self.torn:
                 await self.backend.llm.pause_generation(mode="keep", clear_cache=True)
-            try:
-                await consume()
-            except BaseException:
-                if dirty():
-                    self._tear()
-                    self.log.error("weights_torn", policy_version=self.version, failed_version=version)
-                else:
-                    await self.backend.llm.resume_generation()
-                raise
+            await self._write_or_tear(version, consume, dirty, self.backend.llm.resume_generation)
             self.version, self.checksum, self._sampling_version = version, checksum, version
             self._torn = False
             await self.backend.llm.resume_generation()
-        await self._announce()
-        self.log.info("weights_swapped", policy_version=version, running=self.running)
+        await self._swapped(version, self.running)
         return True
 
     async def close(self, timeout: float) -> None:
