@@ -1,11 +1,7 @@
-"""Libra: gRPC's fork support is turned off before anything imports grpc.
+"""Libra's tools: the CLI, the stack supervisor, the simulator, benchmarks.
 
-With it on, a process that uses gRPC and then forks a child (the stack supervisor starting a
-service, the sandbox starting a tool) has gRPC restart its poller thread in the child, where
-`close_fds` closes that thread's epoll descriptor before `exec`, and the child aborts
-("epoll_wait error: Bad file descriptor"). No Libra process uses gRPC across a fork.
+Importing `services` first turns gRPC's fork support off before anything imports grpc (see
+`services/__init__.py`): the supervisor forks the services.
 """
 
-import os
-
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+import services  # noqa: F401
