@@ -27,7 +27,7 @@ from services.common.contracts import ev
 from services.common.credentials import NatsAuth
 from services.common.errors import CredentialsRefused, LibraError, MalformedMessage
 from services.common.logging import get_logger
-from services.common.tasks import cancel_and_wait
+from services.common.tasks import cancel_and_wait, retry_pause
 from services.common.tracing import extract_context, inject_headers
 
 M = TypeVar("M", bound=Message)
@@ -231,7 +231,7 @@ class Bus:
                 self.log.warning(
                     "publish_retry", subject=suffix, msg_id=msg_id, error=str(err), attempt=attempt
                 )
-                await asyncio.sleep(min(0.5 * attempt, 5.0))
+                await retry_pause(attempt)
 
     async def pull_consumer(
         self, suffix: str, durable: str, stream: str, *, ack_wait_s: float = 300.0

@@ -18,6 +18,12 @@ from services.common.logging import get_logger
 T = TypeVar("T")
 
 
+async def retry_pause(attempt: int, step_s: float = 0.5, cap_s: float = 5.0) -> None:
+    """The pause before retry `attempt` (1, 2, ...) of something that must eventually succeed
+    (Redis or JetStream away for a while): `step_s` more per attempt, at most `cap_s`."""
+    await asyncio.sleep(min(step_s * attempt, cap_s))
+
+
 async def cancel_and_wait(
     tasks: Iterable[asyncio.Future[Any]], *, timeout_s: float = 10.0, retry_s: float = 0.25
 ) -> set[asyncio.Future[Any]]:

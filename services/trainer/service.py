@@ -29,6 +29,7 @@ from services.common.membership import SERVING_ROLES, TRAINER_ROLE, Membership
 from services.common.metrics import trainer_metrics
 from services.common.ownership import OwnershipStore, trained_key
 from services.common.runconfig import RunConfig
+from services.common.tasks import retry_pause
 from services.common.tracing import extract_context, tracer
 from services.learning.data import to_sample, validate
 from services.learning.snapshot import Snapshot
@@ -451,7 +452,7 @@ class TrainerService:
             except Exception as err:
                 attempt += 1
                 self.log.warning("commit_record_unreadable", error=str(err), attempt=attempt)
-                await asyncio.sleep(min(0.5 * attempt, 5.0))
+                await retry_pause(attempt)
         step, named = int(record.get("step", 0)), record.get("checkpoint", "")
         if step > 0 and named and not Path(named).exists():
             raise DurableStateLost(
@@ -495,7 +496,7 @@ class TrainerService:
                 self.log.warning("commit_record_failed", error=str(err), attempt=attempt)
                 if stop is not None and stop.is_set():
                     return False
-                await asyncio.sleep(min(0.5 * attempt, 5.0))
+                await retry_pause(attempt)
         if not ok:
             self.log.error("commit_refused", step=state.step, fencing_token=token, reason="lease lost")
         return ok
