@@ -253,7 +253,7 @@ def choose_settings(
         """The last step of every system's choice: its `CONFIRM_TOP` best candidates measured on
         `CONFIRM_SEEDS` more planning seeds, the best mean over all its planning seeds kept, so
         one seed's luck does not pick the settings."""
-        top = sorted(rows, key=lambda x: -x[0])[:CONFIRM_TOP]
+        top = _best(rows, CONFIRM_TOP)
         jobs = [Job(name, c, PLAN_SEED + k, steps) for k in range(1, CONFIRM_SEEDS + 1) for _, c, _ in top]
         scores = [_score(r) for r in runner.run_all(jobs, tick)]
         means = [
@@ -339,11 +339,16 @@ def _sweep_order(names: Sequence[str]) -> list[str]:
     return order
 
 
+def _best(rows: list[Proposal], n: int) -> list[Proposal]:
+    """The `n` fastest candidates of a sweep, fastest first."""
+    return sorted(rows, key=lambda x: -x[0])[:n]
+
+
 def drafter_grid(rows: list[Proposal]) -> list[dict[str, Any]]:
     """Speculative decoding switched on after the layout, as an operator does: the best
     `SD_LAYOUTS` settings of a sweep, each with every drafter vLLM offers by one flag and every
     fixed draft length an operator tries."""
-    top = sorted(rows, key=lambda x: -x[0])[:SD_LAYOUTS]
+    top = _best(rows, SD_LAYOUTS)
     return [
         {**c, "drafter": d, "spec_mode": "fixed", "draft_tokens": k}
         for _, c, _ in top
@@ -367,7 +372,7 @@ def _with_top_changed(
     change: dict[str, Any],
 ) -> list[Proposal]:
     """`rows` plus a system's three best candidates measured again with `change` applied."""
-    top = sorted(rows, key=lambda x: -x[0])[:3]
+    top = _best(rows, 3)
     changed = [{**c, **change} for _, c, _ in top]
     scores = measure([(name, c) for c in changed])
     return rows + [(sc, c, _label(c)) for sc, c in zip(scores, changed, strict=True)]

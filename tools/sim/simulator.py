@@ -176,10 +176,10 @@ class Simulator:
         self.dropped_groups = 0
         self.aborted_trajectories = 0
         self.trained_staleness: list[int] = []
+        """Per trained group: the trainer's version minus the version that admitted the group."""
         self.trained_token_staleness: list[float] = []
         """Per trained group: the trainer's version minus the mean version its tokens were
         generated under (a turn that spans a weight update counts each segment at its version)."""
-        """Per trained group: the trainer's version minus the version that admitted the group."""
         self.draining: set[str] = set()
         self.migrations = 0
         self.reprefill_tokens = 0
