@@ -10,10 +10,19 @@ JetStream's message id, and by the trainer's trained ids) and nothing is lost.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.scheduler.feed import GroupTicket, TaskFeed, group_of
+
+
+async def durably(write: Awaitable[Any], log: Any) -> None:
+    """A ledger write; if Redis is away the run goes on, only a restart could not resume it."""
+    try:
+        await write
+    except Exception as err:
+        log.warning("ledger_write_failed", error=f"{type(err).__name__}: {err}")
 
 
 @dataclass

@@ -1,0 +1,177 @@
+"""Where a trajectory ends: scored by `task.reward` when its task asks for it, then published
+durably for the trainer (an evaluation trajectory joins its round instead), and counted."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry import trace
+
+from services.common import subjects
+from services.common.bus import Bus
+from services.common.contracts import ev
+from services.common.logging import get_logger
+from services.common.tracing import tracer
+from services.scheduler.evaluation import Evaluator
+from services.scheduler.inflight import Live
+from services.scheduler.ledger import Ledger, durably
+from services.scheduler.plugins import PluginFailure
+from services.scheduler.rewards import Scorer
+from services.scheduler.trajectory import Finish
+from services.scheduler.workload import WorkloadWindow
+
+
+class Completion:
+    def __init__(
+        self,
+        bus: Bus,
+        ledger: Ledger,
+        workload: WorkloadWindow,
+        metrics: Any,
+        scorer: Scorer | None,
+        evaluator: Evaluator | None,
+        trained_version: Callable[[], int],
+    ):
+        self.bus, self.ledger, self.workload, self.metrics = bus, ledger, workload, metrics
+        self.scorer, self.evaluator = scorer, evaluator
+        self.trained_version = trained_version
+        self.log = get_logger(component="scheduler")
+        self.completed = 0
+        self.failed = 0
+        self.rewards: list[float] = []
+        self.failure_codes: Counter[str] = Counter()
+
+    def needs_score(self, live: Live, fin: Finish) -> bool:
+        return fin.needs_score and self.scorer is not None and live.failure is None
+
+    async def score(self, live: Live, fin: Finish) -> Finish | PluginFailure:
+        """Scores a finished trajectory with `task.reward` (off the event loop); a reward that
+        fails is a typed failure, so it is never trained on as a negative sample."""
+        assert self.scorer is not None
+        traj = live.traj
+        with tracer().start_as_current_span("reward", context=trace.set_span_in_context(live.span)) as span:
+            result = await self.scorer.score(
+                response=traj.texts[-1] if traj.texts else "",
+                answer=traj.task.answer,
+                sample=traj.task.row(),
+                trajectory={
+                    "turns": list(traj.texts),
+                    "tool_calls": live.tool_log,
+                    "observations": live.replies,
+                    "finish": fin.reason,
+                    "prompt_id": traj.task.prompt_id,
+                },
+            )
+            if isinstance(result, PluginFailure):
+                span.set_attribute("libra.reward_failure", result.code)
+        return result if isinstance(result, PluginFailure) else Finish(fin.reason, result)
+
+    def failure(self, live: Live, code: str, message: str) -> None:
+        """Records why the infrastructure could not carry it; its group will not be trained."""
+        live.failure = ev.ErrorInfo(code=code, message=message[:500])
+        if not live.evaluation:  # an evaluation's failures are its round's
+            self.failure_codes[code] += 1
+        log = self.log.info if code == "stale" else self.log.warning  # stale: routine, not a fault
+        log("trajectory_failed", trajectory_id=live.trajectory_id, code=code, reason=message)
+
+    async def publish(self, live: Live, fin: Finish) -> None:
+        """Hands the trajectory to the trainer: not completed until JetStream has it."""
+        if live.evaluation:
+            await self._evaluated(live, fin)
+            return
+        traj = live.traj
+        latency = time.monotonic() - traj.started_at
+        versions = traj.versions or [0]
+        msg = ev.CompletedTrajectory(
+            trajectory_id=traj.trajectory_id,
+            group_id=traj.group_id,
+            sample_index=traj.sample_index,
+            group_size=traj.group_size,
+            prompt_id=traj.task.prompt_id,
+            segments=[
+                ev.Segment(
+                    token_ids=s.token_ids,
+                    logprobs=s.logprobs,
+                    generated=s.generated,
+                    policy_version=s.policy_version,
+                    temperature=s.temperature if s.generated else 0.0,
+                )
+                for s in traj.segments
+            ],
+            reward=fin.reward,
+            num_turns=traj.turns,
+            min_policy_version=min(versions),
+            max_policy_version=max(versions),
+            tool_statuses=traj.tool_statuses,
+            finish=fin.reason,
+            latency_s=latency,
+            final_text=traj.texts[-1] if traj.texts else "",
+            failure=live.failure,
+            breakdown=live.times,
+        )
+        with tracer().start_as_current_span("score", context=trace.set_span_in_context(live.span)) as s:
+            s.set_attribute("libra.reward", fin.reward)
+        live.span.set_attribute("libra.finish", fin.reason)
+        live.span.set_attribute("libra.reward", fin.reward)
+        live.span.set_attribute("libra.turns", traj.turns)
+        await self.bus.publish_durable_until_stored(
+            subjects.TRAJ_COMPLETED,
+            msg,
+            msg_id=traj.trajectory_id,
+            ctx=trace.set_span_in_context(live.span),
+        )
+        await durably(self.ledger.published(traj.trajectory_id, live.failure is not None), self.log)
+        live.span.end()
+        self._count(live, fin, latency)
+
+    def _count(self, live: Live, fin: Finish, latency: float) -> None:
+        traj = live.traj
+        if live.failure is None:  # what the workload is, not what the infrastructure cut short
+            self.workload.trajectory(
+                time.monotonic(),
+                traj.turns,
+                latency,
+                traj.output_tokens,
+                len(traj.prompt_ids),
+                traj.trajectory_id,
+            )
+        self.completed += 1
+        self.failed += live.failure is not None
+        self.metrics.trajectories.inc()
+        if live.failure is not None:
+            self.metrics.failed.labels(live.failure.code).inc()
+        else:
+            self.metrics.reward.observe(fin.reward)
+            self.metrics.latency.observe(latency)
+        self.rewards.append(fin.reward)
+        self.log.info(
+            "trajectory_completed",
+            trajectory_id=traj.trajectory_id,
+            finish=fin.reason,
+            reward=fin.reward,
+            turns=traj.turns,
+            latency_s=round(latency, 3),
+        )
+
+    async def _evaluated(self, live: Live, fin: Finish) -> None:
+        """An evaluation trajectory ended: its score joins its round (a failure is counted by code,
+        not scored); the finished round goes to the ledger."""
+        traj, rnd = live.traj, self.evaluator.running if self.evaluator is not None else None
+        live.span.set_attribute("libra.reward", fin.reward)
+        live.span.end()
+        if rnd is None or not rnd.owns(traj.trajectory_id):
+            return  # a round that is over (a late straggler)
+        rnd.record(fin.reward, traj.versions, live.failure.code if live.failure is not None else "")
+        if rnd.done:
+            assert self.evaluator is not None
+            self.evaluator.finish()
+            summary = rnd.summary(self.trained_version())
+            await durably(self.ledger.eval_done(rnd.version, summary), self.log)
+            self.log.info(
+                "eval_finished",
+                **{k: v for k, v in summary.items() if k != "version"},
+                policy_version=rnd.version,
+            )

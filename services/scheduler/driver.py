@@ -1,0 +1,291 @@
+"""Each trajectory's agent loop: the state machine (`Trajectory`) says what comes next, the episode
+answers between turns, the in-flight transport carries turns and tool calls, completion ends it."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from services.common.bus import Bus, Envelope
+from services.common.contracts import ev
+from services.common.errors import require
+from services.common.logging import get_logger
+from services.common.runconfig import RunConfig
+from services.common.tracing import tracer
+from services.scheduler.completion import Completion
+from services.scheduler.dispatch import Dispatcher
+from services.scheduler.episodes import Episode
+from services.scheduler.inflight import InFlight, Live
+from services.scheduler.plugins import PluginFailure
+from services.scheduler.prefix_tree import ToolSignal, map_sandbox_status, size_class
+from services.scheduler.prompting import Prompter
+from services.scheduler.rewards import SandboxClient
+from services.scheduler.task import Task
+from services.scheduler.trajectory import (
+    Action,
+    CallTool,
+    Finish,
+    Generate,
+    Reply,
+    ScriptedTurn,
+    Trajectory,
+    check_turn,
+)
+from services.scheduler.workload import WorkloadWindow
+
+KNOWN_TOOL_STATUSES = ("ok", "error", "timeout", "killed", "rejected")
+"""Tool statuses with their own metric label (anything else a sandbox sends counts as `other`)."""
+
+
+class TrajectoryDriver:
+    def __init__(
+        self,
+        common_run_id: str,
+        cfg: RunConfig,
+        bus: Bus,
+        prompter: Prompter,
+        dispatch: Dispatcher,
+        inflight: InFlight,
+        episode: Episode,
+        completion: Completion,
+        sandbox: SandboxClient,
+        workload: WorkloadWindow,
+        metrics: Any,
+    ):
+        self.run_id, self.cfg, self.bus, self.prompter = common_run_id, cfg, bus, prompter
+        self.dispatch, self.inflight, self.episode, self.completion = dispatch, inflight, episode, completion
+        self.sandbox, self.workload, self.metrics = sandbox, workload, metrics
+        self.log = get_logger(component="scheduler")
+        self.turns = 0
+        self.tool_statuses: Counter[str] = Counter()
+        for status in (*KNOWN_TOOL_STATUSES, "other"):  # every series exists from the start, at 0
+            self.metrics.tool_calls.labels(status)
+
+    def start(
+        self,
+        ids: tuple[str, str, int, int],
+        task: Task,
+        prompt_ids: list[int],
+        script: list[ScriptedTurn] | None,
+        launch_version: int,
+        temperature: float,
+        evaluation: bool = False,
+    ) -> None:
+        """Starts trajectory `ids` = (trajectory id, group id, sample index, group size)."""
+        trajectory_id, group_id, index, size = ids
+        traj = Trajectory(
+            trajectory_id=trajectory_id,
+            group_id=group_id,
+            sample_index=index,
+            group_size=size,
+            task=task,
+            prompt_ids=prompt_ids,
+            max_turns=len(script) if script else self.cfg.task.max_turns,
+            max_new_tokens=self.cfg.task.max_new_tokens,
+            max_context_tokens=self.cfg.task.max_context_tokens,
+            started_at=time.monotonic(),
+            script=script,
+            launch_version=launch_version,
+            tool_bonus=self.cfg.task.tool_bonus,
+            scored_outside=self.completion.scorer is not None,
+            builtin_reward=self.episode.builtin_reward,
+        )
+        span = tracer().start_span(
+            "evaluation" if evaluation else "trajectory",
+            attributes={
+                "libra.trajectory_id": traj.trajectory_id,
+                "libra.group_id": traj.group_id,
+                "libra.prompt_id": task.prompt_id,
+                "libra.run_id": self.run_id,
+            },
+        )
+        bucket = self.dispatch.admit(traj.trajectory_id, task.prompt_id, time.monotonic())
+        live = Live(traj, span, bucket, temperature, evaluation=evaluation)
+        self.inflight.add(live)
+        if not evaluation:
+            self.workload.launched(traj.trajectory_id)
+        self.bus.spawn(self._begin(live))
+
+    async def _begin(self, live: Live) -> None:
+        """The episode's reset (it may bring its own prompt), then the first turn."""
+        live.deadline = math.inf  # an environment's own timeout bounds its reset
+        failed = await self.episode.reset(live)
+        if not self.inflight.holds(live):
+            return  # aborted meanwhile
+        if failed is not None:
+            await self.fail(live, failed.code, failed.message)
+            return
+        await self._execute(live, live.traj.first_action())
+
+    async def _execute(self, live: Live, action: Action) -> None:
+        if isinstance(action, Generate):
+            await self.inflight.send_turn(live, action)
+        elif isinstance(action, CallTool):
+            await self._send_tool(live, action)
+        elif isinstance(action, Reply):
+            await self._reply(live, action)
+        elif isinstance(action, Finish):
+            if self.completion.needs_score(live, action):
+                live.scoring, live.deadline = True, math.inf  # the reward's own timeout bounds it
+                self.bus.spawn(self._score(live, action))
+            else:
+                await self._finish(live, action)
+
+    async def _score(self, live: Live, fin: Finish) -> None:
+        result = await self.completion.score(live, fin)
+        if not self.inflight.holds(live):
+            return  # aborted meanwhile (its group could no longer be trained)
+        if isinstance(result, PluginFailure):
+            await self.fail(live, result.code, result.message)
+        else:
+            await self._finish(live, result)
+
+    async def on_turn_result(self, res: ev.TurnResult, _: Envelope) -> None:
+        live = self.inflight.turn_answered(res.request_id)
+        if live is None:
+            return  # a late answer to a request we already re-sent, or another run's
+        try:
+            await self._turn_result(live, res)
+        finally:
+            await self.inflight.drain(live.engine_id)
+
+    async def _turn_result(self, live: Live, res: ev.TurnResult) -> None:
+        traj_id = live.trajectory_id
+        if live.step_span is not None:
+            live.step_span.set_attribute("libra.tokens", len(res.token_ids))
+            live.step_span.set_attribute("libra.policy_version", res.policy_version)
+            live.step_span.end()
+        live.times.engine_queue_s += max(0.0, res.queue_s)
+        live.times.generate_s += max(0.0, res.generate_s)
+        if res.HasField("error") and res.error.code:
+            self.log.warning(
+                "turn_failed", trajectory_id=traj_id, code=res.error.code, reason=res.error.message
+            )
+            live.last_error = f"{res.engine_id}: {res.error.code}: {res.error.message}"
+            if res.error.code == "handed_back" and live.pending_action is not None:
+                # a draining engine gave it back: not a failure, no retry spent
+                await self.inflight.send_turn(live, live.pending_action)
+                return
+            await self.inflight.retry_or_fail(live)
+            return
+        versions = list(res.token_versions) or [res.policy_version] * len(res.token_ids)
+        try:
+            check_turn(list(res.token_ids), list(res.logprobs), versions, res.temperature)
+        except ValueError as err:
+            self.log.warning("turn_result_malformed", trajectory_id=traj_id, reason=str(err))
+            live.last_error = f"{res.engine_id}: malformed result: {err}"
+            await self.inflight.retry_or_fail(live)
+            return
+        self.turns += 1
+        self.metrics.turns.inc()
+        self.workload.turn(time.monotonic(), len(res.token_ids), res.context_tokens, traj_id)
+        eos = (
+            res.finish_reason == "stop" and bool(res.token_ids) and res.token_ids[-1] == self.prompter.eos_id
+        )
+        step = await self.episode.step(live, res.text)
+        if not self.inflight.holds(live):
+            return  # aborted meanwhile
+        if isinstance(step, PluginFailure):
+            await self.fail(live, step.code, step.message)
+            return
+        action = live.traj.on_turn(
+            list(res.token_ids), list(res.logprobs), res.text, versions, eos, res.temperature, step
+        )
+        await self._execute(live, action)
+
+    async def _reply(self, live: Live, action: Reply) -> None:
+        """The environment's observation goes into the context; the router sees it as a small,
+        successful tool return (a chance to demote or migrate the trajectory)."""
+        traj = live.traj
+        live.replies.append(action.text)
+        obs = self.prompter.observation_ids(action.text, traj.ended_with_eos)
+        self._route_after_observation(live, ToolSignal("environment", size_class(len(obs)), "success"), obs)
+        await self._execute(live, traj.on_reply(obs))
+
+    async def fail(self, live: Live, code: str, message: str) -> None:
+        """Ends a trajectory the infrastructure could not carry; its group will not be trained."""
+        self.completion.failure(live, code, message)
+        await self._finish(live, live.traj.fail())
+
+    async def _send_tool(self, live: Live, action: CallTool) -> None:
+        allowed = self.cfg.task.tools
+        if allowed is not None and action.request.tool not in allowed:  # never reaches a sandbox
+            live.pending_tool = action
+            live.sent_at, live.step_span = time.monotonic(), None
+            why = f"tool {action.request.tool!r} is not enabled; available: {', '.join(allowed)}"
+            signal = ToolSignal(action.request.tool or "unknown", "small", map_sandbox_status("rejected"))
+            await self._tool_returned(live, "rejected", json.dumps({"stderr": why}), signal)
+            return
+        await self.inflight.send_tool(live, action)
+
+    async def on_tool_return(self, ret: ev.ToolReturn, _: Envelope) -> None:
+        require(bool(ret.call_id), "tool return without call_id")
+        if self.sandbox.on_return(ret):
+            return  # a code_tests reward's call
+        live = self.inflight.tool_answered(ret.call_id)
+        if live is None:
+            return
+        status = ret.status or "error"
+        size = ret.size_class or size_class(ret.payload_bytes or len(ret.payload))
+        tool = ret.tool or (live.pending_tool.request.tool if live.pending_tool else "unknown")
+        await self._tool_returned(
+            live, status, ret.payload or ret.error, ToolSignal(tool, size, map_sandbox_status(status))
+        )
+
+    async def _tool_returned(self, live: Live, status: str, payload: str, signal: ToolSignal) -> None:
+        self.tool_statuses[status] += 1
+        self.metrics.tool_calls.labels(status if status in KNOWN_TOOL_STATUSES else "other").inc()
+        now = time.monotonic()
+        live.times.tool_s += max(0.0, now - live.sent_at)
+        self.workload.tool_return(now, status, max(0.0, now - live.sent_at))
+        if live.step_span is not None:
+            live.step_span.set_attribute("libra.tool_status", status)
+            live.step_span.end()
+        obs = await self.episode.tool_observation(live, status, payload, signal)
+        if not self.inflight.holds(live):
+            return  # aborted meanwhile
+        if isinstance(obs, PluginFailure):
+            await self.fail(live, obs.code, obs.message)
+            return
+        self._route_after_observation(live, signal, obs)
+        await self._execute(live, live.traj.on_tool_return(status, obs))
+
+    def _route_after_observation(self, live: Live, signal: ToolSignal, obs: list[int]) -> None:
+        """C-MLFQ's decision at a tool return: the trajectory may move to another bucket."""
+        traj = live.traj
+        decision = self.inflight.decide(
+            self.dispatch.tool_return,
+            traj.trajectory_id,
+            signal,
+            traj.output_tokens,
+            traj.context_tokens + len(obs),
+            time.monotonic(),
+        )
+        if decision.bucket != live.bucket:
+            self.log.info(
+                "trajectory_migrated",
+                trajectory_id=traj.trajectory_id,
+                source=live.bucket,
+                target=decision.bucket,
+                reason=decision.reason,
+            )
+            live.span.add_event(
+                "migrated",
+                {"libra.from": live.bucket, "libra.to": decision.bucket, "libra.reason": decision.reason},
+            )
+            live.bucket = decision.bucket
+
+    async def abort_groups(self, doomed: set[str], why: Callable[[str], str]) -> None:
+        """Ends the in-flight (training) trajectories of these groups as failed `stale`, `why(group)`."""
+        for live in [lv for lv in self.inflight.all() if lv.traj.group_id in doomed and not lv.evaluation]:
+            self.inflight.abort(live)
+            await self.fail(live, "stale", why(live.traj.group_id))
+
+    async def _finish(self, live: Live, fin: Finish) -> None:
+        self.inflight.end(live, time.monotonic())
+        self.episode.forget(live)
+        await self.completion.publish(live, fin)

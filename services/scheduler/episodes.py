@@ -1,0 +1,166 @@
+"""What answers the model between its turns, one interface for the three kinds of task: the built-in
+tool-use tasks (tools run in the sandbox, the task's reward scores), a user's `task.environment`
+(reset / step / tool_result in plugin processes) and the synthetic task (a simulator workload's
+scripted turns, filler observations). The driver asks the episode, never which kind it is."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+
+from services.common.runconfig import RunConfig
+from services.common.tracing import tracer
+from services.scheduler.agent import observation
+from services.scheduler.environment import EnvPool, Step
+from services.scheduler.feed import GroupTicket
+from services.scheduler.inflight import Live
+from services.scheduler.plugins import PluginFailure
+from services.scheduler.prefix_tree import ToolSignal
+from services.scheduler.prompting import Prompter
+from services.scheduler.synthetic_task import SyntheticTask
+from services.scheduler.trajectory import ScriptedTurn
+
+Spawn = Callable[[Awaitable[None]], Any]
+"""Runs a coroutine in the background (`Bus.spawn`)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One trajectory of a group as the task sets it up: its prompt and, if scripted, its turns."""
+
+    prompt_ids: list[int]
+    script: list[ScriptedTurn] | None = None
+
+
+class Episode:
+    """The built-in tasks: each turn calls a tool or answers; the tool's output, as text, is what
+    the model sees next; the task's reward (built in, or `task.reward`) scores the answer."""
+
+    builtin_reward = True
+    """The trajectory's own reward rule scores it (False: the environment gives the reward)."""
+
+    def __init__(self, prompter: Prompter):
+        self.prompter = prompter
+
+    async def start(self) -> None:
+        """Loads what the task needs; raises if it cannot (the scheduler then does not start)."""
+
+    async def close(self) -> None:
+        pass
+
+    def members(self, ticket: GroupTicket, version: int, size: int) -> list[Member]:
+        prompt_ids = self.prompter.prompt_ids(ticket.task)
+        return [Member(prompt_ids) for _ in range(size)]
+
+    async def reset(self, live: Live) -> PluginFailure | None:
+        """Before the first turn (the episode may set the prompt)."""
+        return None
+
+    async def step(self, live: Live, text: str) -> Step | PluginFailure | None:
+        """After a turn: what the episode says (None: the trajectory's own parser decides)."""
+        return None
+
+    async def tool_observation(
+        self, live: Live, status: str, payload: str, signal: ToolSignal
+    ) -> list[int] | PluginFailure:
+        """The tokens the model sees after its tool call returned."""
+        text = observation(status, payload)
+        failed = await self._tool_result(live, signal.tool, status, text)
+        if failed is not None:
+            return failed
+        traj, pending = live.traj, live.pending_tool
+        preface = pending.preface if pending else ""
+        obs = self.prompter.observation_ids(f"{preface}\n{text}" if preface else text, traj.ended_with_eos)
+        live.tool_log.append(
+            {
+                "tool": signal.tool,
+                "args": json.loads(pending.request.args_json) if pending else {},
+                "status": status,
+                "observation": text,
+            }
+        )
+        return obs
+
+    async def _tool_result(self, live: Live, tool: str, status: str, text: str) -> PluginFailure | None:
+        return None
+
+    def forget(self, live: Live) -> None:
+        """The trajectory ended: whatever the episode held for it goes."""
+
+
+class EnvironmentEpisode(Episode):
+    """A user's `task.environment`: one instance per trajectory in `task.env_workers` processes; a
+    call that fails fails only its trajectory."""
+
+    builtin_reward = False
+
+    def __init__(self, prompter: Prompter, cfg: RunConfig, spawn: Spawn):
+        super().__init__(prompter)
+        task = cfg.task
+        assert task.environment is not None
+        self.envs = EnvPool(task.environment, task.plugin_paths, task.env_workers, task.env_timeout_s)
+        self.spawn = spawn
+
+    async def start(self) -> None:
+        await self.envs.start()
+
+    async def close(self) -> None:
+        await self.envs.close()
+
+    async def reset(self, live: Live) -> PluginFailure | None:
+        traj = live.traj
+        with tracer().start_as_current_span("env.reset", context=trace.set_span_in_context(live.span)):
+            prompt = await self.envs.reset(traj.trajectory_id, traj.task.row())
+        if isinstance(prompt, PluginFailure):
+            return PluginFailure(prompt.code, f"reset: {prompt.message}")
+        if prompt is not None:
+            traj.set_prompt(self.prompter.render(prompt))
+        return None
+
+    async def step(self, live: Live, text: str) -> Step | PluginFailure | None:
+        with tracer().start_as_current_span("env.step", context=trace.set_span_in_context(live.span)):
+            answer = await self.envs.step(live.trajectory_id, text)
+        if isinstance(answer, PluginFailure):
+            return PluginFailure(answer.code, f"turn {live.traj.turns + 1}: {answer.message}")
+        return answer
+
+    async def _tool_result(self, live: Live, tool: str, status: str, text: str) -> PluginFailure | None:
+        failed = await self.envs.tool_result(live.trajectory_id, tool, status, text)
+        return None if failed is None else PluginFailure(failed.code, f"tool_result: {failed.message}")
+
+    def forget(self, live: Live) -> None:
+        self.spawn(self.envs.forget(live.trajectory_id))
+
+
+class SyntheticEpisode(Episode):
+    """The synthetic task: each group drawn from a simulator workload, its turns scripted, its tool
+    returns the workload's token counts for the size class the sandbox reports."""
+
+    def __init__(self, prompter: Prompter, cfg: RunConfig):
+        super().__init__(prompter)
+        self.synthetic = SyntheticTask(cfg)
+
+    def members(self, ticket: GroupTicket, version: int, size: int) -> list[Member]:
+        specs = self.synthetic.group(ticket, version)
+        return [
+            Member(self.synthetic.prompt_ids(specs[i]), self.synthetic.script(specs[i])) for i in range(size)
+        ]
+
+    async def tool_observation(
+        self, live: Live, status: str, payload: str, signal: ToolSignal
+    ) -> list[int] | PluginFailure:
+        return self.synthetic.observation_ids(signal.size)
+
+
+def build_episode(cfg: RunConfig, prompter: Prompter, spawn: Spawn) -> Episode:
+    """The episode for the run config's task (`task.dataset: synthetic` and `task.environment`
+    exclude each other; RunConfig checks it)."""
+    if cfg.task.dataset == "synthetic":
+        return SyntheticEpisode(prompter, cfg)
+    if cfg.task.environment:
+        return EnvironmentEpisode(prompter, cfg, spawn)
+    return Episode(prompter)

@@ -1,0 +1,365 @@
+"""The scheduler's in-flight transport: every trajectory in flight, the engine request or tool call
+outstanding for it with its deadline, the engines' slots those take, and the watchdog that re-sends
+what was lost. It alone changes these; the rest of the shell asks it (`holds`, `state_of`)."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from opentelemetry import trace
+
+from services.common import subjects
+from services.common.bus import Bus
+from services.common.contracts import ev
+from services.common.logging import get_logger
+from services.common.runconfig import RunConfig
+from services.common.tracing import tracer
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.dispatch import Dispatcher
+from services.scheduler.trajectory import CallTool, Generate, Trajectory
+
+T = TypeVar("T")
+
+
+@dataclass
+class Live:
+    """A trajectory in flight, with the span that is its trace."""
+
+    traj: Trajectory
+    span: trace.Span
+    bucket: str
+    temperature: float
+    """Sampling temperature of its turns (an evaluation's may differ from training's)."""
+    step_span: trace.Span | None = None
+    request_id: str = ""
+    call_id: str = ""
+    engine_id: str = ""
+    deadline: float = 0.0
+    sent_at: float = 0.0
+    missing: int = 0
+    retries: int = 0
+    pending_action: Generate | None = None
+    pending_tool: CallTool | None = None
+    tool_attempts: int = 0
+    failure: ev.ErrorInfo | None = None
+    last_error: str = ""
+    queued_at: float | None = None
+    """When its pending turn entered a bucket queue (None: not queued)."""
+    queue_span: trace.Span | None = None
+    times: ev.LatencyBreakdown = field(default_factory=ev.LatencyBreakdown)
+    """Where its time went so far (CompletedTrajectory.breakdown)."""
+    tool_log: list[dict[str, Any]] = field(default_factory=list)
+    """Its tool calls (tool, args, status, observation), for a `task.reward` function."""
+    scoring: bool = False
+    """Finished, waiting for its `task.reward` score."""
+    replies: list[str] = field(default_factory=list)
+    """What its environment said between turns (a `task.environment`'s observations)."""
+    evaluation: bool = False
+    """A held-out evaluation trajectory: scored, never sent to the trainer."""
+
+    @property
+    def trajectory_id(self) -> str:
+        return self.traj.trajectory_id
+
+
+Fail = Callable[[Live, str, str], Awaitable[None]]
+"""Ends a trajectory the infrastructure could not carry (live, code, message)."""
+
+
+class InFlight:
+    def __init__(
+        self,
+        bus: Bus,
+        dispatch: Dispatcher,
+        settings: SchedulerSettings,
+        cfg: RunConfig,
+        stop_strings: list[str],
+        fail: Fail,
+    ):
+        self.bus, self.dispatch, self.settings, self.cfg = bus, dispatch, settings, cfg
+        self.stop_strings = stop_strings
+        self.fail = fail
+        self.log = get_logger(component="scheduler")
+        self.bucket_level = {b.name: i for i, b in enumerate(cfg.rollout.buckets)}
+        self._live: dict[str, Live] = {}
+        self._by_request: dict[str, str] = {}
+        """Engine request id -> the trajectory whose turn it is (absent: answered, lost, given up)."""
+        self._by_call: dict[str, str] = {}
+        """Tool call id -> the trajectory that waits for it."""
+        self.engine_tokens: dict[str, int] = {}
+        """Each engine's fencing token in the current plan (a new one: it restarted)."""
+        self.decision_us: deque[float] = deque(maxlen=20_000)
+        """Latency of the most recent routing decisions (the policy's own work, in microseconds)."""
+
+    # the trajectories ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def all(self) -> list[Live]:
+        return list(self._live.values())
+
+    def add(self, live: Live) -> None:
+        self._live[live.trajectory_id] = live
+
+    def holds(self, live: Live) -> bool:
+        """Still in flight (False: it ended meanwhile, e.g. its group could no longer be trained)."""
+        return self._live.get(live.trajectory_id) is live
+
+    def abort(self, live: Live) -> None:
+        """Gives up whatever it waits for (its engine slot frees at once); `end` follows."""
+        self._forget_turn(live)
+        self._by_call.pop(live.call_id, None)
+        if live.step_span is not None:
+            live.step_span.end()
+
+    def end(self, live: Live, now: float) -> None:
+        """It finished or failed: nothing of it stays in flight, and the policy learns from it."""
+        self._live.pop(live.trajectory_id, None)
+        self._dequeued(live)
+        self.dispatch.finish(live.trajectory_id, live.traj.output_tokens, now, live.failure is not None)
+
+    def state_of(self, live: Live) -> str:
+        if live.scoring:
+            return "scoring"
+        if live.call_id and live.call_id in self._by_call:
+            return "tool"
+        if live.request_id and live.request_id in self._by_request:
+            return "generating"
+        if live.trajectory_id in self.dispatch.queued:
+            return "queued"
+        return "waiting_for_engine"
+
+    def oldest(self, n: int, now: float) -> list[ev.InFlight]:
+        """The `n` trajectories in flight the longest, and what each is doing (for `libra status`)."""
+        oldest = sorted(self._live.values(), key=lambda lv: lv.traj.started_at)[:n]
+        return [
+            ev.InFlight(
+                trajectory_id=lv.trajectory_id,
+                group_id=lv.traj.group_id,
+                state=self.state_of(lv),
+                engine_id=lv.engine_id if lv.request_id in self._by_request else "",
+                turns=lv.traj.turns,
+                age_s=now - lv.traj.started_at,
+                idle_s=now - lv.sent_at if lv.sent_at else 0.0,
+            )
+            for lv in oldest
+        ]
+
+    # routing decisions --------------------------------------------------------------------------
+
+    def decide(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs one routing decision and records how long the policy took."""
+        began = time.perf_counter()
+        out = fn(*args)
+        self.decision_us.append((time.perf_counter() - began) * 1e6)
+        return out
+
+    def decision_quantile(self, q: float) -> float:
+        if not self.decision_us:
+            return 0.0
+        ordered = sorted(self.decision_us)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    # turns --------------------------------------------------------------------------------------
+
+    async def send_turn(self, live: Live, action: Generate) -> None:
+        """Places the turn: on an engine with a free slot the policy picks, else in its bucket's
+        queue until a slot frees (`drain`)."""
+        live.pending_action = action
+        if not self.dispatch.engines:
+            live.deadline = time.monotonic() + 1.0
+            return
+        engine_id = self.decide(self.dispatch.place, live.trajectory_id, time.monotonic())
+        if engine_id is None:
+            live.deadline = math.inf  # queued: waits for a slot, however long the tail ahead of it
+            if live.queued_at is None:
+                live.queued_at = time.monotonic()
+                live.queue_span = tracer().start_span(
+                    "turn.queued",
+                    context=trace.set_span_in_context(live.span),
+                    attributes={"libra.turn": live.traj.turns, "libra.bucket": live.bucket},
+                )
+            return
+        await self._dispatch(live, engine_id)
+
+    async def drain(self, engine_id: str) -> None:
+        """Gives the engine's free slots to the turns the policy picks from the queues."""
+        while (traj_id := self.decide(self.dispatch.next_for, engine_id, time.monotonic())) is not None:
+            live = self._live.get(traj_id)
+            if live is None or live.pending_action is None:
+                self.dispatch.release(engine_id)
+                continue
+            await self._dispatch(live, engine_id)
+
+    async def drain_all(self) -> None:
+        for engine_id in list(self.dispatch.engines):
+            await self.drain(engine_id)
+
+    def turn_answered(self, request_id: str) -> Live | None:
+        """The trajectory whose turn this answers (its engine slot frees), or None: a late answer
+        to a request already re-sent, or another run's."""
+        traj_id = self._by_request.get(request_id)
+        if traj_id is None:
+            return None
+        live = self._live[traj_id]
+        self._forget_turn(live)
+        return live
+
+    async def retry_or_fail(self, live: Live) -> None:
+        live.retries += 1
+        if live.retries > self.settings.max_turn_retries or live.pending_action is None:
+            why = live.last_error or "no engine answered within the turn timeout"
+            await self.fail(live, "engine_unavailable", f"turn {live.traj.turns}: {why}")
+            return
+        await self.send_turn(live, live.pending_action)
+
+    def _forget_turn(self, live: Live) -> None:
+        """The turn in flight is over (answered, lost or timed out): its engine slot frees."""
+        if self._by_request.pop(live.request_id, None) is not None:
+            self.dispatch.release(live.engine_id)
+
+    async def _dispatch(self, live: Live, engine_id: str) -> None:
+        traj, action = live.traj, live.pending_action
+        assert action is not None
+        self._dequeued(live)
+        live.bucket = self.dispatch.where.get(traj.trajectory_id, live.bucket)
+        live.request_id = uuid.uuid4().hex
+        live.engine_id = engine_id
+        live.sent_at = time.monotonic()
+        live.deadline = time.monotonic() + self.settings.turn_timeout(action.max_new_tokens)
+        self._by_request[live.request_id] = traj.trajectory_id
+        ctx = trace.set_span_in_context(live.span)
+        live.step_span = tracer().start_span(
+            "turn.generate",
+            context=ctx,
+            attributes={"libra.turn": traj.turns, "libra.engine_id": engine_id, "libra.bucket": live.bucket},
+        )
+        req = ev.TurnRequest(
+            request_id=live.request_id,
+            trajectory_id=traj.trajectory_id,
+            turn_index=traj.turns,
+            engine_id=engine_id,
+            bucket=live.bucket,
+            context_token_ids=action.context,
+            max_new_tokens=action.max_new_tokens,
+            min_new_tokens=action.min_new_tokens,
+            temperature=live.temperature,
+            top_p=self.cfg.task.top_p,
+            min_policy_version=traj.min_policy_version,
+            stop=self.stop_strings,
+            priority=self.bucket_level.get(live.bucket, 0),
+        )
+        await self.bus.publish(
+            f"{subjects.TURN_REQUEST}.{engine_id}", req, ctx=trace.set_span_in_context(live.step_span)
+        )
+
+    def _dequeued(self, live: Live) -> None:
+        """Its turn leaves the bucket queue (sent, or the trajectory ended): the wait is counted."""
+        if live.queued_at is not None:
+            live.times.scheduler_queue_s += time.monotonic() - live.queued_at
+            live.queued_at = None
+        if live.queue_span is not None:
+            live.queue_span.set_attribute("libra.bucket", live.bucket)
+            live.queue_span.end()
+            live.queue_span = None
+
+    # tool calls ---------------------------------------------------------------------------------
+
+    async def send_tool(self, live: Live, action: CallTool) -> None:
+        live.pending_tool = action
+        live.tool_attempts += 1
+        live.call_id = uuid.uuid4().hex
+        live.sent_at = time.monotonic()
+        live.deadline = time.monotonic() + self.cfg.task.tool_timeout_s + self.settings.tool_grace_s
+        self._by_call[live.call_id] = live.trajectory_id
+        live.step_span = tracer().start_span(
+            "tool.call",
+            context=trace.set_span_in_context(live.span),
+            attributes={"libra.tool": action.request.tool},
+        )
+        call = ev.ToolCall(
+            call_id=live.call_id,
+            trajectory_id=live.trajectory_id,
+            tool=action.request.tool,
+            args_json=action.request.args_json,
+            timeout_s=self.cfg.task.tool_timeout_s,
+        )
+        await self.bus.publish(subjects.TOOL_CALL, call, ctx=trace.set_span_in_context(live.step_span))
+
+    def tool_answered(self, call_id: str) -> Live | None:
+        """The trajectory that waited for this tool call, or None (answered already, or not ours)."""
+        traj_id = self._by_call.pop(call_id, None)
+        return None if traj_id is None else self._live[traj_id]
+
+    # engines ------------------------------------------------------------------------------------
+
+    async def set_engines(self, current: dict[str, ev.Assignment]) -> None:
+        """The plan's serving engines. An engine that left the plan, or came back under a new
+        lease (it restarted), has lost whatever turns it was running: they are re-sent at once."""
+        gone = [
+            wid
+            for wid in self.dispatch.engines
+            if wid not in current or current[wid].fencing_token != self.engine_tokens.get(wid)
+        ]
+        self.dispatch.forget(gone)  # a restarted engine comes back with no turns in flight
+        self.dispatch.set_engines({wid: a.bucket for wid, a in current.items()})
+        self.engine_tokens = {wid: a.fencing_token for wid, a in current.items()}
+        self.log.info(
+            "engines_updated",
+            engines={wid: e.bucket for wid, e in sorted(self.dispatch.engines.items())},
+        )
+        for live in list(self._live.values()):
+            if live.engine_id in gone and live.request_id in self._by_request and live.pending_action:
+                self._by_request.pop(live.request_id, None)
+                self.log.info("turn_redispatched", trajectory_id=live.trajectory_id, engine_id=live.engine_id)
+                await self.send_turn(live, live.pending_action)
+        await self.drain_all()
+
+    async def engine_load(self, load: ev.EngineLoad) -> None:
+        """A turn the engine does not hold, two reports in a row, was lost on the way there or back
+        (a NATS restart, a dropped message): re-sent now rather than after the turn timeout."""
+        if load.engine_id not in self.dispatch.engines:
+            return
+        self.dispatch.set_capacity(load.engine_id, load.capacity_seqs)
+        held = set(load.request_ids)
+        now = time.monotonic()
+        for live in list(self._live.values()):
+            if live.engine_id != load.engine_id or live.request_id not in self._by_request:
+                continue
+            if live.request_id in held or now - live.sent_at < self.settings.lost_turn_grace_s:
+                live.missing = 0
+                continue
+            live.missing += 1
+            if live.missing >= 2 and live.pending_action is not None:
+                self._forget_turn(live)
+                self.log.warning("turn_lost", trajectory_id=live.trajectory_id, engine_id=load.engine_id)
+                live.missing = 0
+                await self.send_turn(live, live.pending_action)
+
+    async def watchdog(self, now: float) -> None:
+        """What passed its deadline: a tool call no sandbox answered is sent again (or fails its
+        trajectory), a turn no engine answered is retried elsewhere (or fails it)."""
+        for live in list(self._live.values()):
+            if now < live.deadline:
+                continue
+            if live.call_id and live.call_id in self._by_call:
+                self._by_call.pop(live.call_id)
+                self.log.warning("tool_timeout_no_return", trajectory_id=live.trajectory_id)
+                if live.step_span is not None:
+                    live.step_span.set_attribute("libra.tool_status", "no_answer")
+                    live.step_span.end()
+                if live.tool_attempts <= self.settings.max_tool_retries and live.pending_tool:
+                    await self.send_tool(live, live.pending_tool)  # the sandbox may have died: again
+                else:
+                    await self.fail(live, "tool_sandbox_unavailable", "no tool-sandbox answered in time")
+            elif live.request_id in self._by_request or (live.pending_action and not live.request_id):
+                self._forget_turn(live)
+                self.log.warning("turn_timeout", trajectory_id=live.trajectory_id, engine_id=live.engine_id)
+                await self.retry_or_fail(live)

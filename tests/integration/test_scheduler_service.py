@@ -1,0 +1,246 @@
+"""`python -m services.scheduler` as a real process, on real NATS and Redis: the test plays the
+planner (a plan naming one engine), the engine (answers turn requests, reports its load) and the
+tool sandbox, and reads what the scheduler hands the trainer off the TRAJ stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.common import subjects
+from services.common.bus import Bus, Envelope
+from services.common.contracts import ev
+from services.common.localstack import Server
+from services.common.runconfig import ModelConfig
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = "engine-s1"
+CALL = "<calc>2+3</calc>"
+ANSWER = "The sum is <answer>5</answer>"
+
+
+class Harness:
+    """Plays the engine and the sandbox for one scheduler process; `answer` decides each turn."""
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+        self.requests: list[ev.TurnRequest] = []
+        self.calls: list[ev.ToolCall] = []
+        self.held: set[str] = set()
+        """Requests the engine holds (in its load reports) and has not answered yet."""
+        self.answer: Callable[[ev.TurnRequest], ev.TurnResult | None] = self.normal
+        self.hold = False
+        """Hold every request (named in load reports) and never answer: a hung engine."""
+
+    async def start(self) -> None:
+        async def on_request(req: ev.TurnRequest, _: Envelope) -> None:
+            self.requests.append(req)
+            if self.hold:
+                self.held.add(req.request_id)
+                return
+            res = self.answer(req)
+            if res is None:
+                return  # dropped on the way: neither answered nor held
+            await self.bus.publish(subjects.TURN_RESULT, res)
+
+        async def on_call(call: ev.ToolCall, _: Envelope) -> None:
+            self.calls.append(call)
+            await self.bus.publish(
+                subjects.TOOL_RETURN,
+                ev.ToolReturn(
+                    call_id=call.call_id,
+                    trajectory_id=call.trajectory_id,
+                    tool=call.tool,
+                    status="ok",
+                    payload=json.dumps({"result": "5"}),
+                    size_class="small",
+                ),
+            )
+
+        await self.bus.subscribe(f"{subjects.TURN_REQUEST}.{ENGINE}", ev.TurnRequest, on_request)
+        await self.bus.subscribe(subjects.TOOL_CALL, ev.ToolCall, on_call)
+        self.bus.spawn(self._report())
+
+    async def _report(self) -> None:
+        while True:
+            load = ev.EngineLoad(
+                engine_id=ENGINE, bucket="short", capacity_seqs=4, request_ids=sorted(self.held)
+            )
+            await self.bus.publish(subjects.ENGINE_LOAD, load)
+            await asyncio.sleep(0.3)
+
+    @staticmethod
+    def result(req: ev.TurnRequest, text: str, **kw: Any) -> ev.TurnResult:
+        tokens = [200 + i for i in range(4)]
+        base: dict[str, Any] = dict(
+            request_id=req.request_id,
+            trajectory_id=req.trajectory_id,
+            engine_id=ENGINE,
+            token_ids=tokens,
+            logprobs=[-0.5] * len(tokens),
+            text=text,
+            finish_reason="stop",
+            policy_version=0,
+            temperature=req.temperature,
+            context_tokens=len(req.context_token_ids),
+        )
+        base.update(kw)
+        return ev.TurnResult(**base)
+
+    def normal(self, req: ev.TurnRequest) -> ev.TurnResult:
+        """First turn calls the calculator, the second answers."""
+        return self.result(req, CALL if req.turn_index == 0 else ANSWER)
+
+    async def completed(self, bus: Bus, n: int, timeout: float = 60) -> list[ev.CompletedTrajectory]:
+        stream = await bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
+        sub = await bus.pull_consumer(subjects.TRAJ_COMPLETED, durable="test-reader", stream=stream)
+        out: dict[str, ev.CompletedTrajectory] = {}
+        async with asyncio.timeout(timeout):
+            while len(out) < n:
+                for msg, raw in await bus.fetch(sub, ev.CompletedTrajectory, 16, 0.5):
+                    out[msg.trajectory_id] = msg
+                    await raw.ack()
+        return sorted(out.values(), key=lambda t: t.trajectory_id)
+
+
+@pytest.fixture
+async def scheduler(
+    tmp_path: Path, nats_server: Server, redis_server: Server, run_id: str, tiny_model: ModelConfig
+) -> AsyncIterator[tuple[subprocess.Popen[bytes], Harness, Bus]]:
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"What is 2+3? ({i})", "answer": "5"}) + "\n" for i in range(4))
+    )
+    run = {
+        "model": {"source": "tiny-random", "cache_dir": tiny_model.cache_dir},
+        "task": {"dataset": {"path": str(data)}, "num_prompts": 4, "group_size": 2, "max_turns": 3},
+        "rollout": {"engines": 1},
+        "training": {"steps": 2, "groups_per_step": 1, "max_staleness": 1},
+    }
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(run))
+    env = dict(
+        os.environ,
+        LIBRA_NATS_URL=nats_server.url,
+        LIBRA_REDIS_URL=redis_server.url,
+        LIBRA_RUN_ID=run_id,
+        LIBRA_CONFIG=str(cfg),
+        LIBRA_WORKER_ID="scheduler-t1",
+        LIBRA_SCHEDULER_TICK_S="0.05",
+        LIBRA_SCHEDULER_LOST_TURN_GRACE_S="0.5",
+        LIBRA_SCHEDULER_TURN_TIMEOUT_S="3",
+        HF_HUB_OFFLINE="1",
+    )
+    bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
+    harness = Harness(bus)
+    await harness.start()
+    await bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
+    plan = ev.Plan(
+        plan_version=1,
+        assignments=[ev.Assignment(worker_id=ENGINE, role="rollout", bucket="short", fencing_token=1)],
+    )
+    await bus.publish_durable(subjects.PLAN, plan, msg_id=f"{run_id}-plan-1")
+    log = open(tmp_path / "scheduler.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.scheduler"], cwd=ROOT, env=env, stdout=log, stderr=log
+    )
+    try:
+        yield proc, harness, bus
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        await bus.close()
+        log.close()
+        if proc.returncode not in (0, -signal.SIGTERM):
+            print((tmp_path / "scheduler.log").read_text()[-4000:])
+
+
+async def stats(bus: Bus, completed: int) -> ev.SchedulerStats:
+    """The scheduler's stats once it counts `completed` trajectories (it counts one just after the
+    stream has it)."""
+    async with asyncio.timeout(10):
+        while True:
+            s = await bus.request(subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, timeout=10)
+            if s.trajectories_completed >= completed:
+                return s
+            await asyncio.sleep(0.1)
+
+
+async def test_turns_tools_and_completion_reach_the_trainer_within_the_staleness_budget(
+    scheduler: Any,
+) -> None:
+    proc, h, bus = scheduler
+    done = await h.completed(bus, 4)  # (max_staleness 1 + 1) x 1 group per step x 2 samples
+    for t in done:
+        assert t.finish == "answer" and t.num_turns == 2 and list(t.tool_statuses) == ["ok"]
+        assert t.reward > 1.0 - 1e-9  # the right answer, plus the bonus for a working tool
+        generated = [s for s in t.segments if s.generated]
+        assert [list(s.token_ids) for s in generated] == [[200, 201, 202, 203]] * 2
+        assert all(s.temperature == 1.0 and s.policy_version == 0 for s in generated)
+        assert not t.HasField("failure")
+    assert {t.group_id for t in done} == {done[0].group_id, done[-1].group_id} and len(done) == 4
+    assert len(h.calls) == 4 and {c.tool for c in h.calls} == {"calculator"}
+    # nothing trained yet: the feed holds the third group back (the staleness budget)
+    await asyncio.sleep(1.0)
+    s = await stats(bus, 4)
+    assert (s.trajectories_completed, s.trajectories_in_flight, s.groups_launched) == (4, 0, 2)
+    assert s.turns == 8 and s.tool_calls_by_status["ok"] == 4 and s.engines == [ENGINE]
+    assert proc.poll() is None
+
+
+async def test_lost_and_malformed_turns_are_sent_again_and_bad_input_changes_nothing(scheduler: Any) -> None:
+    proc, h, bus = scheduler
+    seen: dict[str, int] = {}
+
+    def flaky(req: ev.TurnRequest) -> ev.TurnResult | None:
+        key = f"{req.trajectory_id}/{req.turn_index}"
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] == 1 and req.turn_index == 0:
+            # the first attempt of every first turn is lost; the engine's reports never name it
+            return None
+        if seen[key] == 2 and req.turn_index == 0:
+            return h.result(req, CALL, logprobs=[-0.5])  # one logprob for four tokens
+        return h.normal(req)
+
+    h.answer = flaky
+    await bus.nc.publish(bus.subject(subjects.TURN_RESULT), b"\xff\x00garbage")
+    done = await h.completed(bus, 4, timeout=90)
+    assert all(t.finish == "answer" and not t.HasField("failure") for t in done)
+    first_turns = [r for r in h.requests if r.turn_index == 0]
+    assert len(first_turns) == 12  # lost, malformed, answered: three requests per trajectory
+    assert len({r.request_id for r in first_turns}) == 12
+    s = await stats(bus, 4)
+    assert s.trajectories_failed == 0 and s.turns == 8
+    assert proc.poll() is None
+
+
+async def test_an_engine_that_never_answers_fails_its_trajectories_typed(scheduler: Any) -> None:
+    """Turn retries are bounded: a trajectory whose turns an engine holds and never answers ends
+    as failed (`engine_unavailable`), is handed to the trainer as such, and the scheduler keeps
+    serving."""
+    proc, h, bus = scheduler
+    h.hold = True
+    done = await h.completed(bus, 4, timeout=120)
+    for t in done:
+        assert t.finish == "error" and t.failure.code == "engine_unavailable"
+        assert not any(s.generated for s in t.segments)
+    assert len(h.requests) == 12  # the turn timeout, twice retried, for each of the four
+    s = await stats(bus, 4)
+    assert s.trajectories_failed == 4 and s.failures_by_code["engine_unavailable"] == 4
+    assert proc.poll() is None
