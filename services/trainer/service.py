@@ -12,9 +12,7 @@ import asyncio
 import contextlib
 import statistics
 import time
-from collections import OrderedDict
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -23,20 +21,20 @@ from services.common import control, subjects
 from services.common.bus import Bus
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
-from services.common.errors import DurableStateLost, InvalidMessage
 from services.common.logging import get_logger
-from services.common.membership import SERVING_ROLES, TRAINER_ROLE, Membership
+from services.common.membership import Membership
 from services.common.metrics import trainer_metrics
-from services.common.ownership import OwnershipStore, trained_key
+from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
-from services.common.tasks import retry_pause
-from services.common.tracing import extract_context, tracer
-from services.learning.data import to_sample, validate
-from services.learning.snapshot import Snapshot
-from services.trainer.batcher import GroupBuffer, Pending
+from services.common.tracing import tracer
+from services.learning.data import to_sample
+from services.trainer.batcher import Pending
 from services.trainer.config import TrainerSettings
+from services.trainer.distribution import WeightDistribution
 from services.trainer.hybrid_host import HybridHost
-from services.trainer.weight_push import PushResult, WeightPusher
+from services.trainer.intake import Intake
+from services.trainer.leadership import Leadership
+from services.trainer.weight_push import WeightPusher
 
 if TYPE_CHECKING:
     from services.learning.learner import Learner
@@ -44,6 +42,10 @@ if TYPE_CHECKING:
 
 
 class TrainerService:
+    """The exactly-once order of one step: take complete groups, train, checkpoint, fenced commit,
+    ack, push. Deliveries in are the intake's (`intake.py`), the lease and the commit record the
+    leadership's (`leadership.py`), weights out the distribution's (`distribution.py`)."""
+
     def __init__(
         self,
         common: CommonSettings,
@@ -60,34 +62,11 @@ class TrainerService:
         self.run = run
         self.learner = learner
         self.bus = bus
-        self.store = store
         self.membership = membership
-        self.pusher = pusher
-        self.buffer: GroupBuffer[Msg] = GroupBuffer(run.training.max_staleness)
         self.log = get_logger(component="trainer")
-        self.psub: Any = None
-        self.snap: Snapshot | None = None
-        """The current version's weights as pushed (taken right after its commit)."""
-        self.base: Snapshot | None = None
-        """The last version engines took: sparse deltas are taken from it."""
-        self._want_push = asyncio.Event()
-        self._pushing = asyncio.Lock()
-        self._push_parent: Any = None
-        """The trace context of the step whose version the next push carries (None: a resync)."""
-        self.synced: dict[str, int] = {}
         self.last_metrics: ev.TrainMetrics | None = None
         self.done_published = False
         self._last_resync = float("-inf")
-        self._leader: bool | None = None
-        self._epoch = -1
-        """The fencing token under which this trainer last adopted the commit record."""
-        self.decided: OrderedDict[str, None] = OrderedDict()
-        self.stepping: list[Pending[Msg]] = []
-        self.counts = {"trained": 0, "duplicate": 0, "stale": 0, "invalid": 0, "failed": 0, "filtered": 0}
-        self.filtered_this_step = 0
-        """Zero-advantage groups filtered since the last committed step (training.filter_budget)."""
-        self.filtered_rewards: list[float] = []
-        """...and their trajectories' rewards (the step's sampled reward counts them)."""
         emulated = run.training.backend == "emulated"
         self.hybrid = HybridHost(
             settings,
@@ -103,6 +82,13 @@ class TrainerService:
                 else ""
             ),
         )
+        self.intake = Intake(common.run_id, run, settings, bus, store, learner)
+        self.lead: Leadership = Leadership(
+            bus, store, membership, learner, self.hybrid, rolled_back=lambda: self.weights.forget()
+        )
+        self.weights: WeightDistribution = WeightDistribution(
+            run, bus, membership, learner, pusher, lambda: self.lead.leading, lambda: self.lead.token
+        )
 
     @property
     def version(self) -> int:
@@ -113,42 +99,28 @@ class TrainerService:
         return self.learner.state.step >= self.run.training.steps
 
     async def open_consumer(self) -> None:
-        await self.bus.ensure_stream("GROUPS", [subjects.GROUP_OUTCOME])
-        stream = await self.bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
-        self.psub = await self.bus.pull_consumer(
-            subjects.TRAJ_COMPLETED, durable="trainer", stream=stream, ack_wait_s=self.settings.ack_wait_s
-        )
+        await self.intake.open()
 
     async def run_until(self, stop: asyncio.Event) -> None:
         if not await self._await_assignment(stop):
             return
-        self.bus.spawn(self._keep_deliveries())
-        self.bus.spawn(self._push_loop())
+        self.bus.spawn(self.intake.keep_deliveries())
+        self.bus.spawn(self.weights.push_loop())
         await self.hybrid.start()
         try:
             while not stop.is_set():
                 if not self.finished:
                     await self._train_once(stop)
                 else:
-                    await self._hand_back(self.buffer.drain())
+                    await self.intake.hand_back(self.intake.buffer.drain())
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), self.settings.idle_poll_s)
                 if not stop.is_set():
                     await self._resync()
                     await self._step_boundary()
         finally:
-            await self._hand_back(self.buffer.drain())
+            await self.intake.hand_back(self.intake.buffer.drain())
             await self.hybrid.close()
-
-    async def _keep_deliveries(self) -> None:
-        """Tells JetStream that every delivery this trainer holds (buffered, or in the step being
-        trained) is still being worked on, so only a dead trainer's deliveries are redelivered."""
-        while True:
-            await asyncio.sleep(self.settings.ack_wait_s / 3)
-            held = [p for g in self.buffer.groups.values() for p in g.values()] + self.stepping
-            for p in held:
-                for h in p.handles:
-                    await _settle(h.in_progress())
 
     async def _await_assignment(self, stop: asyncio.Event) -> bool:
         waited = 0.0
@@ -166,35 +138,25 @@ class TrainerService:
                 waited = 0.0
         return False
 
-    def _fencing_token(self) -> int:
-        a = self.membership.assignment
-        return a.fencing_token if a is not None else 0
-
     async def _train_once(self, stop: asyncio.Event) -> None:
-        if not self.membership.holds_lease() or not await self._lease_current():
-            await self._hand_back(self.buffer.drain())
+        if not await self.lead.holds():
+            await self.intake.hand_back(self.intake.buffer.drain())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.settings.idle_poll_s)
             return
-        token = self._fencing_token()
-        if token != self._epoch:  # a new epoch (first assignment, a restart, a takeover)
-            if not await self._adopt_committed(stop):
-                return
-            self._epoch = token
+        if not await self.lead.adopt(stop):
+            return
         try:
-            fetched = await self.bus.fetch(
-                self.psub, ev.CompletedTrajectory, self.settings.fetch_batch, self.settings.idle_poll_s
-            )
+            fetched = await self.intake.fetch()
         except Exception as err:  # NATS reconnecting: what is buffered stays, deliveries come back
             self.log.warning("fetch_failed", error=f"{type(err).__name__}: {err}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.settings.idle_poll_s)
             return
-        await self._admit(fetched)
+        await self.intake.admit(fetched)
         while not self.finished and not stop.is_set():
-            await self._filter_uninformative()
-            groups, stale = self.buffer.take(self.run.training.groups_per_step, self.version)
-            await self._drop_stale(stale)
+            await self.intake.filter_uninformative()
+            groups = await self.intake.take()
             if not groups:
                 break
             await self._step_boundary()  # hybrid workers join and leave between two steps
@@ -202,12 +164,11 @@ class TrainerService:
         self._show_progress()
 
     async def _step_boundary(self) -> None:
-        leading = bool(self._leader) and self._epoch == self._fencing_token()
-        await self.hybrid.tick(leading and not self.finished, self._fencing_token())
+        await self.hybrid.tick(self.lead.leading and not self.finished, self.lead.token)
 
     def _show_progress(self, assigned: bool = True) -> None:
         """What a watcher of the job sees of this trainer (the stall report's trainer section)."""
-        waiting = self.buffer.waiting()
+        waiting = self.intake.buffer.waiting()
         control.set_detail(
             assigned=assigned,
             step=self.learner.state.step,
@@ -215,141 +176,16 @@ class TrainerService:
             groups_buffered=len(waiting),
             groups_complete=sum(have >= size for _, have, size in waiting),
             waiting_groups=", ".join(f"{g} {have}/{size}" for g, have, size in waiting[:10]),
-            **{f"trajectories_{k}": v for k, v in self.counts.items()},
+            **{f"trajectories_{k}": v for k, v in self.intake.counts.items()},
         )
-
-    async def _lease_current(self) -> bool:
-        try:
-            ok = await self.store.is_current(TRAINER_ROLE, self._fencing_token())
-        except Exception as err:  # Redis unreachable: keep the loop alive, try again next round
-            self.log.warning("lease_check_failed", error=str(err))
-            return False
-        if ok != self._leader:
-            self.log.log(
-                20 if ok else 30,
-                "lease_current" if ok else "lease_not_current",
-                fencing_token=self._fencing_token(),
-            )
-            self._leader = ok
-        return ok
-
-    async def _admit(self, fetched: list[tuple[ev.CompletedTrajectory, Msg]]) -> None:
-        if not fetched:
-            return
-        in_redis = await self._known_in_redis([t.trajectory_id for t, _ in fetched])
-        for (traj, raw), known in zip(fetched, in_redis, strict=True):
-            tid = traj.trajectory_id
-            if traj.HasField("failure") and traj.failure.code and traj.group_id:
-                self.counts["failed"] += 1
-                self.log.info("trajectory_failed", trajectory_id=tid, code=traj.failure.code)
-                await self._drop_group(traj.group_id, "failed", f"{tid}: {traj.failure.message}", [raw])
-                continue
-            try:
-                validate(traj, self.learner.vocab_size)
-            except InvalidMessage as err:
-                self.counts["invalid"] += 1
-                await self.bus.report_error(raw.subject, err.code, f"trajectory {tid!r}: {err}")
-                await _settle(raw.term())  # changes nothing else: a forged one must not cost a real group
-                continue
-            if known or tid in self.learner.state.trained_ids:
-                self.counts["duplicate"] += 1
-                self.log.info("trajectory_duplicate", trajectory_id=tid)
-                await _settle(raw.ack())
-                continue
-            adm = self.buffer.add(traj, raw, self.version, extract_context(raw.headers))
-            if adm.outcome == "stale":
-                await self._drop_stale(adm.released)
-
-    async def _known_in_redis(self, ids: list[str]) -> list[bool]:
-        try:
-            found = await self.store.r.smismember(trained_key(self.common.run_id), ids)
-            return [bool(x) for x in found]
-        except Exception as err:  # the checkpoint's ids still guard against retraining
-            self.log.warning("trained_set_unavailable", error=str(err))
-            return [False] * len(ids)
-
-    async def _drop_group(self, group_id: str, outcome: str, reason: str, extra: list[Msg]) -> None:
-        """Drops a group that cannot be trained (acking what arrived of it) and reports its outcome."""
-        dropped = self.buffer.drop(group_id)
-        for p in dropped:
-            for h in p.handles:
-                await _settle(h.ack())
-        for raw in extra:
-            await _settle(raw.ack())
-        await self._outcome(group_id, outcome, reason, len(dropped) + len(extra))
-
-    async def _outcome(self, group_id: str, outcome: str, reason: str = "", members: int = 0) -> None:
-        """Publishes a group's one outcome; later members of a decided group change nothing."""
-        if group_id in self.decided:
-            return
-        self.decided[group_id] = None
-        while len(self.decided) > 100_000:
-            self.decided.popitem(last=False)
-        msg = ev.GroupOutcome(
-            group_id=group_id,
-            outcome=outcome,
-            reason=reason[:500],
-            trajectories=members,
-            weight_version=self.version,
-            train_step=self.learner.state.step if outcome == "trained" else 0,
-        )
-        self.log.info("group_outcome", group_id=group_id, outcome=outcome, reason=reason[:200])
-        self.bus.spawn(self._publish_outcome(msg))
-
-    async def _publish_outcome(self, msg: ev.GroupOutcome) -> None:
-        """Until JetStream has it (the feed replaces a group only on its outcome); in the background,
-        so a NATS outage does not stop training. The msg id makes every resend safe."""
-        await self.bus.publish_durable_until_stored(
-            subjects.GROUP_OUTCOME, msg, msg_id=f"{msg.group_id}:{msg.outcome}"
-        )
-
-    async def _drop_stale(self, pendings: list[Pending[Msg]]) -> None:
-        groups: dict[str, int] = {}
-        for p in pendings:
-            groups[p.traj.group_id] = groups.get(p.traj.group_id, 0) + 1
-            self.counts["stale"] += 1
-            self.log.info(
-                "trajectory_stale",
-                trajectory_id=p.traj.trajectory_id,
-                policy_version=p.traj.min_policy_version,
-                weight_version=self.version,
-            )
-            for h in p.handles:
-                await _settle(h.ack())
-        for gid, members in groups.items():
-            await self._outcome(gid, "stale", f"older than max_staleness at version {self.version}", members)
-
-    async def _filter_uninformative(self) -> None:
-        """Drops complete zero-advantage groups within this step's budget (the feed replaces them)."""
-        if not self.run.filters_zero_advantage:
-            return
-        left = self.run.training.filter_limit - self.filtered_this_step
-        for group in self.buffer.filter_uninformative(max(0, left)):
-            self.filtered_this_step += 1
-            self.counts["filtered"] += len(group)
-            self.filtered_rewards.extend(p.traj.reward for p in group)
-            for p in group:
-                for h in p.handles:
-                    await _settle(h.ack())
-            first = group[0].traj
-            await self._outcome(
-                first.group_id, "filtered", f"all {len(group)} rewards equal ({first.reward:g})", len(group)
-            )
-
-    async def _hand_back(self, pendings: list[Pending[Msg]]) -> None:
-        """Naks un-trained deliveries so JetStream redelivers them now rather than after ack_wait."""
-        for p in pendings:
-            for h in p.handles:
-                await _settle(h.nak())
 
     async def _step(self, groups: list[list[Pending[Msg]]], stop: asyncio.Event) -> None:
-
         pendings = [p for g in groups for p in g]
-        self.stepping = pendings
+        self.intake.stepping = pendings
         try:
             await self._step_groups(groups, pendings, stop)
         finally:
-            self.stepping = []
+            self.intake.stepping = []
 
     async def _step_groups(
         self, groups: list[list[Pending[Msg]]], pendings: list[Pending[Msg]], stop: asyncio.Event
@@ -369,27 +205,19 @@ class TrainerService:
                 group = self.hybrid.group if self.hybrid.members else None
                 stats = await asyncio.to_thread(self.learner.step, samples, stop.is_set, group)
                 self.hybrid.stepped(self.learner.group_error)
-                path = await asyncio.to_thread(self.learner.commit, ids, self._fencing_token())
+                path = await asyncio.to_thread(self.learner.commit, ids, self.lead.token)
             except StepAborted:
                 self.log.info("train_step_abandoned", trajectories=len(pendings))
-                await self._hand_back(pendings)
+                await self.intake.hand_back(pendings)
                 return
             except BaseException:
-                await self._hand_back(pendings)
+                await self.intake.hand_back(pendings)
                 raise
-            if not await self._record_commit(ids, str(path), stop):
-                await self._hand_back(pendings)
-                await self._roll_back()
+            if not await self.lead.record_commit(ids, str(path), stop):
+                await self.intake.hand_back(pendings)
+                await self.lead.roll_back()
                 return
-            filtered, self.filtered_this_step = self.filtered_this_step, 0
-            sampled = [p.traj.reward for p in pendings] + self.filtered_rewards
-            self.filtered_rewards = []
-            for g in groups:
-                await self._outcome(g[0].traj.group_id, "trained", members=len(g))
-            for p in pendings:
-                for h in p.handles:
-                    await _settle(h.ack())
-            self.counts["trained"] += len(pendings)
+            filtered, sampled = await self.intake.trained(groups)
             every = self.run.training.save_every
             if every and self.learner.state.step % every == 0 and self.run.training.backend != "emulated":
                 saved = await asyncio.to_thread(self.learner.save_policy, self.common.run_id)
@@ -415,177 +243,16 @@ class TrainerService:
                 policy_versions=list(stats.policy_versions),
                 data_parallel=stats.data_parallel,
             )
-            # the push streams in the background while the next step trains; the snapshot is
-            # taken first, so the step cannot change what is being pushed
-            self.snap = await asyncio.to_thread(self.learner.snapshot)
+            # the push streams in the background while the next step trains
+            await self.weights.snapshot()
             if not stop.is_set():
-                self._push_parent = trace.set_span_in_context(span)  # weights.push: a child of this step
-                self._want_push.set()
+                self.weights.request(trace.set_span_in_context(span))
         await self._publish_step(stats, 0.0, 0, filtered, sampled)
-
-    async def _roll_back(self, record: dict[str, str] | None = None) -> None:
-        """Back to (or, for a standby taking over, on to) the step the job's commit record holds."""
-        try:
-            record = record if record is not None else await self.store.committed()
-        except Exception as err:
-            self.log.error("rollback_failed", error=str(err))
-            return
-        step, named = int(record.get("step", 0)), record.get("checkpoint", "")
-        await self.hybrid.close()  # its members hold weights this trainer is about to drop
-        path = await asyncio.to_thread(self.learner.rollback, step, named)
-        self.snap = self.base = None
-        self.log.warning(
-            "rolled_back", step=self.learner.state.step, checkpoint=str(path or "initial weights")
-        )
-
-    async def _adopt_committed(self, stop: asyncio.Event) -> bool:
-        """The job's progress is the commit record's: a trainer that starts, restarts or takes over
-        from another loads the checkpoint the record names unless that is what it holds (checkpoints
-        the record does not cover are not the job's). Waits out a Redis outage; False if stopped."""
-        attempt = 0
-        record: dict[str, str] | None = None
-        while record is None:
-            if stop.is_set():
-                return False
-            try:
-                record = await self.store.committed()
-            except Exception as err:
-                attempt += 1
-                self.log.warning("commit_record_unreadable", error=str(err), attempt=attempt)
-                await retry_pause(attempt)
-        step, named = int(record.get("step", 0)), record.get("checkpoint", "")
-        if step > 0 and named and not Path(named).exists():
-            raise DurableStateLost(
-                f"the commit record says step {step} is committed in {named}, which is not there (the "
-                "checkpoint directory was lost, or is not shared with this trainer): not training on "
-                "from older weights"
-            )
-        holds = self.learner.state.step == step and (
-            not named or (self.learner.loaded is not None and str(self.learner.loaded) == named)
-        )
-        if not holds:
-            await self._roll_back(record)
-        return True
-
-    async def _record_commit(self, ids: set[str], checkpoint: str, stop: asyncio.Event | None = None) -> bool:
-        """Records the committed step in Redis (the job's authoritative progress) under the lease.
-
-        False when the lease moved on: this trainer must not ack what it trained. Redis away is
-        waited out (with a backoff of at most 5 s): nothing is acked before the record holds the
-        step; stopping meanwhile counts as not committed, and the step is rolled back.
-        """
-        state = self.learner.state
-        token = self._fencing_token()
-        record: dict[str, str | int] = {
-            "step": state.step,
-            "version": state.version,
-            "checkpoint": checkpoint,
-            "trained": len(state.trained_ids),
-            "worker_id": self.bus.worker_id,
-            "fencing_token": token,
-        }
-        attempt = 0
-        while True:
-            try:
-                if attempt and await self._already_committed(state.step, token):
-                    return True  # the earlier attempt reached Redis; only its answer was lost
-                ok = await self.store.fenced_commit(TRAINER_ROLE, token, record, ids)
-                break
-            except Exception as err:
-                attempt += 1
-                self.log.warning("commit_record_failed", error=str(err), attempt=attempt)
-                if stop is not None and stop.is_set():
-                    return False
-                await retry_pause(attempt)
-        if not ok:
-            self.log.error("commit_refused", step=state.step, fencing_token=token, reason="lease lost")
-        return ok
-
-    async def _already_committed(self, step: int, token: int) -> bool:
-        record = await self.store.committed()
-        return record.get("step") == str(step) and record.get("fencing_token") == str(token)
-
-    async def _push_loop(self) -> None:
-        """Pushes the newest version to the engines that lack it whenever asked (after a commit,
-        or by the resync); one push at a time, and a version superseded while waiting is skipped."""
-        while True:
-            await self._want_push.wait()
-            self._want_push.clear()
-            try:
-                await self._push_current(only_missing=True)
-            except Exception:  # a push must never end the loop: the resync asks again
-                self.log.exception("weights_push_error")
-
-    async def _push_current(self, only_missing: bool = False) -> tuple[float, int, dict[str, PushResult]]:
-        """Pushes the current version to the plan's engines (or those lacking it) under `weights.push`."""
-        if not self._leader or self._epoch != self._fencing_token():
-            return 0.0, 0, {}
-        addrs = [a.weight_sync_addr for a in self.membership.peers(*SERVING_ROLES) if a.weight_sync_addr]
-        if only_missing:
-            addrs = [a for a in addrs if self.synced.get(a) != self.version]
-        if not addrs or self.version == 0:
-            return 0.0, 0, {}
-        async with self._pushing:
-            if self.snap is None or self.snap.version != self.version:
-                self.snap = await asyncio.to_thread(self.learner.snapshot)
-            snap = self.snap
-            base = self.base if self.run.training.push_delta and self.base is not None else None
-            parent, self._push_parent = self._push_parent, None
-            with tracer().start_as_current_span("weights.push", context=parent) as span:
-                start = time.perf_counter()
-                results = await self.pusher.push(snap, self._fencing_token(), addrs, base)
-                seconds = time.perf_counter() - start
-                for addr, r in results.items():
-                    if r.in_sync:
-                        self.synced[addr] = snap.version
-                if any(r.in_sync for r in results.values()):
-                    self.base = snap
-                cost = self.pusher.last
-                span.set_attribute("libra.weight_version", snap.version)
-                span.set_attribute("libra.push_bytes", cost.uploaded)
-                span.set_attribute("libra.delta_bytes", cost.delta_bytes)
-                span.set_attribute("libra.engines_in_sync", sum(r.in_sync for r in results.values()))
-        trainer_metrics().push_seconds.observe(seconds)
-        trainer_metrics().push_bytes.inc(cost.uploaded)
-        self.log.info(
-            "weights_pushed",
-            policy_version=snap.version,
-            engines=len(addrs),
-            in_sync=sum(r.in_sync for r in results.values()),
-            size_bytes=snap.nbytes,
-            uploaded_bytes=cost.uploaded,
-            delta_bytes=cost.delta_bytes,
-            delta_engines=cost.delta_engines,
-            push_s=round(seconds, 3),
-        )
-        applied = sorted(a for a, r in results.items() if r.in_sync and r.code != "stale_version")
-        if applied:
-            await self.bus.publish(
-                subjects.WEIGHTS_UPDATED,
-                ev.WeightsUpdated(
-                    version=snap.version,
-                    checksum=snap.checksum,
-                    size_bytes=snap.nbytes,
-                    push_s=seconds,
-                    engines=applied,
-                    train_step=self.learner.state.step,
-                    uploaded_bytes=cost.uploaded,
-                    delta_bytes=cost.delta_bytes,
-                    delta_engines=cost.delta_engines,
-                    dtype=snap.dtype,
-                    relayed_engines=sum(1 for a in applied if results[a].via),
-                ),
-            )
-        return seconds, cost.uploaded, results
-
-    def _all_engines_synced(self) -> bool:
-        addrs = [a.weight_sync_addr for a in self.membership.peers(*SERVING_ROLES) if a.weight_sync_addr]
-        return all(self.synced.get(a) == self.version for a in addrs)
 
     async def _publish_step(
         self, stats: StepStats, push_s: float, push_bytes: int, filtered: int, sampled: list[float]
     ) -> None:
-        done = self.finished and self._all_engines_synced()
+        done = self.finished and self.weights.all_synced()
         self.last_metrics = ev.TrainMetrics(
             step=self.learner.state.step,
             weight_version=self.version,
@@ -601,7 +268,7 @@ class TrainerService:
             push_bytes=push_bytes,
             done=done,
             data_parallel=stats.data_parallel,
-            groups_ready=await self._groups_ready(),
+            groups_ready=await self.intake.groups_ready(),
             entropy=stats.entropy,
             is_weight_mean=stats.is_weight_mean,
             is_weight_max=stats.is_weight_max,
@@ -644,34 +311,17 @@ class TrainerService:
                 )
                 child.end()
 
-    async def _groups_ready(self) -> int:
-        """Complete groups this trainer could step on next: those buffered, plus what waits in
-        JetStream undelivered (whole groups, roughly: their members complete close together). The
-        planner's hybrid pool reads it as "training is the bottleneck" when it covers a step."""
-        buffered = sum(have >= size for _, have, size in self.buffer.waiting())
-        try:
-            pending = int((await self.psub.consumer_info()).num_pending or 0)
-        except Exception:  # NATS away: the buffer alone
-            pending = 0
-        return buffered + pending // max(1, self.run.task.group_size)
-
     async def _resync(self) -> None:
         """Brings engines that lack the current weights up to date; then, if finished, announces done.
         Only the trainer holding the role does: a standby's weights are not the job's."""
-        if not self._leader or self._epoch != self._fencing_token():
+        if not self.lead.leading:
             return
         now = time.monotonic()
         if now - self._last_resync < self.settings.resync_interval_s:
             return
         self._last_resync = now
-        if self.version > 0:
-            # what the engines say, not what this trainer remembers pushing: an engine restarted at
-            # the same address (a pod keeps its name and port) is back at version 0
-            addrs = [a.weight_sync_addr for a in self.membership.peers(*SERVING_ROLES) if a.weight_sync_addr]
-            self.synced.update(await self.pusher.versions(addrs))
-            if not self._all_engines_synced():
-                self._want_push.set()
-        if self.finished and not self.done_published and self._all_engines_synced():
+        await self.weights.refresh()
+        if self.finished and not self.done_published and self.weights.all_synced():
             final = ev.TrainMetrics()
             if self.last_metrics is not None:
                 final.CopyFrom(self.last_metrics)
@@ -682,14 +332,8 @@ class TrainerService:
     def _announce_done(self) -> None:
         self.done_published = True
         self.log.info(
-            "training_done", step=self.learner.state.step, policy_version=self.version, **self.counts
+            "training_done", step=self.learner.state.step, policy_version=self.version, **self.intake.counts
         )
-
-
-async def _settle(op: Any) -> None:
-    """Acks/naks/terms a delivery; a failure only means JetStream redelivers it, which dedupe absorbs."""
-    with contextlib.suppress(Exception):
-        await op
 
 
 async def serve(

@@ -1,0 +1,226 @@
+"""Completed trajectories in: each delivery from the TRAJ stream is admitted into a group, or
+settled with its group's one outcome (failed, stale, filtered, duplicate, invalid) published for
+the scheduler's feed. A delivery is acked only when its fate is final; this trainer's held ones are
+kept alive, and handed back (nak) when it stops stepping."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from nats.aio.msg import Msg
+
+from services.common import subjects
+from services.common.bus import Bus
+from services.common.contracts import ev
+from services.common.errors import InvalidMessage
+from services.common.logging import get_logger
+from services.common.ownership import OwnershipStore, trained_key
+from services.common.runconfig import RunConfig
+from services.common.tracing import extract_context
+from services.learning.data import validate
+from services.trainer.batcher import GroupBuffer, Pending
+from services.trainer.config import TrainerSettings
+
+if TYPE_CHECKING:
+    from services.learning.learner import Learner
+
+
+async def settle(op: Any) -> None:
+    """Acks/naks/terms a delivery; a failure only means JetStream redelivers it, which dedupe absorbs."""
+    with contextlib.suppress(Exception):
+        await op
+
+
+class Intake:
+    def __init__(
+        self,
+        run_id: str,
+        run: RunConfig,
+        settings: TrainerSettings,
+        bus: Bus,
+        store: OwnershipStore,
+        learner: Learner,
+    ):
+        self.run_id, self.run, self.settings = run_id, run, settings
+        self.bus, self.store, self.learner = bus, store, learner
+        self.log = get_logger(component="trainer")
+        self.psub: Any = None
+        self.buffer: GroupBuffer[Msg] = GroupBuffer(run.training.max_staleness)
+        self.decided: OrderedDict[str, None] = OrderedDict()
+        self.stepping: list[Pending[Msg]] = []
+        """The deliveries of the step being trained."""
+        self.counts = {"trained": 0, "duplicate": 0, "stale": 0, "invalid": 0, "failed": 0, "filtered": 0}
+        self.filtered_this_step = 0
+        """Zero-advantage groups filtered since the last committed step (training.filter_budget)."""
+        self.filtered_rewards: list[float] = []
+        """...and their trajectories' rewards (the step's sampled reward counts them)."""
+
+    @property
+    def version(self) -> int:
+        return self.learner.state.version
+
+    async def open(self) -> None:
+        await self.bus.ensure_stream("GROUPS", [subjects.GROUP_OUTCOME])
+        stream = await self.bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
+        self.psub = await self.bus.pull_consumer(
+            subjects.TRAJ_COMPLETED, durable="trainer", stream=stream, ack_wait_s=self.settings.ack_wait_s
+        )
+
+    async def fetch(self) -> list[tuple[ev.CompletedTrajectory, Msg]]:
+        return await self.bus.fetch(
+            self.psub, ev.CompletedTrajectory, self.settings.fetch_batch, self.settings.idle_poll_s
+        )
+
+    async def keep_deliveries(self) -> None:
+        """Tells JetStream that every delivery this trainer holds (buffered, or in the step being
+        trained) is still being worked on, so only a dead trainer's deliveries are redelivered."""
+        while True:
+            await asyncio.sleep(self.settings.ack_wait_s / 3)
+            held = [p for g in self.buffer.groups.values() for p in g.values()] + self.stepping
+            for p in held:
+                for h in p.handles:
+                    await settle(h.in_progress())
+
+    async def admit(self, fetched: list[tuple[ev.CompletedTrajectory, Msg]]) -> None:
+        if not fetched:
+            return
+        in_redis = await self._known_in_redis([t.trajectory_id for t, _ in fetched])
+        for (traj, raw), known in zip(fetched, in_redis, strict=True):
+            tid = traj.trajectory_id
+            if traj.HasField("failure") and traj.failure.code and traj.group_id:
+                self.counts["failed"] += 1
+                self.log.info("trajectory_failed", trajectory_id=tid, code=traj.failure.code)
+                await self._drop_group(traj.group_id, "failed", f"{tid}: {traj.failure.message}", [raw])
+                continue
+            try:
+                validate(traj, self.learner.vocab_size)
+            except InvalidMessage as err:
+                self.counts["invalid"] += 1
+                await self.bus.report_error(raw.subject, err.code, f"trajectory {tid!r}: {err}")
+                await settle(raw.term())  # changes nothing else: a forged one must not cost a real group
+                continue
+            if known or tid in self.learner.state.trained_ids:
+                self.counts["duplicate"] += 1
+                self.log.info("trajectory_duplicate", trajectory_id=tid)
+                await settle(raw.ack())
+                continue
+            adm = self.buffer.add(traj, raw, self.version, extract_context(raw.headers))
+            if adm.outcome == "stale":
+                await self.drop_stale(adm.released)
+
+    async def _known_in_redis(self, ids: list[str]) -> list[bool]:
+        try:
+            found = await self.store.r.smismember(trained_key(self.run_id), ids)
+            return [bool(x) for x in found]
+        except Exception as err:  # the checkpoint's ids still guard against retraining
+            self.log.warning("trained_set_unavailable", error=str(err))
+            return [False] * len(ids)
+
+    async def _drop_group(self, group_id: str, outcome: str, reason: str, extra: list[Msg]) -> None:
+        """Drops a group that cannot be trained (acking what arrived of it) and reports its outcome."""
+        dropped = self.buffer.drop(group_id)
+        for p in dropped:
+            for h in p.handles:
+                await settle(h.ack())
+        for raw in extra:
+            await settle(raw.ack())
+        await self.outcome(group_id, outcome, reason, len(dropped) + len(extra))
+
+    async def outcome(self, group_id: str, outcome: str, reason: str = "", members: int = 0) -> None:
+        """Publishes a group's one outcome; later members of a decided group change nothing."""
+        if group_id in self.decided:
+            return
+        self.decided[group_id] = None
+        while len(self.decided) > 100_000:
+            self.decided.popitem(last=False)
+        msg = ev.GroupOutcome(
+            group_id=group_id,
+            outcome=outcome,
+            reason=reason[:500],
+            trajectories=members,
+            weight_version=self.version,
+            train_step=self.learner.state.step if outcome == "trained" else 0,
+        )
+        self.log.info("group_outcome", group_id=group_id, outcome=outcome, reason=reason[:200])
+        self.bus.spawn(self._publish_outcome(msg))
+
+    async def _publish_outcome(self, msg: ev.GroupOutcome) -> None:
+        """Until JetStream has it (the feed replaces a group only on its outcome); in the background,
+        so a NATS outage does not stop training. The msg id makes every resend safe."""
+        await self.bus.publish_durable_until_stored(
+            subjects.GROUP_OUTCOME, msg, msg_id=f"{msg.group_id}:{msg.outcome}"
+        )
+
+    async def drop_stale(self, pendings: list[Pending[Msg]]) -> None:
+        groups: dict[str, int] = {}
+        for p in pendings:
+            groups[p.traj.group_id] = groups.get(p.traj.group_id, 0) + 1
+            self.counts["stale"] += 1
+            self.log.info(
+                "trajectory_stale",
+                trajectory_id=p.traj.trajectory_id,
+                policy_version=p.traj.min_policy_version,
+                weight_version=self.version,
+            )
+            for h in p.handles:
+                await settle(h.ack())
+        for gid, members in groups.items():
+            await self.outcome(gid, "stale", f"older than max_staleness at version {self.version}", members)
+
+    async def filter_uninformative(self) -> None:
+        """Drops complete zero-advantage groups within this step's budget (the feed replaces them)."""
+        if not self.run.filters_zero_advantage:
+            return
+        left = self.run.training.filter_limit - self.filtered_this_step
+        for group in self.buffer.filter_uninformative(max(0, left)):
+            self.filtered_this_step += 1
+            self.counts["filtered"] += len(group)
+            self.filtered_rewards.extend(p.traj.reward for p in group)
+            for p in group:
+                for h in p.handles:
+                    await settle(h.ack())
+            first = group[0].traj
+            await self.outcome(
+                first.group_id, "filtered", f"all {len(group)} rewards equal ({first.reward:g})", len(group)
+            )
+
+    async def take(self) -> list[list[Pending[Msg]]]:
+        """The next step's groups (none: not enough complete); the too-stale are dropped."""
+        groups, stale = self.buffer.take(self.run.training.groups_per_step, self.version)
+        await self.drop_stale(stale)
+        return groups
+
+    async def trained(self, groups: list[list[Pending[Msg]]]) -> tuple[int, list[float]]:
+        """The step committed: its groups' outcomes out, its deliveries acked. Returns the groups
+        filtered during the step and the rewards of every trajectory it sampled."""
+        filtered, self.filtered_this_step = self.filtered_this_step, 0
+        pendings = [p for g in groups for p in g]
+        sampled = [p.traj.reward for p in pendings] + self.filtered_rewards
+        self.filtered_rewards = []
+        for g in groups:
+            await self.outcome(g[0].traj.group_id, "trained", members=len(g))
+        for p in pendings:
+            for h in p.handles:
+                await settle(h.ack())
+        self.counts["trained"] += len(pendings)
+        return filtered, sampled
+
+    async def hand_back(self, pendings: list[Pending[Msg]]) -> None:
+        """Naks un-trained deliveries so JetStream redelivers them now rather than after ack_wait."""
+        for p in pendings:
+            for h in p.handles:
+                await settle(h.nak())
+
+    async def groups_ready(self) -> int:
+        """Complete groups this trainer could step on next: those buffered, plus what waits in
+        JetStream undelivered (whole groups, roughly: their members complete close together). The
+        planner's hybrid pool reads it as "training is the bottleneck" when it covers a step."""
+        buffered = sum(have >= size for _, have, size in self.buffer.waiting())
+        try:
+            pending = int((await self.psub.consumer_info()).num_pending or 0)
+        except Exception:  # NATS away: the buffer alone
+            pending = 0
+        return buffered + pending // max(1, self.run.task.group_size)
