@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,10 @@ from services.common.localstack import Server
 from services.common.membership import lease_resource
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
+from tests.service_process import service_process
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = "engine-t1"
 TRACE_ID = 0x1234567890ABCDEF1234567890ABCDEF
 
@@ -127,43 +126,27 @@ async def engine(
         LIBRA_ROLLOUT_ENGINE_SEED="0",
         HF_HUB_OFFLINE="1",
     )
-    log = open(tmp_path / "engine.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.rollout_engine"], cwd=ROOT, env=env, stdout=log, stderr=log
-    )
     bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
     store = OwnershipStore.from_url(redis_server.url, run_id)
     harness = Harness(bus)
     await harness.start()
     try:
-        hello = await asyncio.wait_for(harness.hello, 90)
-        assert hello.kind == "rollout-engine" and hello.weight_sync_addr.startswith("127.0.0.1:")
-        lease = await store.acquire(lease_resource("rollout", WORKER), WORKER, 10)
-        assert lease is not None
-        await bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
-        plan = ev.Plan(
-            plan_version=1,
-            assignments=[
-                ev.Assignment(worker_id=WORKER, role="rollout", bucket="short", fencing_token=lease.token)
-            ],
-        )
-        await bus.publish_durable(subjects.PLAN, plan, msg_id=f"{run_id}-plan-1")
-        async with asyncio.timeout(30):
-            while not harness.loads:
-                await asyncio.sleep(0.05)
-        yield proc, harness
+        with service_process("services.rollout_engine", env, tmp_path / "engine.log") as proc:
+            hello = await asyncio.wait_for(harness.hello, 90)
+            assert hello.kind == "rollout-engine" and hello.weight_sync_addr.startswith("127.0.0.1:")
+            lease = await store.acquire(lease_resource("rollout", WORKER), WORKER, 10)
+            assert lease is not None
+            await bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
+            a = ev.Assignment(worker_id=WORKER, role="rollout", bucket="short", fencing_token=lease.token)
+            plan = ev.Plan(plan_version=1, assignments=[a])
+            await bus.publish_durable(subjects.PLAN, plan, msg_id=f"{run_id}-plan-1")
+            async with asyncio.timeout(30):
+                while not harness.loads:
+                    await asyncio.sleep(0.05)
+            yield proc, harness
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
         await bus.close()
         await store.close()
-        log.close()
-        if proc.returncode not in (0, -signal.SIGTERM):
-            print((tmp_path / "engine.log").read_text()[-4000:])
 
 
 async def test_serves_turns_refuses_bad_input_and_keeps_serving(engine: Any) -> None:

@@ -20,7 +20,7 @@ from services.common.ownership import Lease, OwnershipStore, role_changes_key
 from services.common.runconfig import RunConfig
 from services.planner.config import PlannerSettings
 from services.planner.service import PlannerService
-from tools.runner import role_changes
+from tools.report import role_changes
 
 pytestmark = pytest.mark.integration
 

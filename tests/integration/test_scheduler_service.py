@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -22,10 +20,10 @@ from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from services.common.localstack import Server
 from services.common.runconfig import ModelConfig
+from tests.service_process import service_process
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 ENGINE = "engine-s1"
 CALL = "<calc>2+3</calc>"
 ANSWER = "The sum is <answer>5</answer>"
@@ -152,23 +150,11 @@ async def scheduler(
         assignments=[ev.Assignment(worker_id=ENGINE, role="rollout", bucket="short", fencing_token=1)],
     )
     await bus.publish_durable(subjects.PLAN, plan, msg_id=f"{run_id}-plan-1")
-    log = open(tmp_path / "scheduler.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.scheduler"], cwd=ROOT, env=env, stdout=log, stderr=log
-    )
     try:
-        yield proc, harness, bus
+        with service_process("services.scheduler", env, tmp_path / "scheduler.log") as proc:
+            yield proc, harness, bus
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
         await bus.close()
-        log.close()
-        if proc.returncode not in (0, -signal.SIGTERM):
-            print((tmp_path / "scheduler.log").read_text()[-4000:])
 
 
 async def stats(bus: Bus, completed: int) -> ev.SchedulerStats:

@@ -4,7 +4,7 @@ what each role change cost."""
 import pytest
 
 from services.common.contracts import ev
-from tools.runner import per_step
+from tools.report import per_step
 
 
 def _m(step: int, done: bool = False, reward: float = 0.0) -> ev.TrainMetrics:
@@ -33,7 +33,7 @@ def test_steps_past_the_committed_one_are_not_reported() -> None:
 
 
 def test_role_changes_carry_what_each_move_cost() -> None:
-    from tools.runner import role_changes
+    from tools.report import role_changes
 
     history = [
         {"worker": "e0", "from": "rollout", "to": "hybrid", "at": 100.0},
@@ -62,7 +62,7 @@ def test_reward_windows_pool_the_steps_trajectories_with_a_t_interval() -> None:
     import math
     import statistics
 
-    from tools.runner import learning_report, reward_window
+    from tools.report import learning_report, reward_window
     from tools.sim.stats import mean_ci
 
     steps_rewards = [[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0, 0.1, 0.0], [1.0, 1.0, 1.1]]
@@ -99,7 +99,7 @@ def test_reward_windows_pool_the_steps_trajectories_with_a_t_interval() -> None:
 
 def test_a_report_with_steps_gets_a_reward_plot(tmp_path) -> None:
     from tools.learning_plot import write_reward_plot
-    from tools.runner import learning_report
+    from tools.report import learning_report
 
     metrics = [
         ev.TrainMetrics(
@@ -115,7 +115,7 @@ def test_a_report_with_steps_gets_a_reward_plot(tmp_path) -> None:
 
 def test_the_report_says_what_its_reward_measures() -> None:
     from services.common.runconfig import TaskConfig
-    from tools.runner import reward_definition
+    from tools.report import reward_definition
 
     assert reward_definition(TaskConfig(dataset="expressions", tool_bonus=0.0)) == (
         "expressions: 1 for the right number, 0 otherwise (task success)"

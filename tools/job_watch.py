@@ -1,0 +1,137 @@
+"""What `libra run` hears of a running job: the services' heartbeats, the trainer's step metrics and
+weight pushes, the engines' load and the scheduler's stats, kept as the job's timeline
+(runs/<id>/timeline.json, drawn by tools/run_plots.py) and its progress."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.common import subjects
+from services.common.bus import Bus, Envelope
+from services.common.contracts import ev
+from tools.loggers import StepLoggers
+from tools.run_plots import write_run_plots
+
+PLOT_REFRESH_S = 60.0  # plots of a running job are redrawn this often
+MAX_TIMELINE = 200_000  # samples kept per series (about two days at one a second)
+
+
+@dataclass
+class Progress:
+    committed_step: int = 0
+    committed_version: int = 0
+    checkpoint: str = ""
+    trained_twice: int = 0
+    completed: int = 0
+    in_flight: int = 0
+    last_change: float = field(default_factory=time.monotonic)
+
+    def update(self, committed: dict[str, str], stats: ev.SchedulerStats | None) -> None:
+        step = int(committed.get("step", 0))
+        done = stats.trajectories_completed if stats is not None else self.completed
+        if (step, done) != (self.committed_step, self.completed):
+            self.last_change = time.monotonic()
+        self.committed_step, self.completed = step, done
+        self.committed_version = int(committed.get("version", 0))
+        self.checkpoint = committed.get("checkpoint", "")
+        self.trained_twice = int(committed.get("trained_twice", 0))
+        if stats is not None:
+            self.in_flight = stats.trajectories_in_flight
+
+
+class JobObserver:
+    def __init__(self, run_id: str, loggers: StepLoggers, out_dir: Path | None):
+        self.run_id, self.loggers, self.out_dir = run_id, loggers, out_dir
+        self.targets: Collection[str] = ()
+        """The job's services (heartbeats and loads of others are not this job's)."""
+        self.t0 = time.monotonic()
+        self.samples: list[dict[str, Any]] = []
+        self.engine_loads: list[dict[str, Any]] = []
+        self.step_marks: dict[int, dict[str, Any]] = {}
+        self._plotted = time.monotonic()
+        self.metrics: list[ev.TrainMetrics] = []
+        self.pushes: list[ev.WeightsUpdated] = []
+        self.statuses: dict[str, ev.WorkerStatus] = {}
+        self.seen: dict[str, float] = {}
+        self.progress = Progress()
+        self.stats: ev.SchedulerStats | None = None
+
+    async def subscribe(self, bus: Bus) -> None:
+        await bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, self._on_metrics)
+        await bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self._on_weights)
+        await bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_load)
+
+    async def on_heartbeat(self, raw: Any) -> None:
+        with contextlib.suppress(Exception):
+            st = ev.WorkerStatus.FromString(raw.data)
+            if st.worker_id in self.targets:
+                self.statuses[st.worker_id] = st
+                self.seen[st.worker_id] = time.monotonic()
+
+    async def _on_metrics(self, m: ev.TrainMetrics, _: Envelope) -> None:
+        self.metrics.append(m)
+        if self.loggers.active:
+            await asyncio.to_thread(self.loggers.step, m)  # a remote MLflow must not stall the loop
+        if m.step > 0:
+            self.step_marks[m.step] = {
+                "t": round(time.monotonic() - self.t0, 2),
+                "step": m.step,
+                "step_s": round(m.step_s, 3),
+                "push_s": round(m.push_s, 3),
+            }
+
+    async def _on_load(self, load: ev.EngineLoad, _: Envelope) -> None:
+        if load.engine_id in self.targets and len(self.engine_loads) < MAX_TIMELINE:
+            self.engine_loads.append(
+                {
+                    "t": round(time.monotonic() - self.t0, 2),
+                    "engine": load.engine_id,
+                    "running": load.running,
+                    "waiting": load.waiting,
+                    "capacity": load.capacity_seqs,
+                    "tokens_per_s": round(load.tokens_per_s, 2),
+                }
+            )
+
+    def timeline(self) -> dict[str, Any]:
+        """What the run did over time (runs/<id>/timeline.json, drawn by tools/run_plots.py)."""
+        steps = [self.step_marks[k] for k in sorted(self.step_marks)]
+        return {"samples": self.samples, "engines": self.engine_loads, "steps": steps}
+
+    async def refresh_plots(self) -> None:
+        if self.out_dir is None or time.monotonic() - self._plotted < PLOT_REFRESH_S:
+            return
+        self._plotted = time.monotonic()
+        with contextlib.suppress(Exception):  # a plot never costs the job
+            await asyncio.to_thread(write_run_plots, self.timeline(), self.run_id, self.out_dir)
+
+    async def _on_weights(self, w: ev.WeightsUpdated, _: Envelope) -> None:
+        self.pushes.append(w)
+
+    async def poll(self, bus: Bus, committed: Callable[[], Awaitable[dict[str, str]]]) -> None:
+        """The scheduler's stats and the trainer's commit record, now."""
+        stats = None
+        with contextlib.suppress(Exception):
+            stats = await bus.request(
+                subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, timeout=2
+            )
+        if stats is not None:
+            self.stats = stats
+            if len(self.samples) < MAX_TIMELINE:
+                self.samples.append(
+                    {
+                        "t": round(time.monotonic() - self.t0, 2),
+                        "completed": stats.trajectories_completed,
+                        "in_flight": stats.trajectories_in_flight,
+                        "failed": stats.trajectories_failed,
+                        "turns": stats.turns,
+                        "tool_calls": dict(stats.tool_calls_by_status),
+                    }
+                )
+        self.progress.update(await committed(), stats)

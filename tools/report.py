@@ -1,0 +1,452 @@
+"""The job's report (runs/<id>/report.json): what `libra run` observed of the job, and the facts the
+services own — the trainer's fenced commit record, the scheduler's ledger (its accounting and
+evaluation rounds), the planner's plans and role history, each engine's version asked over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from services.common import subjects
+from services.common.bus import Bus
+from services.common.contracts import ev, ws, ws_grpc
+from services.common.grpc_auth import bearer_metadata
+from services.common.membership import SERVING_ROLES
+from services.common.ownership import committed_key, plans_key, role_changes_key, trained_key
+from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
+from services.scheduler.ledger import Accounting, read_accounting
+from tools.job_watch import JobObserver
+from tools.learning_plot import write_reward_plot
+from tools.run_plots import write_run_plots
+from tools.sim.stats import t95
+from tools.stack import Stack
+
+
+class JobFacts:
+    """Reads the facts the services own for one job (through the job's Redis and its PLAN stream)."""
+
+    def __init__(self, bus: Bus, redis: Any, run_id: str, cfg: RunConfig):
+        self.bus, self.redis, self.run_id, self.cfg = bus, redis, run_id, cfg
+
+    async def committed(self) -> dict[str, str]:
+        """The trainer's commit record ({} when it cannot be read)."""
+        with contextlib.suppress(Exception):
+            raw = await self.redis.hgetall(committed_key(self.run_id))
+            return {str(k): str(v) for k, v in raw.items()}
+        return {}
+
+    async def accounting(self) -> tuple[Accounting | None, str]:
+        """Every trajectory handed to the trainer, and what became of it (or why it cannot tell)."""
+        try:
+            return await read_accounting(self.redis, self.run_id, trained_key(self.run_id)), ""
+        except Exception as err:  # Redis away: the report still gets written, saying so
+            return None, f"{type(err).__name__}: {err}"
+
+    async def eval_report(self) -> list[dict[str, Any]] | None:
+        """Every evaluation round, by version (None when `eval` is off)."""
+        if self.cfg.eval.every <= 0:
+            return None
+        try:
+            return [r for _, r in sorted((await self.eval_rounds()).items())]
+        except Exception as err:  # Redis away: the report still gets written, saying so
+            return [{"error": f"the evaluation rounds could not be read: {type(err).__name__}: {err}"}]
+
+    async def eval_rounds(self) -> dict[int, dict[str, Any]]:
+        """The finished evaluation rounds, as the scheduler recorded them in Redis."""
+        from services.scheduler.ledger import Ledger
+
+        return await Ledger(self.redis, self.run_id).load_eval()
+
+    async def evaluated(self) -> bool:
+        """The final policy's evaluation is in (or none is configured)."""
+        if self.cfg.eval.every <= 0:
+            return True
+        with contextlib.suppress(Exception):
+            return self.cfg.training.steps in await self.eval_rounds()
+        return False
+
+    async def last_plan(self) -> ev.Plan | None:
+        with contextlib.suppress(Exception):
+            return await self.bus.last_message(
+                subjects.PLAN, subjects.stream_name(self.run_id, "PLAN"), ev.Plan
+            )
+        return None
+
+    async def serving_engines(self) -> set[str] | None:
+        """Engines in a serving role in the last plan; None when no plan can be read."""
+        plan = await self.last_plan()
+        if plan is None:
+            return None
+        return {a.worker_id for a in plan.assignments if a.role in SERVING_ROLES}
+
+    async def buckets(self) -> list[dict[str, Any]]:
+        """The rollout buckets of the job's last plan, with the engines assigned to each."""
+        with contextlib.suppress(Exception):
+            plan = await self.last_plan()
+            if plan is not None:
+                return [
+                    {
+                        "name": b.name,
+                        "tensor_parallel": b.tensor_parallel,
+                        "max_context_tokens": b.max_context_tokens,
+                        "engines": sorted(
+                            a.worker_id
+                            for a in plan.assignments
+                            if a.role == "rollout" and a.bucket == b.name
+                        ),
+                    }
+                    for b in plan.buckets
+                ]
+        return []
+
+    async def plans(self) -> list[dict[str, Any]] | dict[str, str]:
+        """Every plan of the run, from the planner's fenced plan history in Redis."""
+        try:
+            return [json.loads(x) for x in await self.redis.lrange(plans_key(self.run_id), 0, -1)]
+        except Exception as err:  # Redis away: the report says so
+            return {"error": f"the plan history could not be read: {type(err).__name__}: {err}"}
+
+    async def role_changes(self) -> list[dict[str, Any]] | dict[str, str]:
+        """Every role change of the run with what it cost, from the planner's history in Redis."""
+        try:
+            lines = await self.redis.lrange(role_changes_key(self.run_id), 0, -1)
+        except Exception as err:
+            return {"error": f"the role history could not be read: {type(err).__name__}: {err}"}
+        return role_changes([json.loads(x) for x in lines])
+
+
+async def engine_versions(engines: list[ev.WorkerStatus], token: str | None = None) -> list[dict[str, Any]]:
+    """Asks every engine of the job, over gRPC, which weight version it serves."""
+    import grpc
+
+    out = []
+    for st in engines:
+        addr = st.detail.get("weight_sync_addr", "")
+        entry: dict[str, Any] = {
+            "id": st.worker_id,
+            "weight_sync_addr": addr,
+            "bucket": st.detail.get("bucket"),
+        }
+        if not addr:
+            entry.update(weight_version=None, error="no weight-sync address reported")
+        else:
+            try:
+                async with grpc.aio.insecure_channel(addr) as ch:
+                    info = await ws_grpc.WeightSyncStub(ch).GetVersion(
+                        ws.VersionRequest(), timeout=10, metadata=bearer_metadata(token)
+                    )
+                entry.update(weight_version=info.version, checksum=info.checksum)
+            except grpc.RpcError as err:
+                entry.update(weight_version=None, error=str(err.code()))
+        out.append(entry)
+    return out
+
+
+def per_step(metrics: list[ev.TrainMetrics], committed_step: int | None = None) -> list[ev.TrainMetrics]:
+    """One metrics message per train step, in step order, up to the committed step when given.
+
+    The last step's metrics may carry ``done`` themselves or be repeated in a separate ``done`` message
+    once every engine has the final weights; both count as that one step.
+    """
+    first: dict[int, ev.TrainMetrics] = {}
+    for m in metrics:
+        if m.step > 0 and (committed_step is None or m.step <= committed_step):
+            first.setdefault(m.step, m)
+    return [first[s] for s in sorted(first)]
+
+
+def _sampled(m: ev.TrainMetrics) -> tuple[float, float, int]:
+    """(mean, population std, count) of the rewards of every trajectory step `m` consumed."""
+    if m.sampled_trajectories:
+        return m.sampled_reward_mean, m.sampled_reward_std, m.sampled_trajectories
+    return m.reward_mean, m.reward_std, m.trajectories
+
+
+def reward_window(steps: list[ev.TrainMetrics]) -> dict[str, Any] | None:
+    """Mean reward over the trajectories of `steps` with its 95 % t-interval, pooled from each
+    step's mean, std and count (the per-trajectory rewards are not kept)."""
+    parts = [_sampled(m) for m in steps]
+    n = sum(c for _, _, c in parts)
+    if n == 0:
+        return None
+    mean = sum(mu * c for mu, _, c in parts) / n
+    if n == 1:
+        return {"mean": round(mean, 4), "ci95": [round(mean, 4)] * 2, "trajectories": n}
+    second = sum(c * (sd * sd + mu * mu) for mu, sd, c in parts) / n
+    sd = math.sqrt(max(0.0, second - mean * mean) * n / (n - 1))
+    h = t95(n - 1) * sd / math.sqrt(n)
+    return {"mean": round(mean, 4), "ci95": [round(mean - h, 4), round(mean + h, 4)], "trajectories": n}
+
+
+def learning_report(trained: list[ev.TrainMetrics]) -> dict[str, Any]:
+    """What a step learned, per step: rewards (all sampled trajectories, and those trained on),
+    the policy versions that sampled them, the off-policy corrections and the optimizer's state."""
+
+    def col(name: str, digits: int = 5) -> list[float | None]:
+        return [None if math.isnan(v := getattr(m, name)) else round(v, digits) for m in trained]
+
+    return {
+        "reward_mean_per_step": [round(_sampled(m)[0], 4) for m in trained],
+        "reward_ci95_per_step": [(reward_window([m]) or {"ci95": [0.0, 0.0]})["ci95"] for m in trained],
+        "reward_first3": reward_window(trained[:3]),
+        "reward_last3": reward_window(trained[-3:]),
+        "policy_versions_per_step": [list(m.policy_versions) for m in trained],
+        "logprob_mismatch_per_step": col("logprob_mismatch", 7),
+        "groups_filtered_per_step": [m.groups_filtered for m in trained],
+        "training_stats": {
+            "trained_reward_mean": col("reward_mean", 4),
+            "tokens": [m.tokens for m in trained],
+            "entropy": col("entropy", 4),
+            "kl_behaviour": col("kl", 6),
+            "ref_kl": col("ref_kl", 6),
+            "clip_fraction": col("clip_fraction", 4),
+            "dual_clip_fraction": col("dual_clip_fraction", 4),
+            "is_weight_mean": col("is_weight_mean", 4),
+            "is_weight_max": col("is_weight_max", 4),
+            "is_truncated_fraction": col("is_truncated_fraction", 4),
+            "stale_token_fraction": col("stale_token_fraction", 4),
+            "mismatch_tokens": [m.mismatch_tokens for m in trained],
+            "grad_norm": col("grad_norm", 4),
+            "lr": [m.lr for m in trained],
+        },
+    }
+
+
+def reward_definition(task: TaskConfig) -> str:
+    """What `reward_*` measures in this run, for the report."""
+    if task.dataset == "synthetic":
+        return "synthetic: 1 when the trajectory's last tool call worked (or it needed none)"
+    name = task.dataset.path if isinstance(task.dataset, DatasetFile) else task.dataset
+    if task.environment:
+        rest = f"task.reward {task.reward}" if task.reward else "0"
+        return f"{name}: environment {task.environment}'s reward (episodes it does not score: {rest})"
+    if isinstance(task.dataset, DatasetFile) or task.reward:
+        return f"{name}: task.reward {task.reward or 'numeric'}"
+    shaping = f" + {task.tool_bonus:g} when a tool call succeeded" if task.tool_bonus else " (task success)"
+    return f"{task.dataset}: 1 for the right number, 0 otherwise{shaping}"
+
+
+async def build_report(
+    status: str,
+    reason: str,
+    stuck: dict[str, Any] | None,
+    wall: float,
+    *,
+    config_path: Path,
+    stack: Stack,
+    watch: JobObserver,
+    facts: JobFacts,
+    targets: Mapping[str, ev.WorkerStatus],
+    engine_statuses: list[ev.WorkerStatus],
+    rejoined: Mapping[str, int],
+    silences: Mapping[str, float],
+) -> dict[str, Any]:
+    """The report of a job that ended with `status` after `wall` seconds."""
+    with contextlib.suppress(Exception):
+        await watch.poll(facts.bus, facts.committed)
+    cfg, p, run_id = facts.cfg, watch.progress, facts.run_id
+    trained_groups = cfg.training.steps * cfg.training.groups_per_step
+    for _ in range(20):  # the scheduler hears the last step's group outcomes a tick after the commit
+        if status != "completed" or (watch.stats and watch.stats.group_outcomes["trained"] >= trained_groups):
+            break
+        await asyncio.sleep(0.25)
+        with contextlib.suppress(Exception):
+            await watch.poll(facts.bus, facts.committed)
+    trained = per_step(watch.metrics, p.committed_step)
+    accounting, accounting_error = await facts.accounting()
+    engines = await engine_versions(engine_statuses, stack.grpc_token()) if targets else []
+    buckets = await facts.buckets()
+    plans = await facts.plans()
+    changes = await facts.role_changes()
+    serving = await facts.serving_engines()
+    for e in engines:
+        e["serving"] = serving is None or e["id"] in serving
+    stats = watch.stats or ev.SchedulerStats()
+    report: dict[str, Any] = {
+        "run_id": run_id,
+        "status": status,
+        "reason": reason,
+        "config": str(config_path),
+        "model": cfg.model.source,
+        "rollout_backend": cfg.rollout.backend
+        + (
+            " (emulated: timings from the cost model, no real generation)"
+            if cfg.rollout.backend == "emulated"
+            else ""
+        ),
+        "training_backend": cfg.training.backend
+        + (
+            " (emulated: step times from the cost model, no weight changes)"
+            if cfg.training.backend == "emulated"
+            else ""
+        ),
+        "wall_s": round(wall, 2),
+        "trajectories_completed": stats.trajectories_completed,
+        "trajectories_per_s": round(stats.trajectories_completed / wall, 4) if wall > 0 else 0.0,
+        "turns": stats.turns,
+        "train_steps": p.committed_step,
+        "final_weight_version": p.committed_version,
+        "checkpoint": p.checkpoint,
+        "trajectories_trained_twice": p.trained_twice,
+        "trajectories_lost": len(accounting.lost) if accounting else None,
+        "trajectories_accounting": {
+            "handed_to_trainer": accounting.published,
+            "trained": accounting.trained,
+            "dropped": accounting.dropped,
+            "open_at_end": accounting.open_at_end,
+            "lost_ids": accounting.lost[:20],
+        }
+        if accounting
+        else {"error": f"the ledger could not be read: {accounting_error}"},
+        "eval": await facts.eval_report(),
+        "engines": engines,
+        "all_engines_on_final_version": bool(engines)
+        and all(  # drained engines get no more weights
+            e.get("weight_version") == p.committed_version for e in engines if e["serving"]
+        ),
+        "reward": reward_definition(cfg.task),
+        **learning_report(trained),
+        "loss_per_step": [round(m.loss, 5) for m in trained],
+        "step_s": [round(m.step_s, 2) for m in trained],
+        "trajectories_per_step": [m.trajectories for m in trained],
+        "weight_push": [
+            {
+                "version": w.version,
+                "seconds": round(w.push_s, 3),
+                "bytes": w.size_bytes,
+                "dtype": w.dtype,
+                "uploaded_bytes": w.uploaded_bytes,
+                "delta_bytes": w.delta_bytes,
+                "delta_engines": w.delta_engines,
+                "relayed_engines": w.relayed_engines,
+                "engines": list(w.engines),
+            }
+            for w in watch.pushes
+            if w.version <= p.committed_version
+        ],
+        "tool_calls": dict(stats.tool_calls_by_status),
+        "trajectories_failed": stats.trajectories_failed,
+        "trajectories_failed_by_code": dict(stats.failures_by_code),
+        "groups_replaced": stats.groups_replaced,
+        "group_outcomes": dict(stats.group_outcomes),
+        "buckets": buckets,
+        "plans": plans,
+        "role_changes": changes,
+        "migrations": stats.migrations,
+        "routing_policy": cfg.rollout.policy,
+        "scheduler": {
+            "decisions": stats.decisions,
+            "decision_p50_us": round(stats.decision_p50_us, 1),
+            "decision_p99_us": round(stats.decision_p99_us, 1),
+            "messages_received": stats.messages_received,
+            "messages_published": stats.messages_published,
+        },
+        "services": {wid: st.pid for wid, st in sorted(targets.items())},
+        "restarts": {
+            n: c
+            for n, c in sorted(stack.restarts.items())
+            if n in targets or n in ("nats-server", "redis-server")
+        },
+        "rejoined": dict(sorted(rejoined.items())),
+        "longest_silence_s": {w: round(q, 1) for w, q in sorted(silences.items())},
+        "stack": stack.name,
+        "logs": None if stack.remote else str(stack.log_dir),
+        "nats_url": stack.nats_url,
+        "redis_url": stack.redis_url,
+    }
+    if stuck is not None:
+        report["stuck"] = stuck
+    report["timeline"] = watch.timeline()  # written beside the report, not in it
+    return report
+
+
+def write_report(report: dict[str, Any], runs_dir: Path) -> Path:
+    out = runs_dir / report["run_id"]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.json"
+    timeline = report.pop("timeline", None)
+    plots: list[Path] = []
+    try:
+        if (plot := write_reward_plot(report, out)) is not None:
+            plots.append(plot)
+        if timeline is not None:
+            (out / "timeline.json").write_text(json.dumps(timeline) + "\n")
+            plots += write_run_plots(timeline, report["run_id"], out)
+    except Exception as err:  # a plot must never cost the report
+        report["plot_error"] = f"{type(err).__name__}: {err}"
+    if plots:
+        report["plots"] = [str(p) for p in plots]
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    latest = runs_dir / "latest"
+    if latest.is_symlink() or latest.exists():
+        latest.unlink()
+    latest.symlink_to(out.name)
+    return path
+
+
+def export_final(cfg: RunConfig, report: dict[str, Any], out_dir: Path) -> str:
+    """The trained policy in Hugging Face format in runs/<id>/final (or why it is not there)."""
+    from tools.export import ExportError, export_policy
+
+    ckpt = report.get("checkpoint") or ""
+    try:
+        out = export_policy(cfg, Path(ckpt), out_dir / "final", run_id=report["run_id"])
+    except ExportError as e:
+        print(f"policy not exported: {e}", file=sys.stderr)
+        return f"not exported: {e}"
+    print(f"policy: {out} (Hugging Face format)", file=sys.stderr)
+    return str(out)
+
+
+def completing_step(source: str, target: str) -> str | None:
+    """The worker's step that completes a move (None: the plan itself completes it, as for a
+    move between buckets or back from `draining`)."""
+    if source == "hybrid":
+        return "released"  # the trainer let it go
+    if target == "hybrid":
+        return "joined"  # in the trainer's data-parallel group
+    if target == "draining" and source != "draining":
+        return "drained"
+    return None
+
+
+def role_changes(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The planner's role history (changes, and the workers' steps through them, in order) as one
+    entry per change: worker, from, to, when, `seconds` until the worker completed it (None while
+    it has not), and the seconds of each step (drain, fetch, join; time in training on release)."""
+    out: list[dict[str, Any]] = []
+    current: dict[str, dict[str, Any]] = {}
+    for h in history:
+        worker = h.get("worker", "")
+        if "to" in h:
+            entry = {
+                "worker": worker,
+                "from": h.get("from", ""),
+                "to": h["to"],
+                "at": h.get("at", 0.0),
+                "seconds": None,
+                "steps": {},
+                "failures": 0,
+            }
+            done_by = completing_step(entry["from"], entry["to"])
+            entry["seconds"] = None if done_by else 0.0
+            out.append(entry)
+            current[worker] = entry
+            continue
+        change = current.get(worker)
+        state = h.get("state", "")
+        if change is None or not state:
+            continue
+        if state == "failed":
+            change["failures"] += 1
+            continue
+        change["steps"][state] = h.get("seconds", 0.0)
+        if state == completing_step(change["from"], change["to"]) and change["seconds"] is None:
+            change["seconds"] = round(max(0.0, h.get("at", 0.0) - change["at"]), 3)
+    return out
