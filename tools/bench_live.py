@@ -39,7 +39,7 @@ from services.planner.search import BucketPlan
 from services.scheduler.routing import build_router
 from tools.runner import run_job
 from tools.sim.runner import percentile, run_system, steady_rate
-from tools.sim.simulator import SystemConfig
+from tools.sim.state import SystemConfig
 from tools.sim.stats import mean_ci
 from tools.stack import Stack
 

@@ -11,7 +11,8 @@ from services.rollout_engine.speculation import SpeculationPolicy
 from tools.sim.cli import main
 from tools.sim.engine import Engine, Request
 from tools.sim.ledger import CATEGORIES
-from tools.sim.simulator import MOVED, Simulator
+from tools.sim.simulator import Simulator
+from tools.sim.state import MOVED
 from tools.sim.stats import mean_ci, paired_ratio
 from tools.sim.systems import LIBRA_DRAFTER, LIBRA_SPECULATION, SYSTEMS, Env, baseline_system, libra_system
 
@@ -174,10 +175,10 @@ def test_partial_rollout_is_for_colocated_systems_with_a_ratio_of_at_least_one(e
 
 def test_hybrid_workers_join_training_at_step_boundaries_and_come_back(env):
     sim, _, _ = _run("libra", env, steps=5)
-    assert sim.pool is not None
-    roles = Counter(r.value for w in sim.pool.workers.values() for _, r in w.history)
+    assert sim.hybrid.pool is not None
+    roles = Counter(r.value for w in sim.hybrid.pool.workers.values() for _, r in w.history)
     assert roles["active"] >= 1 and roles["rollout"] >= 1
-    assert sim.hybrid_joins == roles["active"]
+    assert sim.hybrid.joins == roles["active"]
 
 
 def test_same_seed_same_result_and_same_workload_across_systems(env):
@@ -325,7 +326,8 @@ def test_unknown_system_exits_2(tmp_path, capsys):
 
 
 def test_libras_planner_menu_holds_every_homogeneous_baseline_setting_and_colocated():
-    from tools.sim.scenarios import Job, Runner, Scenario, _label, plan_for
+    from tools.sim.jobs import Job, Runner, Scenario
+    from tools.sim.scenarios import _label, plan_for
     from tools.sim.systems import homogeneous_plan, plan_key, sweep_grid
 
     scenario = Scenario("t", "A800", "qwen3-14b", "search_r1", 32, 2, ("libra",), sweep_steps=1)
@@ -379,7 +381,7 @@ def test_lent_training_gpus_serve_rollout_between_steps_and_lose_nothing(env, se
     assert sim.version == 4
     assert sum(sim.step_trajs) == 4 * env.workload.prompts_per_step * env.workload.group_size
     assert max(sim.trained_staleness) <= env.staleness
-    assert len(sim.lent) == 2 and all(e.opened_s > 0 and e.busy_s > 0 for e in sim.lent)
+    assert len(sim.training.lent) == 2 and all(e.opened_s > 0 and e.busy_s > 0 for e in sim.training.lent)
     # Every GPU-second is in exactly one place: lent engines while lent, the trainer otherwise.
     assert sim.ledger.total() == pytest.approx(N_GPUS * sim.now, rel=1e-6)
     assert sim.ledger.totals["switch"] > 0 and sim.ledger.totals["train_busy"] > 0
@@ -418,7 +420,8 @@ def test_a_finite_job_launches_its_groups_and_replacements_only_and_its_drain_is
 def test_sensitivity_settings_reach_the_model_and_bad_flags_change_nothing(tmp_path, capsys):
     import dataclasses
 
-    from tools.sim.scenarios import LIBRA_SD, SCENARIOS, Job, Runner
+    from tools.sim.jobs import SCENARIOS, Job, Runner
+    from tools.sim.scenarios import LIBRA_SD
     from tools.sim.systems import homogeneous_plan
 
     sc = dataclasses.replace(
@@ -449,11 +452,11 @@ def test_kv_migration_conserves_kv_and_moved_turns_resume_where_they_land(env):
         sim = Simulator(system, env.workload, env.cm, N_GPUS, 4, seed=2)
         sim.run()
         in_transit = sum(p[3] for _, _, kind, p, _ in sim.events if kind == MOVED)
-        assert sim.kv_sent_tokens == sim.kv_received_tokens + in_transit
-        assert all(v == 0 for v in sim.inbound.values()) or in_transit
+        assert sim.kvm.sent_tokens == sim.kvm.received_tokens + in_transit
+        assert all(v == 0 for v in sim.kvm.inbound.values()) or in_transit
         runs[kvm] = sim
-    assert runs[False].kv_moves == 0 and runs[True].kv_moves > 0
-    assert runs[True].kv_fallbacks < runs[True].kv_moves  # most moved turns resume without re-prefill
+    assert runs[False].kvm.moves == 0 and runs[True].kvm.moves > 0
+    assert runs[True].kvm.fallbacks < runs[True].kvm.moves  # most moved turns resume without re-prefill
     assert sum(runs[True].step_trajs) == sum(runs[False].step_trajs)
 
 

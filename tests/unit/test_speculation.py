@@ -143,14 +143,14 @@ def test_group_drafter_reads_more_siblings_than_a_per_engine_suffix_cache():
         system.drafter = drafter  # the same system, reading what each drafter can read
         sim = Simulator(system, env.workload, cm, 16, 3, seed=1)
         accs: list[float] = []
-        orig = sim._acceptance
+        orig = sim.acceptance
 
         def record(tr, e, orig=orig, accs=accs):
             a = orig(tr, e)
             accs.append(a)
             return a
 
-        sim._acceptance = record  # type: ignore[method-assign]
+        sim.acceptance = record  # type: ignore[method-assign]
         sim.run()
         seen[drafter] = sum(accs) / len(accs)
     assert seen["ngram"] < seen["suffix"] < seen["group"]

@@ -54,7 +54,8 @@ def test_the_live_stack_and_the_simulator_draw_the_same_groups_for_the_same_seed
     from services.common.cost_model import load_presets
     from services.planner.search import BucketPlan
     from services.scheduler.routing import build_router
-    from tools.sim.simulator import Simulator, SystemConfig
+    from tools.sim.simulator import Simulator
+    from tools.sim.state import SystemConfig
 
     cfg = _cfg(group_size=4, seed=3)
     live = SyntheticTask(cfg)
@@ -63,7 +64,7 @@ def test_the_live_stack_and_the_simulator_draw_the_same_groups_for_the_same_seed
         "s", "async", 8, 2, [BucketPlan("all", 1, 2, float("inf"))], build_router([], "least_loaded")
     )
     sim = Simulator(system, live.workload, load_presets("H100", "qwen3-14b"), 10, 1, seed=3)
-    sim._admit(3)
+    sim.admit(3)
     for k, ticket in enumerate(tickets):
         simulated = [sim.trajs[tid].spec for tid in sim.groups[k].trajs]
         drawn = live.group(ticket, 0)

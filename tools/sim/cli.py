@@ -13,7 +13,8 @@ from typing import Any
 
 from services.common.cost_model import Calibration
 from services.common.synthetic import Workload
-from tools.sim.scenarios import SCENARIOS, Runner, Scenario, default_jobs, resolve, run, sweep_size
+from tools.sim.jobs import SCENARIOS, Runner, Scenario, default_jobs
+from tools.sim.scenarios import resolve, run, sweep_size
 from tools.sim.systems import ALIASES, SYSTEMS
 
 

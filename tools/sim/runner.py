@@ -8,7 +8,8 @@ from typing import Any
 from services.common.cost_model import CostModel
 from services.common.synthetic import Workload
 from tools.sim.ledger import CATEGORIES
-from tools.sim.simulator import Simulator, SystemConfig
+from tools.sim.simulator import Simulator
+from tools.sim.state import SystemConfig
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -82,14 +83,14 @@ def summarize(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "trained_token_staleness_mean": _mean(sim.trained_token_staleness),
         "speculation": speculation_stats(sim),
         "kv_migration": {
-            "moves": sim.kv_moves,
-            "sent_tokens": sim.kv_sent_tokens,
-            "received_tokens": sim.kv_received_tokens,
-            "fallbacks": sim.kv_fallbacks,
+            "moves": sim.kvm.moves,
+            "sent_tokens": sim.kvm.sent_tokens,
+            "received_tokens": sim.kvm.received_tokens,
+            "fallbacks": sim.kvm.fallbacks,
         },
         "bucket_migrations": sim.migrations,
         "reprefill_tokens": sim.reprefill_tokens,
-        "replans": sim.replans,
+        "replans": sim.replanner.replans if sim.replanner is not None else [],
         "allocation": {
             "mode": s.mode,
             "train_gpus": s.train_gpus if s.mode == "async" else sim.n_gpus,

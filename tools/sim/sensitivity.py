@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from services.common.cost_model import Calibration
-from tools.sim.scenarios import SCENARIOS, default_jobs, resolve, run
+from tools.sim.jobs import SCENARIOS, default_jobs
+from tools.sim.scenarios import resolve, run
 
 CONSTANTS = (
     "tp_decode_efficiency",

@@ -31,7 +31,8 @@ from services.rollout_engine.speculation import SpeculationPolicy
 from services.scheduler.cmlfq import CMLFQ, Bucket, CMLFQConfig
 from services.scheduler.routing import CMLFQRouter, StaticRouter
 from tools.sim.drafting import AcceptanceModel
-from tools.sim.simulator import SystemConfig, workload_stats
+from tools.sim.replanning import workload_stats
+from tools.sim.state import SystemConfig
 
 BASELINES = (
     "verl",

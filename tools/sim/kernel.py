@@ -1,0 +1,91 @@
+"""The simulator as its parts see it (training, KV migration, hybrid workers, re-planning): the
+shared state and the few calls they make, so that each part depends on this interface and not on
+`Simulator` itself."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Protocol
+
+from services.common.cost_model import CostModel
+from services.common.synthetic import Workload
+from tools.sim.engine import Engine
+from tools.sim.ledger import Ledger
+from tools.sim.state import Group, SystemConfig, Traj
+
+
+class TrainingPart(Protocol):
+    busy: bool
+    last_step_s: float
+
+    def maybe_train(self) -> None: ...
+
+
+class HybridPart(Protocol):
+    def step_starts(self) -> int: ...
+
+    def step_ends(self) -> None: ...
+
+
+class KvPart(Protocol):
+    def target(self, tid: str, exclude: set[str]) -> Engine | None: ...
+
+    def move(self, tid: str, src: Engine, dst: Engine) -> None: ...
+
+
+class Kernel(Protocol):
+    sys: SystemConfig
+    cm: CostModel
+    wl: Workload
+    ledger: Ledger
+    router: Any
+    progress: Any
+    n_gpus: int
+    steps: int
+    B: int
+    """Groups per training step."""
+    now: float
+    version: int
+    engines: dict[str, Engine]
+    by_bucket: dict[str, list[Engine]]
+    trajs: dict[str, Traj]
+    groups: dict[int, Group]
+    ready: deque[int]
+    recent: deque[Traj]
+    draining: set[str]
+    admitted_groups: int
+    dropped_groups: int
+    aborted_trajectories: int
+    reprefill_tokens: int
+    step_ends: list[float]
+    step_trajs: list[int]
+    step_tokens: list[int]
+    trained_staleness: list[int]
+    trained_token_staleness: list[float]
+
+    @property
+    def training(self) -> TrainingPart: ...
+
+    @property
+    def hybrid(self) -> HybridPart: ...
+
+    @property
+    def kvm(self) -> KvPart: ...
+
+    def push(self, t: float, kind: int, payload: Any, gen: int = 0) -> None: ...
+
+    def key(self, bucket: str) -> str: ...
+
+    def serving(self, e: Engine) -> bool: ...
+
+    def admit(self, n_groups: int) -> None: ...
+
+    def start_turn(self, tid: str) -> None: ...
+
+    def fill(self, e: Engine) -> None: ...
+
+    def wake(self, e: Engine) -> None: ...
+
+    def load_weights(self, e: Engine) -> None: ...
+
+    def acceptance(self, tr: Traj, e: Engine) -> float: ...

@@ -1,0 +1,265 @@
+"""The training side of a simulated run: when a step starts (a batch of complete groups within the
+staleness bound), how long it takes (`CostModel.train_step_s`), how weights reach the engines
+after it, and how GPUs switch roles — a colocated system's whole cluster between the two stages
+(with APRIL's partial rollout carrying the turns it stops), or an asynchronous trainer's GPUs lent
+to rollout while it waits for its batch. Admission under the staleness bound is here too."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from tools.sim.engine import Engine
+from tools.sim.kernel import Kernel
+from tools.sim.ledger import Meter
+from tools.sim.state import SYNC_DONE, TRAIN_DONE
+
+
+class Training:
+    def __init__(self, sim: Kernel, lent: list[Engine]):
+        self.sim = sim
+        s = sim.sys
+        self.meter = Meter(sim.ledger, s.train_gpus if s.mode == "async" else sim.n_gpus)
+        """The trainer's GPUs (all of them for a colocated system)."""
+        self.bounded = s.mode == "async" or s.partial_rollout > 0
+        """Whether groups can be trained after a weight update, so the staleness bound applies."""
+        self.busy = False
+        """A step is training."""
+        self.syncing = False
+        self.carried: list[str] = []
+        """Trajectories whose running turn stopped when a partial-rollout step started training."""
+        self.lent = lent
+        """Engines on the trainer's GPUs, serving while it waits for a batch (`SystemConfig.lend_tp`)."""
+        self.lend_state = "training"
+        self.last_step_s = 0.0
+        self.durations: list[float] = []
+        self.gen = 0
+        self._pending = (0, 0)
+
+    def start(self) -> None:
+        """The run begins: rollout first (a colocated system), else the trainer waits (or lends)."""
+        sim = self.sim
+        if sim.sys.mode == "sync":
+            self.admit_sync()
+            return
+        if self.lent:
+            self.lend_state = "lent"
+        else:
+            self.meter.set("train_idle", 0.0)
+        self.admit_async()
+
+    def maybe_train(self) -> None:
+        sim = self.sim
+        s = sim.sys
+        if self.busy or self.syncing or sim.version >= sim.steps or self.lend_state == "switching":
+            return
+        if self.bounded:
+            # Every ready group is checked, not only the head: none older than the bound trains.
+            floor = sim.version - s.staleness
+            fresh = deque(g for g in sim.ready if sim.groups[g].version >= floor)
+            for gid in set(sim.ready) - set(fresh):
+                sim.groups.pop(gid)
+                sim.dropped_groups += 1
+            sim.ready = fresh
+        if len(sim.ready) < sim.B:
+            if s.mode == "async":
+                self.admit_async()  # replace dropped groups so the trainer is never starved
+            return
+        batch = [sim.groups.pop(sim.ready.popleft()) for _ in range(sim.B)]
+        sim.trained_staleness.extend(sim.version - g.version for g in batch)
+        sim.trained_token_staleness.extend(
+            sim.version - g.version_tokens / g.gen_tokens for g in batch if g.gen_tokens
+        )
+        tokens = sum(g.tokens for g in batch)
+        n_traj = sum(len(g.trajs) for g in batch)
+        max_seq = max(g.max_context for g in batch)
+        gpus = s.train_gpus if s.mode == "async" else sim.n_gpus
+        if s.mode == "sync":
+            for e in sim.engines.values():
+                if s.partial_rollout:
+                    self.carried += self.evict(e)
+                e.close(sim.now)
+            switch = self.switch_s()
+            self.meter.set("switch", sim.now)
+            start = sim.now + switch
+            sim.push(start, SYNC_DONE, "to_train")
+        elif self.lend_state == "lent":
+            start = sim.now + self.reclaim()
+            sim.push(start, SYNC_DONE, "to_train")
+        else:
+            start = sim.now
+            self.meter.set("train_busy", sim.now)
+        extra = sim.hybrid.step_starts()
+        dur = sim.cm.train_step_s(tokens, tokens / max(1, n_traj), gpus + extra, s.train_tp, max_seq)
+        self.last_step_s = dur
+        self.durations.append(dur)
+        self.busy = True
+        self._pending = (n_traj, tokens)
+        self.gen += 1
+        sim.push(start + dur, TRAIN_DONE, None, self.gen)
+
+    def reclaim(self) -> float:
+        """Take the lent engines back for training: running turns keep the tokens they generated
+        and continue on other engines (re-prefilling their context). Returns the switch time."""
+        sim = self.sim
+        self.lend_state = "training"
+        moved: list[str] = []
+        lent = {e.engine_id for e in self.lent}
+        for e in self.lent:
+            if sim.sys.kv_migration:
+                for req, _ in e.running():
+                    dst = sim.kvm.target(req.traj_id, exclude=lent)
+                    if dst is not None:
+                        sim.kvm.move(req.traj_id, e, dst)
+            moved += self.evict(e)
+            e.close(sim.now)
+        self.meter.set("switch", sim.now)
+        for tid in moved:
+            sim.start_turn(tid)
+        return sim.cm.colocated_switch_s(sim.sys.train_gpus, sim.sys.lend_tp)
+
+    def evict(self, e: Engine) -> list[str]:
+        """Stop every turn running on `e` because its GPUs go to training: each keeps the tokens it
+        generated (counted at the engine's version) and will re-prefill its context wherever it
+        continues; the engine's KV and prefix cache are gone. Returns the stopped trajectories."""
+        sim = self.sim
+        running = e.running()
+        e.abort(sim.now, {req.traj_id for req, _ in running})
+        stopped: list[str] = []
+        for req, done in running:
+            tr = sim.trajs[req.traj_id]
+            tr.partial += min(req.tokens - 1, int(done))
+            tr.attribute(tr.partial, e.version)
+            tr.engine = None
+            stopped.append(req.traj_id)
+        e.drop_cache()
+        e.gen += 1
+        return stopped
+
+    def switch_s(self) -> float:
+        """Colocated role switch: offload/onload training state, reshard, sleep/wake the engines."""
+        return self.sim.cm.colocated_switch_s(self.sim.n_gpus, self.sim.sys.buckets[0].tp)
+
+    def on_done(self, gen: int) -> None:
+        sim = self.sim
+        if gen != self.gen:
+            return
+        self.busy = False
+        sim.version += 1
+        sim.step_ends.append(sim.now)
+        sim.step_trajs.append(self._pending[0])
+        sim.step_tokens.append(self._pending[1])
+        if sim.progress is not None:
+            sim.progress.update(1)
+        sim.hybrid.step_ends()
+        if sim.version >= sim.steps:
+            return
+        if sim.sys.mode == "sync":
+            if self.bounded:
+                self.abort_hopeless()
+            self.meter.set("switch", sim.now)
+            sim.push(sim.now + self.switch_s(), SYNC_DONE, "to_rollout")
+            return
+        self.abort_hopeless()
+        self.meter.set("train_sync", sim.now)
+        self.syncing = True
+        for e in sim.engines.values():
+            if e.open_since is None:
+                continue
+            if sim.sys.update_mode == "drain" and e.n > 0:
+                sim.draining.add(e.engine_id)
+            else:
+                sim.load_weights(e)
+            sim.wake(e)
+        sim.push(sim.now + sim.cm.weight_sync_s(cross_node=True), SYNC_DONE, "async")
+
+    def abort_hopeless(self) -> None:
+        """Cancel in-flight groups that are already older than the staleness bound: they could never
+        be trained, and every system here frees their engine slots (AReaL bounds staleness at
+        admission; the rest drop such groups, which is the same once they are replaced)."""
+        sim = self.sim
+        floor = sim.version - sim.sys.staleness
+        ready = set(sim.ready)
+        doomed = [gid for gid, g in sim.groups.items() if g.version < floor and gid not in ready]
+        for gid in doomed:
+            g = sim.groups.pop(gid)
+            sim.dropped_groups += 1
+            by_engine: dict[str, set[str]] = {}
+            for tid in g.trajs:
+                tr = sim.trajs.pop(tid, None)
+                if tr is None:
+                    continue
+                sim.aborted_trajectories += 1
+                sim.router.drop(tid)
+                if tr.engine is not None:
+                    by_engine.setdefault(tr.engine, set()).add(tid)
+            for eid, tids in by_engine.items():
+                e = sim.engines[eid]
+                e.abort(sim.now, tids)
+                sim.wake(e)
+
+    def on_sync_done(self, what: str) -> None:
+        sim = self.sim
+        if what == "to_train":
+            self.meter.set("train_busy", sim.now)
+            return
+        if what == "to_rollout":
+            self.meter.set(None, sim.now)
+            for e in sim.engines.values():
+                e.load_weights(sim.now, 0.0, sim.version)
+                e.open(sim.now)
+            self.admit_sync()
+            return
+        if what == "lend":
+            self.lend_state = "lent"
+            self.meter.set(None, sim.now)
+            for e in self.lent:
+                e.open(sim.now)
+                e.load_weights(sim.now, 0.0, sim.version)
+                sim.fill(e)
+                sim.wake(e)
+            self.maybe_train()
+            return
+        self.syncing = False
+        self.meter.set("train_idle", sim.now)
+        self.admit_async()
+        if self.lent and len(sim.ready) < sim.B:
+            self.lend_state = "switching"
+            self.meter.set("switch", sim.now)
+            sim.push(
+                sim.now + sim.cm.colocated_switch_s(sim.sys.train_gpus, sim.sys.lend_tp),
+                SYNC_DONE,
+                "lend",
+            )
+            return
+        self.maybe_train()
+
+    def admit_sync(self) -> None:
+        """A colocated rollout phase starts: turns stopped by the last step first (APRIL's
+        prioritised resumption), then turns that came back from their tools meanwhile, then new
+        groups up to the batch times the over-provision ratio, counting the groups carried."""
+        sim = self.sim
+        if not sim.sys.partial_rollout:
+            sim.admit(sim.B)
+            return
+        carried, self.carried = self.carried, []
+        for tid in carried:
+            if tid in sim.trajs:  # its group may have been dropped as too stale
+                sim.start_turn(tid)
+        for e in sim.engines.values():
+            sim.fill(e)
+            sim.wake(e)
+        # AReaL's admission rule bounds it too: with v·B groups trained and the dropped ones
+        # replaced, (v + η + 1)·B admitted means at most (η + 1)·B in flight.
+        target = min(math.ceil(sim.sys.partial_rollout * sim.B), (sim.sys.staleness + 1) * sim.B)
+        sim.admit(max(0, target - len(sim.groups)))
+
+    def admit_async(self) -> None:
+        """Bounded staleness at admission (AReaL's rule): at most (version + staleness + 1) batches
+        admitted, not counting groups that were dropped as too stale."""
+        sim = self.sim
+        allowed = (sim.version + sim.sys.staleness + 1) * sim.B + sim.dropped_groups
+        if sim.sys.job_groups is not None:
+            allowed = min(allowed, sim.sys.job_groups + sim.dropped_groups)
+        if sim.admitted_groups < allowed:
+            sim.admit(allowed - sim.admitted_groups)
