@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import structlog
 
 from services.tool_sandbox.config import SandboxSettings
 from services.tool_sandbox.outcome import EXIT_FILE_LIMIT, EXIT_MEMORY_LIMIT
+from services.tool_sandbox.proc_io import CLOCK_TICKS, OutputCapture, children, descendants, resolve
 
 log = structlog.get_logger()
 
@@ -260,76 +260,6 @@ def reachable_bwrap(settings: SandboxSettings) -> str:
     return str(target)
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-class _Capture:
-    """Non-blocking reader of stdout and stderr with one shared byte cap."""
-
-    def __init__(self, fds: dict[str, int], limit: int, on_exceed: Callable[[], None]) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._limit = limit
-        self._on_exceed = on_exceed
-        self.buffers = {name: bytearray() for name in fds}
-        self.total = 0
-        self.exceeded = False
-        self._open = dict(fds)
-        self.done: asyncio.Future[None] = self._loop.create_future()
-        for name, fd in fds.items():
-            os.set_blocking(fd, False)
-            self._loop.add_reader(fd, self._readable, name, fd)
-
-    def _readable(self, name: str, fd: int) -> None:
-        try:
-            data = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._close(name)
-            return
-        room = self._limit - self.total
-        if room > 0:
-            self.buffers[name] += data[:room]
-        self.total += len(data)
-        if self.total > self._limit and not self.exceeded:
-            self.exceeded = True
-            self._on_exceed()
-
-    def _close(self, name: str) -> None:
-        fd = self._open.pop(name, None)
-        if fd is not None:
-            self._loop.remove_reader(fd)
-        if not self._open and not self.done.done():
-            self.done.set_result(None)
-
-    def stop(self) -> None:
-        for name in list(self._open):
-            self._close(name)
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _children(pid: int) -> list[str]:
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-        return [c for t in tasks for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _descendants(pid: int) -> list[int]:
-    found, frontier = [pid], [pid]
-    while frontier and len(found) < 4096:
-        frontier = [int(c) for p in frontier for c in _children(p)]
-        found += frontier
-    return found
-
-
 class SandboxProcess:
     """One started sandbox, good for exactly one request.
 
@@ -420,7 +350,7 @@ class SandboxProcess:
     def _sample_usage(self) -> None:
         """Before a kill, when the runner cannot report: CPU and peak RSS summed over the live tree."""
         cpu_ticks, peak = 0, 0
-        for pid in _descendants(self.pid)[1:]:
+        for pid in descendants(self.pid)[1:]:
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 cpu_ticks += int(stat[11]) + int(stat[12])
@@ -429,7 +359,7 @@ class SandboxProcess:
                         peak = max(peak, int(line.split()[1]) * 1024)
             except (OSError, ValueError, IndexError):
                 continue
-        self.cpu_s = max(self.cpu_s, cpu_ticks / _CLOCK_TICKS)
+        self.cpu_s = max(self.cpu_s, cpu_ticks / CLOCK_TICKS)
         self.peak_rss_bytes = max(self.peak_rss_bytes, peak)
 
     async def _watch_init(self) -> None:
@@ -450,7 +380,7 @@ class SandboxProcess:
                     chunk = os.read(self._info_fd, 4096)
                 except BlockingIOError:
                     readable: asyncio.Future[None] = loop.create_future()
-                    loop.add_reader(self._info_fd, _resolve, readable)
+                    loop.add_reader(self._info_fd, resolve, readable)
                     try:
                         await asyncio.wait_for(readable, deadline - loop.time())
                     except TimeoutError:
@@ -480,7 +410,7 @@ class SandboxProcess:
         if self._reaped:
             return
         self._sample_usage()
-        for child in _children(self.pid):
+        for child in children(self.pid):
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(child), signal.SIGKILL)
         self._kill_outer()
@@ -519,7 +449,7 @@ class SandboxProcess:
         pidfd, self._init_pidfd = self._init_pidfd, None
         loop = asyncio.get_running_loop()
         gone: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(pidfd, _resolve, gone)
+        loop.add_reader(pidfd, resolve, gone)
         try:
             with contextlib.suppress(ProcessLookupError, OSError):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
@@ -545,7 +475,7 @@ class SandboxProcess:
                     view = view[os.write(fd, view) :]
                 except BlockingIOError:
                     writable: asyncio.Future[None] = loop.create_future()
-                    loop.add_writer(fd, _resolve, writable)
+                    loop.add_writer(fd, resolve, writable)
                     try:
                         await writable
                     finally:
@@ -566,7 +496,7 @@ class SandboxProcess:
         else:
             message = f"exec {cpu_limit}\n".encode() + json.dumps(request).encode()
         start = time.perf_counter()
-        capture = _Capture(
+        capture = OutputCapture(
             {"stdout": self._popen.stdout.fileno(), "stderr": self._popen.stderr.fileno()},
             output_limit,
             self.kill,
