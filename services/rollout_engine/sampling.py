@@ -58,3 +58,68 @@ def _nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     outside = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, before >= top_p)
     kept = logp.masked_fill(outside, float("-inf"))
     return kept - torch.logsumexp(kept, dim=-1, keepdim=True)
+
+
+def target_logprobs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Row-wise log-probabilities of the distribution a token is sampled from (`sample_next`'s):
+    softmax(logits / T), renormalised over the nucleus when top_p < 1; greedy (T <= 0) reports
+    log_softmax(logits)."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    if temperature > 0 and top_p < 1.0:
+        logp = _nucleus(logp, torch.full((logp.shape[0], 1), float(top_p)))
+    return logp
+
+
+def verify_draft(
+    logits: torch.Tensor,
+    draft: Sequence[int],
+    temperature: float,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], list[float]]:
+    """Speculative decoding's verification of a deterministic draft, lossless: the emitted tokens
+    are distributed exactly as plain sampling from the target would emit them.
+
+    `logits` holds the target model's logits at the k + 1 positions of one verify forward (after
+    the context, then after each drafted token); `draft` the k drafted tokens. Drafted token x at
+    position j is accepted with probability p_j(x); on rejection one token is drawn from p_j with x
+    removed and renormalised, and verification stops; when all k are accepted, one more token is
+    drawn from p_k. This is the rejection rule of Leviathan et al. (arXiv 2211.17192, Thm. 1) and
+    Chen et al. (arXiv 2302.01318) for a draft distribution that puts all its mass on x: the token
+    emitted at j is x with probability p_j(x) and y != x with (1 - p_j(x)) p_j(y) / (1 - p_j(x)).
+    Greedy (T <= 0): drafted tokens are kept while they are the argmax, then the argmax is emitted.
+
+    Returns the emitted tokens (the accepted prefix and one more) and their logprobs under p, the
+    distribution they were drawn from (what the trainer's importance weights need).
+    """
+    if logits.shape[0] != len(draft) + 1:
+        raise ValueError(
+            f"{len(draft)} drafted tokens need {len(draft) + 1} rows of logits, got {logits.shape[0]}"
+        )
+    if any(not 0 <= x < logits.shape[-1] for x in draft):
+        raise ValueError(f"a drafted token is outside the vocabulary of {logits.shape[-1]}")
+    logp = target_logprobs(logits, temperature, top_p)
+    out: list[int] = []
+    for j, x in enumerate(draft):
+        if temperature <= 0:
+            best = int(logp[j].argmax())
+            out.append(best)
+            if best != x:
+                return out, [float(logp[i, t]) for i, t in enumerate(out)]
+            continue
+        p_x = float(logp[j, x].exp())
+        u = float(torch.rand((), generator=generator))
+        if u < p_x:
+            out.append(x)
+            continue
+        residual = logp[j].exp().clone()
+        residual[x] = 0.0
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out, [float(logp[i, t]) for i, t in enumerate(out)]
+    last = logp[len(draft)]
+    nxt = (
+        int(last.argmax()) if temperature <= 0 else int(torch.multinomial(last.exp(), 1, generator=generator))
+    )
+    out.append(nxt)
+    return out, [float(logp[i, t]) for i, t in enumerate(out)]

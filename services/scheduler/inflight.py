@@ -255,6 +255,8 @@ class InFlight:
             min_policy_version=traj.min_policy_version,
             stop=self.stop_strings,
             priority=self.bucket_level.get(live.bucket, 0),
+            group_id=traj.group_id,
+            prompt_id=traj.task.prompt_id,
         )
         await self.bus.publish(
             f"{subjects.TURN_REQUEST}.{engine_id}", req, ctx=trace.set_span_in_context(live.step_span)

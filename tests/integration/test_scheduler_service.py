@@ -182,6 +182,10 @@ async def test_turns_tools_and_completion_reach_the_trainer_within_the_staleness
         assert not t.HasField("failure")
     assert {t.group_id for t in done} == {done[0].group_id, done[-1].group_id} and len(done) == 4
     assert len(h.calls) == 4 and {c.tool for c in h.calls} == {"calculator"}
+    # every turn names its group and prompt (what the engine's drafter reads)
+    by_traj = {t.trajectory_id: t for t in done}
+    assert all(r.group_id == by_traj[r.trajectory_id].group_id for r in h.requests)
+    assert all(r.prompt_id == by_traj[r.trajectory_id].prompt_id != "" for r in h.requests)
     # nothing trained yet: the feed holds the third group back (the staleness budget)
     await asyncio.sleep(1.0)
     s = await stats(bus, 4)

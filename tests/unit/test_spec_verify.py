@@ -1,0 +1,87 @@
+"""Speculative decoding's pure parts: the drafter that reads siblings and earlier rollouts, and the
+lossless verification rule (`sampling.verify_draft`)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from services.rollout_engine.drafter import SuffixDrafter
+from services.rollout_engine.sampling import sample_next, target_logprobs, verify_draft
+
+
+def test_a_sibling_continues_the_longest_match_and_beats_another_groups_rollout() -> None:
+    d = SuffixDrafter(key_len=2, max_match=8)
+    d.add("p1", "g-old", [1, 2, 3, 4, 50, 51, 52])
+    d.add("p1", "g1", [9, 3, 4, 60, 61, 62])
+    # both responses contain "3 4"; the match is 2 long in each: the sibling (g1) wins the tie
+    assert d.draft("p1", "g1", [7, 3, 4], 3).tokens == [60, 61, 62]
+    # a longer match wins over the sibling: "2 3 4" occurs only in the old rollout
+    got = d.draft("p1", "g1", [2, 3, 4], 2)
+    assert (got.tokens, got.match, got.source) == ([50, 51], 3, "prompt")
+    # another prompt's responses are never read; then the context itself is (prompt lookup)
+    own = d.draft("p2", "g1", [5, 6, 7, 8, 5, 6], 2)
+    assert (own.tokens, own.source) == ([7, 8], "self")
+    assert d.draft("p2", "g1", [5, 6, 7], 2).tokens == []
+    assert d.draft("p1", "g1", [3, 4], 0).tokens == []
+
+
+def test_the_drafter_stays_bounded_and_forgets_the_oldest() -> None:
+    d = SuffixDrafter(key_len=2, max_sequences=2, max_prompts=2)
+    d.add("p", "g", [1, 2, 3, 10])
+    d.add("p", "g", [4, 5, 6, 11])
+    d.add("p", "g", [7, 8, 9, 12])  # the first response is dropped
+    assert d.draft("p", "g", [2, 3], 1).tokens == []
+    assert d.draft("p", "g", [8, 9], 1).tokens == [12]
+    d.add("q", "g", [1, 1, 1, 1])
+    d.add("r", "g", [2, 2, 2, 2])  # three prompts: the least recently added ("p") goes
+    assert len(d) == 2 and d.draft("p", "g", [8, 9], 1).tokens == []
+
+
+def test_greedy_verification_keeps_drafted_tokens_while_they_are_the_argmax() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 1.0], [0.0, 0.0, 3.0], [1.0, 2.0, 0.0]])
+    assert verify_draft(logits, [1, 0, 2], 0.0)[0] == [1, 0, 2, 1]  # all accepted, plus one
+    tokens, logps = verify_draft(logits, [1, 2, 2], 0.0)
+    assert tokens == [1, 0]  # the second drafted token is not the argmax: the argmax replaces it
+    expected = torch.log_softmax(logits, -1)
+    assert logps == pytest.approx([float(expected[0, 1]), float(expected[1, 0])])
+
+
+def test_an_accepted_or_resampled_token_is_distributed_as_the_target() -> None:
+    """Hand-computed: p = (0.5, 0.3, 0.2), draft x = 1. Accepted with probability 0.3; on
+    rejection 0 or 2 in proportion 0.5 : 0.2. So the first emitted token is distributed as p."""
+    p = torch.tensor([0.5, 0.3, 0.2])
+    logits = torch.stack([p.log(), p.log()])  # the second row is only used after an acceptance
+    gen = torch.Generator().manual_seed(0)
+    n = 20_000
+    first = Counter(verify_draft(logits, [1], 1.0, generator=gen)[0][0] for _ in range(n))
+    chi2 = sum((first[t] - n * float(p[t])) ** 2 / (n * float(p[t])) for t in range(3))
+    assert chi2 < 13.8  # chi-square, 2 degrees of freedom, p = 0.001
+    tokens, logps = verify_draft(logits, [1], 1.0, generator=torch.Generator().manual_seed(1))
+    assert logps[0] == pytest.approx(math.log(float(p[tokens[0]])), abs=1e-6)
+
+
+def test_verification_matches_plain_sampling_at_a_temperature_and_top_p() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6) * 2
+    target = target_logprobs(logits, 0.7, 0.8).exp()[0]
+    plain, _ = sample_next(logits.repeat(4, 1), torch.full((4,), 0.7), top_p=torch.full((4,), 0.8))
+    assert all(float(target[t]) > 0 for t in plain)  # the target is the distribution sampled from
+    gen = torch.Generator().manual_seed(2)
+    n = 20_000
+    draft = int(target.argmin())  # drafting a token outside the nucleus: never accepted
+    seen = Counter(verify_draft(torch.cat([logits, logits]), [draft], 0.7, 0.8, gen)[0][0] for _ in range(n))
+    support = [t for t in range(6) if float(target[t]) > 0]
+    assert set(seen) <= set(support)
+    chi2 = sum((seen[t] - n * float(target[t])) ** 2 / (n * float(target[t])) for t in support)
+    assert chi2 < 20.5  # chi-square, up to 5 degrees of freedom, p = 0.001
+
+
+def test_bad_drafts_are_refused_before_anything_is_sampled() -> None:
+    with pytest.raises(ValueError, match="rows of logits"):
+        verify_draft(torch.zeros(2, 4), [1, 2], 1.0)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        verify_draft(torch.zeros(2, 4), [7], 1.0)
