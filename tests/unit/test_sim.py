@@ -179,6 +179,11 @@ def test_hybrid_workers_join_training_at_step_boundaries_and_come_back(env):
     roles = Counter(r.value for w in sim.hybrid.pool.workers.values() for _, r in w.history)
     assert roles["active"] >= 1 and roles["rollout"] >= 1
     assert sim.hybrid.joins == roles["active"]
+    # the GPU timeline counts a training hybrid worker's GPUs, not the worker
+    tp, trainer = sim.sys.hybrid_tp, sim.sys.train_gpus
+    training = [train for _, _, train, _ in sim.timeline]
+    assert tp > 1 and trainer % tp == 0 and any(t > trainer for t in training)
+    assert all(t % tp == 0 and t <= trainer + sim.sys.hybrid_gpus for t in training)
 
 
 def test_same_seed_same_result_and_same_workload_across_systems(env):

@@ -111,8 +111,8 @@ class HybridWorkers:
             self._released(w.worker_id)
 
     def training_gpus(self) -> int:
-        """Hybrid workers training now (the timeline's count)."""
-        return sum(1 for m in self.meters.values() if m.state == "train_busy") if self.pool else 0
+        """GPUs of the hybrid workers training now (the timeline's count)."""
+        return sum(m.gpus for m in self.meters.values() if m.state == "train_busy")
 
     def close(self, end: float) -> None:
         for m in self.meters.values():
