@@ -97,10 +97,11 @@ def check_task(cfg: RunConfig) -> None:
     from services.tool_sandbox.tools.script import ToolPluginError, read_plugin, tool_plugin_files
 
     try:
-        task_list(cfg.task)
-        asyncio.run(check_reward(cfg.task))
+        tasks = task_list(cfg.task)
+        first = tasks[0].row() if tasks else None
+        asyncio.run(check_reward(cfg.task, first))
         if cfg.task.environment:
-            asyncio.run(check_environment(cfg.task.environment, cfg.task.plugin_paths))
+            asyncio.run(check_environment(cfg.task.environment, cfg.task.plugin_paths, first))
         names = set(TOOLS)
         for path in tool_plugin_files(cfg.task.tool_plugins):
             name = read_plugin(path)[0]
@@ -315,8 +316,10 @@ class JobDriver:
                 p = self.watch.progress
                 bar.n = p.committed_step
                 reward = f"{self.watch.metrics[-1].reward_mean:.3f}" if self.watch.metrics else "-"
+                failed = self.watch.stats.trajectories_failed if self.watch.stats is not None else 0
                 bar.set_postfix_str(
-                    f"trajectories={p.completed} in_flight={p.in_flight} reward={reward}", refresh=False
+                    f"trajectories={p.completed} failed={failed} in_flight={p.in_flight} reward={reward}",
+                    refresh=False,
                 )
                 bar.update(0)
                 if p.committed_step >= steps and await self._engines_final() and await self.facts.evaluated():

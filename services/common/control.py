@@ -27,7 +27,7 @@ from services.common.bus import M, close_nats, decode
 from services.common.bus import connect_nats as connect
 from services.common.config import CommonSettings, ConfigFileError, load_settings
 from services.common.contracts import ev
-from services.common.errors import MalformedMessage
+from services.common.errors import LibraError, MalformedMessage
 from services.common.logging import get_logger
 from services.common.runconfig import RunConfig, parse_run_config
 from services.common.tasks import cancel_and_wait
@@ -191,6 +191,8 @@ class JobAgent:
             raise
         except ConfigFileError as err:  # a SystemExit: caught here, or asyncio would end the process
             job.error = ev.ErrorInfo(code="invalid", message=err.message)
+        except LibraError as err:  # a typed end: the job cannot go on, and says why
+            job.error = ev.ErrorInfo(code=err.code, message=str(err)[:2000])
         except Exception as err:
             self.log.exception("job_failed")
             job.error = ev.ErrorInfo(code="internal", message=f"{type(err).__name__}: {err}"[:2000])

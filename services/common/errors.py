@@ -37,6 +37,13 @@ class DurableStateLost(LibraError):
     code = "state_lost"
 
 
+class UserCodeBroken(LibraError):
+    """The job's own code (its reward, its environment) fails on every call: the job cannot
+    make progress, so it ends failed with the error instead of replacing groups forever."""
+
+    code = "user_code"
+
+
 class Unavailable(LibraError):
     code = "unavailable"
 

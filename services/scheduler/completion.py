@@ -21,6 +21,7 @@ from services.scheduler.ledger import Ledger, durably
 from services.scheduler.plugins import PluginFailure
 from services.scheduler.rewards import Scorer
 from services.scheduler.trajectory import Finish
+from services.scheduler.user_code import BrokenUserCode
 from services.scheduler.workload import WorkloadWindow
 
 
@@ -43,6 +44,9 @@ class Completion:
         self.failed = 0
         self.rewards: list[float] = []
         self.failure_codes: Counter[str] = Counter()
+        self.user_code = BrokenUserCode()
+        self.broken: str | None = None
+        """Why the job's own code is broken (`user_code.py`): the scheduler then fails the job."""
 
     def needs_score(self, live: Live, fin: Finish) -> bool:
         return fin.needs_score and self.scorer is not None and live.failure is None
@@ -83,6 +87,11 @@ class Completion:
             await self._evaluated(live, fin)
             return
         traj = live.traj
+        failure = live.failure
+        why = self.user_code.ended(
+            failure.code if failure is not None else "", failure.message if failure else ""
+        )
+        self.broken = self.broken or why
         latency = time.monotonic() - traj.started_at
         versions = traj.versions or [0]
         msg = ev.CompletedTrajectory(

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.scheduler.agent import ToolRequest, parse_action
-from services.scheduler.plugins import PluginFailure, PluginProcess
+from services.scheduler.plugins import PluginFailure, PluginLoadError, PluginProcess
 
 Prompt = str | list[dict[str, str]] | None
 _STEP_KEYS = {"observation", "done", "reward", "tool_call"}
@@ -179,10 +179,21 @@ class EnvPool:
             await w.kill()
 
 
-async def check_environment(ref: str, plugin_paths: list[str]) -> None:
-    """Loads the environment class once, as the scheduler will; raises PluginLoadError if it cannot."""
+async def check_environment(ref: str, plugin_paths: list[str], sample: dict[str, Any] | None = None) -> None:
+    """Loads the environment class once, as the scheduler will, and resets one instance on `sample`
+    (the dataset's first row); raises PluginLoadError if it cannot be loaded or that reset fails."""
     pool = EnvPool(ref, plugin_paths, 1, 60.0)
     try:
         await pool.start()
+        if sample is None:
+            return
+        prompt = await pool.reset("config-check", sample)
+        if isinstance(prompt, PluginFailure):
+            raise PluginLoadError(
+                f"task.environment {ref!r}: reset(sample) on the dataset's first row failed "
+                f"({prompt.code}): {prompt.message}"
+            )
+    except ValueError as err:  # reset returned something that is not a prompt
+        raise PluginLoadError(f"task.environment {ref!r}: reset(sample) {err}") from None
     finally:
         await pool.close()

@@ -53,6 +53,17 @@ def resolve(ref: str) -> Any:
     return obj
 
 
+def where(err: BaseException) -> str:
+    """Where the user's code raised: its innermost frame, as ` (at file:line in function)`."""
+    tb = err.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f" (at {os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name})"
+
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -148,7 +159,7 @@ def main(argv: list[str]) -> int:
             answer({"invalid": str(e)})
             continue
         except BaseException as e:
-            answer({"error": f"{type(e).__name__}: {e}"})
+            answer({"error": f"{type(e).__name__}: {e}{where(e)}"})
             continue
         answer({"ok": value})
     return 0

@@ -24,7 +24,7 @@ from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.runconfig import DatasetFile, TaskConfig
 from services.scheduler.agent import PYTHON_BLOCK
-from services.scheduler.plugins import PluginFailure, PluginProcess
+from services.scheduler.plugins import PluginFailure, PluginLoadError, PluginProcess
 from services.scheduler.task import extract_answer
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -198,13 +198,35 @@ class Scorer:
             await self.pool.close()
 
 
-async def check_reward(task: TaskConfig) -> None:
-    """Loads the configured reward once, as the scheduler will; raises PluginLoadError if it cannot."""
+async def check_reward(task: TaskConfig, sample: dict[str, Any] | None = None) -> None:
+    """Loads the configured reward once, as the scheduler will, and calls it on `sample` (the
+    dataset's first row) with a plausible response, as the scheduler calls it; raises
+    PluginLoadError if it cannot be loaded or that call fails (a wrong signature, say)."""
     ref = reward_ref(task)
     if ref is None or ref in BUILTIN or ref == "code_tests":
         return
     pool = RewardPool(ref, task.plugin_paths, 1, task.reward_timeout_s)
     try:
         await pool.start()
+        if sample is None:
+            return
+        response = str(sample.get("answer", ""))
+        result = await pool.score(
+            response=response,
+            sample=sample,
+            trajectory={
+                "turns": [response],
+                "tool_calls": [],
+                "observations": [],
+                "finish": "answer",
+                "prompt_id": str(sample.get("prompt_id", "")),
+            },
+        )
+        if isinstance(result, PluginFailure):
+            raise PluginLoadError(
+                f"task.reward {ref!r} failed when called as the scheduler calls it, "
+                f"score(response=..., sample=..., trajectory=...), on the dataset's first row "
+                f"({result.code}): {result.message}"
+            )
     finally:
         await pool.close()

@@ -14,6 +14,7 @@ from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.config import CommonSettings
 from services.common.contracts import ev
+from services.common.errors import UserCodeBroken
 from services.common.logging import get_logger
 from services.common.membership import SERVING_ROLES, Membership
 from services.common.metrics import scheduler_metrics
@@ -72,6 +73,8 @@ class SchedulerService:
         self.evaluator = Evaluator(cfg) if cfg.eval.every > 0 else None
         """Held-out evaluation rounds (`eval`), when configured."""
         self._eval_nonce = uuid.uuid4().hex[:6]
+        self.broken = asyncio.Event()
+        """Set when the job's own code fails on every call (`Completion.broken` says why)."""
         self.episode = build_episode(cfg, prompter, bus.spawn)
         self.completion = Completion(
             bus,
@@ -189,6 +192,10 @@ class SchedulerService:
 
     async def _tick(self) -> None:
         """Outcomes in, new groups out, lost turns and tools re-sent, workload stats published."""
+        if self.completion.broken is not None and not self.broken.is_set():
+            self.log.error("user_code_broken", reason=self.completion.broken)
+            self.broken.set()  # `serve` ends the job failed with the reason
+            return
         await self._consume_outcomes()
         if time.monotonic() - self._committed_checked > 2.0:
             await self._check_committed()
@@ -372,4 +379,9 @@ async def serve(
     stack.push_async_callback(svc.close)
     await svc.start()
     get_logger().info("scheduler_ready", prompts=cfg.task.num_prompts, group_size=cfg.task.group_size)
-    await stop.wait()
+    stopped, broken = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(svc.broken.wait())
+    await asyncio.wait({stopped, broken}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    broken.cancel()
+    if svc.broken.is_set() and not stop.is_set():
+        raise UserCodeBroken(svc.completion.broken or "the job's own code fails on every call")

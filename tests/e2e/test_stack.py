@@ -540,6 +540,21 @@ def test_rewards_that_raise_or_hang_fail_only_their_trajectories(stack: Stack, t
     assert report["trajectories_lost"] == 0
 
 
+def test_a_reward_that_fails_on_every_call_ends_the_job_failed_with_its_exception(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """It passes `config check` (it works on the dataset's first row), then raises on every other
+    prompt: the job must not replace failed groups forever, but end failed, saying why and where."""
+    data, plugins = _own_task(tmp_path, ["ok"] + ["raise"] * 40)
+    task = {"dataset": {"path": str(data), "prompt_key": "question"}, "reward": "my_rewards:moody"}
+    config = _config(tmp_path, task={**task, "plugin_paths": [str(plugins)], "num_prompts": 41})
+    report = _run(stack, config, f"broken-reward-{RUN}", tmp_path)
+    assert report["status"] == "failed", report["reason"]
+    assert "(user_code)" in report["reason"] and "of the last 20 trajectories failed" in report["reason"]
+    assert "RuntimeError: this reward has a bug (at my_rewards.py:" in report["reason"]
+    assert report["train_steps"] == 0 and report["trajectories_lost"] == 0
+
+
 def test_held_out_evaluation_scores_each_policy_and_trains_on_none_of_it(
     stack: Stack, tmp_path: Path
 ) -> None:

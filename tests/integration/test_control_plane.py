@@ -16,6 +16,7 @@ from services.common import control
 from services.common.bus import close_nats
 from services.common.config import CommonSettings
 from services.common.contracts import ev
+from services.common.errors import UserCodeBroken
 from services.common.localstack import Server
 from services.common.runconfig import RunConfig, parse_run_config
 
@@ -128,3 +129,14 @@ async def test_a_job_that_fails_inside_the_service_is_reported(
     assert heard and heard[0].state == "failed"
     assert (await _stop(nc, "run-f")).ok
     assert status().state == "idle" and probe.closed == 1
+
+    # a typed end (the job's own reward fails on every call) keeps its code
+    probe.fail_with = UserCodeBroken("20 trajectories in a row failed (reward_error): TypeError")
+    assert (await _start(nc, "run-u")).ok
+    for _ in range(50):
+        if status().state == "failed":
+            break
+        await asyncio.sleep(0.05)
+    st = status()
+    assert st.state == "failed" and st.error.code == "user_code" and "TypeError" in st.error.message
+    assert (await _stop(nc, "run-u")).ok

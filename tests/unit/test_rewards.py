@@ -131,3 +131,45 @@ def test_code_blocks_and_tests_are_read_from_the_response_and_row() -> None:
     assert tests_of({"tests": ["assert f(1)", "assert f(2)"]}) == "assert f(1)\nassert f(2)"
     assert tests_of({"tests": "assert f(1)"}) == "assert f(1)"
     assert isinstance(tests_of({"tests": ""}), PluginFailure) and isinstance(tests_of({}), PluginFailure)
+
+
+def test_config_check_calls_the_reward_as_the_scheduler_will_and_names_what_is_wrong(tmp_path: Path) -> None:
+    """A reward with the wrong signature loads fine; the trial call on the dataset's first row
+    catches it before the job starts, with the exception and where it was raised."""
+    from services.common.runconfig import TaskConfig
+    from services.scheduler.rewards import check_reward
+
+    (tmp_path / "wrong.py").write_text(
+        "def score(text):\n    return 1.0\n\ndef picky(response, sample, trajectory):\n"
+        "    return float(sample['gold'])\n\ndef fine(response, sample, trajectory):\n    return 0.0\n"
+    )
+    row = {"prompt_id": "p0", "question": "2+2?", "answer": "4"}
+
+    def task(ref: str) -> TaskConfig:
+        return TaskConfig(reward=ref, plugin_paths=[str(tmp_path)])
+
+    with pytest.raises(PluginLoadError, match="unexpected keyword argument 'response'"):
+        asyncio.run(check_reward(task("wrong:score"), row))
+    with pytest.raises(PluginLoadError, match=r"KeyError: 'gold' \(at wrong.py:5 in picky\)"):
+        asyncio.run(check_reward(task("wrong:picky"), row))
+    asyncio.run(check_reward(task("wrong:fine"), row))
+    asyncio.run(check_reward(task("wrong:score")))  # without a sample: loading only, as before
+
+
+def test_a_reward_failing_on_nearly_every_call_is_called_broken_and_one_failing_sometimes_is_not() -> None:
+    from services.scheduler.user_code import BrokenUserCode
+
+    broken = BrokenUserCode(window=4, share=0.75)
+    assert broken.ended("reward_error", "TypeError: x") is None
+    assert broken.ended("stale", "too old") is None  # the infrastructure's failures count neither way
+    assert broken.ended() is None
+    assert broken.ended("reward_error", "TypeError: x") is None  # 2 of the last 3: too few yet
+    why = broken.ended("reward_error", "TypeError: y")
+    assert why is not None and "3 of the last 4" in why and "reward_error" in why and "TypeError: y" in why
+    moody = BrokenUserCode(window=4, share=0.75)
+    for _ in range(10):  # fails half the time: unlucky, not broken
+        assert moody.ended("reward_error", "e") is None
+        assert moody.ended() is None
+    mixed = BrokenUserCode(window=3, share=1.0)
+    assert [mixed.ended(c, "m") for c in ("reward_error", "env_error")] == [None, None]
+    assert "3 of the last 3" in (mixed.ended("env_timeout", "slow") or "")
