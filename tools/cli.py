@@ -356,10 +356,18 @@ def parse(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     return args
 
 
+OUTPUT_DIR = ("--output-dir", "--runs-dir")
+"""The one flag every command that reads or writes runs/<run-id>/ takes (the second is its old name)."""
+OUTPUT_DIR_HELP = (
+    "the directory holding runs/<run-id>/, as given to `libra run --output-dir` (default: ./runs)"
+)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="libra", description="Libra: resource management for agentic RL post-training"
     )
+    p.add_argument("--version", action="version", version=f"libra {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser(
         "up",
@@ -407,7 +415,8 @@ def parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--run-id")
     run.add_argument(
-        "--output-dir",
+        *OUTPUT_DIR,
+        dest="output_dir",
         default="runs",
         help="where runs/<run-id>/ goes: report, plots, traces, the exported policy (default: ./runs)",
     )
@@ -442,13 +451,13 @@ def parser() -> argparse.ArgumentParser:
     creds.set_defaults(fn=cmd_credentials)
     rep = sub.add_parser("report", help="reprint a run's summary from runs/<run>/report.json")
     rep.add_argument("run", nargs="?", default="latest", help="run id (default: the last run)")
-    rep.add_argument("--runs-dir", default="runs")
+    rep.add_argument(*OUTPUT_DIR, dest="runs_dir", default="runs", help=OUTPUT_DIR_HELP)
     rep.set_defaults(fn=cmd_report)
     exp = sub.add_parser(
         "export", help="write a run's trained policy in Hugging Face format (model and tokenizer)"
     )
     exp.add_argument("run", nargs="?", default="latest", help="run id (default: the last run)")
-    exp.add_argument("--runs-dir", default="runs")
+    exp.add_argument(*OUTPUT_DIR, dest="runs_dir", default="runs", help=OUTPUT_DIR_HELP)
     exp.add_argument("--out", help="directory to write (default: runs/<run>/final)")
     exp.add_argument("--checkpoint", help="a trainer checkpoint (default: the run's committed one)")
     exp.set_defaults(fn=cmd_export)
@@ -479,6 +488,15 @@ def parser() -> argparse.ArgumentParser:
         "(see `libra bench live --help`)",
     )
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("libra")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

@@ -161,8 +161,14 @@ def slowest(rows: list[SpanRow], n: int = 10) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="libra trace", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("trajectory_id", nargs="?", help="omitted: list the run's slowest trajectories")
-    p.add_argument("--run", default="latest", help="run id under --runs-dir (default: the last run)")
-    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--run", default="latest", help="run id under --output-dir (default: the last run)")
+    p.add_argument(
+        "--output-dir",
+        "--runs-dir",
+        dest="runs_dir",
+        default="runs",
+        help="the directory holding runs/<run-id>/, as given to `libra run --output-dir` (default: ./runs)",
+    )
     args = p.parse_args(argv)
     trace_dir = Path(args.runs_dir) / args.run / "traces"
     if not trace_dir.is_dir():

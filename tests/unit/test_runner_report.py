@@ -158,6 +158,12 @@ def test_libra_report_reprints_a_runs_summary(tmp_path, capsys) -> None:
     (run / "report.json").write_text(json.dumps(report))
     assert main(["report", "r1", "--runs-dir", str(tmp_path)]) == 1
     assert main(["report", "missing", "--runs-dir", str(tmp_path)]) == 2
+    # the flag `libra run` writes with is the one every reader takes (the old name still works)
+    assert main(["report", "r1", "--output-dir", str(tmp_path)]) == 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as version:
+        main(["--version"])
+    assert version.value.code == 0 and capsys.readouterr().out.startswith("libra ")
 
 
 def test_a_timeline_gets_throughput_tool_and_engine_plots(tmp_path) -> None:
