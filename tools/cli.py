@@ -232,6 +232,8 @@ def print_summary(report: dict[str, Any]) -> int:
         print(f"{'trajectories_failed':<24} {failed}")
     for e in report.get("engines") or []:
         print(f"engine {e['id']:<18} weight_version {e.get('weight_version')}")
+    for warning in report.get("warnings") or []:
+        print(f"warning: {warning}", file=sys.stderr)
     if report["status"] != "completed":
         print(f"job {report['status']}: {report.get('reason')}", file=sys.stderr)
         if "stuck" in report:

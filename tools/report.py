@@ -191,6 +191,7 @@ def learning_report(trained: list[ev.TrainMetrics]) -> dict[str, Any]:
     def col(name: str, digits: int = 5) -> list[float | None]:
         return [None if math.isnan(v := getattr(m, name)) else round(v, digits) for m in trained]
 
+    idle = sum(m.groups_informative == 0 for m in trained)
     return {
         "reward_mean_per_step": [round(_sampled(m)[0], 4) for m in trained],
         "reward_ci95_per_step": [(reward_window([m]) or {"ci95": [0.0, 0.0]})["ci95"] for m in trained],
@@ -199,6 +200,14 @@ def learning_report(trained: list[ev.TrainMetrics]) -> dict[str, Any]:
         "policy_versions_per_step": [list(m.policy_versions) for m in trained],
         "logprob_mismatch_per_step": col("logprob_mismatch", 7),
         "groups_filtered_per_step": [m.groups_filtered for m in trained],
+        "groups_informative_per_step": [m.groups_informative for m in trained],
+        "steps_without_update": idle,
+        "warnings": [
+            f"{idle} of {len(trained)} train steps had no group with a non-zero advantage (every "
+            "sample of each group got the same reward): they changed no weight, only the version"
+        ]
+        if idle
+        else [],
         "training_stats": {
             "trained_reward_mean": col("reward_mean", 4),
             "tokens": [m.tokens for m in trained],
@@ -362,6 +371,7 @@ async def build_report(
     }
     if stuck is not None:
         report["stuck"] = stuck
+
     report["timeline"] = watch.timeline()  # written beside the report, not in it
     return report
 

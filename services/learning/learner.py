@@ -20,6 +20,7 @@ from services.common.cost_model import load_presets
 from services.common.models import check_reference, load_model, load_tokenizer
 from services.common.runconfig import RunConfig
 from services.learning import checkpoint
+from services.learning.advantages import informative
 from services.learning.data import Sample
 from services.learning.fsdp import ShardedTrainer
 from services.learning.hybrid import GroupBroken, TrainerGroup
@@ -170,6 +171,9 @@ class Learner:
                 raise StepAborted("emulated step abandoned")
             time.sleep(min(left, 0.1))
         rewards = [s.reward for s in samples] or [0.0]
+        by_group: dict[str, list[float]] = {}
+        for s in samples:
+            by_group.setdefault(s.group_id, []).append(s.reward)
         return StepStats(
             loss=0.0,
             tokens=sum(s.num_generated for s in samples),
@@ -181,6 +185,7 @@ class Learner:
             ratio_mean=1.0,
             grad_norm=0.0,
             seconds=seconds * e.time_scale,
+            trained_groups=sum(informative(r) for r in by_group.values()),
         )
 
     def commit(self, trajectory_ids: set[str], epoch: int = 0) -> Path:

@@ -172,6 +172,12 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
         assert report["all_engines_on_final_version"], report["engines"]
         assert report["services_not_stopped"] == []
         assert Path(report["report_path"]).exists()
+        # what each step trained on, as the trainer counted it; a step without it is said so
+        informative = report["groups_informative_per_step"]
+        assert len(informative) == cfg.training.steps
+        assert all(0 <= g <= cfg.training.groups_per_step for g in informative)
+        idle = informative.count(0)
+        assert report["steps_without_update"] == idle and bool(report["warnings"]) == bool(idle)
         # every launched group accounted for by the trainer's outcomes; what was not trained, replaced
         outcomes = report["group_outcomes"]
         assert outcomes["trained"] == cfg.training.steps * cfg.training.groups_per_step, outcomes

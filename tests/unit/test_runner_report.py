@@ -97,6 +97,16 @@ def test_reward_windows_pool_the_steps_trajectories_with_a_t_interval() -> None:
     ] == [0.25]
 
 
+def test_steps_that_changed_no_weight_are_counted_and_warned_about() -> None:
+    from tools.report import learning_report
+
+    steps = [ev.TrainMetrics(step=i + 1, groups_informative=g) for i, g in enumerate([2, 0, 1, 0])]
+    report = learning_report(steps)
+    assert report["groups_informative_per_step"] == [2, 0, 1, 0] and report["steps_without_update"] == 2
+    assert report["warnings"] and "2 of 4 train steps" in report["warnings"][0]
+    assert learning_report(steps[:1])["warnings"] == []
+
+
 def test_a_report_with_steps_gets_a_reward_plot(tmp_path) -> None:
     from tools.learning_plot import write_reward_plot
     from tools.report import learning_report
