@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -288,11 +290,24 @@ def cmd_credentials(args: argparse.Namespace) -> int:
     return 0
 
 
+def header_summary(text: str) -> str:
+    """The first sentence of a config's header comment (however many lines it spans)."""
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line.lstrip("#").strip())
+    words = " ".join(w for w in header if w)
+    return re.split(r"(?<=[.!?])\s", words, maxsplit=1)[0]
+
+
 def cmd_config_list(_: argparse.Namespace) -> int:
-    """The shipped configs with the first line of each one's header comment."""
+    """The shipped configs, each with the first sentence of its header comment, wrapped."""
     for name in shipped_configs():
-        lines = [ln for ln in (CONFIG_DIR / name).read_text().splitlines() if ln.startswith("#")]
-        print(f"{name:<22} {lines[0].lstrip('# ').strip() if lines else ''}")
+        lines = textwrap.wrap(header_summary((CONFIG_DIR / name).read_text()), 76) or [""]
+        print(f"{name:<22} {lines[0]}")
+        for more in lines[1:]:
+            print(f"{'':<22} {more}")
     print(
         f"({CONFIG_DIR.resolve()}; `libra run NAME`, or `libra config show NAME > mine.yaml` to start your own)"
     )

@@ -95,4 +95,9 @@ def test_shipped_configs_are_found_by_name_from_any_directory(
     assert main(["config", "show", "gpu"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["rollout"]["backend"] == "vllm"
     assert main(["config", "list"]) == 0
-    assert "learn.yaml" in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert "learn.yaml" in listed and "cores in a few minutes." in listed  # default's whole sentence
+    from tools.cli import header_summary
+
+    header = "# First line of a sentence that\n# ends here. A second one.\n#\nname: x\n# not header\n"
+    assert header_summary(header) == "First line of a sentence that ends here."
