@@ -55,7 +55,7 @@ def live_config(ns: argparse.Namespace, workload: Workload, policy: str) -> dict
         "model": {"source": "tiny-random"},
         "task": {
             "dataset": "synthetic",
-            "workload": ns.workload,
+            "workload": str(Path(ns.workload).resolve()) if Path(ns.workload).is_file() else ns.workload,
             "num_prompts": 10_000,
             "seed": ns.seed,
             "group_size": ns.group_size,

@@ -25,8 +25,8 @@ class ModelConfig(_Strict):
     seed: int = 0
     """Seed for the tiny-random weights."""
     cache_dir: str = ".libra/models"
-    """Where converted checkpoints are cached so later starts skip the GGUF conversion (relative:
-    from the directory `libra run` starts in)."""
+    """Where converted checkpoints are cached so later starts skip the GGUF conversion (relative: from
+    the config file's directory when the file sets it, else from where `libra run` starts)."""
 
 
 class DatasetFile(_Strict):
@@ -34,7 +34,7 @@ class DatasetFile(_Strict):
 
     path: str
     """JSONL (`.jsonl`/`.ndjson`), JSON (a list of objects) or Parquet (`.parquet`); a relative path
-    is resolved from the directory `libra run` starts in."""
+    is resolved from the config file's directory (from where `libra run` starts, for an override)."""
     prompt_key: str = "prompt"
     """The prompt: plain text (sent as the user message) or chat messages
     (`[{role, content}, ...]`), rendered with the model's chat template."""
@@ -72,7 +72,7 @@ class TaskConfig(_Strict):
     `numeric` for a dataset file."""
     plugin_paths: list[str] = Field(default_factory=list)
     """Directories put in front of the import path of `reward` and `environment` (relative: to the
-    start directory)."""
+    config file's directory)."""
     reward_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
     """A reward function that has not returned by then fails its trajectory (`reward_timeout`)."""
     tools: list[str] | None = None
@@ -81,7 +81,8 @@ class TaskConfig(_Strict):
     sandbox. Default: every tool the sandbox has."""
     tool_plugins: list[str] = Field(default_factory=list)
     """Python files that each define a tool (NAME, DESCRIPTION, SCHEMA, `def run(**args)`), run by
-    the tool sandbox in the same isolation as the python tool (docs/tasks.md)."""
+    the tool sandbox in the same isolation as the python tool (docs/tasks.md); relative: to the
+    config file's directory."""
     reward_workers: int = Field(2, ge=1, le=64)
     """Processes that run `module:function` rewards, off the scheduler's event loop."""
     environment: str | None = Field(None, pattern=rf"^{_PLUGIN_REF}$")
@@ -247,7 +248,9 @@ class TrainingConfig(_Strict):
     `<checkpoint_dir>/hf/step_<n>` (blocking it for the write; 0: never — `libra run` still exports
     the final policy, `job.export_final`)."""
     checkpoint_dir: str = "runs/{run_id}/checkpoints"
-    """Where committed steps are saved (`{run_id}` is replaced); a restarted trainer resumes from it."""
+    """Where committed steps are saved (`{run_id}` is replaced); a restarted trainer resumes from it.
+    Relative: from the config file's directory when the file sets it (unset: `libra run` puts them
+    under its `--output-dir`)."""
     push_chunk_bytes: int = Field(2 << 20, ge=1024, le=32 << 20)
     """Largest record of a weight push: an engine holds at most about one beyond its weights."""
     push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -441,25 +444,67 @@ class RunConfig(_Strict):
         return self.training.groups_per_step * self.task.group_size
 
 
+FILE_PATHS = (
+    ("model", "path"),
+    ("model", "cache_dir"),
+    ("task", "dataset", "path"),
+    ("task", "workload"),
+    ("task", "plugin_paths"),
+    ("task", "tool_plugins"),
+    ("training", "checkpoint_dir"),
+    ("training", "reference_model", "path"),
+    ("training", "reference_model", "cache_dir"),
+    ("eval", "dataset", "path"),
+)
+"""The fields that name files or directories: relative ones a config file sets are the file's."""
+
+
 def load_run_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Reads and validates a run config, with `overrides` (`training.lr=1e-6`) applied on top; a bad
-    file or override exits with a clear message."""
+    file or override exits with a clear message. Relative paths the file sets resolve from the
+    file's directory, so a config works from wherever it is run; those of `overrides` and the
+    defaults resolve from where the command starts."""
     if path is None:
         return parse_run_config("{}", "the defaults", overrides)
     p = Path(path)
     if not p.is_file():
         raise ConfigFileError(f"run config not found: {p}")
-    return parse_run_config(p.read_text(), str(p), overrides)
+    return parse_run_config(p.read_text(), str(p), overrides, base=p.resolve().parent)
 
 
-def parse_run_config(text: str, where: str, overrides: Sequence[str] = ()) -> RunConfig:
-    """Validates a run config given as YAML text; `where` names it in the error."""
+def _from_base(data: dict[str, Any], base: Path) -> None:
+    """Makes the relative paths of `FILE_PATHS` in raw config data absolute against `base`."""
+
+    def absolute(value: Any) -> Any:
+        if not isinstance(value, str) or not value or Path(value).is_absolute():
+            return value
+        return str(base / value)
+
+    for keys in FILE_PATHS:
+        node: Any = data
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or keys[-1] not in node:
+            continue
+        value = node[keys[-1]]
+        if keys == ("task", "workload") and isinstance(value, str) and not value.endswith((".yaml", ".yml")):
+            continue  # a shipped workload's name, not a file
+        node[keys[-1]] = [absolute(v) for v in value] if isinstance(value, list) else absolute(value)
+
+
+def parse_run_config(
+    text: str, where: str, overrides: Sequence[str] = (), base: Path | None = None
+) -> RunConfig:
+    """Validates a run config given as YAML text; `where` names it in the error; with `base`, the
+    relative paths it sets resolve from there (the directory of the file it came from)."""
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise ConfigFileError(f"run config {where} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigFileError(f"run config {where} must be a mapping at top level")
+    if base is not None:
+        _from_base(data, base)
     if overrides:
         apply_overrides(data, overrides)
         where = f"{where} with {' '.join(overrides)}"

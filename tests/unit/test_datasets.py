@@ -120,9 +120,12 @@ def test_reward_refs_are_checked_by_the_config() -> None:
 
 
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_has_a_task_that_loads(config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its dataset reads and its reward imports (configs/custom_example.yaml: examples/custom)."""
-    monkeypatch.chdir(ROOT)
+def test_every_shipped_config_has_a_task_that_loads(
+    config: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Its dataset reads and its reward imports (configs/custom_example.yaml: examples/custom), from
+    any directory: a config's relative paths are its own."""
+    monkeypatch.chdir(tmp_path)
     cfg = load_run_config(config)
     assert task_list(cfg.task)
     asyncio.run(check_reward(cfg.task))

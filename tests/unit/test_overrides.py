@@ -101,3 +101,30 @@ def test_shipped_configs_are_found_by_name_from_any_directory(
 
     header = "# First line of a sentence that\n# ends here. A second one.\n#\nname: x\n# not header\n"
     assert header_summary(header) == "First line of a sentence that ends here."
+
+
+def test_relative_paths_in_a_config_file_are_the_files_and_overrides_are_the_shells(
+    tmp_path, monkeypatch
+) -> None:
+    from services.common.runconfig import load_run_config
+
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    cfg = project / "configs" / "mine.yaml"
+    cfg.write_text(
+        "task:\n  dataset: {path: ../data/train.jsonl}\n  plugin_paths: [../plugins, /abs/plugins]\n"
+        "  tool_plugins: [tools/t.py]\ntraining:\n  checkpoint_dir: ckpt/{run_id}\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded = load_run_config(cfg)
+    assert loaded.task.dataset.path == str(project / "configs" / ".." / "data" / "train.jsonl")  # type: ignore[union-attr]
+    assert loaded.task.plugin_paths == [str(project / "configs" / ".." / "plugins"), "/abs/plugins"]
+    assert loaded.task.tool_plugins == [str(project / "configs" / "tools" / "t.py")]
+    assert loaded.training.checkpoint_dir == str(project / "configs" / "ckpt" / "{run_id}")
+    assert loaded.model.cache_dir == ".libra/models"  # a default stays the shell's
+    # an override is typed where the command runs: it stays relative until the job is submitted
+    over = load_run_config(cfg, ["task.dataset.path=mine.jsonl"])
+    assert over.task.dataset.path == "mine.jsonl"  # type: ignore[union-attr]
+    assert with_local_paths(over, tmp_path).task.dataset.path == str(elsewhere / "mine.jsonl")  # type: ignore[union-attr]
