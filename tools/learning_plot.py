@@ -55,7 +55,10 @@ def write_reward_plot(report: dict[str, Any], out_dir: Path) -> Path | None:
             label="held-out eval after step (95% CI)",
         )
     top.set_ylabel("reward per trajectory")
-    top.set_title(f"{report.get('run_id', '')}: reward by step (trajectories of successive policies)")
+    # the run id on a line of its own: a long one would push the title past the figure's edge
+    top.set_title(
+        f"{report.get('run_id', '')}\nreward by step (trajectories of successive policies)", fontsize=10
+    )
     top.legend(fontsize=8, loc="best")
     if stats.get("entropy"):
         bottom.plot(

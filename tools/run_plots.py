@@ -76,7 +76,7 @@ def _throughput(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
         )
         bottom.set_xlabel("train step")
         bottom.set_ylabel("seconds")
-        bottom.legend(fontsize=8)
+        bottom.legend(fontsize=8, loc="upper right")  # "best" searches every point: slow on long runs
     return _save(plt, fig, out / "throughput.png")
 
 

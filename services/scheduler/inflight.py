@@ -43,6 +43,8 @@ class Live:
     deadline: float = 0.0
     sent_at: float = 0.0
     missing: int = 0
+    lost: int = 0
+    """Its turns that vanished on the way to an engine or back (the first is re-sent for free)."""
     retries: int = 0
     pending_action: Generate | None = None
     pending_tool: CallTool | None = None
@@ -341,9 +343,18 @@ class InFlight:
             live.missing += 1
             if live.missing >= 2 and live.pending_action is not None:
                 self._forget_turn(live)
-                self.log.warning("turn_lost", trajectory_id=live.trajectory_id, engine_id=load.engine_id)
                 live.missing = 0
-                await self.send_turn(live, live.pending_action)
+                live.lost += 1
+                self.log.warning(
+                    "turn_lost", trajectory_id=live.trajectory_id, engine_id=load.engine_id, times=live.lost
+                )
+                if live.lost == 1:  # a dropped message: re-sent at once, no retry spent
+                    await self.send_turn(live, live.pending_action)
+                else:  # lost again: an engine may never take it, so each further loss spends a retry
+                    live.last_error = (
+                        f"{load.engine_id}: turns lost {live.lost} times (not in its load reports)"
+                    )
+                    await self.retry_or_fail(live)
 
     async def watchdog(self, now: float) -> None:
         """What passed its deadline: a tool call no sandbox answered is sent again (or fails its

@@ -220,6 +220,20 @@ async def test_lost_and_malformed_turns_are_sent_again_and_bad_input_changes_not
     assert proc.poll() is None
 
 
+async def test_turns_an_engine_keeps_losing_spend_retries_and_fail_typed(scheduler: Any) -> None:
+    """An engine that reports its load but never holds a turn: the first loss of a turn is re-sent
+    for free (a dropped message), every further one spends a retry, so the trajectory ends failed
+    instead of being re-sent forever."""
+    proc, h, bus = scheduler
+    h.answer = lambda req: None
+    done = await h.completed(bus, 4, timeout=120)
+    for t in done:
+        assert t.finish == "error" and t.failure.code == "engine_unavailable"
+        assert "lost" in t.failure.message
+    assert len(h.requests) == 16  # per trajectory: sent, lost and re-sent free, then two retries
+    assert proc.poll() is None
+
+
 async def test_an_engine_that_never_answers_fails_its_trajectories_typed(scheduler: Any) -> None:
     """Turn retries are bounded: a trajectory whose turns an engine holds and never answers ends
     as failed (`engine_unavailable`), is handed to the trainer as such, and the scheduler keeps
