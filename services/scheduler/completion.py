@@ -19,7 +19,7 @@ from services.scheduler.evaluation import Evaluator
 from services.scheduler.inflight import Live
 from services.scheduler.ledger import Ledger, durably
 from services.scheduler.plugins import PluginFailure
-from services.scheduler.rewards import Scorer
+from services.scheduler.rewards import Scorer, reward_trajectory
 from services.scheduler.trajectory import Finish
 from services.scheduler.user_code import BrokenUserCode
 from services.scheduler.workload import WorkloadWindow
@@ -61,13 +61,9 @@ class Completion:
                 response=traj.texts[-1] if traj.texts else "",
                 answer=traj.task.answer,
                 sample=traj.task.row(),
-                trajectory={
-                    "turns": list(traj.texts),
-                    "tool_calls": live.tool_log,
-                    "observations": live.replies,
-                    "finish": fin.reason,
-                    "prompt_id": traj.task.prompt_id,
-                },
+                trajectory=reward_trajectory(
+                    list(traj.texts), live.tool_log, live.replies, fin.reason, traj.task.prompt_id
+                ),
             )
             if isinstance(result, PluginFailure):
                 span.set_attribute("libra.reward_failure", result.code)
@@ -88,8 +84,10 @@ class Completion:
             return
         traj = live.traj
         failure = live.failure
-        why = self.user_code.ended(
-            failure.code if failure is not None else "", failure.message if failure else ""
+        why = (
+            self.user_code.ended(failure.code, failure.message)
+            if failure is not None
+            else self.user_code.ended()
         )
         self.broken = self.broken or why
         latency = time.monotonic() - traj.started_at

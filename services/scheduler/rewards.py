@@ -198,6 +198,20 @@ class Scorer:
             await self.pool.close()
 
 
+def reward_trajectory(
+    turns: list[str], tool_calls: list[dict[str, Any]], observations: list[str], finish: str, prompt_id: str
+) -> dict[str, Any]:
+    """The `trajectory` a `task.reward` function is called with (docs/tasks.md): one shape for the
+    scheduler's calls and the config check's trial call."""
+    return {
+        "turns": turns,
+        "tool_calls": tool_calls,
+        "observations": observations,
+        "finish": finish,
+        "prompt_id": prompt_id,
+    }
+
+
 async def check_reward(task: TaskConfig, sample: dict[str, Any] | None = None) -> None:
     """Loads the configured reward once, as the scheduler will, and calls it on `sample` (the
     dataset's first row) with a plausible response, as the scheduler calls it; raises
@@ -211,17 +225,8 @@ async def check_reward(task: TaskConfig, sample: dict[str, Any] | None = None) -
         if sample is None:
             return
         response = str(sample.get("answer", ""))
-        result = await pool.score(
-            response=response,
-            sample=sample,
-            trajectory={
-                "turns": [response],
-                "tool_calls": [],
-                "observations": [],
-                "finish": "answer",
-                "prompt_id": str(sample.get("prompt_id", "")),
-            },
-        )
+        trajectory = reward_trajectory([response], [], [], "answer", str(sample.get("prompt_id", "")))
+        result = await pool.score(response=response, sample=sample, trajectory=trajectory)
         if isinstance(result, PluginFailure):
             raise PluginLoadError(
                 f"task.reward {ref!r} failed when called as the scheduler calls it, "
