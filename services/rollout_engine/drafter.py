@@ -26,6 +26,8 @@ Key = tuple[int, ...]
 class _Prompt:
     sequences: deque[tuple[str, list[int]]] = field(default_factory=deque)
     """(group id, tokens) of the responses kept, oldest first."""
+    keys: deque[set[Key]] = field(default_factory=deque)
+    """The index keys each kept response added (what to clean when it is dropped)."""
     first: int = 0
     """The number of sequences dropped so far (index of `sequences[0]` in arrival order)."""
     index: dict[Key, deque[tuple[int, int]]] = field(default_factory=dict)
@@ -77,18 +79,22 @@ class SuffixDrafter:
         seq = list(tokens)
         p.sequences.append((group_id, seq))
         k = self.key_len
+        keys: set[Key] = set()
         for end in range(k, len(seq)):
-            at = p.index.setdefault(tuple(seq[end - k : end]), deque(maxlen=self.per_key))
-            at.append((number, end))
+            key = tuple(seq[end - k : end])
+            keys.add(key)
+            p.index.setdefault(key, deque(maxlen=self.per_key)).append((number, end))
+        p.keys.append(keys)
 
     def _drop_oldest(self, p: _Prompt) -> None:
+        """Forgets the oldest response: only the keys it added are visited, not the whole index."""
         p.sequences.popleft()
         p.first += 1
-        for key in [key for key, at in p.index.items() if at and at[0][0] < p.first]:
-            at = p.index[key]
+        for key in p.keys.popleft():
+            at = p.index.get(key)
             while at and at[0][0] < p.first:
                 at.popleft()
-            if not at:
+            if at is not None and not at:
                 del p.index[key]
 
     def draft(self, prompt_id: str, group_id: str, context: Sequence[int], k: int) -> Draft:

@@ -36,6 +36,9 @@ def test_the_drafter_stays_bounded_and_forgets_the_oldest() -> None:
     d.add("p", "g", [7, 8, 9, 12])  # the first response is dropped
     assert d.draft("p", "g", [2, 3], 1).tokens == []
     assert d.draft("p", "g", [8, 9], 1).tokens == [12]
+    for i in range(50):  # the index holds only the kept responses' keys
+        d.add("p", "g", [100 + i, 200 + i, 300 + i, 400 + i])
+    assert len(d._prompts["p"].index) == 2 * 2  # two responses of two keys each
     d.add("q", "g", [1, 1, 1, 1])
     d.add("r", "g", [2, 2, 2, 2])  # three prompts: the least recently added ("p") goes
     assert len(d) == 2 and d.draft("p", "g", [8, 9], 1).tokens == []
