@@ -3,13 +3,42 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pinned_job_env(
+    tmp_path: Path,
+    run: dict[str, Any],
+    nats_url: str,
+    redis_url: str,
+    run_id: str,
+    worker_id: str,
+    **settings: str,
+) -> dict[str, str]:
+    """The environment of a service pinned to one job: `run` written as its LIBRA_CONFIG under
+    `tmp_path`, the stack's addresses, and `settings` (LIBRA_<SERVICE>_... variables)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(run))
+    return dict(
+        os.environ,
+        LIBRA_NATS_URL=nats_url,
+        LIBRA_REDIS_URL=redis_url,
+        LIBRA_RUN_ID=run_id,
+        LIBRA_CONFIG=str(config),
+        LIBRA_WORKER_ID=worker_id,
+        HF_HUB_OFFLINE="1",
+        **settings,
+    )
 
 
 @contextlib.contextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 from collections.abc import AsyncIterator
@@ -11,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
@@ -22,7 +20,7 @@ from services.common.localstack import Server
 from services.common.membership import lease_resource
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
-from tests.service_process import service_process
+from tests.service_process import pinned_job_env, service_process
 
 pytestmark = pytest.mark.integration
 
@@ -108,23 +106,20 @@ def turn(request_id: str, **kw: Any) -> ev.TurnRequest:
 async def engine(
     tmp_path: Path, nats_server: Server, redis_server: Server, run_id: str, tiny_model: ModelConfig
 ) -> AsyncIterator[tuple[subprocess.Popen[bytes], Harness]]:
-    cfg = tmp_path / "run.yaml"
     run = {
         "model": {"source": "tiny-random", "cache_dir": tiny_model.cache_dir},
         "rollout": {"backend": "hf", "max_batch": 4},
     }
-    cfg.write_text(yaml.safe_dump(run))
-    env = dict(
-        os.environ,
-        LIBRA_NATS_URL=nats_server.url,
-        LIBRA_REDIS_URL=redis_server.url,
-        LIBRA_RUN_ID=run_id,
-        LIBRA_CONFIG=str(cfg),
-        LIBRA_WORKER_ID=WORKER,
+    env = pinned_job_env(
+        tmp_path,
+        run,
+        nats_server.url,
+        redis_server.url,
+        run_id,
+        WORKER,
         LIBRA_ROLLOUT_ENGINE_LOAD_REPORT_INTERVAL_S="0.2",
         LIBRA_ROLLOUT_ENGINE_MAX_WAIT_FOR_WEIGHTS_S="1",
         LIBRA_ROLLOUT_ENGINE_SEED="0",
-        HF_HUB_OFFLINE="1",
     )
     bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
     store = OwnershipStore.from_url(redis_server.url, run_id)

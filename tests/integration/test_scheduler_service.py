@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from services.common.localstack import Server
 from services.common.runconfig import ModelConfig
-from tests.service_process import service_process
+from tests.service_process import pinned_job_env, service_process
 
 pytestmark = pytest.mark.integration
 
@@ -127,19 +125,16 @@ async def scheduler(
         "rollout": {"engines": 1},
         "training": {"steps": 2, "groups_per_step": 1, "max_staleness": 1},
     }
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump(run))
-    env = dict(
-        os.environ,
-        LIBRA_NATS_URL=nats_server.url,
-        LIBRA_REDIS_URL=redis_server.url,
-        LIBRA_RUN_ID=run_id,
-        LIBRA_CONFIG=str(cfg),
-        LIBRA_WORKER_ID="scheduler-t1",
+    env = pinned_job_env(
+        tmp_path,
+        run,
+        nats_server.url,
+        redis_server.url,
+        run_id,
+        "scheduler-t1",
         LIBRA_SCHEDULER_TICK_S="0.05",
         LIBRA_SCHEDULER_LOST_TURN_GRACE_S="0.5",
         LIBRA_SCHEDULER_TURN_TIMEOUT_S="3",
-        HF_HUB_OFFLINE="1",
     )
     bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
     harness = Harness(bus)
