@@ -32,15 +32,17 @@ class Progress:
     in_flight: int = 0
     last_change: float = field(default_factory=time.monotonic)
 
-    def update(self, committed: dict[str, str], stats: ev.SchedulerStats | None) -> None:
-        step = int(committed.get("step", 0))
+    def update(self, committed: ev.TrainerFacts | None, stats: ev.SchedulerStats | None) -> None:
+        """`committed`: the trainer's facts (None: unreadable now, the progress stays as it was)."""
+        if committed is not None:
+            if committed.step != self.committed_step:
+                self.last_change = time.monotonic()
+            self.committed_step, self.committed_version = committed.step, committed.version
+            self.checkpoint, self.trained_twice = committed.checkpoint, committed.trained_twice
         done = stats.trajectories_completed if stats is not None else self.completed
-        if (step, done) != (self.committed_step, self.completed):
+        if done != self.completed:
             self.last_change = time.monotonic()
-        self.committed_step, self.completed = step, done
-        self.committed_version = int(committed.get("version", 0))
-        self.checkpoint = committed.get("checkpoint", "")
-        self.trained_twice = int(committed.get("trained_twice", 0))
+        self.completed = done
         if stats is not None:
             self.in_flight = stats.trajectories_in_flight
 
@@ -114,8 +116,8 @@ class JobObserver:
     async def _on_weights(self, w: ev.WeightsUpdated, _: Envelope) -> None:
         self.pushes.append(w)
 
-    async def poll(self, bus: Bus, committed: Callable[[], Awaitable[dict[str, str]]]) -> None:
-        """The scheduler's stats and the trainer's commit record, now."""
+    async def poll(self, bus: Bus, committed: Callable[[], Awaitable[ev.TrainerFacts | None]]) -> None:
+        """The scheduler's stats and the trainer's committed step, now."""
         stats = None
         with contextlib.suppress(Exception):
             stats = await bus.request(

@@ -16,11 +16,10 @@ from typing import Any
 from services.common import subjects
 from services.common.bus import Bus
 from services.common.contracts import ev, ws, ws_grpc
+from services.common.facts import read_facts
 from services.common.grpc_auth import bearer_metadata
 from services.common.membership import SERVING_ROLES
-from services.common.ownership import committed_key, plans_key, role_changes_key, trained_key
 from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
-from services.scheduler.ledger import Accounting, read_accounting
 from tools.job_watch import JobObserver
 from tools.learning_plot import write_reward_plot
 from tools.run_plots import write_run_plots
@@ -29,39 +28,43 @@ from tools.stack import Stack
 
 
 class JobFacts:
-    """Reads the facts the services own for one job (through the job's Redis and its PLAN stream)."""
+    """The facts the services own for one job, as they published them (services/common/facts.py):
+    the trainer's commit record, the scheduler's ledger, the planner's plan and role history, and
+    the planner's last plan (its PLAN stream). `libra run` reads none of their Redis keys."""
 
-    def __init__(self, bus: Bus, redis: Any, run_id: str, cfg: RunConfig):
-        self.bus, self.redis, self.run_id, self.cfg = bus, redis, run_id, cfg
+    def __init__(self, bus: Bus, run_id: str, cfg: RunConfig):
+        self.bus, self.run_id, self.cfg = bus, run_id, cfg
 
-    async def committed(self) -> dict[str, str]:
-        """The trainer's commit record ({} when it cannot be read)."""
+    async def committed(self) -> ev.TrainerFacts | None:
+        """The trainer's last committed step (an empty record before the first; None: unreadable)."""
         with contextlib.suppress(Exception):
-            raw = await self.redis.hgetall(committed_key(self.run_id))
-            return {str(k): str(v) for k, v in raw.items()}
-        return {}
+            return await read_facts(self.bus, subjects.FACTS_TRAINER, ev.TrainerFacts) or ev.TrainerFacts()
+        return None
 
-    async def accounting(self) -> tuple[Accounting | None, str]:
-        """Every trajectory handed to the trainer, and what became of it (or why it cannot tell)."""
+    async def ledger(self) -> ev.SchedulerFacts:
+        """The scheduler's ledger: its accounting and evaluation rounds (`error` says why not)."""
         try:
-            return await read_accounting(self.redis, self.run_id, trained_key(self.run_id)), ""
-        except Exception as err:  # Redis away: the report still gets written, saying so
-            return None, f"{type(err).__name__}: {err}"
+            facts = await read_facts(self.bus, subjects.FACTS_SCHEDULER, ev.SchedulerFacts)
+        except Exception as err:  # NATS away: the report still gets written, saying so
+            return ev.SchedulerFacts(error=f"{type(err).__name__}: {err}")
+        return facts if facts is not None else ev.SchedulerFacts(error="the scheduler published none")
 
-    async def eval_report(self) -> list[dict[str, Any]] | None:
-        """Every evaluation round, by version (None when `eval` is off)."""
-        if self.cfg.eval.every <= 0:
-            return None
-        try:
-            return [r for _, r in sorted((await self.eval_rounds()).items())]
-        except Exception as err:  # Redis away: the report still gets written, saying so
-            return [{"error": f"the evaluation rounds could not be read: {type(err).__name__}: {err}"}]
+    async def settled_ledger(self, trained: int, wait_s: float = 5.0) -> ev.SchedulerFacts:
+        """The ledger once it has heard of the `trained` trajectories the trainer committed (the
+        last step's outcomes reach the scheduler a tick after the commit), or as it stands after
+        `wait_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            facts = await self.ledger()
+            if (not facts.error and facts.trained >= trained) or loop.time() >= deadline:
+                return facts
+            await asyncio.sleep(0.25)
 
-    async def eval_rounds(self) -> dict[int, dict[str, Any]]:
-        """The finished evaluation rounds, as the scheduler recorded them in Redis."""
-        from services.scheduler.ledger import Ledger
-
-        return await Ledger(self.redis, self.run_id).load_eval()
+    async def eval_rounds(self, facts: ev.SchedulerFacts | None = None) -> dict[int, dict[str, Any]]:
+        """The finished evaluation rounds, by policy version."""
+        facts = facts if facts is not None else await self.ledger()
+        return {int(v): json.loads(summary) for v, summary in facts.eval_rounds.items()}
 
     async def evaluated(self) -> bool:
         """The final policy's evaluation is in (or none is configured)."""
@@ -105,20 +108,39 @@ class JobFacts:
                 ]
         return []
 
-    async def plans(self) -> list[dict[str, Any]] | dict[str, str]:
-        """Every plan of the run, from the planner's fenced plan history in Redis."""
+    async def history(
+        self,
+    ) -> tuple[list[dict[str, Any]] | dict[str, str], list[dict[str, Any]] | dict[str, str]]:
+        """The planner's plans and role changes (the most recent ones it keeps), or why not."""
         try:
-            return [json.loads(x) for x in await self.redis.lrange(plans_key(self.run_id), 0, -1)]
-        except Exception as err:  # Redis away: the report says so
-            return {"error": f"the plan history could not be read: {type(err).__name__}: {err}"}
+            facts = await read_facts(self.bus, subjects.FACTS_PLANNER, ev.PlannerFacts)
+        except Exception as err:  # NATS away: the report says so
+            error = {"error": f"the planner's history could not be read: {type(err).__name__}: {err}"}
+            return error, error
+        facts = facts or ev.PlannerFacts()
+        return [json.loads(x) for x in facts.plans], role_changes([json.loads(x) for x in facts.role_changes])
 
-    async def role_changes(self) -> list[dict[str, Any]] | dict[str, str]:
-        """Every role change of the run with what it cost, from the planner's history in Redis."""
-        try:
-            lines = await self.redis.lrange(role_changes_key(self.run_id), 0, -1)
-        except Exception as err:
-            return {"error": f"the role history could not be read: {type(err).__name__}: {err}"}
-        return role_changes([json.loads(x) for x in lines])
+
+def eval_report(cfg: RunConfig, ledger: ev.SchedulerFacts) -> list[dict[str, Any]] | None:
+    """Every evaluation round, by version (None when `eval` is off)."""
+    if cfg.eval.every <= 0:
+        return None
+    if ledger.error:
+        return [{"error": f"the evaluation rounds could not be read: {ledger.error}"}]
+    return [json.loads(ledger.eval_rounds[v]) for v in sorted(ledger.eval_rounds)]
+
+
+def accounting_report(ledger: ev.SchedulerFacts) -> dict[str, Any]:
+    """The report's `trajectories_accounting` from the scheduler's ledger."""
+    if ledger.error:
+        return {"error": f"the ledger could not be read: {ledger.error}"}
+    return {
+        "handed_to_trainer": ledger.published,
+        "trained": ledger.trained,
+        "dropped": ledger.dropped,
+        "open_at_end": ledger.open_at_end,
+        "lost_ids": list(ledger.lost_ids),
+    }
 
 
 async def engine_versions(engines: list[ev.WorkerStatus], token: str | None = None) -> list[dict[str, Any]]:
@@ -260,19 +282,16 @@ async def build_report(
     with contextlib.suppress(Exception):
         await watch.poll(facts.bus, facts.committed)
     cfg, p, run_id = facts.cfg, watch.progress, facts.run_id
-    trained_groups = cfg.training.steps * cfg.training.groups_per_step
-    for _ in range(20):  # the scheduler hears the last step's group outcomes a tick after the commit
-        if status != "completed" or (watch.stats and watch.stats.group_outcomes["trained"] >= trained_groups):
-            break
-        await asyncio.sleep(0.25)
-        with contextlib.suppress(Exception):
-            await watch.poll(facts.bus, facts.committed)
+    commit = await facts.committed()
+    ledger = await facts.settled_ledger(
+        commit.trained if commit else 0, 5.0 if status == "completed" else 0.0
+    )
+    with contextlib.suppress(Exception):
+        await watch.poll(facts.bus, facts.committed)
     trained = per_step(watch.metrics, p.committed_step)
-    accounting, accounting_error = await facts.accounting()
     engines = await engine_versions(engine_statuses, stack.grpc_token()) if targets else []
     buckets = await facts.buckets()
-    plans = await facts.plans()
-    changes = await facts.role_changes()
+    plans, changes = await facts.history()
     serving = await facts.serving_engines()
     for e in engines:
         e["serving"] = serving is None or e["id"] in serving
@@ -303,17 +322,9 @@ async def build_report(
         "final_weight_version": p.committed_version,
         "checkpoint": p.checkpoint,
         "trajectories_trained_twice": p.trained_twice,
-        "trajectories_lost": len(accounting.lost) if accounting else None,
-        "trajectories_accounting": {
-            "handed_to_trainer": accounting.published,
-            "trained": accounting.trained,
-            "dropped": accounting.dropped,
-            "open_at_end": accounting.open_at_end,
-            "lost_ids": accounting.lost[:20],
-        }
-        if accounting
-        else {"error": f"the ledger could not be read: {accounting_error}"},
-        "eval": await facts.eval_report(),
+        "trajectories_lost": None if ledger.error else ledger.lost,
+        "trajectories_accounting": accounting_report(ledger),
+        "eval": eval_report(cfg, ledger),
         "engines": engines,
         "all_engines_on_final_version": bool(engines)
         and all(  # drained engines get no more weights

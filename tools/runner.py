@@ -14,7 +14,6 @@ config's `job.stall_timeout_s`, or the overall `--timeout` passed), with what wa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sys
 import time
@@ -147,15 +146,10 @@ class JobDriver:
         self.watch = JobObserver(run_id, self.loggers, out_dir)
 
     async def run(self) -> dict[str, Any]:
-        import redis.asyncio as aioredis
-
         auth = self.stack.nats_auth("cli")
         self.nc = await control.connect(self.stack.nats_url, f"cli:{os.getpid()}:control", auth)
         self.bus = await Bus.connect(self.stack.nats_url, self.run_id, "cli", f"cli-{os.getpid()}", auth)
-        self.redis = aioredis.from_url(
-            self.stack.redis_url, decode_responses=True, password=self.stack.redis_password()
-        )
-        self.facts = JobFacts(self.bus, self.redis, self.run_id, self.cfg)
+        self.facts = JobFacts(self.bus, self.run_id, self.cfg)
         start = time.monotonic()
         status, reason, stuck = "failed", "", None
         submitted = False
@@ -198,8 +192,6 @@ class JobDriver:
             await asyncio.to_thread(self.loggers.close, status)
             await self.bus.close()
             await close_nats(self.nc)
-            with contextlib.suppress(Exception):
-                await self.redis.aclose()
         return report
 
     def _fail_if_dead(self) -> None:

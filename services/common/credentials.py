@@ -27,12 +27,13 @@ NATS_MAX_PAYLOAD = 8 << 20
 _RUN = "libra.v1.*"
 _COMMON = ("worker.hello", "errors")
 _PUBLISHES: dict[str, tuple[str, ...]] = {
-    "planner": (subjects.PLAN, subjects.ROLE_CHANGE),
+    "planner": (subjects.PLAN, subjects.ROLE_CHANGE, subjects.FACTS_PLANNER),
     "scheduler": (
         f"{subjects.TURN_REQUEST}.*",
         subjects.TOOL_CALL,
         subjects.TRAJ_COMPLETED,
         subjects.WORKLOAD_STATS,
+        subjects.FACTS_SCHEDULER,
     ),
     "rollout-engine": (subjects.TURN_RESULT, subjects.ENGINE_LOAD, subjects.HYBRID_STATE),
     "tool-sandbox": (subjects.TOOL_RETURN,),
@@ -42,6 +43,7 @@ _PUBLISHES: dict[str, tuple[str, ...]] = {
         subjects.GROUP_OUTCOME,
         subjects.HYBRID_STATE,
         subjects.HYBRID_GROUP,
+        subjects.FACTS_TRAINER,
     ),
     "cli": (subjects.SCHEDULER_STATS, subjects.ROLE_REQUEST),
 }

@@ -21,6 +21,10 @@ METRICS = "metrics"  # .<service>
 ERRORS = "errors"
 SCHEDULER_STATS = "scheduler.stats"
 WORKLOAD_STATS = "workload.stats"
+FACTS = "facts"  # .<service>: what it owns that a job's report reads (services/common/facts.py)
+FACTS_TRAINER = f"{FACTS}.trainer"
+FACTS_SCHEDULER = f"{FACTS}.scheduler"
+FACTS_PLANNER = f"{FACTS}.planner"
 
 
 def subject(run_id: str, *parts: str) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import time
 from collections import Counter
@@ -26,15 +25,15 @@ from services.common.errors import require
 from services.common.logging import get_logger
 from services.common.membership import HYBRID_ROLE, TRAINER_ROLE, lease_resource
 from services.common.metrics import planner_metrics
-from services.common.ownership import Lease, OwnershipStore, role_changes_key
+from services.common.ownership import Lease, OwnershipStore
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.planner.assign import ROLE_BY_KIND, Slot, StaticAssigner
 from services.planner.config import PlannerSettings
 from services.planner.elastic import LivePool
+from services.planner.history import PLANNER_ROLE, PlanHistory
 from services.planner.refit import LiveReplanner
 
-PLANNER_ROLE = "role:planner"
 MOVABLE_ROLES = ("rollout", "draining", "hybrid")
 """Roles an operator (or, next, the planner itself) may move an engine between: serving a bucket,
 out of rollout, or in the trainer's data-parallel group (the hybrid pool)."""
@@ -68,12 +67,14 @@ class PlannerService:
         self.reason, self.gain = "static", 0.0
         self.replanner = LiveReplanner(cfg)
         self.pool = LivePool(cfg)
+        self.history = PlanHistory(bus, store)
         self._history = asyncio.Lock()
         """Orders the role history: a change is recorded before the steps its plan sets off."""
         self.log = get_logger(component="planner")
 
     async def start(self) -> None:
         self.stream = await self.bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
+        await self.history.start()
         last = await self.bus.last_message(subjects.PLAN, self.stream, ev.Plan)
         if last is not None:  # a restarted planner continues the plan, and its version numbers
             self.version = last.plan_version
@@ -186,9 +187,8 @@ class PlannerService:
         if self.lease is None:
             return
         entry["at"] = time.time()
-        key = role_changes_key(self.bus.run_id)
         with contextlib.suppress(Exception):  # the history is for the report: a Redis blip loses one line
-            await self.store.fenced_append(PLANNER_ROLE, self.lease.token, key, json.dumps(entry))
+            await self.history.record_role_change(self.lease.token, entry)
 
     async def _on_workload(self, stats: ev.WorkloadStats, _: Envelope) -> None:
         self.replanner.observe_workload(time.monotonic(), stats)
@@ -355,7 +355,7 @@ class PlannerService:
             "workers": len(plan.assignments),
             "at": time.time(),
         }
-        if not await self.store.fenced_record_plan(PLANNER_ROLE, self.lease.token, json.dumps(record)):
+        if not await self.history.record_plan(self.lease.token, record):
             self.log.warning("plan_not_published_lease_lost", epoch=self.lease.token)
             self.lease = None
             return False

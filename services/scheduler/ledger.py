@@ -10,10 +10,12 @@ JetStream's message id, and by the trainer's trained ids) and nothing is lost.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.contracts import ev
 from services.scheduler.feed import GroupTicket, TaskFeed, group_of
 
 
@@ -48,6 +50,10 @@ class Ledger:
         self.decided_key = f"{prefix}:decided"
         self.policy_key = f"{prefix}:policy"
         self.eval_key = f"{prefix}:eval"
+        self.trained_key = f"{prefix}:trained"
+        """The trajectories the trainer's `trained` outcomes named (the trainer's own set is its own)."""
+        self.changed = True
+        """Written since the last `facts` (the report's view is re-read only then)."""
 
     async def save_policy(self, state: dict[str, Any]) -> None:
         """What the routing policy learned (C-MLFQ's prefix trees), for a restarted scheduler."""
@@ -59,6 +65,7 @@ class Ledger:
 
     async def eval_done(self, version: int, summary: dict[str, Any]) -> None:
         """A finished evaluation round (services/scheduler/evaluation.py), by policy version."""
+        self.changed = True
         await self.r.hset(self.eval_key, str(version), json.dumps(summary))
 
     async def load_eval(self) -> dict[int, dict[str, Any]]:
@@ -85,20 +92,30 @@ class Ledger:
 
     async def launched(self, feed: TaskFeed, tickets: list[GroupTicket]) -> None:
         """Written before the groups' trajectories start."""
+        self.changed = True
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self.feed_key, mapping=self._cursor(feed))
             p.hset(self.outstanding_key, mapping={t.group_id: t.index for t in tickets})
             await p.execute()
 
-    async def resolved(self, feed: TaskFeed, group_id: str, outcome: str) -> None:
+    async def resolved(self, feed: TaskFeed, group_id: str, outcome: str, trained: list[str]) -> None:
+        self.changed = True
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self.feed_key, mapping=self._cursor(feed))
             p.hdel(self.outstanding_key, group_id)
             p.hincrby(self.outcomes_key, outcome, 1)
             p.hset(self.decided_key, group_id, outcome)
+            if trained:
+                p.sadd(self.trained_key, *trained)
             await p.execute()
 
+    async def heard_trained(self, trained: list[str]) -> None:
+        """Trained members of a group already decided (the trainer re-announces those delivered again)."""
+        self.changed = True
+        await self.r.sadd(self.trained_key, *trained)
+
     async def published(self, trajectory_id: str, failed: bool) -> None:
+        self.changed = True
         async with self.r.pipeline(transaction=True) as p:
             p.sadd(self.published_key, trajectory_id)
             p.hincrby(self.feed_key, "completed", 1)
@@ -118,15 +135,15 @@ class Accounting:
     open_at_end: int
     """In groups not decided when the job ended (launched beyond the last step, or in flight)."""
     lost: list[str]
-    """Handed to the trainer, in a group decided `trained`, yet not in the trained set; or in a
-    group the ledger has no record of. Should always be empty."""
+    """Handed to the trainer, in a group decided `trained`, yet not named by the trainer's
+    `trained` outcomes; or in a group the ledger has no record of. Should always be empty."""
 
 
 def account(
     published: set[str], trained: set[str], decided: dict[str, str], outstanding: set[str]
 ) -> Accounting:
-    """Pure: from the ledger's published ids, decided and outstanding groups, and the trainer's
-    committed trained ids."""
+    """Pure: from the ledger's published ids, the ids the trainer's `trained` outcomes named, and
+    the decided and outstanding groups."""
     n_trained = dropped = open_at_end = 0
     lost = []
     for tid in sorted(published):
@@ -142,11 +159,29 @@ def account(
     return Accounting(len(published), n_trained, dropped, open_at_end, lost)
 
 
-async def read_accounting(redis: Any, run_id: str, trained_key: str) -> Accounting:
-    ledger = Ledger(redis, run_id)
-    return account(
-        set(await redis.smembers(ledger.published_key)),
-        set(await redis.smembers(trained_key)),
-        dict(await redis.hgetall(ledger.decided_key)),
-        set(await redis.hkeys(ledger.outstanding_key)),
+async def ledger_facts(ledger: Ledger) -> ev.SchedulerFacts:
+    """The ledger as the job's report reads it: the accounting, from the ledger alone, and the
+    finished evaluation rounds (an unreadable ledger gives the error instead of counts)."""
+    ledger.changed = False
+    now = time.time()
+    try:
+        acc = account(
+            set(await ledger.r.smembers(ledger.published_key)),
+            set(await ledger.r.smembers(ledger.trained_key)),
+            dict(await ledger.r.hgetall(ledger.decided_key)),
+            set(await ledger.r.hkeys(ledger.outstanding_key)),
+        )
+        rounds = await ledger.r.hgetall(ledger.eval_key)
+    except Exception as err:  # Redis away: said so, and read again at the next change
+        ledger.changed = True
+        return ev.SchedulerFacts(error=f"{type(err).__name__}: {err}", as_of_unix=now)
+    return ev.SchedulerFacts(
+        published=acc.published,
+        trained=acc.trained,
+        dropped=acc.dropped,
+        open_at_end=acc.open_at_end,
+        lost=len(acc.lost),
+        lost_ids=acc.lost[:20],
+        eval_rounds={int(k): str(v) for k, v in rounds.items()},
+        as_of_unix=now,
     )

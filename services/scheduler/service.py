@@ -15,6 +15,7 @@ from services.common.bus import Bus, Envelope
 from services.common.config import CommonSettings
 from services.common.contracts import ev
 from services.common.errors import UserCodeBroken
+from services.common.facts import FactsOut, read_facts
 from services.common.logging import get_logger
 from services.common.membership import SERVING_ROLES, Membership
 from services.common.metrics import scheduler_metrics
@@ -29,7 +30,7 @@ from services.scheduler.episodes import build_episode
 from services.scheduler.evaluation import Evaluator
 from services.scheduler.feed import GroupTicket, build_feed
 from services.scheduler.inflight import InFlight, Live
-from services.scheduler.ledger import Ledger, durably
+from services.scheduler.ledger import Ledger, durably, ledger_facts
 from services.scheduler.prompting import Prompter
 from services.scheduler.rewards import SandboxClient, Scorer, reward_ref
 from services.scheduler.trajectory import doomed_groups
@@ -70,6 +71,9 @@ class SchedulerService:
         self.workload = WorkloadWindow(settings.stats_window_s)
         self._stats_published = 0.0
         self.ledger = Ledger(store.r, common.run_id)
+        self.facts = FactsOut(bus, subjects.FACTS_SCHEDULER)
+        """The ledger's accounting and evaluation rounds, for the job's report."""
+        self._facts_read = float("-inf")
         self.evaluator = Evaluator(cfg) if cfg.eval.every > 0 else None
         """Held-out evaluation rounds (`eval`), when configured."""
         self._eval_nonce = uuid.uuid4().hex[:6]
@@ -123,6 +127,7 @@ class SchedulerService:
         if self.completion.scorer is not None:
             await self.completion.scorer.start()  # a reward that cannot be imported stops the scheduler now
         await self.episode.start()  # so does an environment
+        await self.facts.start()
         await self._resume()
         await self._load_policy()
         await self.membership.start()
@@ -212,6 +217,9 @@ class SchedulerService:
         if time.monotonic() - self._stats_published > self.settings.stats_interval_s:
             await self._publish_workload()
         self._update_gauges()
+        if self.ledger.changed and time.monotonic() - self._facts_read > 0.5:
+            self._facts_read = time.monotonic()
+            self.facts.update(await ledger_facts(self.ledger))
         if time.monotonic() - self._policy_saved > self.settings.policy_save_s:
             self._policy_saved = time.monotonic()
             await durably(self.ledger.save_policy(self.dispatch.router.to_dict()), self.log)
@@ -264,12 +272,17 @@ class SchedulerService:
         with contextlib.suppress(Exception):  # NATS away: the next one goes out in a few seconds
             await self.bus.publish(subjects.WORKLOAD_STATS, stats)
 
+    async def _committed_version(self) -> int:
+        """The version of the trainer's last committed step, as its facts say (0: none yet)."""
+        facts = await read_facts(self.bus, subjects.FACTS_TRAINER, ev.TrainerFacts)
+        return facts.version if facts is not None else 0
+
     async def _check_committed(self) -> None:
         """The trainer's commit record is the floor of the trained version: a `weights.updated`
         missed while this scheduler was down (core NATS keeps none) costs a few seconds, not the job."""
         self._committed_checked = time.monotonic()
         try:
-            version = int((await self.store.committed()).get("version", 0))
+            version = await self._committed_version()
         except Exception as err:
             self.log.warning("commit_record_unavailable", error=str(err))
             return
@@ -292,7 +305,7 @@ class SchedulerService:
             outcomes=state.outcomes,
         )
         self.completion.completed, self.completion.failed = state.completed, state.failed
-        self.trained_version = int((await self.store.committed()).get("version", 0))
+        self.trained_version = await self._committed_version()
         reissued = 0
         for ticket in outstanding:
             reissued += self._launch_group(ticket, skip=state.published)
@@ -311,13 +324,16 @@ class SchedulerService:
             self.log.warning("outcome_fetch_failed", error=str(err))
             return
         for out, raw in fetched:
+            trained = list(out.trained_ids) if out.outcome == "trained" else []
             if out.group_id in self.feed.outstanding:
                 replaced = self.feed.resolve(out.group_id, out.outcome)
-                await durably(self.ledger.resolved(self.feed, out.group_id, out.outcome), self.log)
+                await durably(self.ledger.resolved(self.feed, out.group_id, out.outcome, trained), self.log)
                 if replaced:
                     self.log.info(
                         "group_replaced", group_id=out.group_id, outcome=out.outcome, reason=out.reason
                     )
+            elif trained:
+                await durably(self.ledger.heard_trained(trained), self.log)
             with contextlib.suppress(Exception):
                 await raw.ack()
 

@@ -105,6 +105,7 @@ class Intake:
             if known or tid in self.learner.state.trained_ids:
                 self.counts["duplicate"] += 1
                 self.log.info("trajectory_duplicate", trajectory_id=tid)
+                self._reannounce(traj)
                 await settle(raw.ack())
                 continue
             adm = self.buffer.add(traj, raw, self.version, extract_context(raw.headers))
@@ -129,7 +130,14 @@ class Intake:
             await settle(raw.ack())
         await self.outcome(group_id, outcome, reason, len(dropped) + len(extra))
 
-    async def outcome(self, group_id: str, outcome: str, reason: str = "", members: int = 0) -> None:
+    async def outcome(
+        self,
+        group_id: str,
+        outcome: str,
+        reason: str = "",
+        members: int = 0,
+        trained_ids: list[str] | None = None,
+    ) -> None:
         """Publishes a group's one outcome; later members of a decided group change nothing."""
         if group_id in self.decided:
             return
@@ -143,16 +151,32 @@ class Intake:
             trajectories=members,
             weight_version=self.version,
             train_step=self.learner.state.step if outcome == "trained" else 0,
+            trained_ids=trained_ids or [],
         )
         self.log.info("group_outcome", group_id=group_id, outcome=outcome, reason=reason[:200])
-        self.bus.spawn(self._publish_outcome(msg))
+        self.bus.spawn(self._publish_outcome(msg, f"{msg.group_id}:{msg.outcome}"))
 
-    async def _publish_outcome(self, msg: ev.GroupOutcome) -> None:
+    def _reannounce(self, traj: ev.CompletedTrajectory) -> None:
+        """A member the job already trained, delivered again (a trainer that committed a step and
+        died before its outcomes went out, or the scheduler re-sending after a restart): its group's
+        `trained` outcome goes out again naming it, so the scheduler's ledger hears of every trained
+        trajectory and the group does not stay open. The scheduler ignores a repeated decision."""
+        if not traj.group_id:
+            return
+        msg = ev.GroupOutcome(
+            group_id=traj.group_id,
+            outcome="trained",
+            reason="already committed",
+            trajectories=1,
+            weight_version=self.version,
+            trained_ids=[traj.trajectory_id],
+        )
+        self.bus.spawn(self._publish_outcome(msg, f"{traj.group_id}:trained:{traj.trajectory_id}"))
+
+    async def _publish_outcome(self, msg: ev.GroupOutcome, msg_id: str) -> None:
         """Until JetStream has it (the feed replaces a group only on its outcome); in the background,
         so a NATS outage does not stop training. The msg id makes every resend safe."""
-        await self.bus.publish_durable_until_stored(
-            subjects.GROUP_OUTCOME, msg, msg_id=f"{msg.group_id}:{msg.outcome}"
-        )
+        await self.bus.publish_durable_until_stored(subjects.GROUP_OUTCOME, msg, msg_id=msg_id)
 
     async def drop_stale(self, pendings: list[Pending[Msg]]) -> None:
         groups: dict[str, int] = {}
@@ -201,7 +225,8 @@ class Intake:
         sampled = [p.traj.reward for p in pendings] + self.filtered_rewards
         self.filtered_rewards = []
         for g in groups:
-            await self.outcome(g[0].traj.group_id, "trained", members=len(g))
+            ids = [p.traj.trajectory_id for p in g]
+            await self.outcome(g[0].traj.group_id, "trained", members=len(g), trained_ids=ids)
         for p in pendings:
             for h in p.handles:
                 await settle(h.ack())

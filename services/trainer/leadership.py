@@ -10,8 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.common import subjects
 from services.common.bus import Bus
+from services.common.contracts import ev
 from services.common.errors import DurableStateLost
+from services.common.facts import FactsOut
 from services.common.logging import get_logger
 from services.common.membership import TRAINER_ROLE, Membership
 from services.common.ownership import OwnershipStore
@@ -41,6 +44,8 @@ class Leadership:
         """The lease was current at the last check (None: not checked yet)."""
         self.epoch = -1
         """The fencing token under which this trainer last adopted the commit record."""
+        self.facts = FactsOut(bus, subjects.FACTS_TRAINER)
+        """The commit record as the job's report reads it (services/common/facts.py)."""
 
     @property
     def token(self) -> int:
@@ -99,6 +104,8 @@ class Leadership:
         if not holds:
             await self.roll_back(record)
         self.epoch = token
+        if step > 0:
+            self.facts.update(trainer_facts(record))
         return True
 
     async def roll_back(self, record: dict[str, str] | None = None) -> None:
@@ -148,8 +155,26 @@ class Leadership:
                 await retry_pause(attempt)
         if not ok:
             self.log.error("commit_refused", step=state.step, fencing_token=token, reason="lease lost")
-        return ok
+            return False
+        try:  # read back: the commit script counted the ids trained twice
+            self.facts.update(trainer_facts(await self.store.committed()))
+        except Exception as err:  # the next commit (or a new leader's adoption) publishes it
+            self.log.warning("commit_record_unreadable", error=str(err))
+        return True
 
     async def _already_committed(self, step: int, token: int) -> bool:
         record = await self.store.committed()
         return record.get("step") == str(step) and record.get("fencing_token") == str(token)
+
+
+def trainer_facts(record: dict[str, str]) -> ev.TrainerFacts:
+    """The commit record (strings, as Redis holds it) as the trainer's facts for the report."""
+    return ev.TrainerFacts(
+        step=int(record.get("step", 0)),
+        version=int(record.get("version", 0)),
+        checkpoint=record.get("checkpoint", ""),
+        trained=int(record.get("trained", 0)),
+        trained_twice=int(record.get("trained_twice", 0)),
+        worker_id=record.get("worker_id", ""),
+        fencing_token=int(record.get("fencing_token", 0)),
+    )

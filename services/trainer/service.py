@@ -104,6 +104,7 @@ class TrainerService:
     async def run_until(self, stop: asyncio.Event) -> None:
         if not await self._await_assignment(stop):
             return
+        await self.lead.facts.start()
         self.bus.spawn(self.intake.keep_deliveries())
         self.bus.spawn(self.weights.push_loop())
         await self.hybrid.start()

@@ -14,6 +14,7 @@ import pytest
 from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
+from services.common.facts import read_facts
 from services.common.localstack import Server, start_redis
 from services.common.membership import TRAINER_ROLE, lease_resource
 from services.common.ownership import Lease, OwnershipStore, role_changes_key
@@ -198,6 +199,13 @@ async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replace
         await follower._apply(forged)
         assert follower.plan is not None and follower.plan.planner_epoch == new_epoch
         assert follower.assignment is not None and follower.assignment.worker_id == "engine-0"
+        # the history as the new planner publishes it for the job's report: the first planner's
+        # plans (read back from Redis) and its own, all that Redis holds
+        history = [json.loads(x) for x in await store.r.lrange(plans_key(run_id), 0, -1)]
+        facts = await read_facts(watcher, subjects.FACTS_PLANNER, ev.PlannerFacts)
+        assert facts is not None and facts.plans_total == len(history) > 2
+        assert [json.loads(x) for x in facts.plans] == history
+        assert {h["epoch"] for h in history} == {epoch, new_epoch}
     finally:
         for b in (bus_a, bus_b, watcher):
             await b.close()
@@ -279,6 +287,9 @@ async def test_an_operator_drains_an_engine_and_brings_it_back_through_the_plann
         (None, None, "joined"),  # the one under a stale token is not kept
     ], kept
     assert [c["seconds"] is not None for c in role_changes(kept)] == [False, True, True]
+    facts = await read_facts(watcher, subjects.FACTS_PLANNER, ev.PlannerFacts)  # what the report reads
+    assert facts is not None and [json.loads(x) for x in facts.role_changes] == kept
+    assert facts.role_changes_total == len(kept)
 
 
 async def test_the_planner_moves_an_engine_into_training_when_rollout_idles_and_back_under_load(

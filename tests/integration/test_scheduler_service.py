@@ -16,6 +16,7 @@ import pytest
 from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
+from services.common.facts import read_facts
 from services.common.localstack import Server
 from services.common.runconfig import ModelConfig
 from tests.service_process import pinned_job_env, service_process
@@ -186,7 +187,38 @@ async def test_turns_tools_and_completion_reach_the_trainer_within_the_staleness
     s = await stats(bus, 4)
     assert (s.trajectories_completed, s.trajectories_in_flight, s.groups_launched) == (4, 0, 2)
     assert s.turns == 8 and s.tool_calls_by_status["ok"] == 4 and s.engines == [ENGINE]
+    facts = await ledger_facts(bus, lambda f: f.published == 4)
+    assert (facts.trained, facts.dropped, facts.open_at_end, facts.lost) == (0, 0, 4, 0)
+
+    # the trainer's part: group A trained (its outcome names one member only), group B stale
+    a, b = sorted({t.group_id for t in done})
+    a0, a1 = sorted(t.trajectory_id for t in done if t.group_id == a)
+    await bus.ensure_stream("GROUPS", [subjects.GROUP_OUTCOME])
+
+    async def outcome(group: str, what: str, trained: list[str], msg_id: str) -> None:
+        msg = ev.GroupOutcome(group_id=group, outcome=what, trained_ids=trained)
+        await bus.publish_durable(subjects.GROUP_OUTCOME, msg, msg_id=msg_id)
+
+    await outcome(a, "trained", [a0], "a")
+    await outcome(b, "stale", [], "b")  # the feed launches a group in its place
+    facts = await ledger_facts(bus, lambda f: f.dropped == 2 and f.trained == 1)
+    # handed to the trainer in a trained group, yet not named trained: the report's lost trajectory
+    assert (facts.lost, list(facts.lost_ids)) == (1, [a1])
+    await outcome(a, "trained", [a1], "a-again")  # a trainer re-announcing a redelivered member
+    facts = await ledger_facts(bus, lambda f: f.trained == 2)
+    assert (facts.dropped, facts.lost) == (2, 0)
+    assert facts.published == 4 + facts.open_at_end  # the replacement group's are still open
     assert proc.poll() is None
+
+
+async def ledger_facts(bus: Bus, ready: Callable[[ev.SchedulerFacts], bool]) -> ev.SchedulerFacts:
+    """The scheduler's published ledger facts once `ready` holds for them."""
+    async with asyncio.timeout(20):
+        while True:
+            facts = await read_facts(bus, subjects.FACTS_SCHEDULER, ev.SchedulerFacts)
+            if facts is not None and not facts.error and ready(facts):
+                return facts
+            await asyncio.sleep(0.1)
 
 
 async def test_lost_and_malformed_turns_are_sent_again_and_bad_input_changes_nothing(scheduler: Any) -> None:

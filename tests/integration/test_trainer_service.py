@@ -30,6 +30,7 @@ from services.common.bus import Bus
 from services.common.config import CommonSettings
 from services.common.contracts import ev, ws, ws_grpc
 from services.common.errors import DurableStateLost
+from services.common.facts import read_facts
 from services.common.membership import TRAINER_ROLE
 from services.common.models import load_model
 from services.common.ownership import OwnershipStore, trained_key
@@ -319,6 +320,13 @@ async def test_trainer_trains_once_pushes_and_resumes(
         assert outcomes["gf"].trajectories == 2  # both members acked, neither trained
         assert (outcomes["g0"].outcome, outcomes["g0"].train_step) == ("trained", 1)
         assert outcomes["g1"].outcome == "trained"
+        assert sorted(outcomes["g0"].trained_ids) == ["g0-0", "g0-1"]  # the scheduler's ledger hears them
+        assert not outcomes["gz"].trained_ids and not outcomes["gf"].trained_ids
+        # the commit record, as the trainer publishes it for the job's report
+        facts = await read_facts(bus, subjects.FACTS_TRAINER, ev.TrainerFacts)
+        record = await store.committed()
+        assert facts is not None and (facts.step, facts.version, facts.trained) == (1, 1, 4)
+        assert (facts.checkpoint, facts.fencing_token) == (record["checkpoint"], lease.token)
         assert (outcomes["gz"].outcome, outcomes["gz"].trajectories) == ("filtered", 2)
         assert "rewards equal" in outcomes["gz"].reason
         assert not {"gf-0", "gf-1", "gz-0", "gz-1"} & await trained_ids()
@@ -341,6 +349,14 @@ async def test_trainer_trains_once_pushes_and_resumes(
 
         await publish(first[2])  # a duplicate of an id trained in step 1
         await eventually(consumer_settled, what="duplicate acked")
+
+        def reannounced(tid: str) -> list[ev.GroupOutcome]:
+            return [o for o in received["outcomes"] if list(o.trained_ids) == [tid]]
+
+        # ...re-announced as trained, alone: a trainer that died between its commit and the
+        # outcomes leaves none of its trained trajectories unheard by the scheduler's ledger
+        await eventually(lambda: _true(reannounced("g1-0")), what="the duplicate re-announced")
+        assert reannounced("g1-0")[0].group_id == "g1" and reannounced("g1-0")[0].outcome == "trained"
         await stop_trainer(stop, task, stack)
 
         ckpt = latest(tmp_path / "ckpt" / run_id)
@@ -366,6 +382,8 @@ async def test_trainer_trains_once_pushes_and_resumes(
         assert len(final) == 1 and final[0].weight_version == 2
         assert [p.header.version for p in engine.pushes if p.accepted] == [1, 2]
         assert await trained_ids() == {t.trajectory_id for t in first + second}
+        facts = await read_facts(bus, subjects.FACTS_TRAINER, ev.TrainerFacts)
+        assert facts is not None and (facts.step, facts.trained, facts.trained_twice) == (2, 8, 0)
         step_spans = [s for s in spans.get_finished_spans() if s.name == "train.step" and s.parent is None]
         assert len(step_spans) == 2
         await stop_trainer(stop, task, stack)

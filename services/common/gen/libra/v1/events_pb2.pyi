@@ -181,20 +181,22 @@ class LatencyBreakdown(_message.Message):
     def __init__(self, scheduler_queue_s: _Optional[float] = ..., engine_queue_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., tool_s: _Optional[float] = ...) -> None: ...
 
 class GroupOutcome(_message.Message):
-    __slots__ = ("group_id", "outcome", "reason", "trajectories", "weight_version", "train_step")
+    __slots__ = ("group_id", "outcome", "reason", "trajectories", "weight_version", "train_step", "trained_ids")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRAIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_IDS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     outcome: str
     reason: str
     trajectories: int
     weight_version: int
     train_step: int
-    def __init__(self, group_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., trajectories: _Optional[int] = ..., weight_version: _Optional[int] = ..., train_step: _Optional[int] = ...) -> None: ...
+    trained_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, group_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., trajectories: _Optional[int] = ..., weight_version: _Optional[int] = ..., train_step: _Optional[int] = ..., trained_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("engine_id", "bucket", "running", "waiting", "tokens_per_s", "weight_version", "weight_sync_addr", "request_ids", "tensor_parallel", "capacity_seqs", "free_kv_tokens", "backend")
@@ -681,3 +683,62 @@ class WorkerStatus(_message.Message):
     pid: int
     host: str
     def __init__(self, worker_id: _Optional[str] = ..., service: _Optional[str] = ..., state: _Optional[str] = ..., run_id: _Optional[str] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ..., detail: _Optional[_Mapping[str, str]] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+
+class TrainerFacts(_message.Message):
+    __slots__ = ("step", "version", "checkpoint", "trained", "trained_twice", "worker_id", "fencing_token")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_TWICE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    version: int
+    checkpoint: str
+    trained: int
+    trained_twice: int
+    worker_id: str
+    fencing_token: int
+    def __init__(self, step: _Optional[int] = ..., version: _Optional[int] = ..., checkpoint: _Optional[str] = ..., trained: _Optional[int] = ..., trained_twice: _Optional[int] = ..., worker_id: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
+
+class SchedulerFacts(_message.Message):
+    __slots__ = ("published", "trained", "dropped", "open_at_end", "lost", "lost_ids", "error", "eval_rounds", "as_of_unix")
+    class EvalRoundsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_AT_END_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    LOST_IDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    AS_OF_UNIX_FIELD_NUMBER: _ClassVar[int]
+    published: int
+    trained: int
+    dropped: int
+    open_at_end: int
+    lost: int
+    lost_ids: _containers.RepeatedScalarFieldContainer[str]
+    error: str
+    eval_rounds: _containers.ScalarMap[int, str]
+    as_of_unix: float
+    def __init__(self, published: _Optional[int] = ..., trained: _Optional[int] = ..., dropped: _Optional[int] = ..., open_at_end: _Optional[int] = ..., lost: _Optional[int] = ..., lost_ids: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., eval_rounds: _Optional[_Mapping[int, str]] = ..., as_of_unix: _Optional[float] = ...) -> None: ...
+
+class PlannerFacts(_message.Message):
+    __slots__ = ("plans", "plans_total", "role_changes", "role_changes_total")
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    PLANS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_CHANGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    plans: _containers.RepeatedScalarFieldContainer[str]
+    plans_total: int
+    role_changes: _containers.RepeatedScalarFieldContainer[str]
+    role_changes_total: int
+    def __init__(self, plans: _Optional[_Iterable[str]] = ..., plans_total: _Optional[int] = ..., role_changes: _Optional[_Iterable[str]] = ..., role_changes_total: _Optional[int] = ...) -> None: ...
