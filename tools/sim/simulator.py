@@ -11,7 +11,6 @@ hybrid workers (`hybrid.py`) and re-planning (`replanning.py`) are its parts.
 from __future__ import annotations
 
 import heapq
-import math
 import random
 from collections import deque
 from typing import Any
@@ -21,10 +20,12 @@ from services.common.synthetic import Workload
 from services.scheduler.cmlfq import EngineView
 from tools.sim.drafting import DRAFTERS
 from tools.sim.engine import Engine, Request
+from tools.sim.fleet import build_fleet, routing_key
 from tools.sim.hybrid import HybridWorkers
 from tools.sim.kv_migration import KvMigration
 from tools.sim.ledger import Ledger
 from tools.sim.replanning import Replanner
+from tools.sim.siblings import SiblingReach
 from tools.sim.state import (
     ENGINE,
     FETCHED,
@@ -111,53 +112,15 @@ class Simulator:
         if s.drafter not in DRAFTERS:
             raise ValueError(f"{s.name}: unknown drafter {s.drafter!r}; known: {', '.join(DRAFTERS)}")
         self.spec = s.speculation if s.drafter != "none" and s.speculation.enabled else None
-        i = 0
-        for b in s.buckets:
-            for _ in range(b.replicas):
-                self._add_engine(f"e{i}", b.name, b.tp, hybrid=False)
-                i += 1
-        hybrid_bucket = self._nearest_bucket(s.hybrid_tp)
-        if s.hybrid_gpus % s.hybrid_tp:
-            raise ValueError(f"{s.name}: {s.hybrid_gpus} hybrid GPUs are not a multiple of TP {s.hybrid_tp}")
-        hybrid_ids = []
-        for _ in range(s.hybrid_gpus // s.hybrid_tp):
-            self._add_engine(f"e{i}", hybrid_bucket, s.hybrid_tp, hybrid=True)
-            hybrid_ids.append(f"e{i}")
-            i += 1
-        if s.partial_rollout and (s.mode != "sync" or s.partial_rollout < 1.0):
-            raise ValueError(
-                f"{s.name}: partial rollout needs a colocated system and an over-provision ratio >= 1,"
-                f" got mode {s.mode!r} and {s.partial_rollout}"
-            )
-        lent: list[Engine] = []
-        if s.lend_tp:
-            if s.mode != "async" or s.train_gpus % s.lend_tp:
-                raise ValueError(f"{s.name}: {s.train_gpus} training GPUs cannot lend TP{s.lend_tp} engines")
-            near = self._nearest_bucket(s.lend_tp)
-            for _ in range(s.train_gpus // s.lend_tp):
-                self._add_engine(f"e{i}", near, s.lend_tp, hybrid=False)
-                lent.append(self.engines[f"e{i}"])
-                i += 1
-        self.hybrid = HybridWorkers(self, hybrid_ids, hybrid_bucket)
-        self.training = Training(self, lent)
-        used = s.train_gpus + sum(b.gpus for b in s.buckets) + s.hybrid_gpus if s.mode == "async" else None
-        if s.mode == "async" and used != self.n_gpus:
-            raise ValueError(f"{s.name}: allocation uses {used} GPUs, cluster has {self.n_gpus}")
-
-    def _nearest_bucket(self, tp: int) -> str:
-        """The bucket whose TP is closest to `tp`: where an engine borrowed from training serves."""
-        if not self.sys.buckets:
-            return "all"
-        return min(self.sys.buckets, key=lambda b: (abs(math.log2(b.tp) - math.log2(tp)), b.tp)).name
-
-    def _add_engine(self, eid: str, bucket: str, tp: int, hybrid: bool) -> None:
-        e = Engine(eid, bucket, tp, self.cm, self.sys.max_seqs, hybrid, self.spec)
-        self.engines[eid] = e
-        self.by_bucket.setdefault(self.key(bucket), []).append(e)
+        self.siblings = SiblingReach(s.drafter, s.acceptance)
+        fleet = build_fleet(s, self.cm, self.n_gpus, self.spec)
+        self.engines, self.by_bucket = fleet.engines, fleet.by_bucket
+        self.hybrid = HybridWorkers(self, fleet.hybrid_ids, fleet.hybrid_bucket)
+        self.training = Training(self, fleet.lent)
 
     def key(self, bucket: str) -> str:
         """The routing key of a bucket ("all" when the system routes across every engine)."""
-        return "all" if self.sys.pooled_routing else bucket
+        return routing_key(self.sys, bucket)
 
     # ---- rollout ------------------------------------------------------------------------------
 
@@ -256,17 +219,11 @@ class Simulator:
 
     def acceptance(self, tr: Traj, e: Engine) -> float:
         """Per-token acceptance of this turn's drafter: what it can read of the group's same turn."""
-        if self.spec is None:
-            return 0.0
-        drafter = self.sys.drafter
-        g = self.groups[tr.group]
-        if drafter == "group":
-            siblings = g.turns_done.get(tr.turn, 0)
-        elif drafter == "suffix":
-            siblings = g.turns_done_on.get((e.engine_id, tr.turn), 0)
-        else:
-            siblings = 0
-        return self.sys.acceptance.acceptance(siblings)
+        return (
+            0.0
+            if self.spec is None
+            else self.siblings.acceptance(self.groups[tr.group], tr.turn, e.engine_id)
+        )
 
     def wake(self, e: Engine) -> None:
         e.gen += 1
@@ -311,13 +268,8 @@ class Simulator:
         tr.tokens += turn.output_tokens
         tr.context += turn.output_tokens
         tr.partial = 0
-        if self.spec is not None and self.sys.drafter != "ngram":
-            g = self.groups[tr.group]
-            if self.sys.drafter == "group":
-                g.turns_done[tr.turn] = g.turns_done.get(tr.turn, 0) + 1
-            elif tr.engine is not None:
-                key = (tr.engine, tr.turn)
-                g.turns_done_on[key] = g.turns_done_on.get(key, 0) + 1
+        if self.spec is not None:
+            self.siblings.turn_done(self.groups[tr.group], tr.turn, tr.engine)
         tr.turn += 1
         if turn.tool is None:
             if tr.engine is not None:
