@@ -69,6 +69,9 @@ class EngineMetrics:
     weight_version: Gauge
     free_kv_tokens: Gauge
     turns: Counter
+    drafted: Counter
+    accepted: Counter
+    acceptance: Gauge
 
 
 @cache
@@ -81,6 +84,11 @@ def engine_metrics() -> EngineMetrics:
         weight_version=Gauge("libra_engine_weight_version", "Weight version served"),
         free_kv_tokens=Gauge("libra_engine_free_kv_tokens", "Free KV-cache tokens (vllm; hf: -1)"),
         turns=Counter("libra_engine_turns", "Turns answered, by finish reason", ["finish"]),
+        drafted=Counter("libra_engine_spec_drafted_tokens", "Drafted tokens verified (speculative decoding)"),
+        accepted=Counter("libra_engine_spec_accepted_tokens", "Drafted tokens the verifier accepted"),
+        acceptance=Gauge(
+            "libra_engine_spec_acceptance_rate", "Accepted / drafted tokens since the engine started"
+        ),
     )
 
 

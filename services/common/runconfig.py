@@ -156,6 +156,21 @@ class EmulatedConfig(_Strict):
         return self
 
 
+class SpeculativeConfig(_Strict):
+    method: Literal["off", "suffix", "ngram"] = "off"
+    """Speculative decoding (`hf` backend; passed to vLLM's speculative config on GPU nodes).
+    `suffix`: drafts from this engine's earlier responses to the same prompt (the GRPO group's
+    siblings first), else from the sequence's own context; `ngram`: only the sequence's own context
+    (prompt lookup); `off`: plain decoding. Lossless: the outputs are distributed exactly as without
+    it, and the logprobs are the target model's."""
+    num_tokens: int = Field(4, ge=1, le=16)
+    """Most drafted tokens a sequence verifies per step."""
+    policy: Literal["adaptive", "fixed"] = "adaptive"
+    """`adaptive`: each step, as many drafted tokens as raise the engine's accepted tokens per
+    second, priced by its measured step times (none where verifying costs more than it saves, as
+    in a large batch); `fixed`: `num_tokens` whenever a draft is found."""
+
+
 class RolloutConfig(_Strict):
     engines: int = Field(2, ge=1, le=64)
     """Rollout-engine processes `libra up` starts."""
@@ -175,6 +190,17 @@ class RolloutConfig(_Strict):
     torch_threads: int = Field(1, ge=1, le=256)
 
     """CPU threads of each `hf` engine's torch."""
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    """Speculative decoding against the tail of a rollout (`docs/engine.md`)."""
+
+    @model_validator(mode="after")
+    def _speculation_needs_a_model(self) -> RolloutConfig:
+        if self.speculative.method != "off" and self.backend == "emulated":
+            raise ValueError(
+                "rollout.speculative needs a backend that generates (hf or vllm); the emulated "
+                "backend only times tokens: set rollout.speculative.method: off"
+            )
+        return self
 
 
 class TrainingConfig(_Strict):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.logging import get_logger
+from services.common.runconfig import SpeculativeConfig
 from services.common.tasks import cancel_and_wait
 from services.rollout_engine.backends.base import (
     Backend,
@@ -35,14 +36,20 @@ from services.rollout_engine.backends.base import (
     StepBackend,
     VersionGate,
 )
+from services.rollout_engine.speculator import Row, Speculator
 from services.rollout_engine.stops import StopMatcher
 
 
-def engine_for(backend: Backend, max_batch: int) -> Engine:
-    """The continuous batcher over a step backend; a backend that schedules its own iterations is
-    its own engine."""
+def engine_for(backend: Backend, max_batch: int, speculative: SpeculativeConfig | None = None) -> Engine:
+    """The continuous batcher over a step backend (speculating where the backend verifies drafts
+    and `speculative` asks for it); a backend that schedules its own iterations is its own engine."""
     if isinstance(backend, StepBackend):
-        return ContinuousEngine(backend, max_batch)
+        spec = speculative if speculative is not None and speculative.method != "off" else None
+        if spec is not None and not backend.verifies_drafts:
+            raise ValueError(
+                f"the {backend.name} backend does not verify drafts: set rollout.speculative.method: off"
+            )
+        return ContinuousEngine(backend, max_batch, speculator=Speculator(spec) if spec is not None else None)
     engine: Engine = backend.make_engine(max_batch)
     return engine
 
@@ -60,22 +67,32 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     stop: StopMatcher | None = None
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def tokens(self) -> int:
         return len(self.req.prompt_ids) + len(self.ids)
 
     def result(self, finish: str) -> Finished:
-        out = GenOutput(self.ids, self.logprobs, finish, self.versions)
+        out = GenOutput(self.ids, self.logprobs, finish, self.versions, self.drafted, self.accepted)
         version = self.versions[0] if self.versions else -1
         return Finished(out, version, self.started - self.enqueued, time.monotonic() - self.started)
 
 
 class ContinuousEngine(VersionGate):
-    def __init__(self, backend: StepBackend, max_batch: int, static_batches: bool = False):
+    def __init__(
+        self,
+        backend: StepBackend,
+        max_batch: int,
+        static_batches: bool = False,
+        speculator: Speculator | None = None,
+    ):
         super().__init__()
         self.backend = backend
         self.max_batch = max_batch
+        self.speculator = speculator
+        """Drafts for the running rows (speculative decoding); None: plain decoding."""
         self.static_batches = static_batches
         """Baseline for benchmarks: admit only into an empty batch, so a batch runs until its
         longest row ends (static batching)."""
@@ -207,6 +224,25 @@ class ContinuousEngine(VersionGate):
             joins.append(Join(item.slot, list(item.req.prompt_ids), item.req.temperature, item.req))
         return joins
 
+    def _drafts(self, joins: list[Join], no_eos: frozenset[int]) -> dict[int, list[int]]:
+        """Drafted tokens for the rows decoding this step: not those joining (they prefill), not
+        those below their min_new_tokens (EOS is masked for them, which a draft would not see)."""
+        if self.speculator is None:
+            return {}
+        joining = {j.slot for j in joins}
+        rows = [
+            Row(
+                slot,
+                r.req.prompt_id,
+                r.req.group_id,
+                r.req.prompt_ids + r.ids,
+                r.req.max_new_tokens - len(r.ids),
+            )
+            for slot, r in self._running.items()
+            if slot not in joining and slot not in no_eos and r.ids
+        ]
+        return self.speculator.drafts(rows) if rows else {}
+
     async def _iterate(self) -> None:
         async with self._step:
             reset, self._reset = self._reset, False
@@ -221,11 +257,15 @@ class ContinuousEngine(VersionGate):
             )
             joins = rejoins + self._admit()
             no_eos = frozenset(slot for slot, r in self._running.items() if len(r.ids) < r.req.min_new_tokens)
-            sampled = await self.backend.step(joins, leaves, reset, no_eos)
+            drafts = self._drafts(joins, no_eos)
+            began = time.monotonic()
+            sampled = await self.backend.step(joins, leaves, reset, no_eos, drafts or None)
+            if self.speculator is not None and not joins:
+                queries = sum(1 + len(drafts.get(slot, ())) for slot in sampled)
+                self.speculator.stepped(queries, time.monotonic() - began)
             version = self.version
         self.iterations += 1
-        eos = self.backend.eos_token_ids
-        for slot, (token, logprob) in sampled.items():
+        for slot, emitted in sampled.items():
             item = self._running.get(slot)
             if item is None:
                 continue
@@ -233,6 +273,17 @@ class ContinuousEngine(VersionGate):
                 del self._running[slot]
                 self._leaving.append(slot)
                 continue
+            if slot in drafts:
+                assert self.speculator is not None
+                self.speculator.verified(slot, len(drafts[slot]), len(emitted))
+                item.drafted += len(drafts[slot])
+                item.accepted += len(emitted) - 1
+            self._emit(slot, item, emitted, version)
+
+    def _emit(self, slot: int, item: _Request, emitted: list[tuple[int, float]], version: int) -> None:
+        """Appends a row's tokens of this step, in order, up to the one that ends it."""
+        eos = self.backend.eos_token_ids
+        for token, logprob in emitted:
             item.ids.append(token)
             item.logprobs.append(logprob)
             item.versions.append(version)
@@ -248,3 +299,6 @@ class ContinuousEngine(VersionGate):
                 self._leaving.append(slot)
                 if not item.future.done():
                     item.future.set_result(item.result(finish))
+                if self.speculator is not None:
+                    self.speculator.finished(item.req.prompt_id, item.req.group_id, item.ids)
+                return

@@ -77,6 +77,8 @@ def validate_turn(req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int
         int(req.priority),
         min(req.min_new_tokens, budget),
         float(req.top_p) if req.top_p > 0 else 1.0,  # unset (0): the full distribution
+        req.prompt_id,
+        req.group_id,
     )
 
 
@@ -90,7 +92,7 @@ class RolloutEngineService:
         self.log = get_logger(component="service")
         self.prom = engine_metrics()
         self.backend = create_backend(run, settings)
-        self.engine = engine_for(self.backend, run.rollout.max_batch)
+        self.engine = engine_for(self.backend, run.rollout.max_batch, run.rollout.speculative)
         self.held = 0
         self.stopping = False
         self._turns: set[asyncio.Task[None]] = set()
@@ -306,6 +308,9 @@ class RolloutEngineService:
             _span_ago("engine.queue", ctx, queue_s + done.generate_s, queue_s)
             span.set_attribute("libra.policy_version", done.policy_version)
             span.set_attribute("libra.new_tokens", len(out.token_ids))
+            if out.drafted:
+                span.set_attribute("libra.spec.drafted_tokens", out.drafted)
+                span.set_attribute("libra.spec.accepted_tokens", out.accepted)
             result = ev.TurnResult(
                 request_id=req.request_id,
                 trajectory_id=req.trajectory_id,
@@ -321,10 +326,15 @@ class RolloutEngineService:
                 queue_s=queue_s,
                 generate_s=done.generate_s,
                 text=self.backend.decode(out.token_ids),
+                drafted_tokens=out.drafted,
+                accepted_tokens=out.accepted,
             )
             await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
             self.prom.turns.labels(out.finish_reason or "unknown").inc()
             self.prom.tokens.inc(len(out.token_ids))
+            if out.drafted:
+                self.prom.drafted.inc(out.drafted)
+                self.prom.accepted.inc(out.accepted)
             log.debug("turn_done", tokens=len(out.token_ids), policy_version=done.policy_version)
 
     async def _publish_error(
@@ -388,6 +398,16 @@ class RolloutEngineService:
             "weight_version": float(self.engine.version),
             "rejected": float(self.bus.rejected),
         }
+        spec = getattr(self.engine, "speculator", None)
+        if spec is not None:
+            c = spec.counters
+            values.update(
+                spec_drafted=float(c.drafted),
+                spec_accepted=float(c.accepted),
+                spec_acceptance_rate=c.acceptance_rate,
+                spec_mean_accepted=c.mean_accepted,
+            )
+            self.prom.acceptance.set(c.acceptance_rate)
         return ev.MetricSample(service=SERVICE, worker_id=self.worker_id, values=values)
 
     async def shutdown(self, grace_s: float = 8.0) -> None:

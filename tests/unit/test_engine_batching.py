@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -189,8 +190,13 @@ class ScriptedBackend(StepBackend):
         return None
 
     async def step(
-        self, joins: list[Join], leaves: list[int], reset: bool, no_eos: frozenset[int] = frozenset()
-    ) -> dict[int, tuple[int, float]]:
+        self,
+        joins: list[Join],
+        leaves: list[int],
+        reset: bool,
+        no_eos: frozenset[int] = frozenset(),
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> dict[int, list[tuple[int, float]]]:
         self.calls.append(([j.slot for j in joins], list(leaves), reset))
         self.no_eos.append(no_eos)
         self.at_gate = not self.gate.is_set()
@@ -203,7 +209,7 @@ class ScriptedBackend(StepBackend):
         self.rows |= {j.slot for j in joins}
         for j in joins:
             self.held[j.slot] = len(j.context)
-        return {s: (self.weights, -0.5) for s in self.rows}
+        return {s: [(self.weights, -0.5)] for s in self.rows}
 
     def admits(self, running_tokens: int, context: int) -> bool:
         return running_tokens + context <= self.capacity

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +36,10 @@ class GenRequest:
     the sampling distribution until then, as vLLM's `min_tokens` does)."""
     top_p: float = 1.0
     """Nucleus sampling; below 1 the reported logprobs are under the truncated distribution."""
+    prompt_id: str = ""
+    group_id: str = ""
+    """The task prompt and GRPO group this sequence samples (what the engine's drafter indexes
+    its responses by, `services/rollout_engine/drafter.py`); empty when unknown."""
 
 
 @dataclass
@@ -56,6 +60,10 @@ class GenOutput:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     token_versions: list[int] = field(default_factory=list)
+    drafted: int = 0
+    """Drafted tokens verified for this sequence (speculative decoding; 0 without it)."""
+    accepted: int = 0
+    """...of which the verifier accepted."""
 
 
 class Backend(abc.ABC):
@@ -136,14 +144,25 @@ class StepBackend(Backend):
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset()
 
+    verifies_drafts: bool = False
+    """`step` takes drafted tokens and verifies them (speculative decoding)."""
+
     @abc.abstractmethod
     async def step(
-        self, joins: list[Join], leaves: list[int], reset: bool, no_eos: frozenset[int] = frozenset()
-    ) -> dict[int, tuple[int, float]]:
+        self,
+        joins: list[Join],
+        leaves: list[int],
+        reset: bool,
+        no_eos: frozenset[int] = frozenset(),
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> dict[int, list[tuple[int, float]]]:
         """One iteration. First drops the rows in `leaves` (or every row, when `reset`), then
         samples one token for each row still running and prefills `joins`, sampling each one's
-        first token; rows in `no_eos` may not sample EOS (below their min_new_tokens). Returns
-        slot -> (token id, logprob) for every row running after the step."""
+        first token; rows in `no_eos` may not sample EOS (below their min_new_tokens). A running
+        row with drafted tokens in `drafts` (only where `verifies_drafts`) verifies them in the
+        same forward: it emits the accepted ones and one more, distributed exactly as plain
+        decoding would emit them (`sampling.verify_draft`). Returns slot -> the (token id, logprob)
+        pairs each row running after the step emitted, in order."""
 
     def admits(self, running_tokens: int, context: int) -> bool:
         """Whether a request with `context` tokens fits next to rows holding `running_tokens`

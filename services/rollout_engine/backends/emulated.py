@@ -26,6 +26,7 @@ import asyncio
 import math
 import random
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,8 +102,13 @@ class EmulatedBackend(StepBackend):
         return prefill + decode
 
     async def step(
-        self, joins: list[Join], leaves: list[int], reset: bool, no_eos: frozenset[int] = frozenset()
-    ) -> dict[int, tuple[int, float]]:
+        self,
+        joins: list[Join],
+        leaves: list[int],
+        reset: bool,
+        no_eos: frozenset[int] = frozenset(),
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> dict[int, list[tuple[int, float]]]:
         previous: dict[int, _Row] = {}
         if reset:  # new weights: running rows re-prefill everything
             previous, self.rows = self.rows, {}
@@ -128,13 +134,13 @@ class EmulatedBackend(StepBackend):
         self.emulated_s += seconds
         await self._advance(seconds)
         lp = -math.log(VOCAB_SIZE)
-        out: dict[int, tuple[int, float]] = {}
+        out: dict[int, list[tuple[int, float]]] = {}
         for slot, row in self.rows.items():
             row.held += 1
             row.left -= 1
             token = EOS if row.left <= 0 and row.eos_at_end else self.rng.randrange(1, VOCAB_SIZE)
             row.ids.append(token)
-            out[slot] = (token, lp)
+            out[slot] = [(token, lp)]
         return out
 
     def _hashes(self, ids: list[int]) -> list[int]:

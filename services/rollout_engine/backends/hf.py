@@ -7,6 +7,14 @@ columns nobody uses any more), decodes one token for every running row, and pref
 join in a batch of their own whose cache is then padded and stacked onto the running one. The torch
 work runs in a worker thread so the event loop keeps serving NATS and gRPC meanwhile.
 
+With speculative decoding (`services/rollout_engine/speculator.py`) a step verifies the running
+rows' drafted tokens in the same forward: each row's last token and its draft enter as new columns
+(a row with a shorter draft is padded on the left of them, so every row still ends at the last
+column), the verifier keeps the accepted prefix and one more token (`sampling.verify_draft`), and
+the columns of rejected drafted tokens are masked out of the cache — rolled back. Positions count
+each row's own tokens, so those holes change nothing; once they waste more than a quarter of the
+cache's width the rows are compacted (their kept columns gathered right-aligned).
+
 Only full-attention caches (`DynamicLayer`) can be stacked this way; a model with sliding-window or
 linear-attention layers is refused with a clear error when the first row joins a running batch.
 """
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +35,11 @@ from services.common.models import load_model, load_tokenizer
 from services.common.runconfig import ModelConfig, RunConfig
 from services.rollout_engine.backends.base import Join, StepBackend
 from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.sampling import left_pad, sample_next
+from services.rollout_engine.sampling import left_pad, sample_next, verify_draft
+
+COMPACT_MIN_COLUMNS = 32
+"""Holes left by rejected drafts are squeezed out of the cache once they waste more columns than
+this (and a quarter of its width)."""
 
 
 def _eos_ids(model: Any, tok: Any) -> set[int]:
@@ -97,6 +110,33 @@ class _Batch:
             self.top_ps[idx],
         )
 
+    def wasted_columns(self) -> int:
+        """Cache columns beyond what the row with the most tokens needs (rejected drafts' holes)."""
+        return int(self.mask.shape[1] - int(self.mask.sum(dim=1).max())) if self.slots else 0
+
+    def compacted(self) -> _Batch:
+        """The same rows with each row's cached columns gathered right-aligned, the holes that
+        rejected drafts left (masked columns between kept ones) squeezed out: what attention sees
+        is unchanged, the cache is as narrow as its longest row."""
+        width = int(self.mask.sum(dim=1).max())
+        # masked columns first, then kept ones, each in their order: a row's kept columns end
+        # right-aligned, preceded by masked ones when it holds fewer than `width`
+        idx = torch.argsort(self.mask, dim=1, stable=True)[:, -width:]
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return t.gather(2, idx[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+
+        kv = [(gather(k), gather(v)) for k, v in _layers(self.cache)]
+        return _Batch(
+            self.slots,
+            DynamicCache(ddp_cache_data=kv),
+            self.mask.gather(1, idx),
+            self.next_pos,
+            self.last,
+            self.temps,
+            self.top_ps,
+        )
+
     def merged(self, other: _Batch) -> _Batch:
         if not self.slots:
             return other
@@ -125,6 +165,7 @@ class _Batch:
 
 class HFBackend(StepBackend):
     name = "hf"
+    verifies_drafts = True
 
     def __init__(self, model_cfg: ModelConfig, torch_threads: int, seed: int | None = None):
         self.model_cfg = model_cfg
@@ -173,9 +214,14 @@ class HFBackend(StepBackend):
         return str(self.tok.decode(token_ids, skip_special_tokens=True))
 
     async def step(
-        self, joins: list[Join], leaves: list[int], reset: bool, no_eos: frozenset[int] = frozenset()
-    ) -> dict[int, tuple[int, float]]:
-        return await asyncio.to_thread(self.step_sync, joins, leaves, reset, no_eos)
+        self,
+        joins: list[Join],
+        leaves: list[int],
+        reset: bool,
+        no_eos: frozenset[int] = frozenset(),
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> dict[int, list[tuple[int, float]]]:
+        return await asyncio.to_thread(self.step_sync, joins, leaves, reset, no_eos, drafts)
 
     def _logits(self, logits: torch.Tensor, slots: list[int], no_eos: frozenset[int]) -> torch.Tensor:
         """Masks EOS for rows below their min_new_tokens (the sampling distribution, logprobs
@@ -191,42 +237,108 @@ class HFBackend(StepBackend):
 
     @torch.inference_mode()
     def step_sync(
-        self, joins: list[Join], leaves: list[int], reset: bool, no_eos: frozenset[int] = frozenset()
-    ) -> dict[int, tuple[int, float]]:
+        self,
+        joins: list[Join],
+        leaves: list[int],
+        reset: bool,
+        no_eos: frozenset[int] = frozenset(),
+        drafts: Mapping[int, Sequence[int]] | None = None,
+    ) -> dict[int, list[tuple[int, float]]]:
         if reset:
             self.batch = _Batch.empty(self.device)
         elif leaves:
             self.batch = self.batch.without(set(leaves))
-        sampled: dict[int, tuple[int, float]] = {}
-        b = self.batch
-        if b.slots:
-            mask = torch.cat([b.mask, b.mask.new_ones((len(b.slots), 1))], dim=1)
-            out = self.model(
-                input_ids=b.last.unsqueeze(-1),
-                attention_mask=mask,
-                position_ids=b.next_pos.unsqueeze(-1),
-                past_key_values=b.cache,
-                use_cache=True,
-            )
-            logits = self._logits(out.logits[:, -1, :], b.slots, no_eos)
-            tokens, logprobs = sample_next(logits, b.temps, self.generator, b.top_ps)
-            self.batch = _Batch(b.slots, out.past_key_values, mask, b.next_pos + 1, tokens, b.temps, b.top_ps)
-            sampled.update(zip(b.slots, zip(tokens.tolist(), logprobs.tolist(), strict=True), strict=True))
+        sampled: dict[int, list[tuple[int, float]]] = {}
+        if self.batch.slots:
+            rows = [list(drafts.get(s, ())) if drafts else [] for s in self.batch.slots]
+            sampled.update(self._verify(rows, no_eos) if any(rows) else self._decode(no_eos))
         if joins:
-            ids, mask, pos = left_pad([j.context for j in joins], self.pad_id)
-            ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-            temps = torch.tensor([j.temperature for j in joins], device=self.device)
-            top_ps = torch.tensor([j.request.top_p if j.request else 1.0 for j in joins], device=self.device)
-            out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
-            )
-            slots = [j.slot for j in joins]
-            logits = self._logits(out.logits[:, -1, :], slots, no_eos)
-            tokens, logprobs = sample_next(logits, temps, self.generator, top_ps)
-            joined = _Batch(slots, out.past_key_values, mask, pos[:, -1] + 1, tokens, temps, top_ps)
-            self.batch = self.batch.merged(joined)
-            sampled.update(zip(slots, zip(tokens.tolist(), logprobs.tolist(), strict=True), strict=True))
+            sampled.update(self._prefill(joins, no_eos))
         return sampled
+
+    def _decode(self, no_eos: frozenset[int]) -> dict[int, list[tuple[int, float]]]:
+        """One token for every running row."""
+        b = self.batch
+        mask = torch.cat([b.mask, b.mask.new_ones((len(b.slots), 1))], dim=1)
+        out = self.model(
+            input_ids=b.last.unsqueeze(-1),
+            attention_mask=mask,
+            position_ids=b.next_pos.unsqueeze(-1),
+            past_key_values=b.cache,
+            use_cache=True,
+        )
+        logits = self._logits(out.logits[:, -1, :], b.slots, no_eos)
+        tokens, logprobs = sample_next(logits, b.temps, self.generator, b.top_ps)
+        self.batch = _Batch(b.slots, out.past_key_values, mask, b.next_pos + 1, tokens, b.temps, b.top_ps)
+        return {s: [(t, lp)] for s, t, lp in zip(b.slots, tokens.tolist(), logprobs.tolist(), strict=True)}
+
+    def _verify(self, drafts: list[list[int]], no_eos: frozenset[int]) -> dict[int, list[tuple[int, float]]]:
+        """One forward over every running row's last token and its drafted tokens (rows with fewer
+        drafted tokens are padded on the left of the new columns, so every row still ends at the
+        last column); each row keeps the accepted prefix of its draft and one more token, and the
+        columns of its rejected drafted tokens are masked out of the cache (rolled back)."""
+        b = self.batch
+        n, width = len(b.slots), 1 + max(len(d) for d in drafts)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        new = torch.zeros((n, width), dtype=torch.long)
+        for i, d in enumerate(drafts):
+            ids[i, width - 1 - len(d) :] = torch.tensor([int(b.last[i]), *d], dtype=torch.long)
+            new[i, width - 1 - len(d) :] = 1
+        ids, new = ids.to(self.device), new.to(self.device)
+        # a row's last token sits at its next position, its drafted tokens after it; the padding
+        # before them is masked (its positions are clamped, never seen)
+        lens = torch.tensor([len(d) for d in drafts], device=self.device)
+        offsets = torch.arange(width, device=self.device) - (width - 1)
+        pos = (b.next_pos.unsqueeze(-1) + offsets.unsqueeze(0) + lens.unsqueeze(-1)).clamp(min=0)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=torch.cat([b.mask, new], dim=1),
+            position_ids=pos,
+            past_key_values=b.cache,
+            use_cache=True,
+        )
+        kept, last, next_pos = new.clone(), [], []
+        emitted: dict[int, list[tuple[int, float]]] = {}
+        temps, top_ps = b.temps.tolist(), b.top_ps.tolist()
+        for i, (slot, d) in enumerate(zip(b.slots, drafts, strict=True)):
+            first = width - 1 - len(d)
+            logits = self._logits(out.logits[i, first:, :], [slot] * (len(d) + 1), no_eos)
+            tokens, logprobs = verify_draft(logits, d, temps[i], top_ps[i], self.generator)
+            accepted = len(tokens) - 1
+            kept[i, first + 1 + accepted :] = 0  # the rejected drafted tokens' columns
+            last.append(tokens[-1])
+            next_pos.append(int(b.next_pos[i]) + 1 + accepted)
+            emitted[slot] = list(zip(tokens, logprobs, strict=True))
+        self.batch = _Batch(
+            b.slots,
+            out.past_key_values,
+            torch.cat([b.mask, kept], dim=1),
+            torch.tensor(next_pos, device=self.device),
+            torch.tensor(last, device=self.device),
+            b.temps,
+            b.top_ps,
+        )
+        wasted = self.batch.wasted_columns()
+        if wasted > max(COMPACT_MIN_COLUMNS, self.batch.mask.shape[1] // 4):
+            self.batch = self.batch.compacted()
+        return emitted
+
+    def _prefill(self, joins: list[Join], no_eos: frozenset[int]) -> dict[int, list[tuple[int, float]]]:
+        """Prefills the joining rows in a batch of their own, samples each one's first token and
+        stacks their cache onto the running rows'."""
+        ids, mask, pos = left_pad([j.context for j in joins], self.pad_id)
+        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
+        temps = torch.tensor([j.temperature for j in joins], device=self.device)
+        top_ps = torch.tensor([j.request.top_p if j.request else 1.0 for j in joins], device=self.device)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
+        )
+        slots = [j.slot for j in joins]
+        logits = self._logits(out.logits[:, -1, :], slots, no_eos)
+        tokens, logprobs = sample_next(logits, temps, self.generator, top_ps)
+        joined = _Batch(slots, out.past_key_values, mask, pos[:, -1] + 1, tokens, temps, top_ps)
+        self.batch = self.batch.merged(joined)
+        return {s: [(t, lp)] for s, t, lp in zip(slots, tokens.tolist(), logprobs.tolist(), strict=True)}
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
         await asyncio.to_thread(self._copy_weights, state_dict)

@@ -41,7 +41,7 @@ class TurnRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., min_policy_version: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., priority: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ...) -> None: ...
 
 class TurnResult(_message.Message):
-    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "token_ids", "logprobs", "policy_version", "finish_reason", "context_tokens", "queue_s", "generate_s", "text", "error", "token_versions", "temperature")
+    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "token_ids", "logprobs", "policy_version", "finish_reason", "context_tokens", "queue_s", "generate_s", "text", "error", "token_versions", "temperature", "drafted_tokens", "accepted_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,8 @@ class TurnResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     trajectory_id: str
     turn_index: int
@@ -72,7 +74,9 @@ class TurnResult(_message.Message):
     error: ErrorInfo
     token_versions: _containers.RepeatedScalarFieldContainer[int]
     temperature: float
-    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., context_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., text: _Optional[str] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ..., token_versions: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ...) -> None: ...
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., context_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., text: _Optional[str] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ..., token_versions: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("call_id", "trajectory_id", "tool", "args_json", "timeout_s")

@@ -1,0 +1,182 @@
+"""Speculative decoding in the live engine: which drafted tokens each running row verifies.
+
+Each step the continuous batcher asks the `Speculator` for drafts. Every eligible row gets the
+drafter's proposal (`drafter.SuffixDrafter`: its GRPO siblings' and earlier rollouts' responses to
+the same prompt, else its own context), and the speculation policy (`speculation.SpeculationPolicy`,
+the object the simulator runs too) cuts each to the length that maximises the engine's accepted
+tokens per second, priced by the step times this engine measured (`StepTimes`) and the acceptance
+its drafts have had, per source (`Acceptance`). Pure: no clock, no torch; the engine feeds it what
+it measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.common.runconfig import SpeculativeConfig
+from services.rollout_engine.drafter import SuffixDrafter
+from services.rollout_engine.speculation import Lane, SpeculationPolicy
+
+SOURCES = ("group", "prompt", "self")
+
+
+class StepTimes:
+    """A least-squares line through the engine's recent step times against the query tokens they
+    verified (one per row, plus its drafted tokens): through the median time of each size, so a
+    stalled step (another process on the cores, a first run of a new shape) does not tilt it. Until
+    two different sizes were measured the step is taken to cost the same at any size
+    (memory-bound decoding: drafts are free)."""
+
+    def __init__(self, window: int = 256):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
+
+    def add(self, query_tokens: int, seconds: float) -> None:
+        if query_tokens > 0 and seconds > 0:
+            self.samples.append((query_tokens, seconds))
+            self._fit = None
+
+    def line(self) -> tuple[float, float]:
+        """(seconds at zero query tokens, seconds per query token); the slope is never negative."""
+        if self._fit is None:
+            by_size: dict[int, list[float]] = {}
+            for q, t in self.samples:
+                by_size.setdefault(q, []).append(t)
+            xs = sorted(by_size)
+            ys = [statistics.median(by_size[q]) for q in xs]
+            n = len(xs)
+            if n == 0:
+                self._fit = (1.0, 0.0)
+            else:
+                mx, my = sum(xs) / n, sum(ys) / n
+                var = sum((x - mx) ** 2 for x in xs)
+                slope = (
+                    max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var)
+                    if var
+                    else 0.0
+                )
+                self._fit = (max(1e-9, my - slope * mx), slope)
+        return self._fit
+
+    def __call__(self, query_tokens: int) -> float:
+        base, slope = self.line()
+        return base + slope * query_tokens
+
+
+@dataclass
+class Acceptance:
+    """Per-token acceptance of one draft source, estimated from what the verifier did: a row that
+    verified k drafted tokens and accepted a of them saw a acceptances and, if a < k, one rejection
+    (the maximum-likelihood estimate of a geometric run), with a prior of one of each and older
+    evidence decaying so the estimate follows the policy as it changes."""
+
+    accepted: float = 1.0
+    rejected: float = 1.0
+    decay: float = 0.995
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.accepted = self.accepted * self.decay + accepted
+        self.rejected = self.rejected * self.decay + (1 if accepted < drafted else 0)
+
+    @property
+    def rate(self) -> float:
+        return round(self.accepted / (self.accepted + self.rejected), 2)
+
+
+@dataclass(frozen=True)
+class Row:
+    """A running row the engine may draft for."""
+
+    slot: int
+    prompt_id: str
+    group_id: str
+    context: Sequence[int]
+    """Its prompt and every token it generated so far (the last one not yet verified)."""
+    room: int
+    """Tokens it may still emit; a step emits at most its drafted tokens and one more."""
+
+
+@dataclass
+class SpecCounters:
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    by_source: dict[str, list[int]] = field(default_factory=lambda: {s: [0, 0] for s in SOURCES})
+    """source -> [drafted, accepted]."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted drafted tokens per verified draft."""
+        return self.accepted / self.verify_steps if self.verify_steps else 0.0
+
+
+class Speculator:
+    def __init__(self, cfg: SpeculativeConfig, drafter: SuffixDrafter | None = None):
+        if cfg.method == "off":
+            raise ValueError("speculative decoding is off")
+        self.cfg = cfg
+        self.policy = SpeculationPolicy(mode=cfg.policy, draft_tokens=cfg.num_tokens)
+        self.drafter = drafter or SuffixDrafter()
+        self.times = StepTimes()
+        self.acceptance = {s: Acceptance() for s in SOURCES}
+        self.counters = SpecCounters()
+        self._sources: dict[int, str] = {}
+
+    def drafts(self, rows: Sequence[Row]) -> dict[int, list[int]]:
+        """Each row's drafted tokens for the next step (rows without any are left out)."""
+        self._sources.clear()
+        found: list[tuple[Row, list[int], str]] = []
+        for row in rows:
+            k = min(self.cfg.num_tokens, row.room - 1)
+            if k <= 0:
+                continue
+            prompt = row.prompt_id if self.cfg.method == "suffix" else ""
+            d = self.drafter.draft(prompt, row.group_id, row.context, k)
+            if d.tokens:
+                found.append((row, d.tokens, d.source))
+        if not found:
+            return {}
+        lanes: dict[float, int] = {}
+        for _, _, source in found:
+            a = self.acceptance[source].rate
+            lanes[a] = lanes.get(a, 0) + 1
+        plain = len(rows) - len(found)
+        lane_list = [Lane(n, a) for a, n in lanes.items()] + ([Lane(plain, 0.0)] if plain else [])
+        threshold = self.policy.threshold(lane_list, self.times)
+        out: dict[int, list[int]] = {}
+        for row, tokens, source in found:
+            k = self.policy.draft_length(self.acceptance[source].rate, threshold)
+            if k > 0:
+                out[row.slot] = tokens[:k]
+                self._sources[row.slot] = source
+        return out
+
+    def verified(self, slot: int, drafted: int, emitted: int) -> None:
+        """Row `slot` verified `drafted` tokens and emitted `emitted` (the accepted ones and one more)."""
+        source = self._sources.get(slot)
+        if source is None or drafted <= 0:
+            return
+        accepted = max(0, min(drafted, emitted - 1))
+        self.acceptance[source].observe(drafted, accepted)
+        c = self.counters
+        c.verify_steps += 1
+        c.drafted += drafted
+        c.accepted += accepted
+        c.by_source[source][0] += drafted
+        c.by_source[source][1] += accepted
+
+    def stepped(self, query_tokens: int, seconds: float) -> None:
+        """A decode or verify step without prefill took `seconds` for `query_tokens`."""
+        self.times.add(query_tokens, seconds)
+
+    def finished(self, prompt_id: str, group_id: str, tokens: Sequence[int]) -> None:
+        """A finished response, for later drafts of its prompt (`suffix` only)."""
+        if self.cfg.method == "suffix" and prompt_id:
+            self.drafter.add(prompt_id, group_id, tokens)

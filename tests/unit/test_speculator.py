@@ -1,0 +1,77 @@
+"""The live engine's speculation glue (`services/rollout_engine/speculator.py`), pure logic: step
+times fitted robustly, acceptance estimated from what the verifier did, drafts cut to the room a
+row has left and to what pays at the engine's measured step times."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from services.common.runconfig import RolloutConfig, SpeculativeConfig
+from services.rollout_engine.speculator import Acceptance, Row, Speculator, StepTimes
+
+
+def test_step_times_are_flat_until_two_sizes_are_measured_and_ignore_a_stalled_step() -> None:
+    t = StepTimes()
+    assert t(1) == t(100)  # nothing measured: drafts taken as free
+    for _ in range(5):
+        t.add(4, 0.10)
+    assert t(4) == pytest.approx(0.10) and t(40) == pytest.approx(0.10)
+    for _ in range(5):
+        t.add(12, 0.14)
+    t.add(12, 9.0)  # one stall (another process had the cores)
+    base, slope = t.line()
+    assert slope == pytest.approx(0.005) and base == pytest.approx(0.08)
+    t.add(20, 0.01)  # faster at a larger size: noise, never a negative slope
+    assert t.line()[1] >= 0.0
+
+
+def test_acceptance_is_the_geometric_estimate_with_a_prior() -> None:
+    a = Acceptance(decay=1.0)
+    assert a.rate == 0.5
+    a.observe(drafted=4, accepted=4)  # all accepted: no rejection seen
+    a.observe(drafted=4, accepted=2)  # two, then a rejection
+    assert a.rate == pytest.approx(round((1 + 6) / (1 + 6 + 1 + 1), 2))
+
+
+def rows(n: int, room: int = 50) -> list[Row]:
+    context = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # its own context repeats: prompt lookup finds 4, 5, 6, 1, ...
+    return [Row(i, "p", "g", context, room) for i in range(n)]
+
+
+def test_drafts_respect_the_room_left_and_num_tokens() -> None:
+    spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=3, policy="fixed"))
+    out = spec.drafts(rows(2) + [Row(9, "p", "g", rows(1)[0].context, room=2), Row(8, "p", "g", [7], 9)])
+    assert out == {0: [4, 5, 6], 1: [4, 5, 6], 9: [4]}  # room 2: one drafted token and one more
+    spec.verified(0, 3, 2)  # one accepted, then a token of its own
+    spec.verified(1, 3, 4)
+    c = spec.counters
+    assert (c.verify_steps, c.drafted, c.accepted) == (2, 6, 4) and c.by_source["self"] == [6, 4]
+
+
+def test_adaptive_policy_drafts_when_verifying_is_cheap_and_not_when_it_costs_more_than_it_saves() -> None:
+    cheap = Speculator(SpeculativeConfig(method="ngram", num_tokens=4))
+    for q in (8, 16, 24, 40):
+        cheap.stepped(q, 0.05)  # memory-bound: the same time at any size
+    assert len(cheap.drafts(rows(8))) == 8
+    costly = Speculator(SpeculativeConfig(method="ngram", num_tokens=4))
+    for q in (8, 16, 24, 40):
+        costly.stepped(q, 0.01 * q)  # compute-bound: time grows with every query token
+    costly.acceptance["self"] = Acceptance(accepted=1.0, rejected=9.0)  # drafts mostly rejected
+    assert costly.drafts(rows(8)) == {}
+
+
+def test_suffix_learns_finished_responses_and_ngram_does_not() -> None:
+    suffix = Speculator(SpeculativeConfig(method="suffix"))
+    suffix.finished("p", "g", [10, 11, 12, 13, 14, 15])
+    assert suffix.drafts([Row(0, "p", "g", [9, 10, 11, 12], 20)]) == {0: [13, 14, 15]}
+    ngram = Speculator(SpeculativeConfig(method="ngram"))
+    ngram.finished("p", "g", [10, 11, 12, 13, 14, 15])
+    assert len(ngram.drafter) == 0 and ngram.drafts([Row(0, "p", "g", [9, 10, 11, 12], 20)]) == {}
+
+
+def test_speculation_needs_a_backend_that_generates() -> None:
+    with pytest.raises(ValidationError, match="rollout.speculative needs a backend that generates"):
+        RolloutConfig(backend="emulated", speculative=SpeculativeConfig(method="suffix"))
+    with pytest.raises(ValueError, match="off"):
+        Speculator(SpeculativeConfig())
