@@ -47,6 +47,57 @@ class Progress:
             self.in_flight = stats.trajectories_in_flight
 
 
+class SpecTotals:
+    """Speculative decoding over every engine of a job: each engine's load report carries its
+    counters since it started; one that restarted (its counters fell) adds to what it had."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[int, int, int]] = {}
+        self.base: dict[str, tuple[int, int, int]] = {}
+
+    def update(self, load: ev.EngineLoad) -> None:
+        now = (load.spec_verify_steps, load.spec_drafted_tokens, load.spec_accepted_tokens)
+        before = self.last.get(load.engine_id, (0, 0, 0))
+        if now < before:  # a restarted engine counts from zero again
+            base = self.base.get(load.engine_id, (0, 0, 0))
+            self.base[load.engine_id] = (base[0] + before[0], base[1] + before[1], base[2] + before[2])
+        self.last[load.engine_id] = now
+
+    def totals(self) -> list[int]:
+        """[verify steps, drafted tokens, accepted tokens] over every engine so far."""
+        out = [0, 0, 0]
+        for engine, now in self.last.items():
+            base = self.base.get(engine, (0, 0, 0))
+            for i in range(3):
+                out[i] += now[i] + base[i]
+        return out
+
+
+def speculation_report(totals: list[int], marks: list[list[int]]) -> dict[str, Any]:
+    """Acceptance over the job and per step, from the totals at each step's end (`marks`)."""
+
+    def rates(steps: int, drafted: int, accepted: int) -> dict[str, float | None]:
+        return {
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "mean_accepted": round(accepted / steps, 3) if steps else None,
+        }
+
+    per_step, prev = [], [0, 0, 0]
+    for mark in marks:
+        delta = [a - b for a, b in zip(mark, prev, strict=True)]
+        per_step.append(rates(*delta))
+        prev = mark
+    steps, drafted, accepted = totals
+    return {
+        "verify_steps": steps,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        **rates(steps, drafted, accepted),
+        "acceptance_rate_per_step": [s["acceptance_rate"] for s in per_step],
+        "mean_accepted_per_step": [s["mean_accepted"] for s in per_step],
+    }
+
+
 class JobObserver:
     def __init__(self, run_id: str, loggers: StepLoggers, out_dir: Path | None):
         self.run_id, self.loggers, self.out_dir = run_id, loggers, out_dir
@@ -63,6 +114,8 @@ class JobObserver:
         self.seen: dict[str, float] = {}
         self.progress = Progress()
         self.stats: ev.SchedulerStats | None = None
+        self.spec = SpecTotals()
+        """Speculative decoding over the job's engines (their load reports' counters)."""
 
     async def subscribe(self, bus: Bus) -> None:
         await bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, self._on_metrics)
@@ -86,9 +139,12 @@ class JobObserver:
                 "step": m.step,
                 "step_s": round(m.step_s, 3),
                 "push_s": round(m.push_s, 3),
+                "spec": self.spec.totals(),
             }
 
     async def _on_load(self, load: ev.EngineLoad, _: Envelope) -> None:
+        if load.engine_id in self.targets:
+            self.spec.update(load)
         if load.engine_id in self.targets and len(self.engine_loads) < MAX_TIMELINE:
             self.engine_loads.append(
                 {

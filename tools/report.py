@@ -20,7 +20,7 @@ from services.common.facts import read_facts
 from services.common.grpc_auth import bearer_metadata
 from services.common.membership import SERVING_ROLES
 from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
-from tools.job_watch import JobObserver
+from tools.job_watch import JobObserver, speculation_report
 from tools.learning_plot import write_reward_plot
 from tools.run_plots import write_run_plots
 from tools.sim.stats import t95
@@ -360,6 +360,15 @@ async def build_report(
         "role_changes": changes,
         "migrations": stats.migrations,
         "routing_policy": cfg.rollout.policy,
+        "speculation": None
+        if cfg.rollout.speculative.method == "off"
+        else {
+            "method": cfg.rollout.speculative.method,
+            **speculation_report(
+                watch.spec.totals(),
+                [watch.step_marks[s]["spec"] for s in sorted(watch.step_marks) if s <= p.committed_step],
+            ),
+        },
         "scheduler": {
             "decisions": stats.decisions,
             "decision_p50_us": round(stats.decision_p50_us, 1),

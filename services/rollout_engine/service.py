@@ -29,10 +29,11 @@ from services.common.ownership import Lease, OwnershipStore
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.rollout_engine.backends import create_backend
-from services.rollout_engine.backends.base import Backend, EngineClosed, GenRequest
+from services.rollout_engine.backends.base import Backend, EngineClosed, Finished, GenRequest
 from services.rollout_engine.backends.emulated import EmulatedBackend
 from services.rollout_engine.config import EngineSettings
 from services.rollout_engine.engine import engine_for
+from services.rollout_engine.speculator import counters as spec_counters
 from services.rollout_engine.training_side import TrainingSide
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 
@@ -79,6 +80,30 @@ def validate_turn(req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int
         float(req.top_p) if req.top_p > 0 else 1.0,  # unset (0): the full distribution
         req.prompt_id,
         req.group_id,
+    )
+
+
+def turn_result(
+    req: ev.TurnRequest, done: Finished, engine_id: str, context: int, queue_s: float
+) -> ev.TurnResult:
+    """What the engine answers for a turn it generated (the text decoded by the caller)."""
+    out = done.output
+    return ev.TurnResult(
+        request_id=req.request_id,
+        trajectory_id=req.trajectory_id,
+        turn_index=req.turn_index,
+        engine_id=engine_id,
+        token_ids=out.token_ids,
+        logprobs=out.logprobs,
+        policy_version=done.policy_version,
+        token_versions=out.token_versions,
+        temperature=float(req.temperature) if req.temperature > 0 else 1.0,
+        finish_reason=out.finish_reason,
+        context_tokens=context,
+        queue_s=queue_s,
+        generate_s=done.generate_s,
+        drafted_tokens=out.drafted,
+        accepted_tokens=out.accepted,
     )
 
 
@@ -311,24 +336,8 @@ class RolloutEngineService:
             if out.drafted:
                 span.set_attribute("libra.spec.drafted_tokens", out.drafted)
                 span.set_attribute("libra.spec.accepted_tokens", out.accepted)
-            result = ev.TurnResult(
-                request_id=req.request_id,
-                trajectory_id=req.trajectory_id,
-                turn_index=req.turn_index,
-                engine_id=self.worker_id,
-                token_ids=out.token_ids,
-                logprobs=out.logprobs,
-                policy_version=done.policy_version,
-                token_versions=out.token_versions,
-                temperature=float(req.temperature) if req.temperature > 0 else 1.0,
-                finish_reason=out.finish_reason,
-                context_tokens=len(gen.prompt_ids),
-                queue_s=queue_s,
-                generate_s=done.generate_s,
-                text=self.backend.decode(out.token_ids),
-                drafted_tokens=out.drafted,
-                accepted_tokens=out.accepted,
-            )
+            result = turn_result(req, done, self.worker_id, len(gen.prompt_ids), queue_s)
+            result.text = self.backend.decode(out.token_ids)
             await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
             self.prom.turns.labels(out.finish_reason or "unknown").inc()
             self.prom.tokens.inc(len(out.token_ids))
@@ -368,6 +377,12 @@ class RolloutEngineService:
             free_kv_tokens=self.backend.free_kv_tokens(),
             backend=self.backend.name,
         )
+        if (c := spec_counters(self.engine)) is not None:
+            load.spec_verify_steps, load.spec_drafted_tokens, load.spec_accepted_tokens = (
+                c.verify_steps,
+                c.drafted,
+                c.accepted,
+            )
         m = self.prom
         m.running.set(load.running)
         m.waiting.set(load.waiting)
@@ -398,15 +413,8 @@ class RolloutEngineService:
             "weight_version": float(self.engine.version),
             "rejected": float(self.bus.rejected),
         }
-        spec = getattr(self.engine, "speculator", None)
-        if spec is not None:
-            c = spec.counters
-            values.update(
-                spec_drafted=float(c.drafted),
-                spec_accepted=float(c.accepted),
-                spec_acceptance_rate=c.acceptance_rate,
-                spec_mean_accepted=c.mean_accepted,
-            )
+        if (c := spec_counters(self.engine)) is not None:
+            values.update(c.values())
             self.prom.acceptance.set(c.acceptance_rate)
         return ev.MetricSample(service=SERVICE, worker_id=self.worker_id, values=values)
 

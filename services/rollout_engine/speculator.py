@@ -116,6 +116,15 @@ class SpecCounters:
         """Accepted drafted tokens per verified draft."""
         return self.accepted / self.verify_steps if self.verify_steps else 0.0
 
+    def values(self) -> dict[str, float]:
+        """For the engine's metrics sample."""
+        return {
+            "spec_drafted": float(self.drafted),
+            "spec_accepted": float(self.accepted),
+            "spec_acceptance_rate": self.acceptance_rate,
+            "spec_mean_accepted": self.mean_accepted,
+        }
+
 
 class Speculator:
     def __init__(self, cfg: SpeculativeConfig, drafter: SuffixDrafter | None = None):
@@ -180,3 +189,9 @@ class Speculator:
         """A finished response, for later drafts of its prompt (`suffix` only)."""
         if self.cfg.method == "suffix" and prompt_id:
             self.drafter.add(prompt_id, group_id, tokens)
+
+
+def counters(engine: object) -> SpecCounters | None:
+    """An engine's speculation counters (None: it does not speculate)."""
+    spec = getattr(engine, "speculator", None)
+    return spec.counters if isinstance(spec, Speculator) else None

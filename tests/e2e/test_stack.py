@@ -159,7 +159,10 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
             await asyncio.sleep(0.2)
 
     watcher = _meanwhile(stack, job_b, watch_workload)
-    second = _run(stack, _config(tmp_path), job_b, tmp_path)
+    # the second job speculates on the same engines; sampled near-greedily, the random model
+    # repeats itself, so its drafts (from its own context and its siblings') are accepted
+    spec = {"speculative": {"method": "suffix", "num_tokens": 4, "policy": "fixed"}}
+    second = _run(stack, _config(tmp_path, rollout=spec, task={"temperature": 0.05}), job_b, tmp_path)
     watcher.join(60)
 
     for report in (first, second):
@@ -196,6 +199,11 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
         assert report["trajectories_lost"] == 0 and acc["lost_ids"] == [], acc
         assert acc["trained"] == cfg.trajectories_per_step * cfg.training.steps, acc
         assert acc["handed_to_trainer"] == acc["trained"] + acc["dropped"] + acc["open_at_end"]
+    # speculative decoding, as the engines counted it, over the job and per step
+    assert first["speculation"] is None
+    sp = second["speculation"]
+    assert sp["method"] == "suffix" and 0 < sp["accepted_tokens"] <= sp["drafted_tokens"], sp
+    assert len(sp["acceptance_rate_per_step"]) == cfg.training.steps
     # the scheduler's workload stats for the planner: turn lengths within the token budget
     assert workload, "no workload.stats with turns in it"
     w = workload[-1]

@@ -207,3 +207,26 @@ def test_a_timeline_gets_throughput_tool_and_engine_plots(tmp_path) -> None:
     assert sorted(p.name for p in paths) == ["engines.png", "throughput.png", "tools.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 10_000 for p in paths)
     assert write_run_plots({"samples": [], "engines": [], "steps": []}, "r", tmp_path / "none") == []
+
+
+def test_speculation_totals_survive_an_engine_restart_and_split_by_step() -> None:
+    from tools.job_watch import SpecTotals, speculation_report
+
+    t = SpecTotals()
+    t.update(
+        ev.EngineLoad(engine_id="e0", spec_verify_steps=10, spec_drafted_tokens=40, spec_accepted_tokens=20)
+    )
+    t.update(
+        ev.EngineLoad(engine_id="e1", spec_verify_steps=5, spec_drafted_tokens=20, spec_accepted_tokens=5)
+    )
+    first = t.totals()
+    assert first == [15, 60, 25]
+    t.update(
+        ev.EngineLoad(engine_id="e0", spec_verify_steps=2, spec_drafted_tokens=8, spec_accepted_tokens=8)
+    )
+    assert t.totals() == [17, 68, 33]  # e0 restarted: its earlier counts are kept
+    report = speculation_report(t.totals(), [first, t.totals()])
+    assert report["acceptance_rate"] == round(33 / 68, 4) and report["mean_accepted"] == round(33 / 17, 3)
+    assert report["acceptance_rate_per_step"] == [round(25 / 60, 4), 1.0]
+    assert report["mean_accepted_per_step"] == [round(25 / 15, 3), 4.0]
+    assert speculation_report([0, 0, 0], [[0, 0, 0]])["acceptance_rate_per_step"] == [None]

@@ -75,3 +75,13 @@ def test_speculation_needs_a_backend_that_generates() -> None:
         RolloutConfig(backend="emulated", speculative=SpeculativeConfig(method="suffix"))
     with pytest.raises(ValueError, match="off"):
         Speculator(SpeculativeConfig())
+
+
+def test_vllm_gets_the_method_and_draft_length_or_nothing() -> None:
+    from services.rollout_engine.backends.vllm import vllm_speculative_config
+
+    assert vllm_speculative_config(SpeculativeConfig()) is None
+    cfg = vllm_speculative_config(SpeculativeConfig(method="suffix", num_tokens=8))
+    assert cfg == {"method": "suffix", "num_speculative_tokens": 8}
+    ngram = vllm_speculative_config(SpeculativeConfig(method="ngram", num_tokens=3))
+    assert ngram is not None and ngram["method"] == "ngram" and ngram["num_speculative_tokens"] == 3

@@ -33,7 +33,7 @@ from typing import Any
 
 from services.common.logging import get_logger
 from services.common.models import resolve_model_dir
-from services.common.runconfig import RunConfig
+from services.common.runconfig import RunConfig, SpeculativeConfig
 from services.rollout_engine.backends.base import (
     Backend,
     EngineClosed,
@@ -49,6 +49,19 @@ def _load_weights_on_worker(worker: Any, items: list[tuple[str, Any]]) -> int:
     """Runs inside each vLLM worker process; the model maps HF names onto its own fused layout."""
     worker.model_runner.get_model().load_weights(weights=items)
     return len(items)
+
+
+def vllm_speculative_config(spec: SpeculativeConfig) -> dict[str, Any] | None:
+    """`rollout.speculative` as vLLM's `speculative_config` (None: off). `ngram` is vLLM's prompt
+    lookup; `suffix` its suffix decoding (which needs the `arctic-inference` package on the GPU
+    node). vLLM drafts from the engine's own requests only: it knows nothing of GRPO groups, and
+    chooses its own draft lengths. Not run here (no GPU)."""
+    if spec.method == "off":
+        return None
+    out: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_tokens}
+    if spec.method == "ngram":
+        out |= {"prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    return out
 
 
 class VllmBackend(Backend):
@@ -104,6 +117,7 @@ class VllmBackend(Backend):
             scheduling_policy="priority",
             gpu_memory_utilization=self.settings.gpu_memory_utilization,
             enable_log_requests=False,
+            speculative_config=vllm_speculative_config(self.run.rollout.speculative),
         )
         self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[_Stats])
         tok = self.llm.get_tokenizer()

@@ -203,7 +203,7 @@ class GroupOutcome(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., trajectories: _Optional[int] = ..., weight_version: _Optional[int] = ..., train_step: _Optional[int] = ..., trained_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("engine_id", "bucket", "running", "waiting", "tokens_per_s", "weight_version", "weight_sync_addr", "request_ids", "tensor_parallel", "capacity_seqs", "free_kv_tokens", "backend")
+    __slots__ = ("engine_id", "bucket", "running", "waiting", "tokens_per_s", "weight_version", "weight_sync_addr", "request_ids", "tensor_parallel", "capacity_seqs", "free_kv_tokens", "backend", "spec_verify_steps", "spec_drafted_tokens", "spec_accepted_tokens")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,9 @@ class EngineLoad(_message.Message):
     CAPACITY_SEQS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     bucket: str
     running: int
@@ -228,7 +231,10 @@ class EngineLoad(_message.Message):
     capacity_seqs: int
     free_kv_tokens: int
     backend: str
-    def __init__(self, engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., capacity_seqs: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    spec_verify_steps: int
+    spec_drafted_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., capacity_seqs: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., spec_verify_steps: _Optional[int] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
     __slots__ = ("worker_id", "kind", "weight_sync_addr", "tensor_parallel", "preferred_bucket")
