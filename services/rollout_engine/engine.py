@@ -261,8 +261,8 @@ class ContinuousEngine(VersionGate):
             began = time.monotonic()
             sampled = await self.backend.step(joins, leaves, reset, no_eos, drafts or None)
             if self.speculator is not None and not joins:
-                queries = sum(1 + len(drafts.get(slot, ())) for slot in sampled)
-                self.speculator.stepped(queries, time.monotonic() - began)
+                width = 1 + max((len(d) for d in drafts.values()), default=0)
+                self.speculator.stepped(len(sampled) * width, time.monotonic() - began)
             version = self.version
         self.iterations += 1
         for slot, emitted in sampled.items():

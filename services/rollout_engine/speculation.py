@@ -103,6 +103,25 @@ class SpeculationPolicy:
             return self.draft_tokens
         return min(self.draft_tokens, int(math.log(threshold) / math.log(acceptance) + 1e-9))
 
+    def padded_width(
+        self, drafts: Sequence[tuple[float, int]], rows: int, step_s: Callable[[int], float]
+    ) -> int:
+        """Drafted tokens per row for a backend that pads every row of a verify forward to the
+        longest draft (each of `rows` rows then costs 1 + width query tokens): the width that
+        maximises expected emitted tokens per second. `drafts` holds (acceptance, tokens found)
+        for the rows with a draft; a row's draft is cut to the width. `fixed`: `draft_tokens`."""
+        if not self.enabled or not drafts or rows <= 0:
+            return 0
+        if self.mode == "fixed":
+            return self.draft_tokens
+        best, best_rate = 0, rows / step_s(rows)
+        for width in range(1, self.draft_tokens + 1):
+            made = rows - len(drafts) + sum(expected_tokens(a, min(n, width)) for a, n in drafts)
+            rate = made / step_s(rows * (1 + width))
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = width, rate
+        return best
+
     def drafts(self, lanes: Sequence[Lane], step_s: Callable[[int], float]) -> list[int]:
         """Draft length per lane (see `threshold`)."""
         theta = self.threshold(lanes, step_s)

@@ -3,7 +3,7 @@
 Each step the continuous batcher asks the `Speculator` for drafts. Every eligible row gets the
 drafter's proposal (`drafter.SuffixDrafter`: its GRPO siblings' and earlier rollouts' responses to
 the same prompt, else its own context), and the speculation policy (`speculation.SpeculationPolicy`,
-the object the simulator runs too) cuts each to the length that maximises the engine's accepted
+the object the simulator runs too) cuts them to the width that maximises the engine's emitted
 tokens per second, priced by the step times this engine measured (`StepTimes`) and the acceptance
 its drafts have had, per source (`Acceptance`). Pure: no clock, no torch; the engine feeds it what
 it measured.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from services.common.runconfig import SpeculativeConfig
 from services.rollout_engine.drafter import SuffixDrafter
-from services.rollout_engine.speculation import Lane, SpeculationPolicy
+from services.rollout_engine.speculation import SpeculationPolicy
 
 SOURCES = ("group", "prompt", "self")
 
@@ -139,7 +139,9 @@ class Speculator:
         self._sources: dict[int, str] = {}
 
     def drafts(self, rows: Sequence[Row]) -> dict[int, list[int]]:
-        """Each row's drafted tokens for the next step (rows without any are left out)."""
+        """Each row's drafted tokens for the next step (rows without any are left out). The hf
+        backend pads every row to the longest draft, so one width is chosen for the whole step
+        (`SpeculationPolicy.padded_width`) and each draft cut to it."""
         self._sources.clear()
         found: list[tuple[Row, list[int], str]] = []
         for row in rows:
@@ -150,21 +152,15 @@ class Speculator:
             d = self.drafter.draft(prompt, row.group_id, row.context, k)
             if d.tokens:
                 found.append((row, d.tokens, d.source))
-        if not found:
-            return {}
-        lanes: dict[float, int] = {}
-        for _, _, source in found:
-            a = self.acceptance[source].rate
-            lanes[a] = lanes.get(a, 0) + 1
-        plain = len(rows) - len(found)
-        lane_list = [Lane(n, a) for a, n in lanes.items()] + ([Lane(plain, 0.0)] if plain else [])
-        threshold = self.policy.threshold(lane_list, self.times)
+        width = self.policy.padded_width(
+            [(self.acceptance[source].rate, len(tokens)) for _, tokens, source in found],
+            len(rows),
+            self.times,
+        )
         out: dict[int, list[int]] = {}
-        for row, tokens, source in found:
-            k = self.policy.draft_length(self.acceptance[source].rate, threshold)
-            if k > 0:
-                out[row.slot] = tokens[:k]
-                self._sources[row.slot] = source
+        for row, tokens, source in found[: len(found) if width else 0]:
+            out[row.slot] = tokens[:width]
+            self._sources[row.slot] = source
         return out
 
     def verified(self, slot: int, drafted: int, emitted: int) -> None:
@@ -182,7 +178,8 @@ class Speculator:
         c.by_source[source][1] += accepted
 
     def stepped(self, query_tokens: int, seconds: float) -> None:
-        """A decode or verify step without prefill took `seconds` for `query_tokens`."""
+        """A decode or verify step without prefill took `seconds` for `query_tokens` (rows times
+        the step's width: padding costs as much as a drafted token)."""
         self.times.add(query_tokens, seconds)
 
     def finished(self, prompt_id: str, group_id: str, tokens: Sequence[int]) -> None:

@@ -85,3 +85,23 @@ def test_vllm_gets_the_method_and_draft_length_or_nothing() -> None:
     assert cfg == {"method": "suffix", "num_speculative_tokens": 8}
     ngram = vllm_speculative_config(SpeculativeConfig(method="ngram", num_tokens=3))
     assert ngram is not None and ngram["method"] == "ngram" and ngram["num_speculative_tokens"] == 3
+
+
+def test_padded_width_drafts_at_the_tail_and_not_where_padding_costs_the_whole_batch() -> None:
+    from services.rollout_engine.speculation import SpeculationPolicy
+
+    policy = SpeculationPolicy(mode="adaptive", draft_tokens=6)
+
+    def affine(q: int) -> float:  # a step's fixed cost dominates: memory-bound, as at the tail
+        return 0.05 + 0.001 * q
+
+    assert policy.padded_width([(0.9, 6)], rows=1, step_s=affine) == 6
+    assert policy.padded_width([(0.9, 2)], rows=1, step_s=affine) == 2  # longer is only padding
+
+    def linear(q: int) -> float:  # every query token costs the same: compute-bound
+        return 0.01 * q
+
+    # one good draft would widen all 8 rows' forward: not worth it
+    assert policy.padded_width([(0.9, 6)], rows=8, step_s=linear) == 0
+    assert policy.padded_width([], rows=8, step_s=affine) == 0
+    assert SpeculationPolicy(mode="fixed", draft_tokens=3).padded_width([(0.1, 6)], 8, linear) == 3

@@ -27,7 +27,7 @@ from typing import Any
 
 NAME = "spec"
 WARM, TAIL, MAX_BATCH = 6, 2, 8
-PROMPTS = 5
+PROMPTS = 3
 SAMPLES = 4000
 NUM_TOKENS = 6
 FREE_TEXT = [

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,19 +290,13 @@ class HFBackend(StepBackend):
         lens = torch.tensor([len(d) for d in drafts], device=self.device)
         offsets = torch.arange(width, device=self.device) - (width - 1)
         pos = (b.next_pos.unsqueeze(-1) + offsets.unsqueeze(0) + lens.unsqueeze(-1)).clamp(min=0)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=torch.cat([b.mask, new], dim=1),
-            position_ids=pos,
-            past_key_values=b.cache,
-            use_cache=True,
-        )
+        cache, logits_of = self._forward_real(ids, torch.cat([b.mask, new], dim=1), pos, new.bool())
         kept, last, next_pos = new.clone(), [], []
         emitted: dict[int, list[tuple[int, float]]] = {}
         temps, top_ps = b.temps.tolist(), b.top_ps.tolist()
         for i, (slot, d) in enumerate(zip(b.slots, drafts, strict=True)):
             first = width - 1 - len(d)
-            logits = self._logits(out.logits[i, first:, :], [slot] * (len(d) + 1), no_eos)
+            logits = self._logits(logits_of(i), [slot] * (len(d) + 1), no_eos)
             tokens, logprobs = verify_draft(logits, d, temps[i], top_ps[i], self.generator)
             accepted = len(tokens) - 1
             kept[i, first + 1 + accepted :] = 0  # the rejected drafted tokens' columns
@@ -311,7 +305,7 @@ class HFBackend(StepBackend):
             emitted[slot] = list(zip(tokens, logprobs, strict=True))
         self.batch = _Batch(
             b.slots,
-            out.past_key_values,
+            cache,
             torch.cat([b.mask, kept], dim=1),
             torch.tensor(next_pos, device=self.device),
             torch.tensor(last, device=self.device),
@@ -322,6 +316,34 @@ class HFBackend(StepBackend):
         if wasted > max(COMPACT_MIN_COLUMNS, self.batch.mask.shape[1] // 4):
             self.batch = self.batch.compacted()
         return emitted
+
+    def _forward_real(
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, real: torch.Tensor
+    ) -> tuple[Any, Callable[[int], torch.Tensor]]:
+        """The verify forward: the new cache, and row i's logits at its real (unpadded) positions.
+        The output projection (for a small model with a large vocabulary, most of a step) runs on
+        the real positions only; a model whose head does more than project (soft-capped or scaled
+        logits) runs whole."""
+        cfg = self.model.config
+        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=self.batch.cache,
+                use_cache=True,
+            )
+            return out.past_key_values, lambda i: out.logits[i][real[i]]
+        hidden = self.model.get_decoder()(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=self.batch.cache,
+            use_cache=True,
+        )
+        logits = self.model.get_output_embeddings()(hidden.last_hidden_state[real])
+        ends = real.sum(dim=1).cumsum(0).tolist()
+        return hidden.past_key_values, lambda i: logits[(ends[i - 1] if i else 0) : ends[i]]
 
     def _prefill(self, joins: list[Join], no_eos: frozenset[int]) -> dict[int, list[tuple[int, float]]]:
         """Prefills the joining rows in a batch of their own, samples each one's first token and
