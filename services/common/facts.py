@@ -43,8 +43,6 @@ class FactsOut:
         self.log = get_logger(component="facts")
         self._latest: Message | None = None
         self._wake = asyncio.Event()
-        self.published = 0
-        """Facts messages JetStream has stored."""
 
     async def start(self) -> None:
         await ensure_facts_stream(self.bus)
@@ -53,16 +51,6 @@ class FactsOut:
     def update(self, msg: Message) -> None:
         self._latest = msg
         self._wake.set()
-
-    async def flush(self, timeout_s: float = 5.0) -> bool:
-        """Waits until the newest facts are stored (False when they were not within `timeout_s`)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self._latest is not None or self._wake.is_set():
-            if loop.time() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
 
     async def _run(self) -> None:
         attempt = 0
@@ -81,7 +69,6 @@ class FactsOut:
                 self._wake.set()
                 continue
             attempt = 0
-            self.published += 1
             if self._latest is msg:
                 self._latest = None
 

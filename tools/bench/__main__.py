@@ -91,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         for metric, value, _ in result["rows"]:
             print(f"  {metric}: {value}")
     stored = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]
-    for result in stored:
-        result.setdefault("name", result.get("command", "").split()[-1].strip(")"))
     earlier = earlier_sections(DOC.read_text(), {r["name"] for r in stored}) if DOC.exists() else {}
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(render(stored, earlier))
