@@ -107,6 +107,11 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("tool-sandbox", subjects.TRAJ_COMPLETED, forged_traj),
         ("rollout-engine", subjects.WEIGHTS_UPDATED, ev.WeightsUpdated(version=10**9)),
         ("cli", subjects.TRAIN_METRICS, ev.TrainMetrics(step=9, done=True)),
+        # the facts a job's report reads: only their owner may publish them
+        ("tool-sandbox", subjects.FACTS_TRAINER, ev.TrainerFacts(step=1000)),
+        ("scheduler", subjects.FACTS_TRAINER, ev.TrainerFacts(step=1000)),
+        ("rollout-engine", subjects.FACTS_SCHEDULER, ev.SchedulerFacts(published=424242)),
+        ("cli", subjects.FACTS_PLANNER, ev.PlannerFacts(plans_total=7)),
     ]
     for identity, suffix, msg in forgeries:
         await buses[identity].publish(suffix, msg)
@@ -115,6 +120,9 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("scheduler", subjects.TRAJ_COMPLETED, ev.CompletedTrajectory(trajectory_id="real")),
         ("trainer", subjects.WEIGHTS_UPDATED, ev.WeightsUpdated(version=1)),
         ("rollout-engine", subjects.TURN_RESULT, ev.TurnResult(trajectory_id="real")),
+        ("trainer", subjects.FACTS_TRAINER, ev.TrainerFacts(step=1)),
+        ("scheduler", subjects.FACTS_SCHEDULER, ev.SchedulerFacts(published=1)),
+        ("planner", subjects.FACTS_PLANNER, ev.PlannerFacts(plans_total=1)),
     ]
     for identity, suffix, msg in owned:
         await buses[identity].publish(suffix, msg)
