@@ -277,7 +277,10 @@ async def test_an_operator_drains_an_engine_and_brings_it_back_through_the_plann
     async def history() -> list[dict[str, Any]]:
         return [json.loads(x) for x in await store.r.lrange(key, 0, -1)]
 
-    await asyncio.sleep(0.5)
+    async with asyncio.timeout(5):
+        while len(kept := await history()) < 5:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # the one under a stale token has had its chance
     kept = await history()
     assert [(h.get("from"), h.get("to"), h.get("state")) for h in kept] == [
         ("rollout", "draining", None),
@@ -341,7 +344,12 @@ async def test_the_planner_moves_an_engine_into_training_when_rollout_idles_and_
         await watcher.publish(subjects.WORKLOAD_STATS, busy)
         await _until("release", lambda: _roles(plans[-1]).get(moved) == "rollout")
         assert plans[-1].reason == f"hybrid_release:{moved}:hybrid->rollout"
-        kept = [json.loads(x) for x in await store.r.lrange(role_changes_key(run_id), 0, -1)]
+        async with asyncio.timeout(5):  # the plan goes out first, its history line right after
+            while (
+                len(kept := [json.loads(x) for x in await store.r.lrange(role_changes_key(run_id), 0, -1)])
+                < 5
+            ):
+                await asyncio.sleep(0.05)
         assert [(h.get("to"), h.get("state")) for h in kept] == [
             ("hybrid", None),
             (None, "drained"),
