@@ -3,15 +3,18 @@ server per test session, on free loopback ports."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from services.common import streams  # noqa: E402
 from services.common.localstack import Server, start_nats, start_redis  # noqa: E402
 from services.common.runconfig import ModelConfig  # noqa: E402
 
@@ -33,9 +36,21 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture
-def run_id() -> str:
-    """A fresh run scope per test, so subjects, streams and keys never collide."""
-    return "t" + uuid.uuid4().hex[:10]
+def run_id(request: pytest.FixtureRequest) -> str:
+    """A fresh run scope per test, so subjects, streams and keys never collide. On the session's
+    NATS its streams and consumers are provisioned first, as `libra run` does before a job."""
+    rid = "t" + uuid.uuid4().hex[:10]
+    if "nats_server" in request.fixturenames:
+        asyncio.run(_provision(request.getfixturevalue("nats_server").url, rid))
+    return rid
+
+
+async def _provision(url: str, run_id: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        await streams.provision(nc.jetstream(), run_id)
+    finally:
+        await nc.close()
 
 
 @pytest.fixture(scope="session")

@@ -76,9 +76,7 @@ class JobFacts:
 
     async def last_plan(self) -> ev.Plan | None:
         with contextlib.suppress(Exception):
-            return await self.bus.last_message(
-                subjects.PLAN, subjects.stream_name(self.run_id, "PLAN"), ev.Plan
-            )
+            return await self.bus.last_message(subjects.PLAN, "PLAN", ev.Plan)
         return None
 
     async def serving_engines(self) -> set[str] | None:

@@ -14,13 +14,14 @@ config's `job.stall_timeout_s`, or the overall `--timeout` passed), with what wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from services.common import control
+from services.common import control, streams
 from services.common.bus import Bus, close_nats
 from services.common.contracts import ev
 from services.common.runconfig import DatasetFile, ModelConfig, RunConfig
@@ -189,6 +190,9 @@ class JobDriver:
                 )
             report["services_not_stopped"] = sorted(set(alive) - set(stopped))
             report["services_dead"] = dead
+            if status == "completed" and not self.cfg.job.keep_streams:
+                with contextlib.suppress(Exception):  # a NATS blip keeps them: nothing is lost
+                    report["streams_deleted"] = await streams.delete(self.bus.js, self.run_id)
             await asyncio.to_thread(self.loggers.close, status)
             await self.bus.close()
             await close_nats(self.nc)
@@ -267,6 +271,7 @@ class JobDriver:
             targets=sorted(self.targets),
             trace_dir=str((self.out_dir / "traces").resolve()) if self.out_dir else "",
         )
+        await streams.provision(self.bus.js, self.run_id)  # only this identity may create them
         acks = await control.command(self.nc, control.JOB_START, spec, sorted(self.targets), timeout_s=30)
         refused = [a for a in acks.values() if not a.ok]
         if refused:

@@ -19,14 +19,14 @@ from google.protobuf.message import DecodeError, Message
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StreamConfig
 from opentelemetry import context as otel_context
 
 from services.common import subjects
 from services.common.contracts import ev
-from services.common.credentials import NatsAuth
+from services.common.credentials import NatsAuth, inbox_prefix
 from services.common.errors import CredentialsRefused, LibraError, MalformedMessage
 from services.common.logging import get_logger
+from services.common.streams import ConsumerSpec
 from services.common.tasks import cancel_and_wait, retry_pause
 from services.common.tracing import extract_context, inject_headers
 
@@ -51,7 +51,8 @@ async def connect_nats(
     url: str, name: str, auth: NatsAuth | None = None, tls: ssl.SSLContext | None = None
 ) -> NATS:
     """Connects for good: waits for a NATS that is not up yet and reconnects forever (a restarting
-    NATS comes back), with the stack's user and password when it has credentials. Credentials the
+    NATS comes back), with the stack's user and password when it has credentials (and then replies
+    come to that user's own inbox prefix, which no other identity may read). Credentials the
     server refuses are a configuration error at once, not a silent retry loop."""
     log = get_logger(component="bus")
     refused = asyncio.Event()
@@ -61,7 +62,11 @@ async def connect_nats(
         if "authorization violation" in str(e).lower() or isinstance(e, ssl.SSLCertVerificationError):
             refused.set()
 
-    creds: dict[str, Any] = {"user": auth.user, "password": auth.password} if auth else {}
+    creds: dict[str, Any] = (
+        {"user": auth.user, "password": auth.password, "inbox_prefix": inbox_prefix(auth.user)}
+        if auth
+        else {}
+    )
     if tls is not None:
         creds["tls"] = tls
     connecting = asyncio.ensure_future(
@@ -193,20 +198,25 @@ class Bus:
 
     # --- JetStream -------------------------------------------------------------------------
 
-    async def ensure_stream(self, what: str, suffixes: list[str], *, max_msgs_per_subject: int = -1) -> str:
+    async def bind_stream(self, what: str) -> str:
+        """The run's stream `what` (services/common/streams.py), once it exists: only the control
+        identity creates streams, so a service started before `libra run` provisioned them waits."""
         name = subjects.stream_name(self.run_id, what)
-        cfg = StreamConfig(
-            name=name,
-            subjects=[self.subject(s) for s in suffixes],
-            retention=RetentionPolicy.LIMITS,
-            max_msgs_per_subject=max_msgs_per_subject,
-            duplicate_window=600.0,
-        )
-        try:
-            await self.js.add_stream(cfg)
-        except nats.js.errors.BadRequestError:
-            await self.js.update_stream(cfg)
-        return name
+        attempt = 0
+        while True:
+            try:
+                await self.js.stream_info(name)
+                return name
+            except Exception as err:  # not there yet, or NATS away
+                attempt += 1
+                if attempt % 10 == 1:
+                    self.log.warning(
+                        "waiting_for_stream",
+                        stream=name,
+                        error=f"{type(err).__name__}: {err}",
+                        hint="`libra run` (the control identity) creates a run's streams",
+                    )
+                await retry_pause(attempt)
 
     async def publish_durable(
         self, suffix: str, msg: Message, *, msg_id: str, ctx: otel_context.Context | None = None
@@ -233,17 +243,24 @@ class Bus:
                 )
                 await retry_pause(attempt)
 
-    async def pull_consumer(
-        self, suffix: str, durable: str, stream: str, *, ack_wait_s: float = 300.0
-    ) -> Any:
-        cfg = ConsumerConfig(
-            durable_name=durable,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=ack_wait_s,
-            max_ack_pending=10_000,
-        )
-        return await self.js.pull_subscribe(self.subject(suffix), durable=durable, stream=stream, config=cfg)
+    async def bind_consumer(self, spec: ConsumerSpec) -> tuple[Any, float]:
+        """Pulls from the run's durable consumer `spec` once the control identity created it;
+        returns the subscription and the consumer's ack wait (seconds)."""
+        stream = await self.bind_stream(spec.stream)
+        attempt = 0
+        while True:
+            try:
+                info = await self.js.consumer_info(stream, spec.durable)
+                break
+            except Exception as err:
+                attempt += 1
+                if attempt % 10 == 1:
+                    self.log.warning(
+                        "waiting_for_consumer", stream=stream, consumer=spec.durable, error=str(err)
+                    )
+                await retry_pause(attempt)
+        psub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=stream)
+        return psub, float(info.config.ack_wait or spec.ack_wait_s)
 
     async def fetch(self, psub: Any, msg_type: type[M], batch: int, timeout: float) -> list[tuple[M, Msg]]:
         """Fetches up to `batch` messages; malformed ones are reported and terminated (never redelivered)."""
@@ -260,9 +277,12 @@ class Bus:
                 await raw.term()
         return out
 
-    async def last_message(self, suffix: str, stream: str, msg_type: type[M]) -> M | None:
+    async def last_message(self, suffix: str, what: str, msg_type: type[M]) -> M | None:
+        """The last message on `suffix` in the run's last-value stream `what` (a direct get by
+        subject: NATS users may be granted exactly the subjects they read)."""
+        stream = subjects.stream_name(self.run_id, what)
         try:
-            raw = await self.js.get_last_msg(stream, self.subject(suffix))
+            raw = await self.js.get_last_msg(stream, self.subject(suffix), direct=True)
         except nats.js.errors.NotFoundError:
             return None
         try:

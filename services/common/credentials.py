@@ -4,9 +4,12 @@
 `libra run`), holding only that identity's secrets as files named after the settings they fill
 (`libra_nats_password`, ...), so `LIBRA_SECRETS_DIR=<dir>/<identity>` is all a process needs — the
 same layout a Kubernetes Secret or a compose secret mounts. Beside them, `nats/nats.conf` holds the
-NATS users with per-identity publish permissions (only the planner publishes plans, only the
-scheduler completed trajectories, only the trainer weight updates and train metrics) and
-`redis/redis.conf` the Redis password. Nothing here ever prints a secret.
+NATS users, each allowed only what its role needs (docs/security.md has the table): the subjects it
+owns to publish (only the planner plans, only the scheduler completed trajectories, only the
+trainer weight updates), the events it consumes to subscribe, its own durable consumer to pull, the
+last-value subjects it reads, its own reply inbox, and replies only to requests it received; the
+JetStream API that makes streams and consumers only for the operator's `cli`. `redis/redis.conf`
+holds the Redis password. Nothing here ever prints a secret.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common import subjects
+from services.common.streams import SCHEDULER_FEED, TRAINER_FEED
 
 SERVICES = ("planner", "scheduler", "rollout-engine", "trainer", "tool-sandbox")
 IDENTITIES = (*SERVICES, "cli")
@@ -25,57 +29,129 @@ NATS_MAX_PAYLOAD = 8 << 20
 """Largest NATS message the stack accepts (a 64k-token trajectory with logprobs is about 0.6 MB)."""
 
 _RUN = "libra.v1.*"
+_CTL = "libra.ctl.v1"
+_JS = "$JS.API"
 _COMMON = ("worker.hello", "errors")
-_PUBLISHES: dict[str, tuple[str, ...]] = {
-    "planner": (subjects.PLAN, subjects.ROLE_CHANGE, subjects.FACTS_PLANNER),
-    "scheduler": (
-        f"{subjects.TURN_REQUEST}.*",
-        subjects.TOOL_CALL,
-        subjects.TRAJ_COMPLETED,
-        subjects.WORKLOAD_STATS,
-        subjects.FACTS_SCHEDULER,
+
+
+@dataclass(frozen=True)
+class Grants:
+    """What one identity may do on NATS; run-scoped subjects are suffixes of `libra.v1.<run>.`."""
+
+    publishes: tuple[str, ...] = ()
+    subscribes: tuple[str, ...] = ()
+    pulls: tuple[str, ...] = ()
+    """Durable consumers (services/common/streams.py) it may fetch from and acknowledge."""
+    reads: tuple[str, ...] = (subjects.PLAN,)
+    """Last-value subjects it may read from their streams (a direct get by subject)."""
+
+
+_GRANTS: dict[str, Grants] = {
+    "planner": Grants(
+        publishes=(subjects.PLAN, subjects.ROLE_CHANGE, subjects.FACTS_PLANNER),
+        subscribes=(
+            subjects.WORKER_HELLO,
+            subjects.WORKLOAD_STATS,
+            subjects.TRAIN_METRICS,
+            subjects.ROLE_REQUEST,
+            subjects.HYBRID_STATE,
+        ),
     ),
-    "rollout-engine": (subjects.TURN_RESULT, subjects.ENGINE_LOAD, subjects.HYBRID_STATE),
-    "tool-sandbox": (subjects.TOOL_RETURN,),
-    "trainer": (
-        subjects.WEIGHTS_UPDATED,
-        subjects.TRAIN_METRICS,
-        subjects.GROUP_OUTCOME,
-        subjects.HYBRID_STATE,
-        subjects.HYBRID_GROUP,
-        subjects.FACTS_TRAINER,
+    "scheduler": Grants(
+        publishes=(
+            f"{subjects.TURN_REQUEST}.*",
+            subjects.TOOL_CALL,
+            subjects.TRAJ_COMPLETED,
+            subjects.WORKLOAD_STATS,
+            subjects.FACTS_SCHEDULER,
+        ),
+        subscribes=(
+            subjects.PLAN,
+            subjects.TURN_RESULT,
+            subjects.TOOL_RETURN,
+            subjects.ENGINE_LOAD,
+            subjects.WEIGHTS_UPDATED,
+            subjects.SCHEDULER_STATS,
+        ),
+        pulls=(SCHEDULER_FEED.durable,),
+        reads=(subjects.PLAN, subjects.FACTS_TRAINER),
     ),
-    "cli": (subjects.SCHEDULER_STATS, subjects.ROLE_REQUEST),
+    "rollout-engine": Grants(
+        publishes=(subjects.TURN_RESULT, subjects.ENGINE_LOAD, subjects.HYBRID_STATE),
+        subscribes=(subjects.PLAN, f"{subjects.TURN_REQUEST}.*", subjects.HYBRID_GROUP),
+    ),
+    "tool-sandbox": Grants(publishes=(subjects.TOOL_RETURN,), subscribes=(subjects.PLAN, subjects.TOOL_CALL)),
+    "trainer": Grants(
+        publishes=(
+            subjects.WEIGHTS_UPDATED,
+            subjects.TRAIN_METRICS,
+            subjects.GROUP_OUTCOME,
+            subjects.HYBRID_STATE,
+            subjects.HYBRID_GROUP,
+            subjects.FACTS_TRAINER,
+        ),
+        subscribes=(subjects.PLAN, subjects.HYBRID_STATE),
+        pulls=(TRAINER_FEED.durable,),
+    ),
+    "cli": Grants(
+        publishes=(subjects.SCHEDULER_STATS, subjects.ROLE_REQUEST),
+        subscribes=(">",),  # the operator watches its jobs
+        reads=(">",),
+    ),
 }
-_JS_DESTRUCTIVE = (
-    "$JS.API.STREAM.DELETE.>",
-    "$JS.API.STREAM.PURGE.>",
-    "$JS.API.STREAM.MSG.DELETE.>",
-    "$JS.API.CONSUMER.DELETE.>",
+_CLI_JS = (  # the control identity: a run's streams and consumers, made, read and deleted
+    f"{_JS}.INFO",
+    f"{_JS}.STREAM.CREATE.*",
+    f"{_JS}.STREAM.UPDATE.*",
+    f"{_JS}.STREAM.INFO.*",
+    f"{_JS}.STREAM.DELETE.*",
+    f"{_JS}.CONSUMER.CREATE.*.>",
+    f"{_JS}.CONSUMER.INFO.*.*",
 )
 
 
+def inbox_prefix(identity: str) -> str:
+    """Where `identity`'s replies come (JetStream's included): only it may subscribe there."""
+    return f"_INBOX_{identity}"
+
+
 def publish_allowed(identity: str) -> list[str]:
-    """The subjects `identity` may publish to. Replies go to `_INBOX.>` (nats-server's
-    `allow_responses` breaks when one connection has two subscriptions matching a request)."""
-    run_scoped = [*_PUBLISHES[identity]]
+    """The subjects `identity` may publish to. Replies to requests it received are allowed by
+    `allow_responses` (nats_config), to those requests' reply subjects only; no other inbox."""
+    g = _GRANTS[identity]
+    run_scoped = [*g.publishes]
     if identity != "cli":
         run_scoped += [*_COMMON, f"{subjects.METRICS}.{identity}"]
     out = [f"{_RUN}.{s}" for s in run_scoped]
-    out += ["$JS.API.>", "$JS.ACK.>", "_INBOX.>"]
+    for durable in g.pulls:
+        out += [
+            f"{_JS}.CONSUMER.INFO.*.{durable}",
+            f"{_JS}.CONSUMER.MSG.NEXT.*.{durable}",
+            f"$JS.ACK.*.{durable}.>",
+        ]
+    out += [f"{_JS}.DIRECT.GET.*.libra.v1.*.{s}" if s != ">" else f"{_JS}.DIRECT.GET.*.>" for s in g.reads]
+    # a service waits for the streams it uses (their configuration and counts, never their messages)
+    out += [*_CLI_JS] if identity == "cli" else [f"{_JS}.STREAM.INFO.*"]
     # the control plane: the operator starts, stops and polls jobs; services report heartbeats
-    ctl = "libra.ctl.v1"
     out += (
-        [f"{ctl}.job.start", f"{ctl}.job.stop", f"{ctl}.status"]
+        [f"{_CTL}.job.start", f"{_CTL}.job.stop", f"{_CTL}.status"]
         if identity == "cli"
-        else [f"{ctl}.heartbeat"]
+        else [f"{_CTL}.heartbeat"]
     )
     return out
 
 
-def publish_denied(identity: str) -> list[str]:
-    """Engines and sandboxes run model output and tool code next door: they cannot delete history."""
-    return list(_JS_DESTRUCTIVE) if identity in ("rollout-engine", "tool-sandbox") else []
+def subscribe_allowed(identity: str) -> list[str]:
+    """The subjects `identity` may subscribe to: the events its role consumes, its own inbox, and
+    the control plane's (services: job start, stop and status; the operator: heartbeats)."""
+    g = _GRANTS[identity]
+    if identity == "cli":
+        ctl = [f"{_CTL}.heartbeat"]
+        run = ["libra.v1.>"]
+    else:
+        ctl = [f"{_CTL}.job.start", f"{_CTL}.job.stop", f"{_CTL}.status"]
+        run = [f"{_RUN}.{s}" for s in g.subscribes]
+    return [*run, *ctl, f"{inbox_prefix(identity)}.>"]
 
 
 @dataclass(frozen=True)
@@ -122,13 +198,17 @@ def _write_secret(path: Path, value: str) -> None:
 
 
 def nats_config(passwords: dict[str, str]) -> str:
-    """nats-server configuration: one user per identity with its publish permissions."""
+    """nats-server configuration: one user per identity with its publish and subscribe permissions."""
     users = []
     for identity, password in passwords.items():
-        publish: dict[str, list[str]] = {"allow": publish_allowed(identity)}
-        if publish_denied(identity):
-            publish["deny"] = publish_denied(identity)
-        perms = {"publish": publish, "subscribe": {"allow": [">"]}}
+        perms = {
+            "publish": {"allow": publish_allowed(identity)},
+            "subscribe": {"allow": subscribe_allowed(identity)},
+            # a reply to a request this user received, once, within a minute; never another inbox.
+            # (nats-server refuses such a reply when one connection holds two subscriptions that
+            # match the request: every responder here subscribes to a request subject once.)
+            "allow_responses": {"max": 1, "expires": "1m"},
+        }
         users.append({"user": identity, "password": password, "permissions": perms})
     # JSON is valid nats-server configuration syntax
     body = json.dumps({"users": users}, indent=2)

@@ -26,11 +26,6 @@ STREAM = "FACTS"
 SUBJECTS = [subjects.FACTS_TRAINER, subjects.FACTS_SCHEDULER, subjects.FACTS_PLANNER]
 
 
-async def ensure_facts_stream(bus: Bus) -> str:
-    """The run's FACTS stream (the same configuration from every owner and reader)."""
-    return await bus.ensure_stream(STREAM, SUBJECTS, max_msgs_per_subject=1)
-
-
 class FactsOut:
     """One service's facts on their way out: `update` sets the newest; a background task publishes
     it until JetStream has it (newer facts replace one still waiting, and a NATS outage only delays
@@ -45,7 +40,7 @@ class FactsOut:
         self._wake = asyncio.Event()
 
     async def start(self) -> None:
-        await ensure_facts_stream(self.bus)
+        await self.bus.bind_stream(STREAM)
         self.bus.spawn(self._run())
 
     def update(self, msg: Message) -> None:
@@ -75,4 +70,4 @@ class FactsOut:
 
 async def read_facts(bus: Bus, suffix: str, msg_type: type[M]) -> M | None:
     """The last facts published on `suffix` (None when there are none yet)."""
-    return await bus.last_message(suffix, subjects.stream_name(bus.run_id, STREAM), msg_type)
+    return await bus.last_message(suffix, STREAM, msg_type)

@@ -68,9 +68,9 @@ class Membership:
         return self.assignment is not None and time.monotonic() < self._valid_until
 
     async def start(self) -> None:
-        self.plan_stream = await self.bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
+        await self.bus.bind_stream("PLAN")
         await self.bus.subscribe(subjects.PLAN, ev.Plan, self._on_plan_msg)
-        last = await self.bus.last_message(subjects.PLAN, self.plan_stream, ev.Plan)
+        last = await self.bus.last_message(subjects.PLAN, "PLAN", ev.Plan)
         if last is not None:
             await self._apply(last)
         self.bus.spawn(self._hello_loop())

@@ -353,6 +353,10 @@ class JobConfig(_Strict):
     failed for this long stops acting (an engine refuses turns, the trainer starts no step) and the
     planner takes it out of the plan until it renews under a new token; a hung engine's turns move
     to other engines after about this long."""
+    keep_streams: bool = False
+    """A completed job's JetStream streams (its trajectories, group outcomes, plans and facts) are
+    deleted once its report is built; true keeps them for inspection. A job that did not complete
+    always keeps them, so the same run id resumes where it stopped."""
 
 
 class HybridPoolConfig(_Strict):

@@ -73,9 +73,9 @@ class PlannerService:
         self.log = get_logger(component="planner")
 
     async def start(self) -> None:
-        self.stream = await self.bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
+        await self.bus.bind_stream("PLAN")
         await self.history.start()
-        last = await self.bus.last_message(subjects.PLAN, self.stream, ev.Plan)
+        last = await self.bus.last_message(subjects.PLAN, "PLAN", ev.Plan)
         if last is not None:  # a restarted planner continues the plan, and its version numbers
             self.version = last.plan_version
             for a in last.assignments:

@@ -21,6 +21,7 @@ from services.common.membership import SERVING_ROLES, Membership
 from services.common.metrics import scheduler_metrics
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
+from services.common.streams import SCHEDULER_FEED
 from services.scheduler.agent import STOP_STRINGS
 from services.scheduler.completion import Completion
 from services.scheduler.config import SchedulerSettings
@@ -114,11 +115,8 @@ class SchedulerService:
         await self.driver.fail(live, code, message)
 
     async def start(self) -> None:
-        self.traj_stream = await self.bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
-        groups = await self.bus.ensure_stream("GROUPS", [subjects.GROUP_OUTCOME])
-        self.outcomes = await self.bus.pull_consumer(
-            subjects.GROUP_OUTCOME, durable="scheduler-feed", stream=groups, ack_wait_s=60
-        )
+        await self.bus.bind_stream("TRAJ")  # where completed trajectories go
+        self.outcomes, _ = await self.bus.bind_consumer(SCHEDULER_FEED)
         await self.bus.subscribe(subjects.TURN_RESULT, ev.TurnResult, self.driver.on_turn_result)
         await self.bus.subscribe(subjects.TOOL_RETURN, ev.ToolReturn, self.driver.on_tool_return)
         await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_engine_load)

@@ -19,10 +19,6 @@ class TrainerSettings(BaseSettings):
     """Resume from the newest checkpoint under training.checkpoint_dir when one exists."""
     keep_checkpoints: int = Field(2, ge=2)
     """Checkpoints kept on disk; older ones are deleted after each new one is written."""
-    ack_wait_s: float = Field(60.0, gt=1.0)
-    """JetStream ack wait of the trajectory consumer: a delivery not acked by then is redelivered, so
-    a dead trainer's work comes back this fast; the live trainer marks what it holds in progress
-    every ack_wait_s / 3."""
     assignment_timeout_s: float = Field(30.0, gt=0.0)
     """How long to wait for the planner's "train" assignment before logging again and re-waiting."""
     push_retries: int = Field(3, ge=0, le=20)

@@ -19,6 +19,7 @@ from services.common.errors import InvalidMessage
 from services.common.logging import get_logger
 from services.common.ownership import OwnershipStore, trained_key
 from services.common.runconfig import RunConfig
+from services.common.streams import TRAINER_FEED
 from services.common.tracing import extract_context
 from services.learning.data import validate
 from services.trainer.batcher import GroupBuffer, Pending
@@ -48,6 +49,9 @@ class Intake:
         self.bus, self.store, self.learner = bus, store, learner
         self.log = get_logger(component="trainer")
         self.psub: Any = None
+        self.ack_wait_s = TRAINER_FEED.ack_wait_s
+        """The feed's ack wait as provisioned: a dead trainer's deliveries come back this fast;
+        the live trainer marks what it holds in progress every third of it."""
         self.buffer: GroupBuffer[Msg] = GroupBuffer(run.training.max_staleness)
         self.decided: OrderedDict[str, None] = OrderedDict()
         self.stepping: list[Pending[Msg]] = []
@@ -63,11 +67,8 @@ class Intake:
         return self.learner.state.version
 
     async def open(self) -> None:
-        await self.bus.ensure_stream("GROUPS", [subjects.GROUP_OUTCOME])
-        stream = await self.bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
-        self.psub = await self.bus.pull_consumer(
-            subjects.TRAJ_COMPLETED, durable="trainer", stream=stream, ack_wait_s=self.settings.ack_wait_s
-        )
+        await self.bus.bind_stream("GROUPS")  # where group outcomes go
+        self.psub, self.ack_wait_s = await self.bus.bind_consumer(TRAINER_FEED)
 
     async def fetch(self) -> list[tuple[ev.CompletedTrajectory, Msg]]:
         return await self.bus.fetch(
@@ -78,7 +79,7 @@ class Intake:
         """Tells JetStream that every delivery this trainer holds (buffered, or in the step being
         trained) is still being worked on, so only a dead trainer's deliveries are redelivered."""
         while True:
-            await asyncio.sleep(self.settings.ack_wait_s / 3)
+            await asyncio.sleep(self.ack_wait_s / 3)
             held = [p for g in self.buffer.groups.values() for p in g.values()] + self.stepping
             for p in held:
                 for h in p.handles:

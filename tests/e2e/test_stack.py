@@ -26,6 +26,7 @@ from services.common.contracts import ev
 from services.common.credentials import IDENTITIES
 from services.common.ownership import committed_key
 from services.common.runconfig import load_run_config
+from services.common.streams import STREAMS
 from tests.otlp_receiver import OtlpReceiver
 from tools.runner import run_job
 from tools.stack import ROOT, Stack, pid_alive
@@ -127,7 +128,7 @@ async def _garbage_and_forgeries(buses: dict[str, Bus]) -> None:
             for blob in GARBAGE:
                 await bus.nc.publish(bus.subject(suffix), blob)
     scheduler = buses["scheduler"]
-    await scheduler.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
+    await scheduler.bind_stream("TRAJ")
     for i, blob in enumerate(GARBAGE):
         await scheduler.js.publish(
             scheduler.subject(subjects.TRAJ_COMPLETED), blob, headers={"Nats-Msg-Id": f"junk-{i}"}
@@ -175,6 +176,8 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
         assert report["all_engines_on_final_version"], report["engines"]
         assert report["services_not_stopped"] == []
         assert Path(report["report_path"]).exists()
+        # a completed job's streams are gone once its report is built (job.keep_streams: false)
+        assert report["streams_deleted"] == [subjects.stream_name(report["run_id"], s.what) for s in STREAMS]
         # what each step trained on, as the trainer counted it; a step without it is said so
         informative = report["groups_informative_per_step"]
         assert len(informative) == cfg.training.steps
@@ -403,7 +406,7 @@ def test_an_engine_moved_into_training_computes_gradients_and_comes_back_to_roll
     replicas: list[int] = []
 
     async def move(buses: dict[str, Bus]) -> None:
-        cli, watch = buses["cli"], buses["scheduler"]
+        cli = watch = buses["cli"]  # the operator may watch every run subject; a service only its own
 
         async def on_state(m: ev.HybridState, _: Envelope) -> None:
             states.append(m)
@@ -782,7 +785,7 @@ def test_an_engine_killed_while_joining_training_costs_one_attempt_and_the_job_g
                     killed.append(g.generation)
                     announced.set()
 
-            await buses["scheduler"].subscribe(subjects.HYBRID_GROUP, ev.HybridGroup, on_group)
+            await buses["cli"].subscribe(subjects.HYBRID_GROUP, ev.HybridGroup, on_group)
             await _until_completed(buses["cli"])
             req = ev.RoleChange(worker_id="rollout-engine-0", to_role="hybrid")
             await buses["cli"].request(subjects.ROLE_REQUEST, req, ev.RoleChange, 10)

@@ -6,22 +6,25 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 import grpc
 import pytest
 import redis.asyncio as aioredis
+from nats.js.api import ConsumerConfig, RePublish, StreamConfig
 
-from services.common import subjects
+from services.common import streams, subjects
 from services.common.bus import Bus, connect_nats
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev, ws, ws_grpc
-from services.common.credentials import IDENTITIES, NatsAuth, StackCredentials, generate
+from services.common.credentials import IDENTITIES, NatsAuth, StackCredentials, generate, inbox_prefix
 from services.common.errors import CredentialsRefused
+from services.common.facts import read_facts
 from services.common.localstack import Server, start_nats, start_redis
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
+from services.common.streams import SCHEDULER_FEED, TRAINER_FEED
 from services.trainer.weight_push import WeightPusher
 from tests.weight_rig import nudged_weights, weight_sync_rig
 
@@ -139,23 +142,155 @@ async def test_each_identity_publishes_only_what_it_owns(
         await bus.nc.close()
 
 
-async def test_engines_cannot_erase_history(
-    secure_nats: Server, creds: StackCredentials, run_id: str
-) -> None:
-    planner = await Bus.connect(secure_nats.url, run_id, "planner", "p", creds.nats_auth("planner"))
-    engine = await Bus.connect(
-        secure_nats.url, run_id, "rollout-engine", "e", creds.nats_auth("rollout-engine")
+SERVICE_IDS = [i for i in IDENTITIES if i != "cli"]
+
+
+async def _refused(aw: Awaitable[Any]) -> bool:
+    """True when the server did not carry the request out (it answers a denied one with silence)."""
+    try:
+        await aw
+    except Exception:
+        return True
+    return False
+
+
+@pytest.fixture
+async def provisioned(secure_nats: Server, creds: StackCredentials, run_id: str) -> AsyncIterator[Bus]:
+    """The run's streams and consumers made by the control identity, one trajectory waiting in the
+    trainer's feed and the trainer's facts published, as in a running job."""
+    cli = await Bus.connect(secure_nats.url, run_id, "cli", "cli", creds.nats_auth("cli"))
+    await streams.provision(cli.js, run_id)
+    scheduler = await Bus.connect(secure_nats.url, run_id, "scheduler", "s", creds.nats_auth("scheduler"))
+    trainer = await Bus.connect(secure_nats.url, run_id, "trainer", "t", creds.nats_auth("trainer"))
+    await scheduler.publish_durable(
+        subjects.TRAJ_COMPLETED, ev.CompletedTrajectory(trajectory_id="t0"), msg_id="t0"
     )
-    stream = await planner.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
-    await planner.publish_durable(subjects.PLAN, ev.Plan(plan_version=3), msg_id="p3")
-    assert await engine.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1) == stream
-    with pytest.raises(Exception):  # noqa: B017 - the server answers a denied request with silence
-        await engine.js.purge_stream(stream, timeout=1)
-    last = await engine.last_message(subjects.PLAN, stream, ev.Plan)
-    assert last is not None and last.plan_version == 3
-    for bus in (planner, engine):
+    await trainer.js.publish(
+        trainer.subject(subjects.FACTS_TRAINER), ev.TrainerFacts(step=3).SerializeToString()
+    )
+    for b in (scheduler, trainer):
+        await b.close()
+    yield cli
+    await cli.close()
+
+
+@pytest.mark.parametrize("identity", SERVICE_IDS)
+async def test_a_service_cannot_touch_what_it_does_not_own(
+    provisioned: Bus, secure_nats: Server, creds: StackCredentials, run_id: str, identity: str
+) -> None:
+    """Holding one service's credentials: no stream or consumer made, changed or erased, no other
+    consumer's deliveries taken, no wildcard or foreign subscription, no reply into another
+    identity's inbox, no message read outside its list (docs/security.md)."""
+    cli = provisioned
+    bus = await Bus.connect(secure_nats.url, run_id, identity, "probe", creds.nats_auth(identity))
+    errors: list[str] = []
+    bus.nc._error_cb = _collect(errors)
+    traj = subjects.stream_name(run_id, "TRAJ")
+    before = (await cli.js.stream_info(traj)).config
+    js = bus.nc.jetstream(timeout=1.0)
+    forged = StreamConfig(
+        name=f"EVIL_{identity.replace('-', '_').upper()}",
+        subjects=["evil.>"],
+        republish=RePublish(src="evil.>", dest=bus.subject(subjects.TRAJ_COMPLETED)),
+    )
+    attempts = {
+        "stream create with republish": js.add_stream(forged),
+        "stream update": js.update_stream(
+            StreamConfig(name=traj, subjects=before.subjects, max_msgs_per_subject=1)
+        ),
+        "stream delete": js.delete_stream(traj),
+        "stream purge": js.purge_stream(traj),
+        "consumer create": js.add_consumer(traj, ConsumerConfig(durable_name="thief")),
+        "consumer delete": js.delete_consumer(traj, "trainer"),
+        "message get": js.get_msg(traj, seq=1),
+        "direct get of trajectories": js.get_last_msg(
+            traj, bus.subject(subjects.TRAJ_COMPLETED), direct=True
+        ),
+    }
+    if identity != "trainer":
+        attempts["pull from the trainer's feed"] = _pull(bus, TRAINER_FEED)
+    if identity != "scheduler":
+        attempts["pull from the scheduler's feed"] = _pull(bus, SCHEDULER_FEED)
+        facts = subjects.stream_name(run_id, "FACTS")
+        attempts["read the trainer's facts"] = js.get_last_msg(
+            facts, bus.subject(subjects.FACTS_TRAINER), direct=True
+        )
+    results = dict(
+        zip(attempts, await asyncio.gather(*(_refused(a) for a in attempts.values())), strict=True)
+    )
+    assert all(results.values()), {k: v for k, v in results.items() if not v}
+
+    got: list[str] = []
+    for subject in (">", "libra.v1.>", f"{inbox_prefix('cli')}.>", bus.subject(subjects.SCHEDULER_STATS)):
+        if identity == "scheduler" and subject.endswith(subjects.SCHEDULER_STATS):
+            continue  # the scheduler answers these
+        await bus.nc.subscribe(subject, cb=_append(got))
+    await bus.nc.flush()
+    await cli.publish(subjects.SCHEDULER_STATS, ev.StatsRequest())
+    await cli.nc.publish(f"{inbox_prefix('cli')}.probe", b"x")
+    forged_replies: list[str] = []  # a reply raced into the operator's inbox does not arrive
+    await cli.nc.subscribe(f"{inbox_prefix('cli')}.forged", cb=_append(forged_replies))
+    await cli.nc.flush()
+    await bus.nc.publish(f"{inbox_prefix('cli')}.forged", b"424242")
+    await asyncio.sleep(0.5)
+    assert got == [] and forged_replies == [], (got, forged_replies)
+    assert sum("permissions violation" in e for e in errors) >= len(attempts) + 1, errors
+
+    # nothing changed: the stream as provisioned, the forged one absent, the feed's delivery waiting
+    assert (await cli.js.stream_info(traj)).config.max_msgs_per_subject == before.max_msgs_per_subject
+    assert await _refused(cli.js.stream_info(forged.name or ""))
+    info = await cli.js.consumer_info(traj, "trainer")
+    assert (info.num_pending, info.num_ack_pending) == (1, 0)
+    await bus.close()
+
+
+async def test_each_service_does_what_its_role_needs(
+    provisioned: Bus, secure_nats: Server, creds: StackCredentials, run_id: str
+) -> None:
+    """The other side of the fence: each service binds the run's streams, the trainer pulls and
+    acks its feed, the scheduler reads the trainer's facts and answers the operator's request."""
+    cli = provisioned
+    trainer = await Bus.connect(secure_nats.url, run_id, "trainer", "t", creds.nats_auth("trainer"))
+    psub, ack_wait = await trainer.bind_consumer(TRAINER_FEED)
+    assert ack_wait == TRAINER_FEED.ack_wait_s
+    ((got, raw),) = await trainer.fetch(psub, ev.CompletedTrajectory, 4, 5)
+    assert got.trajectory_id == "t0"
+    await raw.in_progress()
+    await raw.ack()
+    scheduler = await Bus.connect(secure_nats.url, run_id, "scheduler", "s", creds.nats_auth("scheduler"))
+    facts = await read_facts(scheduler, subjects.FACTS_TRAINER, ev.TrainerFacts)
+    assert facts is not None and facts.step == 3
+
+    async def stats(_: ev.StatsRequest, __: Any) -> ev.SchedulerStats:
+        return ev.SchedulerStats(trajectories_completed=7)
+
+    await scheduler.subscribe(subjects.SCHEDULER_STATS, ev.StatsRequest, stats)
+    answer = await cli.request(subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats)
+    assert answer.trajectories_completed == 7
+    for identity in SERVICE_IDS:
+        bus = await Bus.connect(secure_nats.url, run_id, identity, "b", creds.nats_auth(identity))
+        assert await bus.bind_stream("PLAN") == subjects.stream_name(run_id, "PLAN")
+        assert await bus.last_message(subjects.PLAN, "PLAN", ev.Plan) is None
         await bus.close()
-        await bus.nc.close()
+    info = await cli.js.consumer_info(subjects.stream_name(run_id, "TRAJ"), "trainer")
+    assert (info.num_pending, info.num_ack_pending) == (0, 0)
+    for b in (trainer, scheduler):
+        await b.close()
+
+
+def _append(into: list[Any]) -> Any:
+    async def cb(msg: Any) -> None:
+        into.append(msg.subject)
+
+    return cb
+
+
+async def _pull(bus: Bus, spec: streams.ConsumerSpec) -> None:
+    stream = subjects.stream_name(bus.run_id, spec.stream)
+    psub = await bus.nc.jetstream(timeout=1.0).pull_subscribe_bind(durable=spec.durable, stream=stream)
+    msgs = await psub.fetch(1, timeout=1)
+    for m in msgs:
+        await m.ack()
 
 
 async def test_redis_wants_the_password(secure_redis: Server, creds: StackCredentials, run_id: str) -> None:

@@ -14,6 +14,7 @@ from services.common import subjects
 from services.common.bus import Bus
 from services.common.contracts import ev
 from services.common.localstack import Server
+from services.common.streams import TRAINER_FEED
 
 pytestmark = pytest.mark.integration
 
@@ -25,8 +26,7 @@ async def test_close_with_unfetched_pull_messages(nats_server: Server, run_id: s
     loop.set_exception_handler(lambda _, ctx: reported.append(ctx))
     try:
         bus = await Bus.connect(nats_server.url, run_id, "trainer", "t0")
-        stream = await bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
-        psub = await bus.pull_consumer(subjects.TRAJ_COMPLETED, "trainer", stream)
+        psub, _ = await bus.bind_consumer(TRAINER_FEED)
         for i in range(3):
             await bus.publish_durable(subjects.TRAJ_COMPLETED, ev.CompletedTrajectory(), msg_id=f"m{i}")
         got = await bus.fetch(psub, ev.CompletedTrajectory, 1, 2.0)  # one fetched, two left on the wire

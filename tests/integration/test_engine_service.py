@@ -69,7 +69,6 @@ class Harness:
         hello = await asyncio.wait_for(self.hello, 90)
         lease = await store.acquire(lease_resource("rollout", self.worker), self.worker, 10)
         assert lease is not None
-        await self.bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
         a = ev.Assignment(worker_id=self.worker, role="rollout", bucket="short", fencing_token=lease.token)
         plan = ev.Plan(plan_version=1, assignments=[a])
         await self.bus.publish_durable(subjects.PLAN, plan, msg_id=f"{self.bus.run_id}-plan-1")
@@ -131,7 +130,6 @@ async def engine(
             assert hello.kind == "rollout-engine" and hello.weight_sync_addr.startswith("127.0.0.1:")
             lease = await store.acquire(lease_resource("rollout", WORKER), WORKER, 10)
             assert lease is not None
-            await bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
             a = ev.Assignment(worker_id=WORKER, role="rollout", bucket="short", fencing_token=lease.token)
             plan = ev.Plan(plan_version=1, assignments=[a])
             await bus.publish_durable(subjects.PLAN, plan, msg_id=f"{run_id}-plan-1")

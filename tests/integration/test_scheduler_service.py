@@ -101,8 +101,8 @@ class Harness:
         return self.result(req, CALL if req.turn_index == 0 else ANSWER)
 
     async def completed(self, bus: Bus, n: int, timeout: float = 60) -> list[ev.CompletedTrajectory]:
-        stream = await bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
-        sub = await bus.pull_consumer(subjects.TRAJ_COMPLETED, durable="test-reader", stream=stream)
+        stream = subjects.stream_name(bus.run_id, "TRAJ")  # a reader of its own (no auth here)
+        sub = await bus.js.pull_subscribe(bus.subject(subjects.TRAJ_COMPLETED), "test-reader", stream)
         out: dict[str, ev.CompletedTrajectory] = {}
         async with asyncio.timeout(timeout):
             while len(out) < n:
@@ -140,7 +140,6 @@ async def scheduler(
     bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
     harness = Harness(bus)
     await harness.start()
-    await bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
     plan = ev.Plan(
         plan_version=1,
         assignments=[ev.Assignment(worker_id=ENGINE, role="rollout", bucket="short", fencing_token=1)],
@@ -193,7 +192,6 @@ async def test_turns_tools_and_completion_reach_the_trainer_within_the_staleness
     # the trainer's part: group A trained (its outcome names one member only), group B stale
     a, b = sorted({t.group_id for t in done})
     a0, a1 = sorted(t.trajectory_id for t in done if t.group_id == a)
-    await bus.ensure_stream("GROUPS", [subjects.GROUP_OUTCOME])
 
     async def outcome(group: str, what: str, trained: list[str], msg_id: str) -> None:
         msg = ev.GroupOutcome(group_id=group, outcome=what, trained_ids=trained)

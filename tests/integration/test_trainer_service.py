@@ -207,7 +207,7 @@ async def test_trainer_trains_once_pushes_and_resumes(
     await collect("weights", ev.WeightsUpdated)
     await collect("errors", ev.ErrorEvent)
 
-    traj_stream = await bus.ensure_stream("TRAJ", [subjects.TRAJ_COMPLETED])
+    traj_stream = subjects.stream_name(run_id, "TRAJ")  # provisioned with the run (conftest.py)
 
     async def publish(t: ev.CompletedTrajectory) -> None:
         with tracer("test").start_as_current_span("trajectory"):
@@ -242,7 +242,6 @@ async def test_trainer_trains_once_pushes_and_resumes(
     # the planner's part: lease the trainer role (the trainer renews it) and publish the plan
     lease = await store.acquire(TRAINER_ROLE, TRAINER_ID, 30)
     assert lease is not None
-    await bus.ensure_stream("PLAN", [subjects.PLAN], max_msgs_per_subject=1)
     plan = ev.Plan(
         plan_version=1,
         assignments=[
