@@ -79,13 +79,6 @@ class JobFacts:
             return await self.bus.last_message(subjects.PLAN, "PLAN", ev.Plan)
         return None
 
-    async def serving_engines(self) -> set[str] | None:
-        """Engines in a serving role in the last plan; None when no plan can be read."""
-        plan = await self.last_plan()
-        if plan is None:
-            return None
-        return {a.worker_id for a in plan.assignments if a.role in SERVING_ROLES}
-
     async def buckets(self) -> list[dict[str, Any]]:
         """The rollout buckets of the job's last plan, with the engines assigned to each."""
         with contextlib.suppress(Exception):
@@ -141,20 +134,33 @@ def accounting_report(ledger: ev.SchedulerFacts) -> dict[str, Any]:
     }
 
 
-async def engine_versions(engines: list[ev.WorkerStatus], token: str | None = None) -> list[dict[str, Any]]:
-    """Asks every engine of the job, over gRPC, which weight version it serves."""
+def serving_engines(plan: ev.Plan | None) -> set[str] | None:
+    """Engines in a serving role in `plan`; None when no plan could be read."""
+    if plan is None:
+        return None
+    return {a.worker_id for a in plan.assignments if a.role in SERVING_ROLES}
+
+
+async def engine_versions(
+    engines: list[ev.WorkerStatus], plan: ev.Plan | None, token: str | None = None
+) -> list[dict[str, Any]]:
+    """Asks every engine of the job, over gRPC, which weight version it serves, at the address the
+    planner's plan has for it (never one from a heartbeat, which any service could forge: the
+    bearer token goes only where the planner registered that engine)."""
     import grpc
 
+    registered = {a.worker_id: a for a in plan.assignments} if plan is not None else {}
     out = []
     for st in engines:
-        addr = st.detail.get("weight_sync_addr", "")
+        a = registered.get(st.worker_id)
+        addr = a.weight_sync_addr if a is not None else ""
         entry: dict[str, Any] = {
             "id": st.worker_id,
             "weight_sync_addr": addr,
-            "bucket": st.detail.get("bucket"),
+            "bucket": a.bucket if a is not None else None,
         }
         if not addr:
-            entry.update(weight_version=None, error="no weight-sync address reported")
+            entry.update(weight_version=None, error="no weight-sync address in the planner's plan")
         else:
             try:
                 async with grpc.aio.insecure_channel(addr) as ch:
@@ -287,10 +293,11 @@ async def build_report(
     with contextlib.suppress(Exception):
         await watch.poll(facts.bus, facts.committed)
     trained = per_step(watch.metrics, p.committed_step)
-    engines = await engine_versions(engine_statuses, stack.grpc_token()) if targets else []
+    plan = await facts.last_plan()
+    engines = await engine_versions(engine_statuses, plan, stack.grpc_token()) if targets else []
     buckets = await facts.buckets()
     plans, changes = await facts.history()
-    serving = await facts.serving_engines()
+    serving = serving_engines(plan)
     for e in engines:
         e["serving"] = serving is None or e["id"] in serving
     stats = watch.stats or ev.SchedulerStats()

@@ -27,7 +27,7 @@ from services.common.contracts import ev
 from services.common.runconfig import DatasetFile, ModelConfig, RunConfig
 from tools.job_watch import JobObserver
 from tools.loggers import LoggerUnavailable, StepLoggers, check_loggers
-from tools.report import JobFacts, build_report, engine_versions, export_final, write_report
+from tools.report import JobFacts, build_report, engine_versions, export_final, serving_engines, write_report
 from tools.stack import Stack, read_stack_file
 
 SERVICES_NEEDED = ("planner", "scheduler", "trainer", "tool-sandbox")
@@ -386,9 +386,10 @@ class JobDriver:
     async def _engines_final(self) -> bool:
         """Every engine the last plan has serving is on the committed version (an engine the
         planner took out of rollout gets no more weights and does not hold the job up)."""
-        serving = await self.facts.serving_engines()
+        plan = await self.facts.last_plan()
+        serving = serving_engines(plan)
         engines = [st for st in self._engines() if serving is None or st.worker_id in serving]
-        versions = await engine_versions(engines, self.stack.grpc_token())
+        versions = await engine_versions(engines, plan, self.stack.grpc_token())
         return all(e.get("weight_version") == self.watch.progress.committed_version for e in versions)
 
     async def _stuck(self) -> dict[str, Any]:
@@ -420,7 +421,9 @@ class JobDriver:
         out["services"] = {
             wid: {"state": st.state, **dict(st.detail)} for wid, st in sorted(self.watch.statuses.items())
         }
-        out["engines"] = await engine_versions(self._engines(), self.stack.grpc_token())
+        out["engines"] = await engine_versions(
+            self._engines(), await self.facts.last_plan(), self.stack.grpc_token()
+        )
         return out
 
 

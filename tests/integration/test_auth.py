@@ -27,6 +27,7 @@ from services.common.runconfig import ModelConfig
 from services.common.streams import SCHEDULER_FEED, TRAINER_FEED
 from services.trainer.weight_push import WeightPusher
 from tests.weight_rig import nudged_weights, weight_sync_rig
+from tools.report import engine_versions
 
 pytestmark = pytest.mark.integration
 
@@ -358,6 +359,37 @@ async def test_a_push_larger_than_the_bound_is_refused_before_buffering(
         )
     assert (ack.accepted, ack.code) == (False, "too_large")
     assert engine.version == 0
+
+
+async def test_the_report_asks_engines_only_at_the_planners_address(
+    engine_rig: dict[str, Any], creds: StackCredentials
+) -> None:
+    """A heartbeat naming another address for an engine (any service may send heartbeats) gets
+    neither a call nor the bearer token: `libra run` asks the address the planner's plan has."""
+    calls: list[int] = []
+    trap = await asyncio.start_server(lambda _r, w: (calls.append(1), w.close()), "127.0.0.1", 0)
+    forged = f"127.0.0.1:{trap.sockets[0].getsockname()[1]}"
+    known, stranger = (
+        ev.WorkerStatus(worker_id=w, service="rollout-engine") for w in ("engine-a", "engine-x")
+    )
+    for st in (known, stranger):
+        st.detail["weight_sync_addr"] = forged
+    plan = ev.Plan(
+        assignments=[
+            ev.Assignment(
+                worker_id="engine-a", role="rollout", bucket="short", weight_sync_addr=engine_rig["addr"]
+            )
+        ]
+    )
+    out = await engine_versions([known, stranger], plan, creds.weight_sync_token())
+    trap.close()
+    assert (out[0]["weight_sync_addr"], out[0]["weight_version"], out[0]["bucket"]) == (
+        engine_rig["addr"],
+        0,
+        "short",
+    )
+    assert out[1]["weight_version"] is None and "plan" in out[1]["error"], out[1]
+    assert calls == []
 
 
 def _collect(into: list[str]) -> Any:
