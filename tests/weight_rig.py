@@ -22,7 +22,7 @@ async def weight_sync_rig(
     redis_url: str,
     run_id: str,
     *,
-    redis_password: str | None = None,
+    redis_auth: dict[str, str] | None = None,
     token: str | None = None,
     tls: TlsFiles | None = None,
     max_push_bytes: int = 1 << 30,
@@ -31,7 +31,8 @@ async def weight_sync_rig(
     await backend.start()
     engine = ContinuousEngine(backend, max_batch=2)
     engine.start()
-    store = OwnershipStore.from_url(redis_url, run_id, redis_password)
+    auth = redis_auth or {}
+    store = OwnershipStore.from_url(redis_url, run_id, auth.get("password"), username=auth.get("username"))
     servicer = WeightSyncServicer(engine, store, "engine-a", max_push_bytes=max_push_bytes)
     server, port = await start_server(servicer, "127.0.0.1", 0, token, tls)
     lease = await store.acquire(TRAINER_ROLE, "trainer-1", 30)

@@ -157,8 +157,9 @@ class Stack:
     def nats_auth(self, identity: str = "cli") -> NatsAuth | None:
         return self.credentials.nats_auth(identity) if self.credentials else None
 
-    def redis_password(self) -> str | None:
-        return self.credentials.redis_password() if self.credentials else None
+    def redis_auth(self, identity: str = "cli") -> dict[str, str]:
+        """redis-py's username and password of `identity` (empty without credentials)."""
+        return self.credentials.redis_auth(identity) if self.credentials else {}
 
     def grpc_token(self) -> str | None:
         return self.credentials.weight_sync_token() if self.credentials else None

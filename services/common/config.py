@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validat
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.credentials import NatsAuth
+from services.common.ownership import OwnershipStore
 from services.common.tls import TlsFiles
 
 S = TypeVar("S", bound=BaseSettings)
@@ -51,8 +52,11 @@ class CommonSettings(BaseSettings):
     """NATS user (the stack's credentials name one per service); unset connects without auth."""
     nats_password: SecretStr | None = None
     """NATS password of `nats_user`."""
+    redis_user: str | None = None
+    """Redis ACL user (the stack's credentials name one per service, allowed only its own keys);
+    unset authenticates as Redis's default user."""
     redis_password: SecretStr | None = None
-    """Redis password (`requirepass`); unset connects without one."""
+    """Password of `redis_user`; unset connects without one."""
     weight_sync_token: SecretStr | None = None
     """Bearer token of the WeightSync gRPC service (distinct from the trainer's fencing token);
     engines refuse calls without it when set."""
@@ -87,6 +91,12 @@ class CommonSettings(BaseSettings):
 
     def redis_secret(self) -> str | None:
         return self.redis_password.get_secret_value() if self.redis_password else None
+
+    def ownership_store(self) -> OwnershipStore:
+        """This service's Redis for the job's run, as its own ACL user (over TLS when configured)."""
+        return OwnershipStore.from_url(
+            self.redis_url, self.run_id, self.redis_secret(), self.tls(), username=self.redis_user
+        )
 
     def grpc_token(self) -> str | None:
         return self.weight_sync_token.get_secret_value() if self.weight_sync_token else None

@@ -9,7 +9,8 @@ owns to publish (only the planner plans, only the scheduler completed trajectori
 trainer weight updates), the events it consumes to subscribe, its own durable consumer to pull, the
 last-value subjects it reads, its own reply inbox, and replies only to requests it received; the
 JetStream API that makes streams and consumers only for the operator's `cli`. `redis/redis.conf`
-holds the Redis password. Nothing here ever prints a secret.
+holds a Redis ACL user per identity, allowed only its own keys (no default user). Nothing here
+ever prints a secret.
 """
 
 from __future__ import annotations
@@ -110,6 +111,34 @@ _CLI_JS = (  # the control identity: a run's streams and consumers, made, read a
 )
 
 
+_REDIS_COMMANDS = "-@all +@read +@write +@scripting +@connection +@transaction +select -@dangerous"
+_REDIS_KEYS: dict[str, tuple[str, ...]] = {
+    # `~` read and write, `%R~` read only; keys are libra:<run>:… (services/common/ownership.py)
+    "planner": ("~libra:*:lease:*", "~libra:*:fence:*", "~libra:*:plans", "~libra:*:role_changes"),
+    "trainer": (
+        "~libra:*:trainer:*",
+        "~libra:*:trained",
+        "~libra:*:lease:role:trainer",
+        "~libra:*:lease:worker:*",
+        "%R~libra:*:lease:*",
+    ),
+    "scheduler": ("~libra:*:scheduler:*", "~libra:*:lease:worker:*", "%R~libra:*:lease:*"),
+    "rollout-engine": ("~libra:*:lease:worker:*", "%R~libra:*:lease:*"),
+    "tool-sandbox": ("~libra:*:lease:worker:*", "%R~libra:*:lease:*"),
+    "cli": ("%R~libra:*",),
+}
+"""Each identity's Redis keys: the planner leases and fences workers and keeps the plan history,
+the trainer its commit record and trained set, the scheduler its ledger; a worker renews (and
+releases) worker leases and reads the others; the operator reads."""
+
+
+def redis_acl(identity: str, password: str) -> str:
+    """The Redis ACL line of `identity` (redis.conf `user` directive)."""
+    return " ".join(
+        ("user", identity, "on", f">{password}", "resetchannels", *_REDIS_KEYS[identity], _REDIS_COMMANDS)
+    )
+
+
 def inbox_prefix(identity: str) -> str:
     """Where `identity`'s replies come (JetStream's included): only it may subscribe there."""
     return f"_INBOX_{identity}"
@@ -183,8 +212,12 @@ class StackCredentials:
     def nats_auth(self, identity: str) -> NatsAuth:
         return NatsAuth(self.read(identity, "libra_nats_user"), self.read(identity, "libra_nats_password"))
 
-    def redis_password(self) -> str:
-        return self.read("cli", "libra_redis_password")
+    def redis_auth(self, identity: str = "cli") -> dict[str, str]:
+        """redis-py's `username` and `password` of `identity`'s Redis ACL user."""
+        return {
+            "username": self.read(identity, "libra_redis_user"),
+            "password": self.read(identity, "libra_redis_password"),
+        }
 
     def weight_sync_token(self) -> str:
         return self.read("cli", "libra_weight_sync_token")
@@ -222,7 +255,9 @@ def generate(root: Path, owner_uid: int | None = None) -> StackCredentials:
     directories are handed to the uid the service images run as; nats and redis stay root's."""
     creds = StackCredentials(root)
     complete = creds.nats_conf.exists() and all(
-        (creds.identity_dir(i) / "libra_nats_password").exists() for i in IDENTITIES
+        (creds.identity_dir(i) / name).exists()
+        for i in IDENTITIES
+        for name in ("libra_nats_password", "libra_redis_user")
     )
     if not complete:
         _write_all(creds)
@@ -238,18 +273,20 @@ def generate(root: Path, owner_uid: int | None = None) -> StackCredentials:
 def _write_all(creds: StackCredentials) -> None:
     creds.root.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(creds.root, 0o700)
-    redis_password = secrets.token_urlsafe(24)
     token = secrets.token_urlsafe(32)
     passwords = {i: secrets.token_urlsafe(24) for i in IDENTITIES}
+    redis_passwords = {i: secrets.token_urlsafe(24) for i in IDENTITIES}
     for identity in IDENTITIES:
         d = creds.identity_dir(identity)
         _write_secret(d / "libra_nats_user", identity)
         _write_secret(d / "libra_nats_password", passwords[identity])
-        _write_secret(d / "libra_redis_password", redis_password)
+        _write_secret(d / "libra_redis_user", identity)
+        _write_secret(d / "libra_redis_password", redis_passwords[identity])
         if identity in ("rollout-engine", "trainer", "cli"):
             _write_secret(d / "libra_weight_sync_token", token)
     _write_secret(creds.nats_conf, nats_config(passwords))
-    _write_secret(creds.redis_conf, f"requirepass {redis_password}\n")
+    acl = [redis_acl(i, redis_passwords[i]) for i in IDENTITIES]
+    _write_secret(creds.redis_conf, "\n".join(["user default off", *acl]) + "\n")
 
 
 def k8s_secrets(creds: StackCredentials, namespace: str) -> list[dict[str, object]]:

@@ -111,7 +111,7 @@ def start_nats(
 def start_redis(
     data_dir: Path, log_file: Path | None = None, port: int | None = None, config: Path | None = None
 ) -> Server:
-    """A Redis-compatible server with AOF on; `config` carries `requirepass` (kept off the command
+    """A Redis-compatible server with AOF on; `config` carries the ACL users (kept off the command
     line, where any local user could read it)."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)

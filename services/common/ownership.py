@@ -100,10 +100,19 @@ class OwnershipStore:
 
     @classmethod
     def from_url(
-        cls, url: str, run_id: str, password: str | None = None, tls: TlsFiles | None = None
+        cls,
+        url: str,
+        run_id: str,
+        password: str | None = None,
+        tls: TlsFiles | None = None,
+        *,
+        username: str | None = None,
     ) -> OwnershipStore:
         options = tls.redis_options(url) if tls is not None else {}
-        return cls(aioredis.from_url(url, decode_responses=True, password=password, **options), run_id)
+        client = aioredis.from_url(
+            url, decode_responses=True, username=username, password=password, **options
+        )
+        return cls(client, run_id)
 
     def _key(self, resource: str) -> str:
         return f"libra:{self.run_id}:lease:{resource}"

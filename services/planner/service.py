@@ -387,7 +387,7 @@ async def serve(
         common.nats_url, common.run_id, "planner", common.worker_id, common.nats_auth(), common.nats_tls()
     )
     stack.push_async_callback(bus.close)
-    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret(), common.tls())
+    store = common.ownership_store()
     stack.push_async_callback(store.close)
     await PlannerService(settings, cfg, bus, store, common.worker_id).start()
     get_logger().info("planner_ready", buckets=[b.name for b in cfg.rollout.buckets])

@@ -25,7 +25,7 @@ from services.common.errors import LibraError, Unavailable, require
 from services.common.logging import get_logger
 from services.common.membership import HYBRID_ROLE, SERVING_ROLES, Membership, lease_resource
 from services.common.metrics import engine_metrics
-from services.common.ownership import Lease, OwnershipStore
+from services.common.ownership import Lease
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.rollout_engine.backends import create_backend
@@ -137,9 +137,7 @@ class RolloutEngineService:
         if self.backend.emulated:
             self.log.warning("emulated_backend", detail="outputs are random tokens; control-plane tests only")
         self.engine.start()
-        self.store = OwnershipStore.from_url(
-            self.common.redis_url, self.common.run_id, self.common.redis_secret(), self.common.tls()
-        )
+        self.store = self.common.ownership_store()
         self.servicer = WeightSyncServicer(
             self.engine,
             self.store,

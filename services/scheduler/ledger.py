@@ -50,7 +50,7 @@ class Ledger:
         self.decided_key = f"{prefix}:decided"
         self.policy_key = f"{prefix}:policy"
         self.eval_key = f"{prefix}:eval"
-        self.trained_key = f"{prefix}:trained"
+        self.trained_key = f"{prefix}:heard_trained"
         """The trajectories the trainer's `trained` outcomes named (the trainer's own set is its own)."""
         self.changed = True
         """Written since the last `facts` (the report's view is re-read only then)."""

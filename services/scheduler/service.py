@@ -387,7 +387,7 @@ async def serve(
         common.nats_url, common.run_id, "scheduler", common.worker_id, common.nats_auth(), common.nats_tls()
     )
     stack.push_async_callback(bus.close)
-    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret(), common.tls())
+    store = common.ownership_store()
     stack.push_async_callback(store.close)
     svc = SchedulerService(common, settings, cfg, bus, store, prompter)
     stack.push_async_callback(svc.close)

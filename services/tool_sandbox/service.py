@@ -16,7 +16,6 @@ from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.membership import Membership
 from services.common.metrics import sandbox_metrics
-from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.tool_sandbox.config import SandboxSettings
@@ -136,7 +135,7 @@ async def serve(
         common.nats_tls(),
     )
     stack.push_async_callback(bus.close)
-    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret(), common.tls())
+    store = common.ownership_store()
     stack.push_async_callback(store.close)
     await Membership(bus, store, ev.WorkerHello(worker_id=common.worker_id, kind="tool-sandbox")).start()
     await ToolSandboxService(bus, executor).start()

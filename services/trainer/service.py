@@ -362,7 +362,7 @@ async def serve(
                 trained=len(learner.state.trained_ids),
             )
 
-    store = OwnershipStore.from_url(common.redis_url, common.run_id, common.redis_secret(), common.tls())
+    store = common.ownership_store()
     stack.push_async_callback(store.close)
     pusher = WeightPusher(
         worker_id,

@@ -33,7 +33,7 @@ INFRA = ["nats", "redis"]
 
 
 def _redis(stack: Stack) -> redis.Redis:
-    return redis.Redis.from_url(stack.redis_url, decode_responses=True, password=stack.redis_password())
+    return redis.Redis.from_url(stack.redis_url, decode_responses=True, **stack.redis_auth())
 
 
 def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_path: Path) -> None:

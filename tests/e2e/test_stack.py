@@ -749,7 +749,7 @@ def test_a_standby_trainer_takes_over_a_dead_one(tiny_model: Any, tmp_path: Path
         intruder = _meanwhile(own, run_id, kill_trainer, on="trainer")
         report = _run(own, config, run_id, tmp_path)
         intruder.join(60)
-        r = redis.Redis.from_url(own.redis_url, decode_responses=True, password=own.redis_password())
+        r = redis.Redis.from_url(own.redis_url, decode_responses=True, **own.redis_auth())
         record = r.hgetall(committed_key(run_id))
     finally:
         own.stop()

@@ -72,7 +72,8 @@ def test_settings_read_one_identity_from_the_secrets_dir(
     monkeypatch.setenv("LIBRA_SECRETS_DIR", str(creds.identity_dir("scheduler")))
     common = load_settings(CommonSettings)
     assert common.nats_auth() == creds.nats_auth("scheduler")
-    assert common.redis_secret() == creds.redis_password()
+    mine = creds.redis_auth("scheduler")
+    assert (common.redis_user, common.redis_secret()) == (mine["username"], mine["password"])
     assert common.grpc_token() is None  # the scheduler never pushes weights
     assert creds.nats_auth("scheduler").password not in repr(common)  # secrets never print
     monkeypatch.setenv("LIBRA_SECRETS_DIR", str(creds.root / "nope"))
@@ -299,9 +300,80 @@ async def test_redis_wants_the_password(secure_redis: Server, creds: StackCreden
     with pytest.raises(Exception, match="(?i)auth"):
         await anonymous.ping()
     await anonymous.aclose()
-    store = OwnershipStore.from_url(secure_redis.url, run_id, creds.redis_password())
+    planner = creds.redis_auth("planner")
+    wrong = aioredis.from_url(
+        secure_redis.url, username="planner", password=creds.redis_auth("trainer")["password"]
+    )
+    with pytest.raises(Exception, match="(?i)auth|invalid"):
+        await wrong.ping()
+    await wrong.aclose()
+    store = OwnershipStore.from_url(
+        secure_redis.url, run_id, planner["password"], username=planner["username"]
+    )
     assert await store.acquire("probe", "me", 5) is not None
     await store.close()
+
+
+# Who may write each kind of Redis key (services/common/credentials.py); the first one writes it here.
+_WRITERS = {
+    "trainer:committed": ("trainer",),
+    "trained": ("trainer",),
+    "lease:role:trainer": ("planner", "trainer"),  # the planner leases the role, the trainer renews it
+    "scheduler:published": ("scheduler",),
+    "scheduler:heard_trained": ("scheduler",),
+    "plans": ("planner",),
+    "role_changes": ("planner",),
+    "fence:worker:engine-0": ("planner",),
+    "lease:role:planner": ("planner",),
+}
+
+
+@pytest.mark.parametrize("identity", IDENTITIES)
+async def test_each_identity_writes_only_its_own_redis_keys(
+    secure_redis: Server, creds: StackCredentials, run_id: str, identity: str
+) -> None:
+    """Holding one identity's Redis user: every other owner's key is refused for writing (and left
+    as it was), and nothing server-wide (FLUSHALL, KEYS, CONFIG, ACL) is allowed; its own keys are."""
+    admin: dict[str, aioredis.Redis] = {
+        i: aioredis.from_url(secure_redis.url, decode_responses=True, **creds.redis_auth(i))
+        for i in IDENTITIES
+    }
+    for k, writers in _WRITERS.items():
+        await admin[writers[0]].hset(f"libra:{run_id}:{k}", "v", writers[0])
+    me = admin[identity]
+    for k, writers in _WRITERS.items():
+        key = f"libra:{run_id}:{k}"
+        try:
+            await me.hset(key, "v", "forged")
+            wrote = True
+        except Exception as err:
+            assert "permission" in str(err).lower(), err
+            wrote = False
+        assert wrote == (identity in writers), (identity, key)
+        if not wrote:
+            assert await admin[writers[0]].hget(key, "v") == writers[0]
+    for name, call in (
+        ("flushall", me.flushall()),
+        ("keys", me.keys("*")),
+        ("config", me.config_set("requirepass", "")),
+        ("acl", me.acl_setuser("default", enabled=True, nopass=True)),
+    ):
+        with pytest.raises(Exception, match="(?i)permission"):
+            await call
+        assert name
+    worker_lease = f"libra:{run_id}:lease:worker:engine-0"  # a worker renews worker leases
+    can_renew = identity in ("planner", "trainer", "scheduler", "rollout-engine", "tool-sandbox")
+    try:
+        await me.pexpire(worker_lease, 10_000)
+        renewed = True
+    except Exception:
+        renewed = False
+    assert renewed == can_renew, identity
+    if identity != "planner":  # the planner alone hands out fencing tokens
+        with pytest.raises(Exception, match="(?i)permission"):
+            await me.incr(f"libra:{run_id}:fence:worker:engine-0")
+    for r in admin.values():
+        await r.aclose()
 
 
 @pytest.fixture
@@ -312,7 +384,7 @@ async def engine_rig(
         tiny_model,
         secure_redis.url,
         run_id,
-        redis_password=creds.redis_password(),
+        redis_auth=creds.redis_auth("planner"),  # the rig leases the trainer role, as the planner does
         token=creds.weight_sync_token(),
     ) as rig:
         yield rig
