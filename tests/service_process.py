@@ -26,7 +26,8 @@ def pinned_job_env(
     **settings: str,
 ) -> dict[str, str]:
     """The environment of a service pinned to one job: `run` written as its LIBRA_CONFIG under
-    `tmp_path`, the stack's addresses, and `settings` (LIBRA_<SERVICE>_... variables)."""
+    `tmp_path`, the stack's addresses (the test session's, without authentication: insecure), and
+    `settings` (LIBRA_<SERVICE>_... variables)."""
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(run))
     return dict(
@@ -36,6 +37,7 @@ def pinned_job_env(
         LIBRA_RUN_ID=run_id,
         LIBRA_CONFIG=str(config),
         LIBRA_WORKER_ID=worker_id,
+        LIBRA_INSECURE="1",
         HF_HUB_OFFLINE="1",
         **settings,
     )

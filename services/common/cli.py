@@ -5,6 +5,7 @@ and the service runs under `run_service`, which parses a pinned job's run config
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -41,16 +42,20 @@ def service_main(
     args = sys.argv[1:] if argv is None else argv
     settings: type[BaseSettings] = _load(settings_path)
     if any(a in ("-h", "--help") for a in args):
-        print(f"usage: python -m services.{service.replace('-', '_')}\n")
+        print(f"usage: python -m services.{service.replace('-', '_')} [--insecure]\n")
         print(f"Runs the Libra {service} service. Configured through the environment:\n")
         print(describe(CommonSettings))
         print(describe(settings))
         return 0
+    insecure = "--insecure" in args
+    args = [a for a in args if a != "--insecure"]
     if args:
         print(
             f"unexpected arguments {args}; configure through LIBRA_* variables (see --help)", file=sys.stderr
         )
         return 2
+    if insecure:
+        os.environ["LIBRA_INSECURE"] = "1"
     load_settings(settings)
     if before:
         _load(before)()

@@ -52,6 +52,10 @@ class CommonSettings(BaseSettings):
     """NATS user (the stack's credentials name one per service); unset connects without auth."""
     nats_password: SecretStr | None = None
     """NATS password of `nats_user`."""
+    insecure: bool = False
+    """Run without credentials (NATS, Redis and WeightSync unauthenticated), for a development
+    stack only; `--insecure` sets it too. Without it a service that finds no credentials refuses
+    to start, rather than silently joining a stack with no authentication."""
     redis_user: str | None = None
     """Redis ACL user (the stack's credentials name one per service, allowed only its own keys);
     unset authenticates as Redis's default user."""
@@ -88,6 +92,17 @@ class CommonSettings(BaseSettings):
         if self.nats_user is None or self.nats_password is None:
             return None
         return NatsAuth(self.nats_user, self.nats_password.get_secret_value())
+
+    def require_credentials(self) -> None:
+        """Exits (code 2) when this service has no NATS credentials and was not told `insecure`:
+        a secrets mount that went missing must not turn into an unauthenticated service."""
+        if self.insecure or self.nats_auth() is not None:
+            return
+        raise ConfigFileError(
+            "no credentials: set LIBRA_SECRETS_DIR to this service's directory of the stack's "
+            "credentials (`libra credentials DIR` writes them; `libra up` does it for you), or "
+            "start with --insecure (LIBRA_INSECURE=1) to run without authentication (development only)"
+        )
 
     def redis_secret(self) -> str | None:
         return self.redis_password.get_secret_value() if self.redis_password else None

@@ -29,6 +29,7 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
     common = load_settings(CommonSettings)
     # A pinned job's run config is parsed here, once, before anything starts: one clear error.
     run = load_run_config(common.config) if common.config else None
+    common.require_credentials()
     pinned = run is not None
     worker_id = common.worker_id or f"{service}-{socket.gethostname()}-{os.getpid()}"
     common = common.model_copy(update={"worker_id": worker_id})

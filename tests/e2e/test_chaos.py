@@ -48,7 +48,7 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
     cfg = load_run_config(config)
     run_id = f"chaos-{int(time.time())}"
     # a dead trainer's deliveries come back after the ack wait: short here, so the test is short
-    stack = Stack(run_id, tmp_path / "logs", extra_env={"LIBRA_TRAINER_ACK_WAIT_S": "6"}, max_restarts=3)
+    stack = Stack(run_id, tmp_path / "logs", max_restarts=3)
     recovered: dict[str, float] = {}
     events: list[tuple[str, str, float]] = []
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from services.common.localstack import Server
 from tests.installed_tool import install_tool_package
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +43,44 @@ def test_bad_run_config_exits_2_with_the_field_named(service: str, tmp_path: Pat
     assert out.returncode == 2, out.stderr
     assert "invalid configuration" in out.stderr and "training.steps" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_a_service_without_credentials_refuses_to_start(service: str) -> None:
+    """A missing secrets mount must not become an unauthenticated service: no credentials and no
+    --insecure is exit code 2 with what to do, before anything connects."""
+    out = _run(["-m", f"services.{service}"], {"LIBRA_NATS_URL": "nats://127.0.0.1:1"})
+    assert out.returncode == 2, out.stderr
+    assert "no credentials" in out.stderr and "LIBRA_SECRETS_DIR" in out.stderr and "--insecure" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_insecure_runs_a_service_without_credentials(nats_server: Server) -> None:
+    """`--insecure` (development only) starts it without authentication: it joins the control plane."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}
+    env |= {"LIBRA_NATS_URL": nats_server.url, "LIBRA_WORKER_ID": "sandbox-insecure"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.tool_sandbox", "--insecure"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    watchdog = threading.Timer(90, proc.kill)  # a service that never gets there fails, not hangs
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "waiting_for_job" in line:
+                break
+        assert any("waiting_for_job" in line for line in seen), "".join(seen)
+    finally:
+        watchdog.cancel()
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,10 @@ def test_compose_is_secure_by_default() -> None:
     services = compose["services"]
     assert services["credentials"]["command"][:2] == ["libra", "credentials"]
     assert "-c" in services["nats"]["command"] and "/secrets/redis.conf" in services["redis"]["command"]
+    assert "-m" not in services["nats"]["command"], "NATS's monitoring port has no authentication"
+    for name, svc in services.items():  # no service may start without credentials
+        assert "LIBRA_INSECURE" not in (svc.get("environment") or {}), name
+        assert "--insecure" not in (svc.get("command") or []), name
     for name, svc in services.items():
         for port in svc.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), (name, port)
