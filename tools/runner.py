@@ -271,7 +271,8 @@ class JobDriver:
             targets=sorted(self.targets),
             trace_dir=str((self.out_dir / "traces").resolve()) if self.out_dir else "",
         )
-        await streams.provision(self.bus.js, self.run_id)  # only this identity may create them
+        # only this identity may create them
+        await streams.provision(self.bus.js, self.run_id, self.cfg.job.feed_ack_wait_s)
         acks = await control.command(self.nc, control.JOB_START, spec, sorted(self.targets), timeout_s=30)
         refused = [a for a in acks.values() if not a.ok]
         if refused:

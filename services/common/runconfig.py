@@ -353,6 +353,11 @@ class JobConfig(_Strict):
     failed for this long stops acting (an engine refuses turns, the trainer starts no step) and the
     planner takes it out of the plan until it renews under a new token; a hung engine's turns move
     to other engines after about this long."""
+    feed_ack_wait_s: float = Field(60.0, ge=2.0, le=3600.0)
+    """How long a delivered trajectory (the trainer's feed) or group outcome (the scheduler's) may go
+    unacknowledged before JetStream redelivers it: a dead trainer's work comes back this fast. The
+    live trainer marks what it holds in progress every third of it. Set when `libra run` creates
+    the run's consumers (a resumed run's consumers take the new value)."""
     keep_streams: bool = False
     """A completed job's JetStream streams (its trajectories, group outcomes, plans and facts) are
     deleted once its report is built; true keeps them for inspection. A job that did not complete

@@ -39,6 +39,7 @@ class ConsumerSpec:
     durable: str
     """Unique across streams: a service's NATS user may pull from and ack this name only."""
     ack_wait_s: float = FEED_ACK_WAIT_S
+    """The default; `provision` sets the run's (`job.feed_ack_wait_s`)."""
 
 
 STREAMS = (
@@ -67,20 +68,21 @@ def stream_config(run_id: str, spec: StreamSpec) -> StreamConfig:
     )
 
 
-def consumer_config(spec: ConsumerSpec) -> ConsumerConfig:
+def consumer_config(spec: ConsumerSpec, ack_wait_s: float) -> ConsumerConfig:
     return ConsumerConfig(
         name=spec.durable,
         durable_name=spec.durable,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
-        ack_wait=spec.ack_wait_s,
+        ack_wait=ack_wait_s,
         max_ack_pending=10_000,
     )
 
 
-async def provision(js: JetStreamContext, run_id: str) -> list[str]:
-    """Creates (or brings up to date) the run's streams and consumers; returns the stream names.
-    Idempotent: a resumed run keeps its streams, their messages and its consumers' positions."""
+async def provision(js: JetStreamContext, run_id: str, ack_wait_s: float = FEED_ACK_WAIT_S) -> list[str]:
+    """Creates (or brings up to date) the run's streams and consumers (their ack wait `ack_wait_s`,
+    `job.feed_ack_wait_s`); returns the stream names. Idempotent: a resumed run keeps its streams,
+    their messages and its consumers' positions (their ack wait becomes `ack_wait_s`)."""
     names = []
     for spec in STREAMS:
         cfg = stream_config(run_id, spec)
@@ -91,12 +93,12 @@ async def provision(js: JetStreamContext, run_id: str) -> list[str]:
         assert cfg.name is not None
         names.append(cfg.name)
     for c in CONSUMERS:
-        cfg_c = consumer_config(c)
+        cfg_c = consumer_config(c, ack_wait_s)
         cfg_c.filter_subject = subjects.subject(run_id, c.suffix)
         stream = subjects.stream_name(run_id, c.stream)
         try:
             await js.add_consumer(stream, config=cfg_c)
-        except nats.js.errors.BadRequestError:  # one an older release made with other settings: kept
+        except nats.js.errors.BadRequestError:  # a setting that cannot change (an older release's): kept
             await js.consumer_info(stream, c.durable)
     return names
 

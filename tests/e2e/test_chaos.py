@@ -43,11 +43,12 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
     data["training"].update(
         steps=70, checkpoint_dir=str(tmp_path / "ckpt" / "{run_id}"), filter_zero_advantage=False
     )
+    # a dead trainer's deliveries come back after the feed's ack wait: short here, so the test is short
+    data.setdefault("job", {})["feed_ack_wait_s"] = 6.0
     config = tmp_path / "chaos.yaml"
     config.write_text(yaml.safe_dump(data))
     cfg = load_run_config(config)
     run_id = f"chaos-{int(time.time())}"
-    # a dead trainer's deliveries come back after the ack wait: short here, so the test is short
     stack = Stack(run_id, tmp_path / "logs", max_restarts=3)
     recovered: dict[str, float] = {}
     events: list[tuple[str, str, float]] = []

@@ -161,7 +161,7 @@ async def provisioned(secure_nats: Server, creds: StackCredentials, run_id: str)
     """The run's streams and consumers made by the control identity, one trajectory waiting in the
     trainer's feed and the trainer's facts published, as in a running job."""
     cli = await Bus.connect(secure_nats.url, run_id, "cli", "cli", creds.nats_auth("cli"))
-    await streams.provision(cli.js, run_id)
+    await streams.provision(cli.js, run_id, ack_wait_s=20.0)  # job.feed_ack_wait_s
     scheduler = await Bus.connect(secure_nats.url, run_id, "scheduler", "s", creds.nats_auth("scheduler"))
     trainer = await Bus.connect(secure_nats.url, run_id, "trainer", "t", creds.nats_auth("trainer"))
     await scheduler.publish_durable(
@@ -254,7 +254,7 @@ async def test_each_service_does_what_its_role_needs(
     cli = provisioned
     trainer = await Bus.connect(secure_nats.url, run_id, "trainer", "t", creds.nats_auth("trainer"))
     psub, ack_wait = await trainer.bind_consumer(TRAINER_FEED)
-    assert ack_wait == TRAINER_FEED.ack_wait_s
+    assert ack_wait == 20.0  # as provisioned: the trainer paces its in-progress marks by it
     ((got, raw),) = await trainer.fetch(psub, ev.CompletedTrajectory, 4, 5)
     assert got.trajectory_id == "t0"
     await raw.in_progress()
