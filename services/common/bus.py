@@ -26,11 +26,12 @@ from services.common.contracts import ev
 from services.common.credentials import NatsAuth, inbox_prefix
 from services.common.errors import CredentialsRefused, LibraError, MalformedMessage
 from services.common.logging import get_logger
-from services.common.streams import ConsumerSpec
+from services.common.streams import FEED_ACK_WAIT_S, ConsumerSpec
 from services.common.tasks import cancel_and_wait, retry_pause
 from services.common.tracing import extract_context, inject_headers
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 
 @dataclass
@@ -202,19 +203,23 @@ class Bus:
         """The run's stream `what` (services/common/streams.py), once it exists: only the control
         identity creates streams, so a service started before `libra run` provisioned them waits."""
         name = subjects.stream_name(self.run_id, what)
+        await self._until_there(lambda: self.js.stream_info(name), stream=name)
+        return name
+
+    async def _until_there(self, info: Callable[[], Awaitable[T]], **what: str) -> T:
+        """`info()` once it answers: what it asks about is not there yet, or NATS is away."""
         attempt = 0
         while True:
             try:
-                await self.js.stream_info(name)
-                return name
-            except Exception as err:  # not there yet, or NATS away
+                return await info()
+            except Exception as err:
                 attempt += 1
                 if attempt % 10 == 1:
                     self.log.warning(
-                        "waiting_for_stream",
-                        stream=name,
+                        "waiting_for_provisioning",
+                        **what,
                         error=f"{type(err).__name__}: {err}",
-                        hint="`libra run` (the control identity) creates a run's streams",
+                        hint="`libra run` (the control identity) creates a run's streams and consumers",
                     )
                 await retry_pause(attempt)
 
@@ -247,20 +252,11 @@ class Bus:
         """Pulls from the run's durable consumer `spec` once the control identity created it;
         returns the subscription and the consumer's ack wait (seconds)."""
         stream = await self.bind_stream(spec.stream)
-        attempt = 0
-        while True:
-            try:
-                info = await self.js.consumer_info(stream, spec.durable)
-                break
-            except Exception as err:
-                attempt += 1
-                if attempt % 10 == 1:
-                    self.log.warning(
-                        "waiting_for_consumer", stream=stream, consumer=spec.durable, error=str(err)
-                    )
-                await retry_pause(attempt)
+        info = await self._until_there(
+            lambda: self.js.consumer_info(stream, spec.durable), stream=stream, consumer=spec.durable
+        )
         psub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=stream)
-        return psub, float(info.config.ack_wait or spec.ack_wait_s)
+        return psub, float(info.config.ack_wait or FEED_ACK_WAIT_S)
 
     async def fetch(self, psub: Any, msg_type: type[M], batch: int, timeout: float) -> list[tuple[M, Msg]]:
         """Fetches up to `batch` messages; malformed ones are reported and terminated (never redelivered)."""

@@ -96,7 +96,7 @@ _GRANTS: dict[str, Grants] = {
     ),
     "cli": Grants(
         publishes=(subjects.SCHEDULER_STATS, subjects.ROLE_REQUEST),
-        subscribes=(">",),  # the operator watches its jobs
+        subscribes=(">",),  # the operator watches its jobs: every run subject
         reads=(">",),
     ),
 }
@@ -158,7 +158,7 @@ def publish_allowed(identity: str) -> list[str]:
             f"{_JS}.CONSUMER.MSG.NEXT.*.{durable}",
             f"$JS.ACK.*.{durable}.>",
         ]
-    out += [f"{_JS}.DIRECT.GET.*.libra.v1.*.{s}" if s != ">" else f"{_JS}.DIRECT.GET.*.>" for s in g.reads]
+    out += [f"{_JS}.DIRECT.GET.*.{_RUN}.{s}" for s in g.reads]
     # a service waits for the streams it uses (their configuration and counts, never their messages)
     out += [*_CLI_JS] if identity == "cli" else [f"{_JS}.STREAM.INFO.*"]
     # the control plane: the operator starts, stops and polls jobs; services report heartbeats
@@ -173,13 +173,12 @@ def publish_allowed(identity: str) -> list[str]:
 def subscribe_allowed(identity: str) -> list[str]:
     """The subjects `identity` may subscribe to: the events its role consumes, its own inbox, and
     the control plane's (services: job start, stop and status; the operator: heartbeats)."""
-    g = _GRANTS[identity]
-    if identity == "cli":
-        ctl = [f"{_CTL}.heartbeat"]
-        run = ["libra.v1.>"]
-    else:
-        ctl = [f"{_CTL}.job.start", f"{_CTL}.job.stop", f"{_CTL}.status"]
-        run = [f"{_RUN}.{s}" for s in g.subscribes]
+    run = [f"{_RUN}.{s}" for s in _GRANTS[identity].subscribes]
+    ctl = (
+        [f"{_CTL}.heartbeat"]
+        if identity == "cli"
+        else [f"{_CTL}.job.start", f"{_CTL}.job.stop", f"{_CTL}.status"]
+    )
     return [*run, *ctl, f"{inbox_prefix(identity)}.>"]
 
 

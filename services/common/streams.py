@@ -20,8 +20,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolic
 from services.common import subjects
 
 FEED_ACK_WAIT_S = 60.0
-"""How long a delivery may go unacknowledged before JetStream redelivers it; the holders of long
-deliveries (the trainer's buffered groups) mark them in progress every third of it."""
+"""How long a delivery may go unacknowledged before JetStream redelivers it, unless the run says
+otherwise (`job.feed_ack_wait_s`); the holders of long deliveries (the trainer's buffered groups)
+mark them in progress every third of it."""
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,6 @@ class ConsumerSpec:
     suffix: str
     durable: str
     """Unique across streams: a service's NATS user may pull from and ack this name only."""
-    ack_wait_s: float = FEED_ACK_WAIT_S
-    """The default; `provision` sets the run's (`job.feed_ack_wait_s`)."""
 
 
 STREAMS = (

@@ -19,7 +19,7 @@ from services.common.errors import InvalidMessage
 from services.common.logging import get_logger
 from services.common.ownership import OwnershipStore, trained_key
 from services.common.runconfig import RunConfig
-from services.common.streams import TRAINER_FEED
+from services.common.streams import FEED_ACK_WAIT_S, TRAINER_FEED
 from services.common.tracing import extract_context
 from services.learning.data import validate
 from services.trainer.batcher import GroupBuffer, Pending
@@ -49,7 +49,7 @@ class Intake:
         self.bus, self.store, self.learner = bus, store, learner
         self.log = get_logger(component="trainer")
         self.psub: Any = None
-        self.ack_wait_s = TRAINER_FEED.ack_wait_s
+        self.ack_wait_s = FEED_ACK_WAIT_S
         """The feed's ack wait as provisioned: a dead trainer's deliveries come back this fast;
         the live trainer marks what it holds in progress every third of it."""
         self.buffer: GroupBuffer[Msg] = GroupBuffer(run.training.max_staleness)
