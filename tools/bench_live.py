@@ -301,9 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     results: dict[str, Any] = {}
-    stack.start_infra()
+    stack.start_infra(ns.engines)
     try:
-        stack.start_services(ns.engines)
+        stack.start_services()
         for name in policies:
             path, cfg = configs[name]
             run_id = f"live-{name}-{int(time.time())}"

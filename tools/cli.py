@@ -95,8 +95,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        stack.start_infra()
-        stack.start_services(engines, args.standby_trainers)
+        stack.start_infra(engines, args.standby_trainers)
+        stack.start_services()
         state_file = stack_file()
         state_file.parent.mkdir(parents=True, exist_ok=True)
         state_file.write_text(json.dumps(stack.state(), indent=2))
@@ -282,11 +282,17 @@ def cmd_credentials(args: argparse.Namespace) -> int:
 
     from services.common.credentials import generate, k8s_secrets
 
-    creds = generate(Path(args.dir), owner_uid=args.owner)
+    workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else None
+    try:
+        creds = generate(Path(args.dir), workers=workers, owner_uid=args.owner)
+    except ValueError as err:
+        print(f"libra credentials: {err}", file=sys.stderr)
+        return 2
     if args.k8s_namespace:
         print(yaml.safe_dump_all(k8s_secrets(creds, args.k8s_namespace), sort_keys=False), end="")
     else:
-        print(f"credentials in {creds.root} (one directory per identity; nats/ and redis/ configs)")
+        each = "worker" if workers else "service kind"
+        print(f"credentials in {creds.root} (one directory per {each} and cli; nats/ and redis/ configs)")
     return 0
 
 
@@ -465,6 +471,11 @@ def parser() -> argparse.ArgumentParser:
     creds.add_argument("dir", help="where the credentials live (created mode 0700)")
     creds.add_argument("--owner", type=int, help="hand the services' files to this uid (run as root)")
     creds.add_argument("--k8s-namespace", help="print the credentials as Secrets of this namespace")
+    creds.add_argument(
+        "--workers",
+        help="comma-separated worker ids (e.g. planner,rollout-engine-0,...): an identity per worker, "
+        "each allowed to speak only for itself; without it, one per service kind, shared by its workers",
+    )
     creds.set_defaults(fn=cmd_credentials)
     rep = sub.add_parser("report", help="reprint a run's summary from runs/<run>/report.json")
     rep.add_argument("run", nargs="?", default="latest", help="run id (default: the last run)")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common import subjects
+from services.common import control, subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from tools.loggers import StepLoggers
@@ -123,11 +123,11 @@ class JobObserver:
         await bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_load)
 
     async def on_heartbeat(self, raw: Any) -> None:
-        with contextlib.suppress(Exception):
-            st = ev.WorkerStatus.FromString(raw.data)
-            if st.worker_id in self.targets:
-                self.statuses[st.worker_id] = st
-                self.seen[st.worker_id] = time.monotonic()
+        """A worker's heartbeat, from that worker only (control.heard)."""
+        st = control.heard(raw, ev.WorkerStatus)
+        if st is not None and st.worker_id in self.targets:
+            self.statuses[st.worker_id] = st
+            self.seen[st.worker_id] = time.monotonic()
 
     async def _on_metrics(self, m: ev.TrainMetrics, _: Envelope) -> None:
         self.metrics.append(m)

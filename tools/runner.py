@@ -156,7 +156,7 @@ class JobDriver:
         submitted = False
         stopped: dict[str, ev.JobAck] = {}
         try:
-            await self.nc.subscribe(control.HEARTBEAT, cb=self.watch.on_heartbeat)
+            await self.nc.subscribe(f"{control.HEARTBEAT}.*.*", cb=self.watch.on_heartbeat)
             await self.watch.subscribe(self.bus)
             await self._choose_workers()
             submitted = True
@@ -467,8 +467,8 @@ def run_job(
                 dict(extra_env or {}),
                 max_restarts=max_restarts,
             )
-            stack.start_infra()
-            stack.start_services(cfg.rollout.engines)
+            stack.start_infra(cfg.rollout.engines)
+            stack.start_services()
             owned = True
             print(f"run {run_id} on an embedded stack", file=sys.stderr)
     logs = "on the services' hosts" if stack.remote else str(stack.log_dir)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.credentials import SERVICES, NatsAuth, StackCredentials
+from services.common.credentials import NatsAuth, StackCredentials
 from services.common.credentials import generate as generate_credentials
 from services.common.localstack import Server, die_with_parent, free_port, start_nats, start_redis
 
@@ -50,11 +50,6 @@ CALLER_SECRETS = (
     "LIBRA_REDIS_PASSWORD",
     "LIBRA_WEIGHT_SYNC_TOKEN",
 )
-
-
-def identity_of(worker_id: str) -> str:
-    """The credentials identity of a worker: its service kind (rollout-engine-3 → rollout-engine)."""
-    return next((s for s in SERVICES if worker_id == s or worker_id.startswith(s + "-")), worker_id)
 
 
 def pid_alive(pid: int) -> bool:
@@ -140,12 +135,15 @@ class Stack:
         fresh = Stack.attach(state)
         self.pids, self.restarts, self.gave_up = fresh.pids, fresh.restarts, fresh.gave_up
 
-    def start_infra(self) -> None:
-        """Generates the stack's credentials and starts nats-server (users with per-service
-        permissions) and Redis (password) on free loopback ports."""
+    def start_infra(self, n_engines: int, standby_trainers: int = 0) -> None:
+        """Generates the credentials of a stack of `n_engines` engines (an identity per worker)
+        and starts nats-server (a user per worker, allowed what its role needs) and Redis (an ACL
+        user per worker) on free loopback ports; `start_services` then starts its workers."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         data = state_dir() / "data" / self.name
-        self.credentials = generate_credentials(data / "secrets")
+        for worker_id, module in service_commands(n_engines, standby_trainers):
+            self._modules[worker_id] = module
+        self.credentials = generate_credentials(data / "secrets", workers=list(self._modules))
         self.nats = start_nats(
             data / "nats", self.log_dir / "nats-server.log", config=self.credentials.nats_conf
         )
@@ -183,7 +181,7 @@ class Stack:
         for name in CALLER_SECRETS:  # never the caller's: each service gets only its own
             env.pop(name, None)
         if self.credentials is not None:
-            env["LIBRA_SECRETS_DIR"] = str(self.credentials.identity_dir(identity_of(worker_id)))
+            env["LIBRA_SECRETS_DIR"] = str(self.credentials.identity_dir(worker_id))
         env.pop("LIBRA_CONFIG", None)  # no pinned job: the services wait for jobs on the control plane
         env.pop("LIBRA_RUN_ID", None)
         if worker_id in self.metrics_ports:
@@ -191,9 +189,8 @@ class Stack:
         env.update(self.extra_env)
         return env
 
-    def start_services(self, n_engines: int, standby_trainers: int = 0) -> None:
-        for worker_id, module in service_commands(n_engines, standby_trainers):
-            self._modules[worker_id] = module
+    def start_services(self) -> None:
+        for worker_id in self._modules:
             self.metrics_ports.setdefault(worker_id, free_port())
             self._spawn(worker_id)
 

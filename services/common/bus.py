@@ -24,7 +24,7 @@ from opentelemetry import context as otel_context
 from services.common import subjects
 from services.common.contracts import ev
 from services.common.credentials import NatsAuth, inbox_prefix
-from services.common.errors import CredentialsRefused, LibraError, MalformedMessage
+from services.common.errors import CredentialsRefused, ForgedSender, LibraError, MalformedMessage
 from services.common.logging import get_logger
 from services.common.streams import FEED_ACK_WAIT_S, ConsumerSpec
 from services.common.tasks import cancel_and_wait, retry_pause
@@ -106,6 +106,34 @@ def decode(msg_type: type[M], data: bytes) -> M:
     return out
 
 
+_CLAIMS = {"worker_id": 1, "engine_id": 1, "kind": 0, "service": 0}
+"""Fields in which a message names its sender: the worker id (token 1 of the speaker) or kind (0)."""
+
+
+def said_by(subject: str, msg: Message) -> None:
+    """Checks that `msg`, received on the spoken `subject`, names only its speaker as its sender
+    (an empty name is filled in from the subject); raises ForgedSender otherwise. The one statement
+    about another worker: the trainer refusing that worker's join to its group (hybrid.state)."""
+    speaker = subjects.speaker(subject)
+    for name, token in _CLAIMS.items():
+        if name not in msg.DESCRIPTOR.fields_by_name:
+            continue
+        claimed = getattr(msg, name)
+        if not claimed:
+            setattr(msg, name, speaker[token])
+        elif claimed != speaker[token] and not _may_speak_for_another(subject, msg, speaker[0]):
+            raise ForgedSender(f"{speaker[0]} {speaker[1]} sent a message whose {name} is {claimed!r}")
+
+
+def _may_speak_for_another(subject: str, msg: Message, kind: str) -> bool:
+    return (
+        kind == "trainer"
+        and isinstance(msg, ev.HybridState)
+        and msg.state == "refused"
+        and f".{subjects.HYBRID_STATE}." in subject
+    )
+
+
 class Bus:
     def __init__(self, nc: NATS, run_id: str, service: str, worker_id: str):
         self.nc = nc
@@ -136,11 +164,17 @@ class Bus:
     def subject(self, *parts: str) -> str:
         return subjects.subject(self.run_id, *parts)
 
+    def outgoing(self, suffix: str) -> str:
+        """The subject a message for `suffix` goes out on: a spoken one names this worker."""
+        if suffix in subjects.SPOKEN:
+            suffix = subjects.spoken(suffix, self.service, self.worker_id)
+        return self.subject(suffix)
+
     async def publish(
         self, suffix: str, msg: Message, *, ctx: otel_context.Context | None = None, reply: str = ""
     ) -> None:
         await self.nc.publish(
-            self.subject(suffix), msg.SerializeToString(), reply=reply, headers=inject_headers(ctx)
+            self.outgoing(suffix), msg.SerializeToString(), reply=reply, headers=inject_headers(ctx)
         )
         self.published += 1
 
@@ -151,12 +185,14 @@ class Bus:
         return decode(resp_type, resp.data)
 
     async def subscribe(self, suffix: str, msg_type: type[M], handler: Handler, *, queue: str = "") -> Any:
-        """Subscribes a handler; if it returns a message and the sender asked for a reply, it is sent."""
-        subj = self.subject(suffix)
+        """Subscribes a handler; if it returns a message and the sender asked for a reply, it is sent.
+        On a spoken subject it hears every worker, and only what each says for itself."""
+        spoken = suffix in subjects.SPOKEN
+        subj = self.subject(f"{suffix}.*.*" if spoken else suffix)
 
         async def on_msg(raw: Msg) -> None:
             self.received += 1
-            out = await self._dispatch(raw, msg_type, handler)
+            out = await self._dispatch(raw, msg_type, handler, spoken)
             if raw.reply and out is not None:
                 await self.nc.publish(raw.reply, out.SerializeToString())
                 self.published += 1
@@ -165,10 +201,14 @@ class Bus:
         await self.nc.flush()  # the server knows the subscription before we report it ready
         return sub
 
-    async def _dispatch(self, raw: Msg, msg_type: type[M], handler: Handler) -> Message | None:
+    async def _dispatch(
+        self, raw: Msg, msg_type: type[M], handler: Handler, spoken: bool = False
+    ) -> Message | None:
         headers = dict(raw.headers or {})
         try:
             msg = decode(msg_type, raw.data)
+            if spoken:
+                said_by(raw.subject, msg)
             env = Envelope(raw.subject, headers, extract_context(headers), raw.reply or None, raw)
             return await handler(msg, env)
         except LibraError as err:
@@ -195,7 +235,7 @@ class Bus:
                 subject=subject,
                 error=ev.ErrorInfo(code=code, message=message[:500]),
             )
-            await self.nc.publish(self.subject(subjects.ERRORS), err.SerializeToString())
+            await self.nc.publish(self.outgoing(subjects.ERRORS), err.SerializeToString())
 
     # --- JetStream -------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
+import socket
 import ssl
 import sys
 import typing
@@ -46,8 +48,13 @@ class CommonSettings(BaseSettings):
     (OTLP/JSON lines; `libra trace` reads them). Jobs submitted by `libra run` name their own."""
     otlp_endpoint: str | None = None
     """OTLP gRPC endpoint (e.g. http://jaeger:4317); unset keeps spans in-process only."""
-    worker_id: str | None = None
-    """Stable id of this process; defaults to <service>-<hostname>-<pid>."""
+    worker_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    """Stable id of this process; defaults to the one its credentials name (a stack with an
+    identity per worker), else <service>-<hostname>-<pid>. It is the last token of the subjects it
+    speaks on, so letters, digits, `-` and `_` only."""
+    identity_worker: str | None = None
+    """The worker the credentials are for, in a stack with an identity per worker (the secrets
+    directory's `libra_identity_worker`); such a worker runs only under that id."""
     nats_user: str | None = None
     """NATS user (the stack's credentials name one per service); unset connects without auth."""
     nats_password: SecretStr | None = None
@@ -104,6 +111,28 @@ class CommonSettings(BaseSettings):
             "start with --insecure (LIBRA_INSECURE=1) to run without authentication (development only)"
         )
 
+    def resolve_worker_id(self, service: str) -> str:
+        """This process's worker id, checked against its credentials (exit code 2 on a mismatch):
+        credentials of another kind, or of another worker, would have every message refused."""
+        worker_id = self.worker_id or self.identity_worker or _default_worker_id(service)
+        if self.nats_user is None:
+            return worker_id
+        if not _is_kind(self.nats_user, service):
+            raise ConfigFileError(
+                f"LIBRA_SECRETS_DIR holds the credentials of {self.nats_user!r}, not of a {service}: "
+                f"mount this worker's own directory of the stack's credentials"
+            )
+        if self.identity_worker is not None and worker_id != self.identity_worker:
+            raise ConfigFileError(
+                f"worker id {worker_id!r} runs with the credentials of worker {self.identity_worker!r}: "
+                "unset LIBRA_WORKER_ID or mount this worker's own credentials"
+            )
+        if not _is_kind(worker_id, service):
+            raise ConfigFileError(
+                f"worker id {worker_id!r} of a {service} must be {service} or {service}-<name>"
+            )
+        return worker_id
+
     def redis_secret(self) -> str | None:
         return self.redis_password.get_secret_value() if self.redis_password else None
 
@@ -115,6 +144,15 @@ class CommonSettings(BaseSettings):
 
     def grpc_token(self) -> str | None:
         return self.weight_sync_token.get_secret_value() if self.weight_sync_token else None
+
+
+def _is_kind(name: str, service: str) -> bool:
+    return name == service or name.startswith(service + "-")
+
+
+def _default_worker_id(service: str) -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())
+    return f"{service}-{host}"[:50] + f"-{os.getpid()}"
 
 
 class ConfigFileError(SystemExit):

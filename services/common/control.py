@@ -1,10 +1,12 @@
 """The stack's job control plane, on NATS subjects `libra.ctl.v1.*` (outside every run's scope).
 
-`libra up` starts each service without a job. The service's `JobAgent` answers status requests,
-beats a heartbeat, and runs one job at a time: `libra run` sends a `JobSpec` (run id and run config)
+`libra up` starts each service without a job. The service's `JobAgent` beats a heartbeat (at once
+when asked for status), and runs one job at a time: `libra run` sends a `JobSpec` (run id and run config)
 naming the workers that take part, watches the job, and ends it with a `JobStop`; the service then
 waits for the next job. A job that fails inside a service is reported in that service's status
-(with the error) and the service stays up. A service started with `LIBRA_CONFIG` set (the container
+(with the error) and the service stays up. A worker's heartbeats and acks go out on its own
+subjects (`heartbeat.<kind>.<worker_id>`, `ack.<kind>.<worker_id>`), which only its NATS user may
+publish to, so no service can report another's status or answer for it. A service started with `LIBRA_CONFIG` set (the container
 deployments) runs that one job from the start instead and never looks at this plane.
 """
 
@@ -23,11 +25,11 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.common.bus import M, close_nats, decode
+from services.common.bus import M, close_nats, decode, said_by
 from services.common.bus import connect_nats as connect
 from services.common.config import CommonSettings, ConfigFileError, load_settings
 from services.common.contracts import ev
-from services.common.errors import LibraError, MalformedMessage
+from services.common.errors import ForgedSender, LibraError, MalformedMessage
 from services.common.logging import get_logger
 from services.common.runconfig import RunConfig, parse_run_config
 from services.common.tasks import cancel_and_wait
@@ -37,7 +39,8 @@ CTL = "libra.ctl.v1"
 JOB_START = f"{CTL}.job.start"
 JOB_STOP = f"{CTL}.job.stop"
 STATUS = f"{CTL}.status"
-HEARTBEAT = f"{CTL}.heartbeat"
+HEARTBEAT = f"{CTL}.heartbeat"  # .<kind>.<worker_id>
+ACK = f"{CTL}.ack"  # .<kind>.<worker_id>
 HEARTBEAT_S = 2.0
 
 Serve = Callable[[CommonSettings, RunConfig, asyncio.Event, contextlib.AsyncExitStack], Awaitable[None]]
@@ -113,7 +116,10 @@ class JobAgent:
 
     async def _publish_status(self) -> None:
         if self.nc is not None and self.nc.is_connected:
-            await self.nc.publish(HEARTBEAT, self.status().SerializeToString())
+            await self.nc.publish(self._mine(HEARTBEAT), self.status().SerializeToString())
+
+    def _mine(self, base: str) -> str:
+        return f"{base}.{self.service}.{self.worker_id}"
 
     async def _heartbeat(self) -> None:
         while True:
@@ -121,10 +127,10 @@ class JobAgent:
                 await self._publish_status()
             await asyncio.sleep(HEARTBEAT_S)
 
-    async def _reply(self, msg: Msg, ack: ev.JobAck) -> None:
-        if msg.reply and self.nc is not None:
+    async def _reply(self, ack: ev.JobAck) -> None:
+        if self.nc is not None:
             with contextlib.suppress(Exception):
-                await self.nc.publish(msg.reply, ack.SerializeToString())
+                await self.nc.publish(self._mine(ACK), ack.SerializeToString())
                 await self.nc.flush(timeout=2)  # before the job's start-up can hold the loop
 
     def _ack(self, run_id: str, error: ev.ErrorInfo | None = None) -> ev.JobAck:
@@ -133,10 +139,9 @@ class JobAgent:
             ack.error.CopyFrom(error)
         return ack
 
-    async def _on_status(self, msg: Msg) -> None:
-        if msg.reply and self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.publish(msg.reply, self.status().SerializeToString())
+    async def _on_status(self, _: Msg) -> None:
+        with contextlib.suppress(Exception):
+            await self._publish_status()
 
     def _decoded(self, msg: Msg, msg_type: type[M]) -> M | None:
         """The message, or None (logged) when it is not one: the agent serves on."""
@@ -157,18 +162,18 @@ class JobAgent:
             busy = None
             if job.spec.run_id != spec.run_id:
                 busy = ev.ErrorInfo(code="busy", message=f"{self.worker_id} is running job {job.spec.run_id}")
-            await self._reply(msg, self._ack(spec.run_id, busy))  # a resent start is acknowledged again
+            await self._reply(self._ack(spec.run_id, busy))  # a resent start is acknowledged again
             return
         try:
             job = self._prepare(spec)
         except ConfigFileError as err:
             self.log.warning("job_refused", run_id=spec.run_id, reason=err.message)
-            await self._reply(msg, self._ack(spec.run_id, ev.ErrorInfo(code="invalid", message=err.message)))
+            await self._reply(self._ack(spec.run_id, ev.ErrorInfo(code="invalid", message=err.message)))
             return
         _detail.clear()
         self.job = job
         job.task = asyncio.ensure_future(self._run(job))
-        await self._reply(msg, self._ack(spec.run_id))
+        await self._reply(self._ack(spec.run_id))
 
     def _prepare(self, spec: ev.JobSpec) -> Job:
         """Validates the job's run id and parses its config, once: `serve` gets the parsed config."""
@@ -212,7 +217,7 @@ class JobAgent:
         job = self.job
         if job is not None and job.spec.run_id == spec.run_id:
             await self._end(job, spec.reason or "stopped by the job's owner")
-        await self._reply(msg, self._ack(spec.run_id))  # stopping a job this worker is not running is a no-op
+        await self._reply(self._ack(spec.run_id))  # stopping a job this worker is not running is a no-op
 
     async def _end(self, job: Job, reason: str) -> None:
         self.log.info("job_stopping", run_id=job.spec.run_id, reason=reason)
@@ -227,20 +232,31 @@ class JobAgent:
         self.log.info("job_stopped", run_id=job.spec.run_id)
 
 
+def heard(raw: Msg, msg_type: type[M]) -> M | None:
+    """A heartbeat or ack as its worker sent it, or None: not one, or naming another worker."""
+    try:
+        msg = decode(msg_type, raw.data)
+        said_by(raw.subject, msg)
+    except (MalformedMessage, ForgedSender) as err:
+        get_logger(component="control").warning(
+            "message_rejected", subject=raw.subject, code=err.code, reason=str(err)
+        )
+        return None
+    return msg
+
+
 async def discover(nc: NATS, wait_s: float = 1.0) -> list[ev.WorkerStatus]:
-    """Asks every service on the plane for its status and collects the answers for `wait_s`."""
-    inbox = nc.new_inbox()
+    """Asks every service on the plane for its status and collects their heartbeats for `wait_s`."""
     found: dict[str, ev.WorkerStatus] = {}
 
-    async def on_reply(msg: Msg) -> None:
-        with contextlib.suppress(MalformedMessage):
-            st = decode(ev.WorkerStatus, msg.data)
-            if st.worker_id:
-                found[st.worker_id] = st
+    async def on_beat(raw: Msg) -> None:
+        st = heard(raw, ev.WorkerStatus)
+        if st is not None:
+            found[st.worker_id] = st
 
-    sub = await nc.subscribe(inbox, cb=on_reply)
+    sub = await nc.subscribe(f"{HEARTBEAT}.*.*", cb=on_beat)
     try:
-        await nc.publish(STATUS, b"", reply=inbox)
+        await nc.publish(STATUS, b"")
         await asyncio.sleep(wait_s)
     finally:
         await sub.unsubscribe()
@@ -250,24 +266,24 @@ async def discover(nc: NATS, wait_s: float = 1.0) -> list[ev.WorkerStatus]:
 async def command(
     nc: NATS, subject: str, msg: Any, targets: list[str], timeout_s: float, resend_s: float = 2.0
 ) -> dict[str, ev.JobAck]:
-    """Sends a start/stop to `targets` (resending to those that have not answered) and collects acks."""
-    inbox = nc.new_inbox()
+    """Sends a start/stop of `msg.run_id` to `targets` (resending to those that have not answered)
+    and collects their acks."""
     acks: dict[str, ev.JobAck] = {}
     all_in = asyncio.Event()
 
-    async def on_reply(raw: Msg) -> None:
-        with contextlib.suppress(MalformedMessage):
-            ack = decode(ev.JobAck, raw.data)
-            if ack.worker_id in targets:
-                acks[ack.worker_id] = ack
-                if len(acks) == len(targets):
-                    all_in.set()
+    async def on_ack(raw: Msg) -> None:
+        ack = heard(raw, ev.JobAck)
+        if ack is not None and ack.run_id == msg.run_id and ack.worker_id in targets:
+            acks[ack.worker_id] = ack
+            if len(acks) == len(targets):
+                all_in.set()
 
-    sub = await nc.subscribe(inbox, cb=on_reply)
+    sub = await nc.subscribe(f"{ACK}.*.*", cb=on_ack)
+    await nc.flush()
     deadline = asyncio.get_running_loop().time() + timeout_s
     try:
         while not all_in.is_set():
-            await nc.publish(subject, msg.SerializeToString(), reply=inbox)
+            await nc.publish(subject, msg.SerializeToString())
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 break

@@ -1,23 +1,28 @@
-"""Per-stack credentials and who may publish what.
+"""Per-stack credentials and who may do what.
 
-`generate` writes one directory per identity (each service kind, and `cli` for the operator's
-`libra run`), holding only that identity's secrets as files named after the settings they fill
-(`libra_nats_password`, ...), so `LIBRA_SECRETS_DIR=<dir>/<identity>` is all a process needs — the
-same layout a Kubernetes Secret or a compose secret mounts. Beside them, `nats/nats.conf` holds the
-NATS users, each allowed only what its role needs (docs/security.md has the table): the subjects it
-owns to publish (only the planner plans, only the scheduler completed trajectories, only the
-trainer weight updates), the events it consumes to subscribe, its own durable consumer to pull, the
-last-value subjects it reads, its own reply inbox, and replies only to requests it received; the
-JetStream API that makes streams and consumers only for the operator's `cli`. `redis/redis.conf`
-holds a Redis ACL user per identity, allowed only its own keys (no default user). Nothing here
-ever prints a secret.
+`generate` writes one directory per identity (each worker of the stack, or each service kind where
+workers cannot be named ahead, and `cli` for the operator's `libra run`), holding only that
+identity's secrets as files named after the settings they fill (`libra_nats_password`, ...), so
+`LIBRA_SECRETS_DIR=<dir>/<identity>` is all a process needs — the same layout a Kubernetes Secret
+or a compose secret mounts. Beside them, `nats/nats.conf` holds the NATS users, each allowed only
+what its role needs (docs/security.md has the table): the subjects it owns to publish (only the
+planner plans, only the scheduler completed trajectories, only the trainer weight updates), the
+subjects on which a worker speaks for itself for its own worker id only (hello, heartbeat, load,
+turn results: subjects.SPOKEN), the events it consumes to subscribe, its own durable consumer to
+pull, the last-value subjects it reads, its own reply inbox, and replies only to requests it
+received; the JetStream API that makes streams and consumers only for the operator's `cli`.
+`redis/redis.conf` holds a Redis ACL user per identity, allowed only its own keys and its own
+worker lease (no default user). Nothing here ever prints a secret.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,21 +31,36 @@ from services.common.streams import SCHEDULER_FEED, TRAINER_FEED
 
 SERVICES = ("planner", "scheduler", "rollout-engine", "trainer", "tool-sandbox")
 IDENTITIES = (*SERVICES, "cli")
+"""The identities of a stack whose workers share one per kind (Kubernetes, where pod names are not
+known ahead): `generate(root)`. `generate(root, workers)` gives every worker its own instead."""
 NATS_MAX_PAYLOAD = 8 << 20
 """Largest NATS message the stack accepts (a 64k-token trajectory with logprobs is about 0.6 MB)."""
 
 _RUN = "libra.v1.*"
 _CTL = "libra.ctl.v1"
 _JS = "$JS.API"
-_COMMON = ("worker.hello", "errors")
+CTL_SPOKEN = (f"{_CTL}.heartbeat", f"{_CTL}.ack")
+"""Where a worker tells the operator its status and its answer to a job command, as on a run's
+spoken subjects (subjects.SPOKEN): `<subject>.<kind>.<worker_id>`."""
+
+
+def kind_of(identity: str) -> str:
+    """The service kind of an identity or worker id (rollout-engine-3 → rollout-engine)."""
+    for kind in IDENTITIES:
+        if identity == kind or identity.startswith(kind + "-"):
+            return kind
+    raise ValueError(f"{identity!r} names no service kind (one of {', '.join(IDENTITIES)}, or <kind>-<n>)")
 
 
 @dataclass(frozen=True)
 class Grants:
-    """What one identity may do on NATS; run-scoped subjects are suffixes of `libra.v1.<run>.`."""
+    """What one kind may do on NATS; run-scoped subjects are suffixes of `libra.v1.<run>.`."""
 
     publishes: tuple[str, ...] = ()
+    speaks: tuple[str, ...] = ()
+    """Spoken subjects (subjects.SPOKEN) it publishes on, for its own worker id only."""
     subscribes: tuple[str, ...] = ()
+    """Spoken ones among them are subscribed for every speaker."""
     pulls: tuple[str, ...] = ()
     """Durable consumers (services/common/streams.py) it may fetch from and acknowledge."""
     reads: tuple[str, ...] = (subjects.PLAN,)
@@ -78,8 +98,8 @@ _GRANTS: dict[str, Grants] = {
         reads=(subjects.PLAN, subjects.FACTS_TRAINER),
     ),
     "rollout-engine": Grants(
-        publishes=(subjects.TURN_RESULT, subjects.ENGINE_LOAD, subjects.HYBRID_STATE),
-        subscribes=(subjects.PLAN, f"{subjects.TURN_REQUEST}.*", subjects.HYBRID_GROUP),
+        speaks=(subjects.TURN_RESULT, subjects.ENGINE_LOAD, subjects.HYBRID_STATE),
+        subscribes=(subjects.PLAN, subjects.HYBRID_GROUP),  # and its own turn requests
     ),
     "tool-sandbox": Grants(publishes=(subjects.TOOL_RETURN,), subscribes=(subjects.PLAN, subjects.TOOL_CALL)),
     "trainer": Grants(
@@ -87,10 +107,10 @@ _GRANTS: dict[str, Grants] = {
             subjects.WEIGHTS_UPDATED,
             subjects.TRAIN_METRICS,
             subjects.GROUP_OUTCOME,
-            subjects.HYBRID_STATE,
             subjects.HYBRID_GROUP,
             subjects.FACTS_TRAINER,
         ),
+        speaks=(subjects.HYBRID_STATE,),  # a refused join, about the worker it refuses (bus.py)
         subscribes=(subjects.PLAN, subjects.HYBRID_STATE),
         pulls=(TRAINER_FEED.durable,),
     ),
@@ -100,6 +120,7 @@ _GRANTS: dict[str, Grants] = {
         reads=(">",),
     ),
 }
+_SPOKEN_BY_ALL = (subjects.WORKER_HELLO, subjects.METRICS, subjects.ERRORS)
 _CLI_JS = (  # the control identity: a run's streams and consumers, made, read and deleted
     f"{_JS}.INFO",
     f"{_JS}.STREAM.CREATE.*",
@@ -111,32 +132,54 @@ _CLI_JS = (  # the control identity: a run's streams and consumers, made, read a
 )
 
 
+@dataclass(frozen=True)
+class Identity:
+    """A NATS and Redis user: one worker's own (`per_worker`), or shared by every worker of a kind."""
+
+    name: str
+    per_worker: bool = False
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.name)
+
+    @property
+    def speaks_as(self) -> str:
+        """The worker-id token of the subjects it speaks on: its own id, or any of its kind's."""
+        return self.name if self.per_worker else "*"
+
+    def speaking(self, base: str) -> str:
+        return f"{base}.{self.kind}.{self.speaks_as}"
+
+
 _REDIS_COMMANDS = "-@all +@read +@write +@scripting +@connection +@transaction +select -@dangerous"
 _REDIS_KEYS: dict[str, tuple[str, ...]] = {
-    # `~` read and write, `%R~` read only; keys are libra:<run>:… (services/common/ownership.py)
+    # `~` read and write, `%R~` read only; keys are libra:<run>:… (services/common/ownership.py);
+    # every worker also renews (and releases) its own lease:worker:<worker_id> (redis_acl)
     "planner": ("~libra:*:lease:*", "~libra:*:fence:*", "~libra:*:plans", "~libra:*:role_changes"),
     "trainer": (
         "~libra:*:trainer:*",
         "~libra:*:trained",
         "~libra:*:lease:role:trainer",
-        "~libra:*:lease:worker:*",
         "%R~libra:*:lease:*",
     ),
-    "scheduler": ("~libra:*:scheduler:*", "~libra:*:lease:worker:*", "%R~libra:*:lease:*"),
-    "rollout-engine": ("~libra:*:lease:worker:*", "%R~libra:*:lease:*"),
-    "tool-sandbox": ("~libra:*:lease:worker:*", "%R~libra:*:lease:*"),
+    "scheduler": ("~libra:*:scheduler:*", "%R~libra:*:lease:*"),
+    "rollout-engine": ("%R~libra:*:lease:*",),
+    "tool-sandbox": ("%R~libra:*:lease:*",),
     "cli": ("%R~libra:*",),
 }
-"""Each identity's Redis keys: the planner leases and fences workers and keeps the plan history,
-the trainer its commit record and trained set, the scheduler its ledger; a worker renews (and
-releases) worker leases and reads the others; the operator reads."""
+"""Each kind's Redis keys: the planner leases and fences workers and keeps the plan history,
+the trainer its commit record and trained set, the scheduler its ledger; a worker reads the
+leases; the operator reads."""
 
 
-def redis_acl(identity: str, password: str) -> str:
+def redis_acl(identity: Identity, password: str) -> str:
     """The Redis ACL line of `identity` (redis.conf `user` directive)."""
-    return " ".join(
-        ("user", identity, "on", f">{password}", "resetchannels", *_REDIS_KEYS[identity], _REDIS_COMMANDS)
-    )
+    keys = list(_REDIS_KEYS[identity.kind])
+    if identity.kind != "cli":  # its own worker lease: exactly its id, or its kind's ids
+        own = identity.name if identity.per_worker else f"{identity.kind}*"
+        keys.append(f"~libra:*:lease:worker:{own}")
+    return " ".join(("user", identity.name, "on", f">{password}", "resetchannels", *keys, _REDIS_COMMANDS))
 
 
 def inbox_prefix(identity: str) -> str:
@@ -144,14 +187,14 @@ def inbox_prefix(identity: str) -> str:
     return f"_INBOX_{identity}"
 
 
-def publish_allowed(identity: str) -> list[str]:
+def publish_allowed(identity: Identity) -> list[str]:
     """The subjects `identity` may publish to. Replies to requests it received are allowed by
     `allow_responses` (nats_config), to those requests' reply subjects only; no other inbox."""
-    g = _GRANTS[identity]
-    run_scoped = [*g.publishes]
-    if identity != "cli":
-        run_scoped += [*_COMMON, f"{subjects.METRICS}.{identity}"]
-    out = [f"{_RUN}.{s}" for s in run_scoped]
+    kind = identity.kind
+    g = _GRANTS[kind]
+    speaks = [*g.speaks, *_SPOKEN_BY_ALL] if kind != "cli" else []
+    out = [f"{_RUN}.{s}" for s in g.publishes]
+    out += [f"{_RUN}.{identity.speaking(s)}" for s in speaks]
     for durable in g.pulls:
         out += [
             f"{_JS}.CONSUMER.INFO.*.{durable}",
@@ -160,26 +203,29 @@ def publish_allowed(identity: str) -> list[str]:
         ]
     out += [f"{_JS}.DIRECT.GET.*.{_RUN}.{s}" for s in g.reads]
     # a service waits for the streams it uses (their configuration and counts, never their messages)
-    out += [*_CLI_JS] if identity == "cli" else [f"{_JS}.STREAM.INFO.*"]
-    # the control plane: the operator starts, stops and polls jobs; services report heartbeats
-    out += (
-        [f"{_CTL}.job.start", f"{_CTL}.job.stop", f"{_CTL}.status"]
-        if identity == "cli"
-        else [f"{_CTL}.heartbeat"]
-    )
+    out += [*_CLI_JS] if kind == "cli" else [f"{_JS}.STREAM.INFO.*"]
+    # the control plane: the operator starts, stops and polls jobs; services report heartbeats and acks
+    if kind == "cli":
+        out += [f"{_CTL}.job.start", f"{_CTL}.job.stop", f"{_CTL}.status"]
+    else:
+        out += [identity.speaking(s) for s in CTL_SPOKEN]
     return out
 
 
-def subscribe_allowed(identity: str) -> list[str]:
-    """The subjects `identity` may subscribe to: the events its role consumes, its own inbox, and
-    the control plane's (services: job start, stop and status; the operator: heartbeats)."""
-    run = [f"{_RUN}.{s}" for s in _GRANTS[identity].subscribes]
+def subscribe_allowed(identity: Identity) -> list[str]:
+    """The subjects `identity` may subscribe to: the events its role consumes (every speaker's, on
+    a spoken subject), its own turn requests (an engine), its own inbox, and the control plane's
+    (services: job start, stop and status; the operator: heartbeats and acks)."""
+    kind = identity.kind
+    run = [f"{s}.>" if s in subjects.SPOKEN else s for s in _GRANTS[kind].subscribes]
+    if kind == "rollout-engine":
+        run.append(f"{subjects.TURN_REQUEST}.{identity.speaks_as}")
     ctl = (
-        [f"{_CTL}.heartbeat"]
-        if identity == "cli"
+        [f"{s}.>" for s in CTL_SPOKEN]
+        if kind == "cli"
         else [f"{_CTL}.job.start", f"{_CTL}.job.stop", f"{_CTL}.status"]
     )
-    return [*run, *ctl, f"{inbox_prefix(identity)}.>"]
+    return [*(f"{_RUN}.{s}" for s in run), *ctl, f"{inbox_prefix(identity.name)}.>"]
 
 
 @dataclass(frozen=True)
@@ -205,6 +251,18 @@ class StackCredentials:
     def redis_conf(self) -> Path:
         return self.root / "redis" / "redis.conf"
 
+    @property
+    def layout_file(self) -> Path:
+        return self.root / "identities.json"
+
+    def identities(self) -> list[Identity]:
+        """The stack's identities (the operator's `cli` last); none before `generate`."""
+        try:
+            layout = json.loads(self.layout_file.read_text())
+        except FileNotFoundError:
+            return []
+        return [Identity(name, bool(layout["per_worker"]) and name != "cli") for name in layout["identities"]]
+
     def read(self, identity: str, name: str) -> str:
         return (self.identity_dir(identity) / name).read_text().strip()
 
@@ -229,7 +287,7 @@ def _write_secret(path: Path, value: str) -> None:
         f.write(value)
 
 
-def nats_config(passwords: dict[str, str]) -> str:
+def nats_config(passwords: dict[Identity, str]) -> str:
     """nats-server configuration: one user per identity with its publish and subscribe permissions."""
     users = []
     for identity, password in passwords.items():
@@ -241,51 +299,85 @@ def nats_config(passwords: dict[str, str]) -> str:
             # match the request: every responder here subscribes to a request subject once.)
             "allow_responses": {"max": 1, "expires": "1m"},
         }
-        users.append({"user": identity, "password": password, "permissions": perms})
+        users.append({"user": identity.name, "password": password, "permissions": perms})
     # JSON is valid nats-server configuration syntax
     body = json.dumps({"users": users}, indent=2)
     return f"max_payload: {NATS_MAX_PAYLOAD}\nauthorization: {body}\n"
 
 
-def generate(root: Path, owner_uid: int | None = None) -> StackCredentials:
-    """Creates fresh credentials under `root` (mode 0700), or keeps the ones already there: a
-    restarted stack keeps talking to the Redis data and NATS streams it wrote before. With
-    `owner_uid` (run as root, e.g. compose's one-shot `credentials` service) the identities'
-    directories are handed to the uid the service images run as; nats and redis stay root's."""
+def generate(
+    root: Path, workers: Sequence[str] | None = None, owner_uid: int | None = None
+) -> StackCredentials:
+    """Writes the credentials of a stack under `root` (mode 0700): one identity per worker in
+    `workers` (each speaks only for itself), or, without them, one per service kind (workers of a
+    kind share it: Kubernetes, where pod names are not known ahead). Secrets already there are
+    kept, so a restarted stack keeps talking to the Redis data and NATS streams it wrote before;
+    identities no longer named are removed. With `owner_uid` (run as root, e.g. compose's one-shot
+    `credentials` service) the identities' directories are handed to the uid the service images
+    run as; nats and redis stay root's."""
+    names = [*(workers if workers is not None else SERVICES), "cli"]
+    for name in names:
+        if not _ID_RE.match(name):
+            raise ValueError(f"identity {name!r}: letters, digits, '-' and '_' only (at most 64)")
+        kind_of(name)  # names a kind
+    if len(set(names)) != len(names):
+        raise ValueError(f"identities named twice: {names}")
     creds = StackCredentials(root)
+    wanted = [Identity(n, workers is not None and n != "cli") for n in names]
     complete = creds.nats_conf.exists() and all(
-        (creds.identity_dir(i) / name).exists()
-        for i in IDENTITIES
-        for name in ("libra_nats_password", "libra_redis_user")
+        (creds.identity_dir(i.name) / f).exists()
+        for i in wanted
+        for f in ("libra_nats_password", "libra_redis_user")
     )
-    if not complete:
-        _write_all(creds)
+    if not complete or creds.identities() != wanted:
+        _write_all(creds, wanted)
     if owner_uid is not None:
-        for identity in IDENTITIES:
-            d = creds.identity_dir(identity)
+        for identity in wanted:
+            d = creds.identity_dir(identity.name)
             for path in (d, *d.iterdir()):
                 os.chown(path, owner_uid, owner_uid)
         os.chmod(root, 0o711)  # the services reach their own directory and list nothing
     return creds
 
 
-def _write_all(creds: StackCredentials) -> None:
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_WEIGHT_SYNC_KINDS = ("rollout-engine", "trainer", "cli")
+
+
+def _write_all(creds: StackCredentials, identities: list[Identity]) -> None:
     creds.root.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(creds.root, 0o700)
-    token = secrets.token_urlsafe(32)
-    passwords = {i: secrets.token_urlsafe(24) for i in IDENTITIES}
-    redis_passwords = {i: secrets.token_urlsafe(24) for i in IDENTITIES}
-    for identity in IDENTITIES:
-        d = creds.identity_dir(identity)
-        _write_secret(d / "libra_nats_user", identity)
+
+    def kept(identity: str, name: str) -> str:
+        path = creds.identity_dir(identity) / name
+        return path.read_text().strip() if path.exists() else secrets.token_urlsafe(24)
+
+    token = next(
+        (kept(i.name, "libra_weight_sync_token") for i in creds.identities() if i.kind in _WEIGHT_SYNC_KINDS),
+        secrets.token_urlsafe(32),
+    )
+    for old in creds.identities():
+        if old not in identities:
+            shutil.rmtree(creds.identity_dir(old.name), ignore_errors=True)
+    passwords = {i: kept(i.name, "libra_nats_password") for i in identities}
+    redis_passwords = {i: kept(i.name, "libra_redis_password") for i in identities}
+    for identity in identities:
+        d = creds.identity_dir(identity.name)
+        _write_secret(d / "libra_nats_user", identity.name)
         _write_secret(d / "libra_nats_password", passwords[identity])
-        _write_secret(d / "libra_redis_user", identity)
+        _write_secret(d / "libra_redis_user", identity.name)
         _write_secret(d / "libra_redis_password", redis_passwords[identity])
-        if identity in ("rollout-engine", "trainer", "cli"):
+        if identity.per_worker:  # the worker it speaks for (CommonSettings.identity_worker)
+            _write_secret(d / "libra_identity_worker", identity.name)
+        else:
+            (d / "libra_identity_worker").unlink(missing_ok=True)
+        if identity.kind in _WEIGHT_SYNC_KINDS:
             _write_secret(d / "libra_weight_sync_token", token)
     _write_secret(creds.nats_conf, nats_config(passwords))
-    acl = [redis_acl(i, redis_passwords[i]) for i in IDENTITIES]
+    acl = [redis_acl(i, redis_passwords[i]) for i in identities]
     _write_secret(creds.redis_conf, "\n".join(["user default off", *acl]) + "\n")
+    layout = {"per_worker": any(i.per_worker for i in identities), "identities": [i.name for i in identities]}
+    _write_secret(creds.layout_file, json.dumps(layout))
 
 
 def k8s_secrets(creds: StackCredentials, namespace: str) -> list[dict[str, object]]:
@@ -300,7 +392,7 @@ def k8s_secrets(creds: StackCredentials, namespace: str) -> list[dict[str, objec
         secret("libra-nats-config", {"nats.conf": creds.nats_conf.read_text()}),
         secret("libra-redis-config", {"redis.conf": creds.redis_conf.read_text()}),
     ]
-    for identity in IDENTITIES:
-        files = {f.name: f.read_text() for f in sorted(creds.identity_dir(identity).iterdir())}
-        out.append(secret(f"libra-{identity}-credentials", files))
+    for identity in creds.identities():
+        files = {f.name: f.read_text() for f in sorted(creds.identity_dir(identity.name).iterdir())}
+        out.append(secret(f"libra-{identity.name}-credentials", files))
     return out

@@ -13,6 +13,12 @@ class MalformedMessage(LibraError):
     code = "malformed"
 
 
+class ForgedSender(LibraError):
+    """A message on a worker's own subject names another worker (or kind) as its sender."""
+
+    code = "forged_sender"
+
+
 class InvalidMessage(LibraError):
     """The message decoded but breaks a contract rule (missing id, bad value)."""
 

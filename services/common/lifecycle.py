@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
     run = load_run_config(common.config) if common.config else None
     common.require_credentials()
     pinned = run is not None
-    worker_id = common.worker_id or f"{service}-{socket.gethostname()}-{os.getpid()}"
+    worker_id = common.resolve_worker_id(service)
     common = common.model_copy(update={"worker_id": worker_id})
     run_id = common.run_id if pinned else None
     configure_logging(

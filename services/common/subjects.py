@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 TURN_REQUEST = "turn.request"  # .<engine_id>
-TURN_RESULT = "turn.result"
+TURN_RESULT = "turn.result"  # .<kind>.<worker_id> (spoken, below)
 TOOL_CALL = "tool.call"
 TOOL_RETURN = "tool.return"
 TRAJ_COMPLETED = "traj.completed"
 GROUP_OUTCOME = "group.outcome"
 ENGINE_LOAD = "engine.load"
-WORKER_HELLO = "worker.hello"
+WORKER_HELLO = "worker.hello"  # .<kind>.<worker_id>
 PLAN = "plan.current"
 ROLE_CHANGE = "plan.role_change"
 ROLE_REQUEST = "plan.role_request"  # the operator asks the planner to move a worker (request/reply)
@@ -17,7 +17,7 @@ HYBRID_STATE = "hybrid.state"  # a worker's progress into training and back
 HYBRID_GROUP = "hybrid.group"  # the trainer's data-parallel group of a generation
 WEIGHTS_UPDATED = "weights.updated"
 TRAIN_METRICS = "train.metrics"
-METRICS = "metrics"  # .<service>
+METRICS = "metrics"  # .<kind>.<worker_id>
 ERRORS = "errors"
 SCHEDULER_STATS = "scheduler.stats"
 WORKLOAD_STATS = "workload.stats"
@@ -25,6 +25,22 @@ FACTS = "facts"  # .<service>: what it owns that a job's report reads (services/
 FACTS_TRAINER = f"{FACTS}.trainer"
 FACTS_SCHEDULER = f"{FACTS}.scheduler"
 FACTS_PLANNER = f"{FACTS}.planner"
+
+
+SPOKEN = (WORKER_HELLO, HYBRID_STATE, ENGINE_LOAD, TURN_RESULT, METRICS, ERRORS)
+"""Where a worker speaks for itself: it publishes on `<subject>.<kind>.<worker_id>`, a subject only
+its own NATS user may publish to (services/common/credentials.py), and a receiver takes the sender
+from the subject, refusing a message whose body claims another (services/common/bus.py)."""
+
+
+def spoken(base: str, kind: str, worker_id: str) -> str:
+    return f"{base}.{kind}.{worker_id}"
+
+
+def speaker(subject: str) -> tuple[str, str]:
+    """(kind, worker id) of a spoken subject: its last two tokens."""
+    *_, kind, worker_id = subject.split(".")
+    return kind, worker_id
 
 
 def subject(run_id: str, *parts: str) -> str:

@@ -398,7 +398,7 @@ class RolloutEngineService:
             last_t, last_tokens = now, tokens
             with contextlib.suppress(Exception):
                 await self.bus.publish(subjects.ENGINE_LOAD, self.load_report(rate))
-                await self.bus.publish(f"{subjects.METRICS}.{SERVICE}", self.metrics(rate))
+                await self.bus.publish(subjects.METRICS, self.metrics(rate))
 
     def metrics(self, tokens_per_s: float) -> ev.MetricSample:
         """The load report plus what EngineLoad has no field for, above all whether it is emulated."""

@@ -145,7 +145,7 @@ class TrajectoryDriver:
             await self._finish(live, result)
 
     async def on_turn_result(self, res: ev.TurnResult, _: Envelope) -> None:
-        live = self.inflight.turn_answered(res.request_id)
+        live = self.inflight.turn_answered(res.request_id, res.engine_id)  # (the bus checked who sent it)
         if live is None:
             return  # a late answer to a request we already re-sent, or another run's
         try:

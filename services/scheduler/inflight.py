@@ -204,13 +204,21 @@ class InFlight:
         for engine_id in list(self.dispatch.engines):
             await self.drain(engine_id)
 
-    def turn_answered(self, request_id: str) -> Live | None:
-        """The trajectory whose turn this answers (its engine slot frees), or None: a late answer
-        to a request already re-sent, or another run's."""
+    def turn_answered(self, request_id: str, engine_id: str) -> Live | None:
+        """The trajectory whose turn `engine_id` answers (its engine slot frees), or None: a late
+        answer to a request already re-sent, another run's, or one sent to another engine."""
         traj_id = self._by_request.get(request_id)
         if traj_id is None:
             return None
         live = self._live[traj_id]
+        if live.engine_id != engine_id:
+            self.log.warning(
+                "turn_result_from_another_engine",
+                request_id=request_id,
+                sent_to=live.engine_id,
+                from_=engine_id,
+            )
+            return None
         self._forget_turn(live)
         return live
 

@@ -103,7 +103,7 @@ class ToolSandboxService:
                 if isinstance(v, int | float)
             }
             sample = ev.MetricSample(service="tool-sandbox", worker_id=self.bus.worker_id, values=values)
-            await self.bus.publish(f"{subjects.METRICS}.tool-sandbox", sample)
+            await self.bus.publish(subjects.METRICS, sample)
 
 
 def _flatten(d: dict[str, object], prefix: str = "") -> dict[str, object]:

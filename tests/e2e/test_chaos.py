@@ -113,9 +113,9 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
         finally:
             await close_nats(nc)
 
-    stack.start_infra()
+    stack.start_infra(cfg.rollout.engines)
     try:
-        stack.start_services(cfg.rollout.engines)
+        stack.start_services()
         t = threading.Thread(target=lambda: asyncio.run(chaos()), daemon=True)
         t.start()
         report = run_job(

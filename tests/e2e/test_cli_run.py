@@ -93,9 +93,9 @@ def test_run_on_a_stack_reached_by_its_endpoints(tmp_path: Path) -> None:
     project = tmp_path / "elsewhere"
     project.mkdir()
     stack = Stack(f"remote-{uuid.uuid4().hex[:6]}", tmp_path / "logs")
-    stack.start_infra()
+    stack.start_infra(load_run_config(ROOT / "configs" / "tiny.yaml").rollout.engines)
     try:
-        stack.start_services(load_run_config(ROOT / "configs" / "tiny.yaml").rollout.engines)
+        stack.start_services()
         assert stack.credentials is not None
         endpoints = ["--nats-url", stack.nats_url, "--redis-url", stack.redis_url]
         run_id = f"remote-{uuid.uuid4().hex[:8]}"

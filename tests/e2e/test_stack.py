@@ -23,7 +23,6 @@ import yaml
 from services.common import control, subjects
 from services.common.bus import Bus, Envelope, close_nats
 from services.common.contracts import ev
-from services.common.credentials import IDENTITIES
 from services.common.ownership import committed_key
 from services.common.runconfig import load_run_config
 from services.common.streams import STREAMS
@@ -50,9 +49,9 @@ def stack(tiny_model: Any, otlp: OtlpReceiver, tmp_path_factory: pytest.TempPath
     logs = tmp_path_factory.mktemp("stack") / "logs"
     # workload stats every 0.5 s (default 5 s): a tiny job lasts only seconds
     s = Stack(f"e2e-{int(time.time())}", logs, otlp.endpoint, {"LIBRA_SCHEDULER_STATS_INTERVAL_S": "0.5"})
-    s.start_infra()
+    s.start_infra(load_run_config(TINY).rollout.engines)
     try:
-        s.start_services(load_run_config(TINY).rollout.engines)
+        s.start_services()
         yield s
     finally:
         s.stop()
@@ -93,10 +92,13 @@ def _meanwhile(
                     break
         finally:
             await close_nats(nc)
-        buses = {
-            i: await Bus.connect(stack.nats_url, run_id, i, f"test-{i}", stack.nats_auth(i))
-            for i in IDENTITIES
-        }
+        buses: dict[str, Bus] = {}  # one worker of each kind (the stack has an identity per worker)
+        assert stack.credentials is not None
+        for i in stack.credentials.identities():
+            if i.kind not in buses:
+                buses[i.kind] = await Bus.connect(
+                    stack.nats_url, run_id, i.kind, i.name, stack.nats_auth(i.name)
+                )
         try:
             await action(buses)
             for bus in buses.values():
@@ -126,7 +128,7 @@ async def _garbage_and_forgeries(buses: dict[str, Bus]) -> None:
         bus = buses[identity]
         for suffix in suffixes:
             for blob in GARBAGE:
-                await bus.nc.publish(bus.subject(suffix), blob)
+                await bus.nc.publish(bus.outgoing(suffix), blob)
     scheduler = buses["scheduler"]
     await scheduler.bind_stream("TRAJ")
     for i, blob in enumerate(GARBAGE):
@@ -702,9 +704,9 @@ def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path
 def test_a_killed_service_fails_the_job_with_a_report(tiny_model: Any, tmp_path: Path) -> None:
     """Restarts off: the scheduler is killed mid-job and the report says so (on a stack of its own)."""
     own = Stack(f"e2e-kill-{int(time.time())}", tmp_path / "logs", max_restarts=0)
-    own.start_infra()
+    own.start_infra(load_run_config(TINY).rollout.engines)
     try:
-        own.start_services(load_run_config(TINY).rollout.engines)
+        own.start_services()
         config = _config(tmp_path, training={"steps": 50})
 
         async def kill_scheduler(_: dict[str, Bus]) -> None:
@@ -728,10 +730,10 @@ def test_a_standby_trainer_takes_over_a_dead_one(tiny_model: Any, tmp_path: Path
     """Restarts off, one standby: the trainer is killed mid-job; when its lease runs out the planner
     gives the role to the standby, which resumes from the last committed checkpoint."""
     own = Stack(f"e2e-standby-{int(time.time())}", tmp_path / "logs", max_restarts=0)
-    own.start_infra()
+    own.start_infra(load_run_config(TINY).rollout.engines, standby_trainers=1)
     run_id = f"job-standby-{RUN}"
     try:
-        own.start_services(load_run_config(TINY).rollout.engines, standby_trainers=1)
+        own.start_services()
         config = _config(tmp_path, training={"steps": 12}, job={"lease_ttl_s": 4})
 
         async def kill_trainer(buses: dict[str, Bus]) -> None:
@@ -769,11 +771,11 @@ def test_an_engine_killed_while_joining_training_costs_one_attempt_and_the_job_g
     comes back (restarted) into rollout, and the job completes with nothing lost or trained twice."""
     env = {"LIBRA_TRAINER_HYBRID_TIMEOUT_S": "5"}
     own = Stack(f"e2e-hybrid-kill-{int(time.time())}", tmp_path / "logs", extra_env=env)
-    own.start_infra()
+    own.start_infra(load_run_config(TINY).rollout.engines)
     run_id = f"job-hybrid-kill-{RUN}"
     killed: list[int] = []
     try:
-        own.start_services(load_run_config(TINY).rollout.engines)
+        own.start_services()
         config = _config(tmp_path, training={"steps": 6})
 
         async def kill_mid_join(buses: dict[str, Bus]) -> None:

@@ -135,8 +135,9 @@ async def test_each_identity_publishes_only_what_it_owns(
         await bus.nc.flush()
     await asyncio.sleep(0.5)
 
-    got = {s.rsplit(run_id + ".", 1)[1] for s, _ in seen}
-    assert got == {suffix for _, suffix, _ in owned}, seen  # every forgery was dropped by the server
+    got = {s for s, _ in seen}
+    expected = {buses[identity].outgoing(suffix) for identity, suffix, _ in owned}
+    assert got == expected, seen  # every forgery was dropped by the server
     for identity, suffix, _ in forgeries:
         assert any("permissions violation" in e and suffix in e for e in errors[identity]), errors[identity]
     for bus in buses.values():
@@ -361,8 +362,8 @@ async def test_each_identity_writes_only_its_own_redis_keys(
         with pytest.raises(Exception, match="(?i)permission"):
             await call
         assert name
-    worker_lease = f"libra:{run_id}:lease:worker:engine-0"  # a worker renews worker leases
-    can_renew = identity in ("planner", "trainer", "scheduler", "rollout-engine", "tool-sandbox")
+    worker_lease = f"libra:{run_id}:lease:worker:rollout-engine-0"  # a worker renews its own lease
+    can_renew = identity in ("planner", "rollout-engine")  # (a kind's shared identity: its kind's)
     try:
         await me.pexpire(worker_lease, 10_000)
         renewed = True

@@ -55,6 +55,30 @@ def test_a_service_without_credentials_refuses_to_start(service: str) -> None:
     assert "Traceback" not in out.stderr
 
 
+def test_a_worker_with_someone_elses_credentials_refuses_to_start(tmp_path: Path) -> None:
+    """Another worker's secrets, or another kind's: every message would be refused by NATS, so the
+    service says which credentials it found and exits 2 before connecting."""
+    from services.common.credentials import generate
+
+    creds = generate(tmp_path / "secrets", workers=["rollout-engine-0", "rollout-engine-1", "tool-sandbox"])
+    nowhere = {"LIBRA_NATS_URL": "nats://127.0.0.1:1"}
+    cases = [
+        (
+            "rollout_engine",
+            "rollout-engine-0",
+            {"LIBRA_WORKER_ID": "rollout-engine-1"},
+            "of worker 'rollout-engine-0'",
+        ),
+        ("rollout_engine", "tool-sandbox", {}, "credentials of 'tool-sandbox', not of a rollout-engine"),
+        ("tool_sandbox", "tool-sandbox", {"LIBRA_WORKER_ID": "sandbox;rm"}, "worker_id"),
+    ]
+    for module, identity, env, said in cases:
+        secrets = {"LIBRA_SECRETS_DIR": str(creds.identity_dir(identity))}
+        out = _run(["-m", f"services.{module}"], nowhere | secrets | env)
+        assert out.returncode == 2, (module, identity, out.stderr)
+        assert said in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_insecure_runs_a_service_without_credentials(nats_server: Server) -> None:
     """`--insecure` (development only) starts it without authentication: it joins the control plane."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}

@@ -62,7 +62,7 @@ class Harness:
             self.metrics.append(m)
 
         await self.bus.subscribe(subjects.WORKER_HELLO, ev.WorkerHello, on_hello)
-        await self.bus.subscribe(f"{subjects.METRICS}.rollout-engine", ev.MetricSample, on_metrics)
+        await self.bus.subscribe(subjects.METRICS, ev.MetricSample, on_metrics)
 
     async def assign(self, store: OwnershipStore) -> ev.WorkerHello:
         """Answers the engine's hello the way the planner does: a lease and a plan naming it."""

@@ -143,6 +143,7 @@ async def test_the_trainer_takes_only_workers_the_plan_gives_the_hybrid_role_und
     from services.common.ownership import OwnershipStore
     from services.trainer.config import TrainerSettings
     from services.trainer.hybrid_host import HybridHost
+    from tests.speaking import speak
 
     store = OwnershipStore.from_url(redis_server.url, run_id)
     bus = await Bus.connect(nats_server.url, run_id, "trainer", "trainer-0")
@@ -178,8 +179,11 @@ async def test_the_trainer_takes_only_workers_the_plan_gives_the_hybrid_role_und
             ("engine-2", old.token),  # its lease is gone (expired: the worker may be dead)
             ("engine-1", live.token),
         ):
-            await worker.publish(
-                subjects.HYBRID_STATE, ev.HybridState(worker_id=wid, state="ready", fencing_token=token)
+            await speak(
+                worker,
+                subjects.HYBRID_STATE,
+                ev.HybridState(worker_id=wid, state="ready", fencing_token=token),
+                "rollout-engine",
             )
         for _ in range(400):
             if len(refused) == 3 and host.ready:

@@ -21,6 +21,7 @@ from services.common.ownership import Lease, OwnershipStore, role_changes_key
 from services.common.runconfig import RunConfig
 from services.planner.config import PlannerSettings
 from services.planner.service import PlannerService
+from tests.speaking import speak
 from tools.report import role_changes
 
 pytestmark = pytest.mark.integration
@@ -71,8 +72,8 @@ async def test_standby_takes_the_trainer_role_and_the_planner_outlives_redis(rig
     watcher, plans, store = rig["watcher"], rig["plans"], rig["store"]
     for wid in ("trainer-a", "trainer-b", "engine-0"):
         kind = "rollout-engine" if wid.startswith("engine") else "trainer"
-        await watcher.publish(
-            subjects.WORKER_HELLO, ev.WorkerHello(worker_id=wid, kind=kind, weight_sync_addr="x:1")
+        await speak(
+            watcher, subjects.WORKER_HELLO, ev.WorkerHello(worker_id=wid, kind=kind, weight_sync_addr="x:1")
         )
     await _until("plan", lambda: plans and len(plans[-1].assignments) == 3)
     plan = plans[-1]
@@ -145,7 +146,8 @@ async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replace
     await first.start()
     try:
         for i in range(4):
-            await watcher.publish(
+            await speak(
+                watcher,
                 subjects.WORKER_HELLO,
                 ev.WorkerHello(worker_id=f"engine-{i}", kind="rollout-engine", weight_sync_addr=f"x:{i}"),
             )
@@ -228,8 +230,8 @@ async def test_an_operator_drains_an_engine_and_brings_it_back_through_the_plann
     await watcher.subscribe(subjects.ROLE_CHANGE, ev.RoleChange, on_change)
     for wid in ("engine-0", "engine-1", "trainer-a"):
         kind = "rollout-engine" if wid.startswith("engine") else "trainer"
-        await watcher.publish(
-            subjects.WORKER_HELLO, ev.WorkerHello(worker_id=wid, kind=kind, weight_sync_addr="x:1")
+        await speak(
+            watcher, subjects.WORKER_HELLO, ev.WorkerHello(worker_id=wid, kind=kind, weight_sync_addr="x:1")
         )
     await _until("plan", lambda: plans and len(plans[-1].assignments) == 3)
     token = next(a.fencing_token for a in plans[-1].assignments if a.worker_id == "engine-0")
@@ -267,9 +269,11 @@ async def test_an_operator_drains_an_engine_and_brings_it_back_through_the_plann
     await _until("hybrid", lambda: _roles(plans[-1]).get("engine-1") == "hybrid")
     token_1 = hybrid.fencing_token
     for state, tok in (("drained", token_1), ("joined", token_1), ("joined", token_1 + 99)):
-        await watcher.publish(
+        await speak(
+            watcher,
             subjects.HYBRID_STATE,
             ev.HybridState(worker_id="engine-1", state=state, fencing_token=tok, seconds=0.5),
+            "rollout-engine",
         )
     key = role_changes_key(watcher.run_id)
     store = rig["store"]
@@ -317,7 +321,8 @@ async def test_the_planner_moves_an_engine_into_training_when_rollout_idles_and_
     await planner.start()
     try:
         for i in range(3):
-            await watcher.publish(
+            await speak(
+                watcher,
                 subjects.WORKER_HELLO,
                 ev.WorkerHello(worker_id=f"engine-{i}", kind="rollout-engine", weight_sync_addr=f"x:{i}"),
             )
@@ -336,8 +341,11 @@ async def test_the_planner_moves_an_engine_into_training_when_rollout_idles_and_
         assert list(_roles(plans[-1]).values()).count("hybrid") == 1, "at most planner.hybrid.workers"
         token = next(a.fencing_token for a in plans[-1].assignments if a.worker_id == moved)
         for state in ("drained", "fetched", "joined"):
-            await watcher.publish(
-                subjects.HYBRID_STATE, ev.HybridState(worker_id=moved, state=state, fencing_token=token)
+            await speak(
+                watcher,
+                subjects.HYBRID_STATE,
+                ev.HybridState(worker_id=moved, state=state, fencing_token=token),
+                "rollout-engine",
             )
 
         busy = ev.WorkloadStats(queued_turns_by_bucket={"short": 40})  # 5 turns per slot of 2 engines

@@ -137,7 +137,7 @@ async def scheduler(
         LIBRA_SCHEDULER_LOST_TURN_GRACE_S="0.5",
         LIBRA_SCHEDULER_TURN_TIMEOUT_S="3",
     )
-    bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
+    bus = await Bus.connect(nats_server.url, run_id, "rollout-engine", ENGINE)  # plays the engine
     harness = Harness(bus)
     await harness.start()
     plan = ev.Plan(
@@ -234,7 +234,7 @@ async def test_lost_and_malformed_turns_are_sent_again_and_bad_input_changes_not
         return h.normal(req)
 
     h.answer = flaky
-    await bus.nc.publish(bus.subject(subjects.TURN_RESULT), b"\xff\x00garbage")
+    await bus.nc.publish(bus.outgoing(subjects.TURN_RESULT), b"\xff\x00garbage")
     done = await h.completed(bus, 4, timeout=90)
     assert all(t.finish == "answer" and not t.HasField("failure") for t in done)
     first_turns = [r for r in h.requests if r.turn_index == 0]

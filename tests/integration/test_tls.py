@@ -59,7 +59,7 @@ def test_settings_take_tls_files_and_refuse_missing_ones(certs: Certs, tmp_path:
 
 async def test_nats_over_mutual_tls(tls_nats: Server, certs: Certs, run_id: str) -> None:
     client = TlsFiles(str(certs.ca), str(certs.client_cert), str(certs.client_key)).client_ssl()
-    a = await Bus.connect(tls_nats.url, run_id, "a", "a", tls=client)
+    a = await Bus.connect(tls_nats.url, run_id, "rollout-engine", "over-tls", tls=client)
     b = await Bus.connect(tls_nats.url, run_id, "b", "b", tls=client)
     got: list[ev.WorkerHello] = []
 

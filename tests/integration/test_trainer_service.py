@@ -194,7 +194,8 @@ async def test_trainer_trains_once_pushes_and_resumes(
             m.ParseFromString(raw.data)
             received[kind].append(m)
 
-        await bus.nc.subscribe(bus.subject(subj[kind]), cb=cb)
+        spoken = subj[kind] in subjects.SPOKEN  # errors: every worker's own subject
+        await bus.nc.subscribe(bus.subject(f"{subj[kind]}.>" if spoken else subj[kind]), cb=cb)
 
     subj = {
         "metrics": subjects.TRAIN_METRICS,

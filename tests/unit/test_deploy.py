@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tools.stack import identity_of, service_commands
+from services.common.credentials import kind_of
+from tools.stack import service_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = {("python", "-m", module) for _, module in service_commands(1)}
@@ -96,6 +97,10 @@ def test_compose_is_secure_by_default() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
     assert services["credentials"]["command"][:2] == ["libra", "credentials"]
+    # an identity per worker: exactly the workers compose runs
+    cmd = services["credentials"]["command"]
+    workers = set(cmd[cmd.index("--workers") + 1].split(","))
+    assert workers == set(_services(compose)), workers
     assert "-c" in services["nats"]["command"] and "/secrets/redis.conf" in services["redis"]["command"]
     assert "-m" not in services["nats"]["command"], "NATS's monitoring port has no authentication"
     for name, svc in services.items():  # no service may start without credentials
@@ -110,7 +115,7 @@ def test_compose_is_secure_by_default() -> None:
             ]
         elif "build" in svc and name != "credentials":
             secrets = [v for v in svc["volumes"] if "compose-secrets" in v]
-            assert secrets == [f"./.libra/compose-secrets/{identity_of(name)}:/run/secrets/libra:ro"], name
+            assert secrets == [f"./.libra/compose-secrets/{name}:/run/secrets/libra:ro"], name
             assert svc["environment"]["LIBRA_SECRETS_DIR"] == "/run/secrets/libra"
             assert svc["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
 
@@ -180,7 +185,7 @@ def test_k8s_mounts_per_service_secrets_behind_a_network_policy() -> None:
         if name in ("nats", "redis"):
             assert secrets == {f"libra-{name}-config"}, name
             continue
-        assert secrets == {f"libra-{identity_of(name)}-credentials"}, name
+        assert secrets == {f"libra-{kind_of(name)}-credentials"}, name
         env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
         assert env["LIBRA_SECRETS_DIR"] == "/run/secrets/libra", name
 
