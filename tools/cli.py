@@ -178,11 +178,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigFileError("a remote stack needs both --nats-url and --redis-url")
         try:
             secrets = Path(args.secrets) if args.secrets else None
-            stack = Stack.reached_at(args.nats_url, args.redis_url, secrets, Path(args.output_dir).resolve())
-        except FileNotFoundError as e:
+            tls = _tls_files(args)
+            stack = Stack.reached_at(
+                args.nats_url, args.redis_url, secrets, Path(args.output_dir).resolve(), tls
+            )
+        except (FileNotFoundError, ValueError) as e:
             raise ConfigFileError(str(e)) from None
-    elif args.secrets:
-        raise ConfigFileError("--secrets is for a remote stack (--nats-url, --redis-url)")
+    elif args.secrets or args.tls_ca_file:
+        raise ConfigFileError("--secrets and --tls-ca-file are for a remote stack (--nats-url, --redis-url)")
     try:
         report = run_job(
             path,
@@ -204,6 +207,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return 2
     return print_summary(report)
+
+
+def _tls_files(args: argparse.Namespace) -> Any:
+    """The CA (and client certificate) a remote stack's NATS and WeightSync are verified with."""
+    from services.common.tls import TlsFiles
+
+    files = {
+        name: getattr(args, f"tls_{name}_file") or os.environ.get(f"LIBRA_TLS_{name.upper()}_FILE")
+        for name in ("ca", "cert", "key")
+    }
+    if not (files["ca"] or files["cert"]):
+        return None
+    return TlsFiles(files["ca"], files["cert"], files["key"])
 
 
 def print_summary(report: dict[str, Any]) -> int:
@@ -457,6 +473,19 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--redis-url", help="that stack's Redis URL")
     run.add_argument(
         "--secrets", help="that stack's credentials directory: the cli identity's files in DIR/cli/"
+    )
+    run.add_argument(
+        "--tls-ca-file",
+        help="that stack serves TLS: the CA its NATS and engines' WeightSync are verified with "
+        "(default: $LIBRA_TLS_CA_FILE)",
+    )
+    run.add_argument(
+        "--tls-cert-file",
+        help="the CLI's certificate, where the stack asks for one (mutual TLS; default: $LIBRA_TLS_CERT_FILE)",
+    )
+    run.add_argument(
+        "--tls-key-file",
+        help="its key (default: $LIBRA_TLS_KEY_FILE)",
     )
     run.add_argument("--otlp-endpoint", help="embedded stack only: send traces to this OTLP endpoint")
     run.add_argument(

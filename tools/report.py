@@ -11,7 +11,7 @@ import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common import subjects
 from services.common.bus import Bus
@@ -24,6 +24,9 @@ from tools.job_watch import JobObserver, speculation_report
 from tools.learning_plot import write_reward_plot
 from tools.run_plots import write_run_plots
 from tools.sim.stats import t95
+
+if TYPE_CHECKING:
+    from services.common.tls import TlsFiles
 from tools.stack import Stack
 
 
@@ -142,12 +145,17 @@ def serving_engines(plan: ev.Plan | None) -> set[str] | None:
 
 
 async def engine_versions(
-    engines: list[ev.WorkerStatus], plan: ev.Plan | None, token: str | None = None
+    engines: list[ev.WorkerStatus],
+    plan: ev.Plan | None,
+    token: str | None = None,
+    tls: TlsFiles | None = None,
 ) -> list[dict[str, Any]]:
-    """Asks every engine of the job, over gRPC, which weight version it serves, at the address the
-    planner's plan has for it (never one from a heartbeat, which any service could forge: the
-    bearer token goes only where the planner registered that engine)."""
+    """Asks every engine of the job, over gRPC (TLS when the stack has a CA), which weight version
+    it serves, at the address the planner's plan has for it (never one from a heartbeat: the bearer
+    token goes only where the planner registered that engine)."""
     import grpc
+
+    from services.common.tls import grpc_channel
 
     registered = {a.worker_id: a for a in plan.assignments} if plan is not None else {}
     out = []
@@ -163,7 +171,7 @@ async def engine_versions(
             entry.update(weight_version=None, error="no weight-sync address in the planner's plan")
         else:
             try:
-                async with grpc.aio.insecure_channel(addr) as ch:
+                async with grpc_channel(addr, tls) as ch:
                     info = await ws_grpc.WeightSyncStub(ch).GetVersion(
                         ws.VersionRequest(), timeout=10, metadata=bearer_metadata(token)
                     )
@@ -294,7 +302,7 @@ async def build_report(
         await watch.poll(facts.bus, facts.committed)
     trained = per_step(watch.metrics, p.committed_step)
     plan = await facts.last_plan()
-    engines = await engine_versions(engine_statuses, plan, stack.grpc_token()) if targets else []
+    engines = await engine_versions(engine_statuses, plan, stack.grpc_token(), stack.tls) if targets else []
     buckets = await facts.buckets()
     plans, changes = await facts.history()
     serving = serving_engines(plan)

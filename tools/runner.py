@@ -148,8 +148,9 @@ class JobDriver:
 
     async def run(self) -> dict[str, Any]:
         auth = self.stack.nats_auth("cli")
-        self.nc = await control.connect(self.stack.nats_url, f"cli:{os.getpid()}:control", auth)
-        self.bus = await Bus.connect(self.stack.nats_url, self.run_id, "cli", f"cli-{os.getpid()}", auth)
+        tls = self.stack.nats_tls()
+        self.nc = await control.connect(self.stack.nats_url, f"cli:{os.getpid()}:control", auth, tls)
+        self.bus = await Bus.connect(self.stack.nats_url, self.run_id, "cli", f"cli-{os.getpid()}", auth, tls)
         self.facts = JobFacts(self.bus, self.run_id, self.cfg)
         start = time.monotonic()
         status, reason, stuck = "failed", "", None
@@ -390,7 +391,7 @@ class JobDriver:
         plan = await self.facts.last_plan()
         serving = serving_engines(plan)
         engines = [st for st in self._engines() if serving is None or st.worker_id in serving]
-        versions = await engine_versions(engines, plan, self.stack.grpc_token())
+        versions = await engine_versions(engines, plan, self.stack.grpc_token(), self.stack.tls)
         return all(e.get("weight_version") == self.watch.progress.committed_version for e in versions)
 
     async def _stuck(self) -> dict[str, Any]:

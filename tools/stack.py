@@ -13,10 +13,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.credentials import NatsAuth, StackCredentials
 from services.common.credentials import generate as generate_credentials
 from services.common.localstack import Server, die_with_parent, free_port, start_nats, start_redis
+
+if TYPE_CHECKING:
+    import ssl
+
+    from services.common.tls import TlsFiles
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,6 +90,9 @@ class Stack:
     """Services that died once too often (or with restarts off), with their last exit code."""
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """Each service's Prometheus port on loopback (kept across its restarts)."""
+    tls: TlsFiles | None = None
+    """The CA (and client certificate) that the stack's NATS and engines' WeightSync are verified
+    with, for a remote stack that serves TLS (`libra run --tls-ca-file`)."""
     remote: bool = False
     """Reached over the network only: no pids, no local logs (`Stack.reached_at`)."""
     cwd: Path = field(default_factory=Path.cwd)
@@ -111,10 +120,12 @@ class Stack:
         )
 
     @classmethod
-    def reached_at(cls, nats_url: str, redis_url: str, secrets: Path | None, log_dir: Path) -> Stack:
+    def reached_at(
+        cls, nats_url: str, redis_url: str, secrets: Path | None, log_dir: Path, tls: TlsFiles | None = None
+    ) -> Stack:
         """A stack this machine only reaches (compose, Kubernetes, other hosts): its services are
-        watched through their heartbeats, and `secrets` holds the `cli` identity's credentials
-        (`<secrets>/cli/`, as `libra credentials` writes them)."""
+        watched through their heartbeats, `secrets` holds the `cli` identity's credentials
+        (`<secrets>/cli/`, as `libra credentials` writes them), `tls` verifies its servers."""
         if secrets is not None and not (secrets / "cli").is_dir():
             raise FileNotFoundError(f"--secrets {secrets}: no cli/ credentials in it")
         return cls(
@@ -125,6 +136,7 @@ class Stack:
             credentials=StackCredentials(secrets) if secrets is not None else None,
             max_restarts=0,
             remote=True,
+            tls=tls,
         )
 
     def refresh(self) -> None:
@@ -158,6 +170,9 @@ class Stack:
     def redis_auth(self, identity: str = "cli") -> dict[str, str]:
         """redis-py's username and password of `identity` (empty without credentials)."""
         return self.credentials.redis_auth(identity) if self.credentials else {}
+
+    def nats_tls(self) -> ssl.SSLContext | None:
+        return self.tls.client_ssl() if self.tls is not None else None
 
     def grpc_token(self) -> str | None:
         return self.credentials.weight_sync_token() if self.credentials else None

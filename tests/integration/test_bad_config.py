@@ -135,6 +135,15 @@ def test_libra_run_missing_config_is_a_clear_error(tmp_path: Path) -> None:
     assert "not found" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_libra_run_tls_files_are_checked_before_anything_connects(tmp_path: Path) -> None:
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    remote = ["--nats-url", "nats://127.0.0.1:1", "--redis-url", "redis://127.0.0.1:1/0"]
+    out = _run(["-m", "tools.cli", "run", tiny, *remote, "--tls-ca-file", str(tmp_path / "ca.pem")], {})
+    assert out.returncode == 2 and "ca_file" in out.stderr and "not a file" in out.stderr, out.stderr
+    out = _run(["-m", "tools.cli", "run", tiny, "--tls-ca-file", str(tmp_path / "ca.pem")], {})
+    assert out.returncode == 2 and "remote stack" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize(
     ("task", "expected"),
     [

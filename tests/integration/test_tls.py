@@ -20,6 +20,7 @@ from services.common.tls import TlsFiles
 from services.trainer.weight_push import WeightPusher
 from tests.tls_certs import Certs, make_certs
 from tests.weight_rig import nudged_weights, weight_sync_rig
+from tools.report import engine_versions
 
 pytestmark = pytest.mark.integration
 
@@ -107,3 +108,17 @@ async def test_weight_push_over_tls(tls_engine: dict[str, Any], certs: Certs) ->
     await secure.close()
     assert (result.in_sync, result.code) == (True, "ok"), result
     assert engine.version == 1
+
+
+async def test_libra_run_asks_engines_over_tls_when_given_the_ca(
+    tls_engine: dict[str, Any], certs: Certs
+) -> None:
+    """The operator's last question to the engines (their weight version) goes over TLS, with the
+    CA `libra run --tls-ca-file` names; in plaintext the engine does not answer."""
+    addr = tls_engine["addr"]
+    st = ev.WorkerStatus(worker_id="engine-tls", service="rollout-engine")
+    plan = ev.Plan(assignments=[ev.Assignment(worker_id="engine-tls", role="rollout", weight_sync_addr=addr)])
+    (plain,) = await engine_versions([st], plan, token=None)
+    assert plain["weight_version"] is None and plain["error"], plain
+    (secure,) = await engine_versions([st], plan, token=None, tls=TlsFiles(str(certs.ca)))
+    assert secure["weight_version"] == 0 and "error" not in secure, secure
