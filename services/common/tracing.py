@@ -15,6 +15,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from services.common.logging import get_logger
+
 _provider: TracerProvider | None = None
 _file_exporter: OtlpJsonFileExporter | None = None
 
@@ -43,10 +45,19 @@ class OtlpJsonFileExporter(SpanExporter):
         self._lock = threading.Lock()
 
     def set_path(self, path: Path | None) -> None:
+        """A directory this process may not write (the tool sandbox's container has no shared
+        volume) keeps the spans off file, logged once; they still go to OTLP when configured."""
         with self._lock:
             self._path = path
-            if path is not None:
+            if path is None:
+                return
+            try:
                 path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                self._path = None
+                get_logger(component="tracing").warning(
+                    "trace_file_unwritable", path=str(path), error=str(err)
+                )
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         from google.protobuf.json_format import MessageToDict

@@ -97,6 +97,8 @@ def test_compose_is_secure_by_default() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
     assert services["credentials"]["command"][:2] == ["libra", "credentials"]
+    sandbox = [v.split(":")[0] for v in services["tool-sandbox"]["volumes"]]
+    assert sandbox == ["./configs", "./.libra/compose-secrets/tool-sandbox"], "no shared writable volume"
     # an identity per worker: exactly the workers compose runs
     cmd = services["credentials"]["command"]
     workers = set(cmd[cmd.index("--workers") + 1].split(","))
