@@ -1,5 +1,5 @@
 """A hybrid worker's training side as its own process (tests/integration/test_hybrid_group.py):
-`python -m tests.hybrid_rig PORT GENERATION RANK WORLD MODEL_DIR OUT [die-after-join]`. It joins one
+`python -m tests.hybrid_rig PORT GENERATION KEY RANK WORLD MODEL_DIR OUT [die-after-join]`. It joins one
 generation of the trainer's group, follows it until the trainer closes it and writes its weights
 and the number of steps it computed to OUT; with `die-after-join` it exits hard once it has the
 weights, mid-generation, as a killed worker would."""
@@ -15,8 +15,8 @@ import torch
 
 
 def main(argv: list[str]) -> None:
-    port, gen, rank, world = (int(x) for x in argv[:4])
-    model_dir, out, die = argv[4], Path(argv[5]), argv[6:] == ["die-after-join"]
+    port, gen, key, rank, world = int(argv[0]), int(argv[1]), argv[2], int(argv[3]), int(argv[4])
+    model_dir, out, die = argv[5], Path(argv[6]), argv[7:] == ["die-after-join"]
     from services.common.runconfig import RunConfig
     from services.learning.recipe import replica_for
 
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> None:
         if die:
             os._exit(3)
 
-    outcome = replica.serve("127.0.0.1", port, gen, rank, world, 20.0, joined)
+    outcome = replica.serve("127.0.0.1", port, gen, key, rank, world, 20.0, joined)
     torch.save(
         {k: v.detach().clone() for k, v in replica.model.state_dict().items()}, out / f"replica-{rank}.pt"
     )

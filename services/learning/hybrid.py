@@ -17,8 +17,10 @@ generation the trainer leads and the replicas follow:
 
 Any failure (a member killed or cut off) breaks the generation on every rank: the trainer re-runs
 the step alone (nothing was applied: the optimizer steps after the gradient sum) and goes on; the
-replica goes back to asking for a place. The rendezvous store has no authentication: it belongs on
-the cluster network, like NCCL's.
+replica goes back to asking for a place. The rendezvous store has no authentication of its own (it
+belongs on the cluster network, like NCCL's), but each generation meets under a fresh secret key
+that only its members are told (`HybridGroup.rendezvous_key`): a process that reaches the port
+without it cannot take a rank.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -53,8 +56,8 @@ def _params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _form(store: Any, generation: int, rank: int, world: int, timeout_s: float) -> Any:
-    prefix = dist.PrefixStore(f"libra/gen{generation}/", store)
+def _form(store: Any, generation: int, key: str, rank: int, world: int, timeout_s: float) -> Any:
+    prefix = dist.PrefixStore(f"libra/gen{generation}/{key}/", store)
     try:
         return dist.ProcessGroupGloo(prefix, rank, world, _timeout(timeout_s))
     except RuntimeError as err:
@@ -110,6 +113,8 @@ class TrainerGroup:
         self.generation = 0
         self.members: list[str] = []
         self.tokens: list[int] = []
+        self.key = ""
+        """The current generation's rendezvous secret (told to its members only)."""
         self.pg: Any = None
 
     @property
@@ -120,13 +125,14 @@ class TrainerGroup:
         """Announces a new generation (the caller publishes it); `form` then meets its members."""
         self.generation += 1
         self.members, self.tokens = list(members), list(tokens)
+        self.key = secrets.token_hex(16)
         return self.generation
 
     def form(self, model: torch.nn.Module) -> int:
         """Meets this generation's members and sends them the weights; raises GroupBroken (and
         holds no group) when one does not come within the timeout."""
         try:
-            self.pg = _form(self.store, self.generation, 0, 1 + len(self.members), self.timeout_s)
+            self.pg = _form(self.store, self.generation, self.key, 0, 1 + len(self.members), self.timeout_s)
             return broadcast_weights(self.pg, model)
         except GroupBroken:
             self.drop()
@@ -188,6 +194,7 @@ class Replica:
         host: str,
         port: int,
         generation: int,
+        key: str,
         rank: int,
         world: int,
         timeout_s: float,
@@ -199,7 +206,7 @@ class Replica:
             store = dist.TCPStore(host, port, is_master=False, timeout=_timeout(timeout_s))
         except RuntimeError as err:
             raise GroupBroken(f"no rendezvous at {host}:{port}: {err}") from err
-        pg = _form(store, generation, rank, world, timeout_s)
+        pg = _form(store, generation, key, rank, world, timeout_s)
         on_joined(broadcast_weights(pg, self.model))
         while True:
             header = _broadcast(pg, torch.zeros(2, dtype=torch.int64)).tolist()

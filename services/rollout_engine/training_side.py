@@ -135,7 +135,15 @@ class TrainingSide:
                 )
 
             serve = functools.partial(
-                replica.serve, host, int(port), g.generation, rank, 1 + len(g.members), g.timeout_s, joined
+                replica.serve,
+                host,
+                int(port),
+                g.generation,
+                g.rendezvous_key,
+                rank,
+                1 + len(g.members),
+                g.timeout_s,
+                joined,
             )
             try:
                 await in_daemon_thread(serve)

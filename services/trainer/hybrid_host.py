@@ -108,6 +108,7 @@ class HybridHost:
                 member_tokens=group.tokens,
                 trainer_token=trainer_token,
                 timeout_s=self.settings.hybrid_timeout_s,
+                rendezvous_key=group.key,
             ),
         )
         start = time.monotonic()

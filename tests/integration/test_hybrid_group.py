@@ -35,9 +35,10 @@ def _learner(model: ModelConfig, tmp: Path) -> Learner:
     return learner
 
 
-def _replica(port: int, gen: int, rank: int, world: int, model: ModelConfig, out: Path, *extra: str):
+def _replica(group: TrainerGroup, rank: int, world: int, model: ModelConfig, out: Path, *extra: str):
+    """A member of `group`'s current generation, told its rendezvous key as the bus would."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    argv = [str(x) for x in (port, gen, rank, world, model.cache_dir, out)]
+    argv = [str(x) for x in (group.port, group.generation, group.key, rank, world, model.cache_dir, out)]
     return subprocess.Popen([sys.executable, "-m", "tests.hybrid_rig", *argv, *extra], cwd=ROOT, env=env)
 
 
@@ -57,8 +58,8 @@ def test_a_replica_in_the_group_gives_the_trainer_alone_update_and_leaves_on_clo
 
     trainer = _learner(tiny_model, tmp_path / "trainer")
     group = TrainerGroup("127.0.0.1", 0, timeout_s=30)
-    gen = group.next_generation(["engine-1"], [7])
-    proc = _replica(group.port, gen, 1, 2, tiny_model, tmp_path)
+    group.next_generation(["engine-1"], [7])
+    proc = _replica(group, 1, 2, tiny_model, tmp_path)
     try:
         sent = group.form(trainer.model)  # the replica's state fetch: the trainer's weights
         assert sent > 0 and group.world == 2
@@ -87,8 +88,8 @@ def test_a_replica_killed_mid_generation_costs_one_attempt_and_the_trainer_goes_
 
     trainer = _learner(tiny_model, tmp_path / "trainer")
     group = TrainerGroup("127.0.0.1", 0, timeout_s=20)
-    gen = group.next_generation(["engine-1"], [7])
-    proc = _replica(group.port, gen, 1, 2, tiny_model, tmp_path, "die-after-join")
+    group.next_generation(["engine-1"], [7])
+    proc = _replica(group, 1, 2, tiny_model, tmp_path, "die-after-join")
     try:
         group.form(trainer.model)
         assert proc.wait(timeout=120) == 3 and (tmp_path / "joined-1").exists()
@@ -109,7 +110,7 @@ def test_a_member_that_never_comes_to_the_join_fails_the_generation_not_the_trai
     trainer = _learner(tiny_model, tmp_path / "trainer")
     group = TrainerGroup("127.0.0.1", 0, timeout_s=5)
     gen = group.next_generation(["engine-1", "engine-2"], [7, 8])
-    lonely = _replica(group.port, gen, 1, 3, tiny_model, tmp_path)
+    lonely = _replica(group, 1, 3, tiny_model, tmp_path)
     try:
         with pytest.raises(GroupBroken):
             group.form(trainer.model)
@@ -119,7 +120,7 @@ def test_a_member_that_never_comes_to_the_join_fails_the_generation_not_the_trai
         group.timeout_s = (
             60  # the new replica process starts torch and the model first: slow on a busy machine
         )
-        again = _replica(group.port, gen, 1, 2, tiny_model, tmp_path)
+        again = _replica(group, 1, 2, tiny_model, tmp_path)
         group.form(trainer.model)
         assert trainer.step(samples(), group=group).data_parallel == 2
         group.close()
@@ -128,6 +129,41 @@ def test_a_member_that_never_comes_to_the_join_fails_the_generation_not_the_trai
         lonely.kill()
         if "again" in locals():
             again.kill()
+
+
+def test_a_process_without_the_generations_key_cannot_take_a_rank(
+    tiny_model: ModelConfig, tmp_path: Path
+) -> None:
+    """Anything that reaches the trainer's rendezvous port, knowing the generation and its rank but
+    not the key its members were told, meets nobody: the generation does not form with it, and the
+    trainer goes on alone."""
+    import threading
+
+    from services.learning.hybrid import _form
+
+    trainer = _learner(tiny_model, tmp_path / "trainer")
+    group = TrainerGroup("127.0.0.1", 0, timeout_s=4)
+    gen = group.next_generation(["engine-1"], [7])
+    outcome: list[str] = []
+
+    def intruder() -> None:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", group.port, is_master=False)
+        for guess in ("", "0" * 32):
+            try:
+                _form(store, gen, guess, 1, 2, 4.0)
+                outcome.append(f"joined with {guess!r}")
+            except GroupBroken:
+                outcome.append("refused")
+
+    t = threading.Thread(target=intruder, daemon=True)
+    t.start()
+    with pytest.raises(GroupBroken):
+        group.form(trainer.model)
+    t.join(30)
+    assert outcome == ["refused", "refused"] and group.pg is None
+    assert trainer.step(samples()).data_parallel == 1
 
 
 async def test_the_trainer_takes_only_workers_the_plan_gives_the_hybrid_role_under_a_live_token(

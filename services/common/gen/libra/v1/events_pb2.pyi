@@ -396,20 +396,22 @@ class HybridState(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., fencing_token: _Optional[int] = ..., seconds: _Optional[float] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class HybridGroup(_message.Message):
-    __slots__ = ("generation", "store_addr", "members", "member_tokens", "trainer_token", "timeout_s")
+    __slots__ = ("generation", "store_addr", "members", "member_tokens", "trainer_token", "timeout_s", "rendezvous_key")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STORE_ADDR_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     MEMBER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRAINER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_KEY_FIELD_NUMBER: _ClassVar[int]
     generation: int
     store_addr: str
     members: _containers.RepeatedScalarFieldContainer[str]
     member_tokens: _containers.RepeatedScalarFieldContainer[int]
     trainer_token: int
     timeout_s: float
-    def __init__(self, generation: _Optional[int] = ..., store_addr: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., member_tokens: _Optional[_Iterable[int]] = ..., trainer_token: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    rendezvous_key: str
+    def __init__(self, generation: _Optional[int] = ..., store_addr: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., member_tokens: _Optional[_Iterable[int]] = ..., trainer_token: _Optional[int] = ..., timeout_s: _Optional[float] = ..., rendezvous_key: _Optional[str] = ...) -> None: ...
 
 class WeightsUpdated(_message.Message):
     __slots__ = ("version", "checksum", "size_bytes", "push_s", "engines", "train_step", "uploaded_bytes", "delta_bytes", "delta_engines", "dtype", "relayed_engines")
