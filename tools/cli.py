@@ -300,7 +300,8 @@ def cmd_credentials(args: argparse.Namespace) -> int:
 
     workers = [w.strip() for w in args.workers.split(",") if w.strip()] if args.workers else None
     try:
-        creds = generate(Path(args.dir), workers=workers, owner_uid=args.owner)
+        tls = (args.k8s_namespace or "libra") if args.tls else None
+        creds = generate(Path(args.dir), workers=workers, owner_uid=args.owner, tls_namespace=tls)
     except ValueError as err:
         print(f"libra credentials: {err}", file=sys.stderr)
         return 2
@@ -500,6 +501,12 @@ def parser() -> argparse.ArgumentParser:
     creds.add_argument("dir", help="where the credentials live (created mode 0700)")
     creds.add_argument("--owner", type=int, help="hand the services' files to this uid (run as root)")
     creds.add_argument("--k8s-namespace", help="print the credentials as Secrets of this namespace")
+    creds.add_argument(
+        "--tls",
+        action="store_true",
+        help="also a CA of the stack's own (kept in DIR/tls/) and a certificate for every identity, "
+        "NATS and Redis, named for compose's services and the namespace's Kubernetes Services",
+    )
     creds.add_argument(
         "--workers",
         help="comma-separated worker ids (e.g. planner,rollout-engine-0,...): an identity per worker, "

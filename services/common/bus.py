@@ -60,7 +60,9 @@ async def connect_nats(
 
     async def on_error(e: Exception) -> None:
         log.warning("nats_error", error=str(e))
-        if "authorization violation" in str(e).lower() or isinstance(e, ssl.SSLCertVerificationError):
+        # a TLS handshake that fails (a certificate not trusted, or none where the server wants
+        # one) is configuration, like a refused password: it will not pass on a retry
+        if "authorization violation" in str(e).lower() or isinstance(e, ssl.SSLError):
             refused.set()
 
     creds: dict[str, Any] = (
@@ -91,9 +93,10 @@ async def connect_nats(
         await connecting
     who = f"user {auth.user!r}" if auth else "a client without credentials"
     raise CredentialsRefused(
-        f"NATS at {url} refused {who}, or its TLS certificate did not verify: set LIBRA_SECRETS_DIR "
-        "(or LIBRA_NATS_USER/LIBRA_NATS_PASSWORD) to this stack's credentials and LIBRA_TLS_CA_FILE to "
-        "the CA that signed the server's certificate"
+        f"NATS at {url} refused {who}, or the TLS handshake failed: set LIBRA_SECRETS_DIR "
+        "(or LIBRA_NATS_USER/LIBRA_NATS_PASSWORD) to this stack's credentials, LIBRA_TLS_CA_FILE to "
+        "the CA that signed the server's certificate and, where the server asks for one, "
+        "LIBRA_TLS_CERT_FILE/LIBRA_TLS_KEY_FILE to a certificate of the stack's CA"
     )
 
 

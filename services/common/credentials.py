@@ -306,7 +306,10 @@ def nats_config(passwords: dict[Identity, str]) -> str:
 
 
 def generate(
-    root: Path, workers: Sequence[str] | None = None, owner_uid: int | None = None
+    root: Path,
+    workers: Sequence[str] | None = None,
+    owner_uid: int | None = None,
+    tls_namespace: str | None = None,
 ) -> StackCredentials:
     """Writes the credentials of a stack under `root` (mode 0700): one identity per worker in
     `workers` (each speaks only for itself), or, without them, one per service kind (workers of a
@@ -314,7 +317,9 @@ def generate(
     kept, so a restarted stack keeps talking to the Redis data and NATS streams it wrote before;
     identities no longer named are removed. With `owner_uid` (run as root, e.g. compose's one-shot
     `credentials` service) the identities' directories are handed to the uid the service images
-    run as; nats and redis stay root's."""
+    run as; nats and redis stay root's. With `tls_namespace`, the stack's own CA issues a
+    certificate to every identity and to NATS and Redis, for compose's service names and the
+    Kubernetes Services of that namespace (`write_tls`)."""
     names = [*(workers if workers is not None else SERVICES), "cli"]
     for name in names:
         if not _ID_RE.match(name):
@@ -331,6 +336,8 @@ def generate(
     )
     if not complete or creds.identities() != wanted:
         _write_all(creds, wanted)
+    if tls_namespace is not None:
+        write_tls(creds, wanted, tls_namespace)
     if owner_uid is not None:
         for identity in wanted:
             d = creds.identity_dir(identity.name)
@@ -380,6 +387,46 @@ def _write_all(creds: StackCredentials, identities: list[Identity]) -> None:
     _write_secret(creds.layout_file, json.dumps(layout))
 
 
+def server_hosts(server: str, namespace: str) -> list[str]:
+    """The names a stack's server answers to: compose's service name, the Kubernetes Service's."""
+    return [
+        server,
+        f"{server}.{namespace}.svc",
+        f"{server}.{namespace}.svc.cluster.local",
+        "localhost",
+        "127.0.0.1",
+    ]
+
+
+def identity_hosts(identity: Identity, namespace: str) -> list[str]:
+    """The names an identity's certificate is good for: its worker id (compose's hostname), and a
+    pod of its kind behind the kind's headless Service (an engine serves WeightSync with it)."""
+    kind = identity.kind
+    pods = [f"*.{kind}", f"*.{kind}.{namespace}.svc", f"*.{kind}.{namespace}.svc.cluster.local"]
+    return [*dict.fromkeys([identity.name, kind]), *pods, "localhost", "127.0.0.1"]
+
+
+def write_tls(creds: StackCredentials, identities: list[Identity], namespace: str) -> None:
+    """The stack's CA (kept in `tls/`, never mounted by a service), `ca.pem`, `cert.pem` and
+    `key.pem` in each identity's directory, and NATS's and Redis's server certificates
+    (`server-cert.pem`, `server-key.pem`, `ca.pem` in `nats/` and `redis/`). What is there stays."""
+    from services.common.pki import Authority
+
+    ca = Authority.load(creds.root / "tls")
+    if ca is None:
+        ca = Authority.create("libra-stack-ca")
+        ca.save(creds.root / "tls")
+    for server in ("nats", "redis"):
+        d = creds.root / server
+        if not (d / "server-cert.pem").exists():
+            ca.issue(d, server, server_hosts(server, namespace), client=False, stem="server-")
+    for identity in identities:
+        d = creds.identity_dir(identity.name)
+        if not (d / "cert.pem").exists():
+            hosts = ["cli"] if identity.kind == "cli" else identity_hosts(identity, namespace)
+            ca.issue(d, identity.name, hosts, server=identity.kind != "cli")
+
+
 def k8s_secrets(creds: StackCredentials, namespace: str) -> list[dict[str, object]]:
     """Kubernetes Secrets holding `creds`, as deploy/k8s mounts them: `libra-<identity>-credentials`
     per service (files named like the settings), `libra-nats-config` and `libra-redis-config`."""
@@ -389,8 +436,10 @@ def k8s_secrets(creds: StackCredentials, namespace: str) -> list[dict[str, objec
         return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "stringData": files}
 
     out = [
-        secret("libra-nats-config", {"nats.conf": creds.nats_conf.read_text()}),
-        secret("libra-redis-config", {"redis.conf": creds.redis_conf.read_text()}),
+        secret(
+            f"libra-{server}-config", {f.name: f.read_text() for f in sorted((creds.root / server).iterdir())}
+        )
+        for server in ("nats", "redis")
     ]
     for identity in creds.identities():
         files = {f.name: f.read_text() for f in sorted(creds.identity_dir(identity.name).iterdir())}

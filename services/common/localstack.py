@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,16 +93,21 @@ def _launch(argv: list[str], log_file: Path | None) -> subprocess.Popen[bytes]:
 
 
 def start_nats(
-    data_dir: Path, log_file: Path | None = None, port: int | None = None, config: Path | None = None
+    data_dir: Path,
+    log_file: Path | None = None,
+    port: int | None = None,
+    config: Path | None = None,
+    extra: Sequence[str] = (),
 ) -> Server:
     """nats-server with JetStream; `config` (services/common/credentials.py) adds users and
-    per-service permissions. The command-line options win over the file's."""
+    per-service permissions, `extra` more options (TLS). The command-line options win over the file's."""
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [
         _bin("nats-server"),
         *(["-c", str(config)] if config else []),
         *("-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)),
+        *extra,
     ]
     proc = _launch(argv, log_file)
     wait_port(port)

@@ -49,7 +49,8 @@ def test_compose_runs_native_commands_for_every_service() -> None:
     assert {tuple(s["command"]) for s in services.values()} == NATIVE
     for name, svc in services.items():
         env = svc["environment"]
-        assert env["LIBRA_NATS_URL"].startswith("nats://") and env["LIBRA_OTLP_ENDPOINT"], name
+        assert env["LIBRA_NATS_URL"].startswith("tls://") and env["LIBRA_OTLP_ENDPOINT"], name
+        assert env["LIBRA_REDIS_URL"].startswith("rediss://") and env["LIBRA_TLS_CA_FILE"], name
         assert "LIBRA_CONFIG" not in env and "LIBRA_RUN_ID" not in env, name  # idle, as under `libra up`
     assert "jaeger" in compose["services"]
 
@@ -190,11 +191,24 @@ def test_k8s_mounts_per_service_secrets_behind_a_network_policy() -> None:
         assert secrets == {f"libra-{kind_of(name)}-credentials"}, name
         env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
         assert env["LIBRA_SECRETS_DIR"] == "/run/secrets/libra", name
+        # mutual TLS under the stack's CA, with the files `libra credentials --tls` puts in the Secret
+        assert env["LIBRA_NATS_URL"].startswith("tls://") and env["LIBRA_REDIS_URL"].startswith("rediss://")
+        for var, file in (("CA", "ca.pem"), ("CERT", "cert.pem"), ("KEY", "key.pem")):
+            assert env[f"LIBRA_TLS_{var}_FILE"] == f"/run/secrets/libra/{file}", name
 
 
 def test_generated_k8s_secrets_are_the_ones_the_manifests_mount(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "tools.cli", "credentials", str(tmp_path / "c"), "--k8s-namespace", "libra"],
+        [
+            sys.executable,
+            "-m",
+            "tools.cli",
+            "credentials",
+            str(tmp_path / "c"),
+            "--tls",
+            "--k8s-namespace",
+            "libra",
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -217,6 +231,21 @@ def test_generated_k8s_secrets_are_the_ones_the_manifests_mount(tmp_path: Path) 
         if "secret" in v
     }
     assert mounted <= names
+    # every file a manifest names in a Secret's mount is in that Secret
+    data = {d["metadata"]["name"]: set(d["stringData"]) for d in yaml.safe_load_all(out.stdout)}
+    for f in (ROOT / "deploy" / "k8s").glob("1*.yaml"):
+        for d in yaml.safe_load_all(f.read_text()):
+            if not d or d["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            pod = d["spec"]["template"]["spec"]
+            secret = next(v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v)
+            mount = next(
+                m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] == "config"
+            )
+            named = {a.rsplit("/", 1)[1] for a in pod["containers"][0]["args"] if a.startswith(mount + "/")}
+            assert named and named <= data[secret], (f.name, named - data[secret])
+    planner = data["libra-planner-credentials"]
+    assert {"ca.pem", "cert.pem", "key.pem"} <= planner
 
 
 def test_dockerfiles_pass_hadolint() -> None:
@@ -321,3 +350,24 @@ def test_engines_reach_the_trainers_hybrid_rendezvous_in_compose_and_k8s(
             )
             for p in policies
         ), (src, dst)
+
+
+def test_k8s_engines_announce_a_name_other_pods_resolve_and_their_certificate_names(tmp_path: Path) -> None:
+    from cryptography import x509
+
+    from services.common.credentials import generate
+
+    docs = [
+        d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "23-rollout-engine.yaml").read_text()) if d
+    ]
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    svc = next(d for d in docs if d["kind"] == "Service")
+    assert svc["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    host = env["LIBRA_ROLLOUT_ENGINE_ADVERTISE_HOST"].replace("$(LIBRA_WORKER_ID)", "rollout-engine-0")
+    ns = sts["metadata"]["namespace"]
+    assert host == f"rollout-engine-0.{svc['metadata']['name']}.{ns}.svc"  # pod.headless-service.ns.svc
+    creds = generate(tmp_path / "c", tls_namespace=ns)
+    cert = x509.load_pem_x509_certificate((creds.identity_dir("rollout-engine") / "cert.pem").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "*." + host.split(".", 1)[1] in names.get_values_for_type(x509.DNSName)
