@@ -25,6 +25,7 @@ from services.common import control, streams
 from services.common.bus import Bus, close_nats
 from services.common.contracts import ev
 from services.common.runconfig import DatasetFile, ModelConfig, RunConfig
+from services.common.tasks import cancel_and_wait
 from tools.job_watch import JobObserver
 from tools.loggers import LoggerUnavailable, StepLoggers, check_loggers
 from tools.report import JobFacts, build_report, engine_versions, export_final, serving_engines, write_report
@@ -156,11 +157,13 @@ class JobDriver:
         status, reason, stuck = "failed", "", None
         submitted = False
         stopped: dict[str, ev.JobAck] = {}
+        supervisor: asyncio.Future[None] | None = None
         try:
             await self.nc.subscribe(f"{control.HEARTBEAT}.*.*", cb=self.watch.on_heartbeat)
             await self.watch.subscribe(self.bus)
             await self._choose_workers()
             submitted = True
+            supervisor = asyncio.ensure_future(self._supervise())  # from the job's start, admission included
             await self._submit()
             start = self.watch.t0 = time.monotonic()
             await self._watch(start)
@@ -168,6 +171,8 @@ class JobDriver:
         except JobEnded as end:
             status, reason, stuck = end.status, end.reason, end.stuck
         finally:
+            if supervisor is not None:
+                await cancel_and_wait([supervisor])
             wall = time.monotonic() - start
             report = await build_report(  # engines asked before they stop
                 status,
@@ -280,10 +285,14 @@ class JobDriver:
             a = refused[0]
             raise JobEnded("failed", f"{a.worker_id} refused the job ({a.error.code}): {a.error.message}")
         silent = sorted(set(self.targets) - set(acks))
-        if silent:
+        if silent:  # died while the job started: restarted, it is offered the job as after admission
             self._fail_if_dead()
-            raise JobEnded("failed", f"no answer to the job start from {', '.join(silent)}")
-        print(f"job {self.run_id} started on {len(self.targets)} services", file=sys.stderr)
+            print(
+                f"job {self.run_id}: no answer to its start from {', '.join(silent)} yet; each joins "
+                "when it comes back (a service that does not is the job's failure)",
+                file=sys.stderr,
+            )
+        print(f"job {self.run_id} started on {len(self.targets) - len(silent)} services", file=sys.stderr)
 
     async def _watch(self, start: float) -> None:
         from tqdm import tqdm
@@ -303,11 +312,6 @@ class JobDriver:
         try:
             while True:
                 await asyncio.sleep(1.0)
-                if self.stack.procs:
-                    for name in self.stack.supervise():
-                        print(f"service {name} died and was restarted", file=sys.stderr)
-                else:
-                    self.stack.refresh()
                 self._fail_if_dead()
                 await self._check_participants()
                 await self.watch.poll(self.bus, self.facts.committed)
@@ -340,20 +344,36 @@ class JobDriver:
         finally:
             bar.close()
 
+    async def _supervise(self) -> None:
+        """Restarts the services of a stack this process started that died (or, attached to `libra
+        up`'s, follows its restarts), every second while the job runs."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                if self.stack.procs:
+                    for name in self.stack.supervise():
+                        print(f"service {name} died and was restarted", file=sys.stderr)
+                else:
+                    self.stack.refresh()
+            except Exception as err:  # a restart that failed is tried again; the job watch goes on
+                print(f"supervising the stack failed: {type(err).__name__}: {err}", file=sys.stderr)
+
     async def _check_participants(self) -> None:
         now = time.monotonic()
         for wid in self.targets:
             st = self.watch.statuses.get(wid)
             if st is not None and st.run_id == self.run_id and st.state == "failed":
                 raise JobEnded("failed", f"{wid} failed the job ({st.error.code}): {st.error.message}")
+            heard_lately = now - self.watch.seen.get(wid, -1e9) < 2 * control.HEARTBEAT_S
             if st is None or st.run_id == self.run_id:
                 self.elsewhere.pop(wid, None)
-            elif (
+            elif heard_lately and (
                 st.pid != self.pids.get(wid)
                 or now - self.elsewhere.setdefault(wid, now) > 3 * control.HEARTBEAT_S
             ):
                 # a new process (restarted) at once; otherwise only a lasting state counts, as a
-                # heartbeat sent just before the start can arrive after it
+                # heartbeat sent just before the start can arrive after it (and a dead process's
+                # last heartbeat counts for nothing: it is offered the job when it is back)
                 await self._rejoin(wid, st)
                 self.pids[wid] = st.pid
             quiet = now - self.watch.seen.get(wid, now)
