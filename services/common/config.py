@@ -47,7 +47,8 @@ class CommonSettings(BaseSettings):
     """A job pinned by LIBRA_CONFIG writes its spans to TRACE_DIR/<run_id>/<worker_id>.jsonl
     (OTLP/JSON lines; `libra trace` reads them). Jobs submitted by `libra run` name their own."""
     otlp_endpoint: str | None = None
-    """OTLP gRPC endpoint (e.g. http://jaeger:4317); unset keeps spans in-process only."""
+    """OTLP gRPC endpoint (e.g. http://jaeger:4317; https:// is TLS, verified with tls_ca_file or
+    the system's roots); unset keeps spans in-process only."""
     worker_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
     """Stable id of this process; defaults to the one its credentials name (a stack with an
     identity per worker), else <service>-<hostname>-<pid>. It is the last token of the subjects it

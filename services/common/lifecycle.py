@@ -35,7 +35,13 @@ def run_service(service: str, serve: Serve, *, grace_s: float = 10.0) -> int:
     configure_logging(
         service, fmt=common.log_format, level=common.log_level, run_id=run_id, worker_id=worker_id
     )
-    configure_tracing(service, run_id=run_id, worker_id=worker_id, otlp_endpoint=common.otlp_endpoint)
+    configure_tracing(
+        service,
+        run_id=run_id,
+        worker_id=worker_id,
+        otlp_endpoint=common.otlp_endpoint,
+        ca_file=common.tls_ca_file,
+    )
     log = get_logger()
     if common.metrics_port is not None:
         from services.common.metrics import serve_metrics

@@ -88,7 +88,20 @@ def set_trace_file(path: str | Path | None) -> None:
     _file_exporter.set_path(Path(path) if path is not None else None)
 
 
-def configure_tracing(service: str, *, run_id: str | None, worker_id: str, otlp_endpoint: str | None) -> None:
+def otlp_exporter_options(endpoint: str, ca_file: str | None = None) -> dict[str, Any]:
+    """An `https://` collector is reached over TLS (verified with `ca_file`, else the system's
+    roots); `http://` or no scheme stays plaintext, as a collector on the same host or network."""
+    if not endpoint.startswith("https://"):
+        return {"endpoint": endpoint, "insecure": True}
+    import grpc
+
+    roots = Path(ca_file).read_bytes() if ca_file else None
+    return {"endpoint": endpoint, "insecure": False, "credentials": grpc.ssl_channel_credentials(roots)}
+
+
+def configure_tracing(
+    service: str, *, run_id: str | None, worker_id: str, otlp_endpoint: str | None, ca_file: str | None = None
+) -> None:
     """Installs a tracer provider: spans go to an OTLP endpoint when one is given, and to the job's
     trace file when the job names one (`set_trace_file`).
 
@@ -103,7 +116,7 @@ def configure_tracing(service: str, *, run_id: str | None, worker_id: str, otlp_
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)
+        exporter = OTLPSpanExporter(**otlp_exporter_options(otlp_endpoint, ca_file))
         provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
     _file_exporter = OtlpJsonFileExporter()
     provider.add_span_processor(BatchSpanProcessor(_file_exporter, schedule_delay_millis=1000))

@@ -99,7 +99,10 @@ def test_compose_is_secure_by_default() -> None:
     services = compose["services"]
     assert services["credentials"]["command"][:2] == ["libra", "credentials"]
     sandbox = [v.split(":")[0] for v in services["tool-sandbox"]["volumes"]]
-    assert sandbox == ["./configs", "./.libra/compose-secrets/tool-sandbox"], "no shared writable volume"
+    assert sandbox == ["./configs", "./.libra/compose-secrets/tool-sandbox", "./task"], (
+        "no shared writable volume"
+    )
+    assert all(v.endswith(":ro") for v in services["tool-sandbox"]["volumes"])
     # an identity per worker: exactly the workers compose runs
     cmd = services["credentials"]["command"]
     workers = set(cmd[cmd.index("--workers") + 1].split(","))
@@ -371,3 +374,41 @@ def test_k8s_engines_announce_a_name_other_pods_resolve_and_their_certificate_na
     cert = x509.load_pem_x509_certificate((creds.identity_dir("rollout-engine") / "cert.pem").read_bytes())
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert "*." + host.split(".", 1)[1] in names.get_values_for_type(x509.DNSName)
+
+
+def test_k8s_redis_keeps_its_data_and_the_sandbox_may_make_namespaces() -> None:
+    """Fencing counters and commit records outlive a rescheduled Redis pod (a claim, not emptyDir);
+    the sandbox's bubblewrap is not denied by AppArmor's default profile (compose has the same)."""
+    redis_ = next(d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "11-redis.yaml").read_text()) if d)
+    assert redis_["kind"] == "StatefulSet"
+    claims = {c["metadata"]["name"] for c in redis_["spec"]["volumeClaimTemplates"]}
+    mounts = {
+        m["mountPath"]: m["name"] for m in redis_["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    }
+    assert mounts["/data"] in claims
+    assert "--appendonly" in redis_["spec"]["template"]["spec"]["containers"][0]["args"]
+    sandbox = next(
+        d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "22-tool-sandbox.yaml").read_text()) if d
+    )
+    ctx = sandbox["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert ctx["appArmorProfile"]["type"] == "Unconfined" and ctx["seccompProfile"]["type"] == "Unconfined"
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert "apparmor=unconfined" in compose["services"]["tool-sandbox"]["security_opt"]
+
+
+def test_the_images_give_uid_10001_a_home_and_carry_the_shipped_examples() -> None:
+    for name in ("Dockerfile", "Dockerfile.gpu"):
+        text = (ROOT / "deploy" / "docker" / name).read_text()
+        assert "--create-home --home-dir /home/libra" in text and "HOME=/home/libra" in text, name
+        assert "COPY examples ./examples" in text, name
+    gpu = (ROOT / "deploy" / "docker" / "Dockerfile.gpu").read_text()
+    assert "python3 -m pip install" in gpu and 'ln -s "$(command -v python3)" /usr/local/bin/python' in gpu
+
+
+def test_a_task_of_your_own_is_one_read_only_directory_for_every_container_that_reads_it() -> None:
+    """./task, mounted at /app/task into the containers that load a user's dataset, reward,
+    environment or tool plugins (the scheduler, the sandbox) and the job (`libra run` checks
+    them before it starts): one place, the same path everywhere."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    having = {n for n, s in compose["services"].items() if "./task:/app/task:ro" in s.get("volumes", [])}
+    assert having == {"scheduler", "tool-sandbox", "job"}

@@ -26,3 +26,13 @@ def test_an_unwritable_trace_directory_keeps_spans_off_file(tmp_path: Path) -> N
         pass
     assert good.read_text().count("\n") == 1
     assert exporter.export([]) == SpanExportResult.SUCCESS
+
+
+def test_an_https_collector_is_reached_over_tls_and_http_stays_plaintext(tmp_path: Path) -> None:
+    from services.common.tracing import otlp_exporter_options
+    from tests.tls_certs import make_certs
+
+    assert otlp_exporter_options("http://jaeger:4317") == {"endpoint": "http://jaeger:4317", "insecure": True}
+    secure = otlp_exporter_options("https://collector.observability.svc:4317", str(make_certs(tmp_path).ca))
+    assert secure["insecure"] is False and secure["credentials"] is not None
+    assert otlp_exporter_options("https://collector:4317")["insecure"] is False  # the system's roots
