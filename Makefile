@@ -28,7 +28,7 @@ proto: $(STAMP) ## Regenerate Python code from proto/ into services/common/gen
 run: $(STAMP) ## Run the default agentic RL job on an embedded local stack (writes runs/latest/report.json)
 	$(LIBRA) run $(CONFIG)
 
-learn: $(STAMP) ## A job whose reward visibly rises: SmolLM2-135M on the tool task, ~30 min on 2 cores (configs/learn.yaml)
+learn: $(STAMP) ## A job whose reward visibly rises: SmolLM2-135M on the tool task, 19 min on 2 cores (configs/learn.yaml)
 	$(LIBRA) run configs/learn.yaml
 
 test: $(STAMP) ## Run unit, integration and e2e tests (real nats-server, redis-server, gRPC, tiny model)
