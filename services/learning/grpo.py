@@ -41,18 +41,40 @@ def _scaled(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Te
 
 
 def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float | torch.Tensor
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float | torch.Tensor, top_p: float = 1.0
 ) -> torch.Tensor:
     """Logprob of token t+1 under softmax(logits[t] / T): shape [B, T-1] for inputs of shape [B, T].
 
     `temperature` is one number or a [B, T-1] tensor (each position scored at the temperature its
     token was sampled at). Computed in float32 as a fused cross-entropy, whose backward is markedly
-    cheaper on CPU than gather + logsumexp over a 49k vocabulary.
+    cheaper on CPU than gather + logsumexp over a 49k vocabulary. With `top_p` < 1 the distribution
+    is the one the engines sample from: renormalised over the nucleus (the fewest most likely tokens
+    whose probability reaches top_p, as services/rollout_engine/sampling.py cuts it), so the trainer
+    and the engine score a token alike; a token outside this policy's nucleus (the policy moved
+    since it was sampled) is scored as if the nucleus held it too, never -inf.
     """
     scaled = _scaled(logits, temperature)
     b, t, v = scaled.shape
-    nll = F.cross_entropy(scaled.reshape(b * t, v), input_ids[:, 1:].reshape(b * t), reduction="none")
-    return -nll.view(b, t)
+    targets = input_ids[:, 1:]
+    nll = F.cross_entropy(scaled.reshape(b * t, v), targets.reshape(b * t), reduction="none").view(b, t)
+    if top_p >= 1.0:
+        return -nll
+    with torch.no_grad():
+        kept = nucleus_mask(scaled.detach(), top_p)
+        kept.scatter_(-1, targets.unsqueeze(-1), True)
+    full = torch.logsumexp(scaled, dim=-1)
+    truncated = torch.logsumexp(scaled.masked_fill(~kept, float("-inf")), dim=-1)
+    return -nll + full - truncated
+
+
+@torch.no_grad()
+def nucleus_mask(scaled_logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """True for each row's nucleus: a token is in it when the probability of the tokens more
+    likely than it is still below top_p (so the most likely token always is)."""
+    probs = torch.softmax(scaled_logits.float(), dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before < top_p)
 
 
 @torch.no_grad()

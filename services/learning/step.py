@@ -50,6 +50,8 @@ class StepSettings:
     """Where the model is: micro-batches are moved there."""
     bf16: bool = False
     """Forward and backward under bfloat16 autocast (the weights stay in their own dtype)."""
+    top_p: float = 1.0
+    """The nucleus the engines sampled from (task.top_p): tokens are scored under it."""
     sharded: bool = False
     """FSDP (services/learning/fsdp.py): every rank holds a shard and steps its optimizer, gradients
     are reduce-scattered by the backward pass itself, every rank runs as many passes, and the step
@@ -266,7 +268,7 @@ def _forward_logprobs(
     device_type = torch.device(settings.device).type
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=settings.bf16):
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-    return logits, token_logprobs(logits, mb.input_ids, mb.temperatures)
+    return logits, token_logprobs(logits, mb.input_ids, mb.temperatures, settings.top_p)
 
 
 @torch.no_grad()

@@ -56,9 +56,11 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
     assert trainer_log.count('"data_parallel": 2') == 3  # every step on both FSDP ranks
     sent = yaml.safe_load((run / "config.yaml").read_text())
     assert sent["training"]["steps"] == 3 and sent["task"]["max_turns"] == 1
-    # top_p reached the engines: their logprobs are under the nucleus, the trainer's under the full
-    # distribution, so the mismatch on step 1 (same weights) is log(1 / nucleus mass), not ~1e-6
-    assert report["logprob_mismatch_per_step"][0] > 0.01
+    # top_p reached the engines and the trainer alike: both score tokens under the nucleus, so on
+    # step 1 (same weights) they agree (scoring the full distribution gave log(1 / nucleus mass),
+    # about 0.1 here, before the trainer knew top_p)
+    assert sent["task"]["top_p"] == 0.9
+    assert report["logprob_mismatch_per_step"][0] < 1e-3
     assert Path(report["checkpoint"]).parent == run / "checkpoints"
     assert report["final_policy"] == str(run / "final")
 
