@@ -263,6 +263,10 @@ class TrainingConfig(_Strict):
     trains on). Above 1 the trainer
     scores the step's tokens once more under the step-start weights (the proximal policy) before
     the first update; at 1 the gradient's own forward pass is that score."""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """The advantage of a sample within its group: grpo (reward - group mean) / group std;
+    dr_grpo without the std (Dr. GRPO: the std favours groups of near-equal rewards); rloo the
+    reward minus the mean of the group's other samples (RLOO). A group of equal rewards has 0."""
     filter_zero_advantage: bool | None = None
     """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage and teaches
     nothing; it is dropped before collation (outcome `filtered`) and the feed launches another.

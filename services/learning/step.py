@@ -52,6 +52,8 @@ class StepSettings:
     """Forward and backward under bfloat16 autocast (the weights stay in their own dtype)."""
     top_p: float = 1.0
     """The nucleus the engines sampled from (task.top_p): tokens are scored under it."""
+    advantage: str = "grpo"
+    """The group advantage estimator (training.advantage; services/learning/advantages.py)."""
     sharded: bool = False
     """FSDP (services/learning/fsdp.py): every rank holds a shard and steps its optimizer, gradients
     are reduce-scattered by the backward pass itself, every rank runs as many passes, and the step
@@ -169,7 +171,9 @@ def train_step(
             mb.to(settings.device)
             for mb in micro_batches(
                 m,
-                group_advantages([s.reward for s in m], [s.group_id for s in m]),
+                group_advantages(
+                    [s.reward for s in m], [s.group_id for s in m], estimator=settings.advantage
+                ),
                 settings.micro_batch,
                 settings.pad_id,
             )

@@ -215,3 +215,37 @@ def test_a_step_raises_the_logprob_of_a_positive_advantage_sequence(tiny_model) 
         after, _ = logprob()
     gen = mb.loss_mask[0]
     assert after[0][gen].sum().item() > before[0][gen].sum().item()
+
+
+def test_advantage_estimators_by_hand() -> None:
+    """Group a: rewards 1, 0, 0, 0 (mean 0.25, population std sqrt(3)/4); group b: 2, 2 (no signal)."""
+    rewards, groups = [1.0, 0.0, 0.0, 0.0, 2.0, 2.0], ["a", "a", "a", "a", "b", "b"]
+    std = math.sqrt(3) / 4
+    grpo = group_advantages(rewards, groups, eps=0.0)
+    assert grpo == pytest.approx([0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std, 0.0, 0.0])
+    dr = group_advantages(rewards, groups, estimator="dr_grpo")
+    assert dr == pytest.approx([0.75, -0.25, -0.25, -0.25, 0.0, 0.0])
+    # rloo: 1 - mean(0, 0, 0) = 1; 0 - mean(1, 0, 0) = -1/3
+    rloo = group_advantages(rewards, groups, estimator="rloo")
+    assert rloo == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3, 0.0, 0.0])
+    assert group_advantages([1.0], ["solo"], estimator="rloo") == [0.0]
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        group_advantages(rewards, groups, estimator="ppo")
+
+
+def test_the_config_offers_exactly_the_estimators_the_trainer_has() -> None:
+    import typing
+
+    from services.common.runconfig import TrainingConfig
+    from services.learning.advantages import ESTIMATORS
+
+    assert typing.get_args(TrainingConfig.model_fields["advantage"].annotation) == ESTIMATORS
+
+
+def test_the_run_config_chooses_the_estimator_and_the_nucleus_of_every_step() -> None:
+    from services.common.runconfig import RunConfig
+    from services.learning.recipe import step_settings
+
+    run = RunConfig.model_validate({"training": {"advantage": "rloo"}, "task": {"top_p": 0.9}})
+    settings = step_settings(run, pad_id=0, version=0)
+    assert (settings.advantage, settings.top_p) == ("rloo", 0.9)
