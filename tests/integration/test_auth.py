@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 import grpc
+import nats
 import pytest
 import redis.asyncio as aioredis
 from nats.js.api import ConsumerConfig, RePublish, StreamConfig
@@ -268,7 +269,14 @@ async def test_each_service_does_what_its_role_needs(
         return ev.SchedulerStats(trajectories_completed=7)
 
     await scheduler.subscribe(subjects.SCHEDULER_STATS, ev.StatsRequest, stats)
-    answer = await cli.request(subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats)
+    for attempt in range(20):  # the subscription is flushed, yet a loaded server once said "no responders"
+        try:
+            answer = await cli.request(subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats)
+            break
+        except nats.errors.NoRespondersError:
+            await asyncio.sleep(0.1 * (attempt + 1))
+    else:
+        pytest.fail("the scheduler never answered the operator's request")
     assert answer.trajectories_completed == 7
     for identity in SERVICE_IDS:
         bus = await Bus.connect(secure_nats.url, run_id, identity, "b", creds.nats_auth(identity))
