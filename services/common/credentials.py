@@ -12,7 +12,9 @@ turn results: subjects.SPOKEN), the events it consumes to subscribe, its own dur
 pull, the last-value subjects it reads, its own reply inbox, and replies only to requests it
 received; the JetStream API that makes streams and consumers only for the operator's `cli`.
 `redis/redis.conf` holds a Redis ACL user per identity, allowed only its own keys and its own
-worker lease (no default user). Nothing here ever prints a secret.
+worker lease (no default user), and the healthcheck's user, allowed only PING. `nats/server.conf`
+is what a container runs: `nats.conf` and the monitoring endpoint on its loopback (healthcheck).
+Nothing here ever prints a secret.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ SERVICES = ("planner", "scheduler", "rollout-engine", "trainer", "tool-sandbox")
 IDENTITIES = (*SERVICES, "cli")
 """The identities of a stack whose workers share one per kind (Kubernetes, where pod names are not
 known ahead): `generate(root)`. `generate(root, workers)` gives every worker its own instead."""
+HEALTH_USER = "health"
+"""Redis's healthcheck user: PING and nothing else, no password; like every client it still needs a
+certificate of the stack's CA (`redis/health-cert.pem`, client-only, in the server's own directory)."""
+NATS_MONITOR = "127.0.0.1:8222"
+"""Where nats-server serves its monitoring endpoints in a container (`nats/server.conf`): its loopback
+only, for the healthcheck (the endpoints have no authentication; nothing outside reaches them)."""
 NATS_MAX_PAYLOAD = 8 << 20
 """Largest NATS message the stack accepts (a 64k-token trajectory with logprobs is about 0.6 MB)."""
 
@@ -182,6 +190,15 @@ def redis_acl(identity: Identity, password: str) -> str:
     return " ".join(("user", identity.name, "on", f">{password}", "resetchannels", *keys, _REDIS_COMMANDS))
 
 
+REDIS_HEALTH_ACL = f"user {HEALTH_USER} on nopass resetchannels -@all +ping"
+"""The healthcheck's Redis user: no key, no channel, one command."""
+NATS_SERVER_CONF = f"""# nats-server in a container: the users of nats.conf, and the monitoring endpoints on the
+# container's loopback only, for its healthcheck (they have no authentication)
+include nats.conf
+http: {NATS_MONITOR}
+"""
+
+
 def inbox_prefix(identity: str) -> str:
     """Where `identity`'s replies come (JetStream's included): only it may subscribe there."""
     return f"_INBOX_{identity}"
@@ -246,6 +263,11 @@ class StackCredentials:
     @property
     def nats_conf(self) -> Path:
         return self.root / "nats" / "nats.conf"
+
+    @property
+    def nats_server_conf(self) -> Path:
+        """nats-server's configuration in a container: `nats.conf` and the loopback monitor."""
+        return self.root / "nats" / "server.conf"
 
     @property
     def redis_conf(self) -> Path:
@@ -329,7 +351,7 @@ def generate(
         raise ValueError(f"identities named twice: {names}")
     creds = StackCredentials(root)
     wanted = [Identity(n, workers is not None and n != "cli") for n in names]
-    complete = creds.nats_conf.exists() and all(
+    complete = creds.nats_server_conf.exists() and all(
         (creds.identity_dir(i.name) / f).exists()
         for i in wanted
         for f in ("libra_nats_password", "libra_redis_user")
@@ -381,8 +403,9 @@ def _write_all(creds: StackCredentials, identities: list[Identity]) -> None:
         if identity.kind in _WEIGHT_SYNC_KINDS:
             _write_secret(d / "libra_weight_sync_token", token)
     _write_secret(creds.nats_conf, nats_config(passwords))
+    _write_secret(creds.nats_server_conf, NATS_SERVER_CONF)
     acl = [redis_acl(i, redis_passwords[i]) for i in identities]
-    _write_secret(creds.redis_conf, "\n".join(["user default off", *acl]) + "\n")
+    _write_secret(creds.redis_conf, "\n".join(["user default off", *acl, REDIS_HEALTH_ACL]) + "\n")
     layout = {"per_worker": any(i.per_worker for i in identities), "identities": [i.name for i in identities]}
     _write_secret(creds.layout_file, json.dumps(layout))
 
@@ -420,6 +443,8 @@ def write_tls(creds: StackCredentials, identities: list[Identity], namespace: st
         d = creds.root / server
         if not (d / "server-cert.pem").exists():
             ca.issue(d, server, server_hosts(server, namespace), client=False, stem="server-")
+    if not (creds.root / "redis" / "health-cert.pem").exists():  # the healthcheck's client certificate
+        ca.issue(creds.root / "redis", HEALTH_USER, [HEALTH_USER], server=False, stem="health-")
     for identity in identities:
         d = creds.identity_dir(identity.name)
         if not (d / "cert.pem").exists():

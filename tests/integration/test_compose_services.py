@@ -1,66 +1,72 @@
 """Every Libra service of docker-compose.yml started as compose would start it, without a container
-runtime: its own command, its compose environment, the credentials compose's one-shot service
-writes (an identity per worker, the stack's CA) at the paths compose mounts them, against
-nats-server started with compose's options. Each must come up, speak as its worker over mutual
-TLS and wait for a job; then a tiny job runs on them as compose's job container runs it. What
-differs from a container, and why (docs/deploy.md): processes run as
-this user, not uid 10001 (the interpreter here is not reachable by another uid); hostnames and
-fixed ports are loopback and free ports (one network here, one per container there); Redis is
-plaintext (the embedded Redis-compatible server has no TLS); no Jaeger."""
+runtime (tests/deploy_rig.py): its own command, its compose environment, the credentials compose's
+one-shot service writes (an identity per worker, the stack's CA) at the paths compose mounts them,
+against nats-server and Redis started with compose's options (their healthchecks answering). Each
+must come up, speak as its worker over mutual TLS and wait for a job; then a tiny job runs on them
+as compose's job container runs it. What differs from a container: tests/deploy_rig.py."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import subprocess
-import sys
-import time
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
 
-from services.common import control
-from services.common.bus import close_nats
-from services.common.credentials import StackCredentials, generate
-from services.common.localstack import Server, free_port, start_nats, start_redis
+from services.common.credentials import HEALTH_USER, StackCredentials
+from services.common.localstack import Server, start_redis
 from services.common.runconfig import ModelConfig, load_run_config
-from services.common.tls import TlsFiles
+from tests.deploy_rig import (
+    COMPOSE,
+    ROOT,
+    UID,
+    Nats,
+    Workers,
+    compose_credentials,
+    compose_services,
+    idle_workers,
+    local_environment,
+    readable_as,
+    start_nats_as,
+    tls_flags,
+)
 from tools.runner import run_job
 from tools.stack import Stack
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-SERVICES = {n: s for n, s in COMPOSE["services"].items() if "build" in s and n not in ("credentials", "job")}
+SERVICES = compose_services()
 
 
 @pytest.fixture(scope="module")
 def creds(tmp_path_factory: pytest.TempPathFactory) -> StackCredentials:
-    cmd = COMPOSE["services"]["credentials"]["command"]
-    workers = cmd[cmd.index("--workers") + 1].split(",")
-    return generate(tmp_path_factory.mktemp("compose") / "secrets", workers=workers, tls_namespace="libra")
+    return compose_credentials(tmp_path_factory.mktemp("compose") / "secrets")
 
 
 @pytest.fixture(scope="module")
 def servers(
     creds: StackCredentials, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Server, Server]]:
-    cmd = [c.replace("/secrets", str(creds.root / "nats")) for c in COMPOSE["services"]["nats"]["command"]]
-    for option in ("-js", "-sd", "/data"):
-        cmd.remove(option)
+) -> Iterator[tuple[Nats, Server]]:
     logs = tmp_path_factory.mktemp("logs")
-    nats = start_nats(tmp_path_factory.mktemp("nats-data"), logs / "nats.log", extra=cmd)
-    redis = start_redis(tmp_path_factory.mktemp("redis-data"), logs / "redis.log", config=creds.redis_conf)
-    yield nats, redis
-    nats.stop()
-    redis.stop()
+    nats = start_nats_as(
+        COMPOSE["services"]["nats"]["command"],
+        {"/secrets": creds.root / "nats"},
+        tmp_path_factory.mktemp("nats-data"),
+        logs / "nats.log",
+    )
+    redis_server = start_redis(
+        tmp_path_factory.mktemp("redis-data"), logs / "redis.log", config=creds.redis_conf
+    )
+    yield nats, redis_server
+    nats.server.stop()
+    redis_server.stop()
 
 
-def _local(service: dict[str, Any], creds: StackCredentials, app: Path) -> dict[str, Path]:
+def _mounts(service: dict[str, Any], creds: StackCredentials, app: Path) -> dict[str, Path]:
     """Each of the service's mounts (container path → path here)."""
     out = {}
     for volume in service.get("volumes", []):
@@ -75,95 +81,80 @@ def _local(service: dict[str, Any], creds: StackCredentials, app: Path) -> dict[
     return out
 
 
-def _environment(
-    name: str, service: dict[str, Any], mounts: dict[str, Path], servers: tuple[Server, Server]
-) -> dict[str, str]:
-    nats, redis = servers
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}
-    for key, value in service["environment"].items():
-        value = str(value)
-        for dst in sorted(mounts, key=len, reverse=True):
-            value = value.replace(dst, str(mounts[dst]))
-        env[key] = value
-    assert env["LIBRA_NATS_URL"] == "tls://nats:4222" and env["LIBRA_REDIS_URL"] == "rediss://redis:6379/0"
-    env["LIBRA_NATS_URL"] = f"tls://127.0.0.1:{nats.port}"
-    env["LIBRA_REDIS_URL"] = redis.url  # plaintext: see the module's docstring
-    env.pop("LIBRA_OTLP_ENDPOINT")
-    env["LIBRA_METRICS_PORT"] = str(free_port())
-    env["LIBRA_METRICS_ADDR"] = "127.0.0.1"
-    for port in ("LIBRA_ROLLOUT_ENGINE_GRPC_PORT", "LIBRA_TRAINER_HYBRID_PORT"):
-        if port in env:
-            env[port] = str(free_port())
-    if name.startswith("rollout-engine"):  # compose: its `hostname`, which its certificate names
-        assert service["hostname"] == name
-        env["LIBRA_ROLLOUT_ENGINE_ADVERTISE_HOST"] = "localhost"  # named by it too
-    env["PYTHONPATH"] = str(ROOT)
-    return env
+def test_nats_and_redis_answer_their_compose_healthchecks(
+    creds: StackCredentials, servers: tuple[Nats, Server]
+) -> None:
+    nats, redis_server = servers
+    check = COMPOSE["services"]["nats"]["healthcheck"]["test"]
+    assert check[:2] == ["CMD", "wget"] and nats.health(check[-1]) == 200
+    probe = COMPOSE["services"]["redis"]["healthcheck"]["test"][1]
+    assert f"--user {HEALTH_USER}" in probe and "--cert /secrets/health-cert.pem" in probe
+    assert (creds.root / "redis" / "health-cert.pem").exists() and (
+        creds.root / "redis" / "health-key.pem"
+    ).exists()
+    health = redis.Redis.from_url(redis_server.url, username=HEALTH_USER, password="unused")
+    assert health.ping() is True
+    with pytest.raises(redis.exceptions.NoPermissionError):  # PING is all it may do
+        health.get("libra:any:trained")
+    for service in SERVICES.values():  # the services wait for both to be healthy
+        assert (
+            service["depends_on"]["nats"]
+            == service["depends_on"]["redis"]
+            == {"condition": "service_healthy"}
+        )
 
 
-async def _idle_workers(
-    cli_tls: TlsFiles,
-    creds: StackCredentials,
-    url: str,
-    want: set[str],
-    procs: dict[str, subprocess.Popen[bytes]],
-    logs: Path,
-) -> dict[str, Any]:
-    nc = await control.connect(url, "compose-test", creds.nats_auth("cli"), cli_tls.client_ssl())
-    try:
-        deadline = time.monotonic() + 150
-        found: dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            for name, p in procs.items():
-                if p.poll() is not None:
-                    tail = (logs / f"{name}.log").read_text()[-3000:]
-                    raise AssertionError(f"{name} exited with {p.returncode}:\n{tail}")
-            found = {st.worker_id: st for st in await control.discover(nc, 0.5)}
-            if want <= set(found):
-                return found
-        raise AssertionError(f"not up in time: {sorted(want - set(found))}")
-    finally:
-        await close_nats(nc)
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads files as another uid: needs root")
+def test_each_service_reads_its_own_secrets_as_the_images_uid_and_no_other() -> None:
+    """`libra credentials --owner 10001` as compose's one-shot service runs it (as root): each
+    service's mounted directory is readable by uid 10001; the servers' keys and the CA's are not."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        os.chmod(tmp, 0o711)  # a path uid 10001 may walk, as the bind mount's is
+        _check_secrets_readable(Path(tmp))
+
+
+def _check_secrets_readable(base: Path) -> None:
+    creds = compose_credentials(base / "secrets", owner_uid=UID)
+    for name, service in {**SERVICES, "job": COMPOSE["services"]["job"]}.items():
+        mounted = [v.split(":")[0] for v in service["volumes"] if "compose-secrets" in v]
+        for src in mounted:
+            for f in (creds.root / src.rsplit("/", 1)[1]).iterdir():
+                assert readable_as(UID, UID, f), (name, f)
+    for server in ("nats", "redis"):
+        assert not readable_as(UID, UID, creds.root / server / "server-key.pem"), server
+    assert not readable_as(UID, UID, creds.root / "tls" / "ca-key.pem")
 
 
 def test_every_compose_service_starts_as_compose_starts_it_and_runs_a_job(
-    creds: StackCredentials, servers: tuple[Server, Server], tmp_path: Path, tiny_model: ModelConfig
+    creds: StackCredentials, servers: tuple[Nats, Server], tmp_path: Path, tiny_model: ModelConfig
 ) -> None:
     """Up, idle, as its own worker; then `libra run` as compose's job runs it (the cli's
     credentials and TLS files) with the tiny config: every connection mutual TLS, the weight
     pushes to the engines included."""
+    nats, redis_server = servers
     app = tmp_path / "app"
     logs = tmp_path / "logs"
     logs.mkdir()
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    workers = Workers(logs)
     try:
         for name, service in SERVICES.items():
-            mounts = _local(service, creds, app)
-            command = service["command"]
-            assert command[:2] == ["python", "-m"], name
-            with open(logs / f"{name}.log", "wb") as log:
-                procs[name] = subprocess.Popen(
-                    [sys.executable, *command[1:]],
-                    cwd=app,
-                    env=_environment(name, service, mounts, servers),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-        job = COMPOSE["services"]["job"]["entrypoint"]
-        files = {
-            f: job[job.index(f) + 1].replace("/run/secrets/libra", str(creds.root))
-            for f in job
-            if f.startswith("--tls-")
-        }
-        cli_tls = TlsFiles(files["--tls-ca-file"], files["--tls-cert-file"], files["--tls-key-file"])
-        url = f"tls://127.0.0.1:{servers[0].port}"
-        found = asyncio.run(_idle_workers(cli_tls, creds, url, set(SERVICES), procs, logs))
+            mounts = _mounts(service, creds, app)
+            env = local_environment(
+                {k: str(v) for k, v in service["environment"].items()}, mounts, nats, redis_server
+            )
+            if name.startswith("rollout-engine"):  # compose: its `hostname`, which its certificate names
+                assert service["hostname"] == name
+                env["LIBRA_ROLLOUT_ENGINE_ADVERTISE_HOST"] = "localhost"  # named by it too
+            workers.start(name, service["command"], env, app)
+        job = COMPOSE["services"]["job"]
+        cli_tls = tls_flags(job["entrypoint"], {"/run/secrets/libra": creds.root})
+        found = idle_workers(cli_tls, creds, nats.url, SERVICES, workers)
         data = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
         data["training"]["steps"] = 2
         data["model"] = {**data.get("model", {}), "cache_dir": tiny_model.cache_dir}
         config = tmp_path / "tiny.yaml"
         config.write_text(yaml.safe_dump(data))
-        stack = Stack.reached_at(url, servers[1].url, creds.root, logs, tls=cli_tls)
+        stack = Stack.reached_at(nats.url, redis_server.url, creds.root, logs, tls=cli_tls)
         report = run_job(
             config,
             load_run_config(config),
@@ -174,13 +165,7 @@ def test_every_compose_service_starts_as_compose_starts_it_and_runs_a_job(
             stack=stack,
         )
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        workers.stop()
     for name in SERVICES:  # each speaks as the worker its credentials name, of its own kind
         st = found[name]
         assert st.state == "idle" and name.startswith(st.service), (name, st.service, st.state)

@@ -7,50 +7,46 @@ images, Redis over TLS (the embedded server has no TLS) — docs/deploy.md says.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from cryptography import x509
 
 from services.common.bus import connect_nats
 from services.common.config import CommonSettings, load_settings
 from services.common.credentials import StackCredentials, generate
 from services.common.errors import CredentialsRefused
-from services.common.localstack import Server, start_nats
 from services.common.tls import TlsFiles
+from tests.deploy_rig import (
+    COMPOSE,
+    Nats,
+    certificate_names,
+    compose_credentials,
+    compose_services,
+    start_nats_as,
+    tls_flags,
+)
 
 pytestmark = pytest.mark.integration
-
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-
-
-def _libra_services() -> dict[str, dict[str, Any]]:
-    return {n: s for n, s in COMPOSE["services"].items() if "build" in s and n not in ("credentials", "job")}
 
 
 @pytest.fixture(scope="module")
 def creds(tmp_path_factory: pytest.TempPathFactory) -> StackCredentials:
-    cmd = COMPOSE["services"]["credentials"]["command"]
-    assert cmd[:3] == ["libra", "credentials", "/secrets"] and "--tls" in cmd
-    workers = cmd[cmd.index("--workers") + 1].split(",")
-    return generate(tmp_path_factory.mktemp("compose") / "secrets", workers=workers, tls_namespace="libra")
+    return compose_credentials(tmp_path_factory.mktemp("compose") / "secrets")
 
 
 @pytest.fixture(scope="module")
-def compose_nats(creds: StackCredentials, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def compose_nats(creds: StackCredentials, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nats]:
     """nats-server with compose's options: its /secrets mount is the credentials' nats/ here."""
-    cmd = [c.replace("/secrets", str(creds.root / "nats")) for c in COMPOSE["services"]["nats"]["command"]]
-    for option in ("-js", "-sd", "/data"):  # JetStream storage is the test's own
-        cmd.remove(option)
-    srv = start_nats(
-        tmp_path_factory.mktemp("nats-data"), tmp_path_factory.mktemp("log") / "nats.log", extra=cmd
+    nats = start_nats_as(
+        COMPOSE["services"]["nats"]["command"],
+        {"/secrets": creds.root / "nats"},
+        tmp_path_factory.mktemp("nats-data"),
+        tmp_path_factory.mktemp("log") / "nats.log",
     )
-    yield srv
-    srv.stop()
+    yield nats
+    nats.server.stop()
 
 
 def _settings(
@@ -58,7 +54,7 @@ def _settings(
 ) -> CommonSettings:
     """The service's settings as its container builds them, its secrets mount mapped here."""
     mount = next(v for v in service["volumes"] if "compose-secrets" in v).split(":")[1]
-    for key in [k for k in __import__("os").environ if k.startswith("LIBRA_")]:
+    for key in [k for k in os.environ if k.startswith("LIBRA_")]:
         monkeypatch.delenv(key)
     for key, value in service["environment"].items():
         if key.startswith("LIBRA_"):
@@ -67,22 +63,17 @@ def _settings(
 
 
 async def test_every_compose_service_reaches_nats_over_mutual_tls_as_itself(
-    creds: StackCredentials, compose_nats: Server, monkeypatch: pytest.MonkeyPatch
+    creds: StackCredentials, compose_nats: Nats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url = f"tls://127.0.0.1:{compose_nats.port}"
-    for name, service in _libra_services().items():
+    url = compose_nats.url
+    for name, service in compose_services().items():
         common = _settings(service, creds, name, monkeypatch)
         assert common.nats_url.startswith("tls://") and common.redis_url.startswith("rediss://"), name
         assert common.nats_auth() is not None and common.nats_auth().user == name  # type: ignore[union-attr]
         nc = await asyncio.wait_for(connect_nats(url, name, common.nats_auth(), common.nats_tls()), 15)
         await nc.close()
     # `docker compose run job`: libra run with the cli identity's files
-    job = COMPOSE["services"]["job"]["entrypoint"]
-    files = {
-        flag: job[job.index(flag) + 1].replace("/run/secrets/libra", str(creds.root))
-        for flag in ("--tls-ca-file", "--tls-cert-file", "--tls-key-file")
-    }
-    tls = TlsFiles(files["--tls-ca-file"], files["--tls-cert-file"], files["--tls-key-file"])
+    tls = tls_flags(COMPOSE["services"]["job"]["entrypoint"], {"/run/secrets/libra": creds.root})
     nc = await asyncio.wait_for(connect_nats(url, "cli", creds.nats_auth("cli"), tls.client_ssl()), 15)
     await nc.close()
     # the right password without a certificate of the stack's CA is refused
@@ -92,17 +83,9 @@ async def test_every_compose_service_reaches_nats_over_mutual_tls_as_itself(
 
 
 def test_certificates_name_what_compose_and_kubernetes_connect_to(creds: StackCredentials) -> None:
-    def names(path: Path) -> set[str]:
-        cert = x509.load_pem_x509_certificate(path.read_bytes())
-        return set(
-            cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
-                x509.DNSName
-            )
-        )
-
-    assert {"nats", "nats.libra.svc"} <= names(creds.root / "nats" / "server-cert.pem")
-    assert {"redis", "redis.libra.svc"} <= names(creds.root / "redis" / "server-cert.pem")
-    engine = names(creds.identity_dir("rollout-engine-1") / "cert.pem")
+    assert {"nats", "nats.libra.svc"} <= certificate_names(creds.root / "nats" / "server-cert.pem")
+    assert {"redis", "redis.libra.svc"} <= certificate_names(creds.root / "redis" / "server-cert.pem")
+    engine = certificate_names(creds.identity_dir("rollout-engine-1") / "cert.pem")
     assert "rollout-engine-1" in engine and "*.rollout-engine.libra.svc" in engine  # its WeightSync host
     # the CA's key is in the root only, never in a directory a container mounts
     mounted = [v.split(":")[0] for s in COMPOSE["services"].values() for v in s.get("volumes", [])]
