@@ -419,3 +419,18 @@ def test_a_task_of_your_own_is_one_read_only_directory_for_every_container_that_
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     having = {n for n, s in compose["services"].items() if "./task:/app/task:ro" in s.get("volumes", [])}
     assert having == {"scheduler", "tool-sandbox", "job"}
+    # Kubernetes: the libra-task ConfigMap (optional: a shipped config needs none) at the same path
+    k8s = set()
+    for f in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(f.read_text()):
+            if not doc or doc["kind"] not in ("Deployment", "StatefulSet", "Job"):
+                continue
+            spec = doc["spec"]["template"]["spec"]
+            volumes = {v["name"]: v for v in spec.get("volumes", [])}
+            for c in spec["containers"]:
+                for m in c.get("volumeMounts", []):
+                    if m["mountPath"] == "/app/task":
+                        assert m["readOnly"] is True, f.name
+                        assert volumes[m["name"]]["configMap"] == {"name": "libra-task", "optional": True}
+                        k8s.add(doc["metadata"]["labels"]["app.kubernetes.io/name"])
+    assert k8s == {"scheduler", "tool-sandbox", "job"}
