@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 import redis
 import yaml
 
-from services.common import control
+from services.common import control, subjects
 from services.common.bus import close_nats
 from services.common.ownership import committed_key, trained_key
 from services.common.runconfig import load_run_config
@@ -34,6 +35,28 @@ INFRA = ["nats", "redis"]
 
 def _redis(stack: Stack) -> redis.Redis:
     return redis.Redis.from_url(stack.redis_url, decode_responses=True, **stack.redis_auth())
+
+
+def _job_with_faults(
+    stack: Stack,
+    config: Path,
+    run_id: str,
+    faults: Callable[[], Awaitable[None]],
+    timeout_s: float,
+    join_s: float,
+) -> dict[str, Any]:
+    """Starts the stack, runs `faults` in a thread beside the job and returns the job's report;
+    the caller stops the stack (after reading what it needs from its Redis)."""
+    cfg = load_run_config(config)
+    stack.start_infra(cfg.rollout.engines)
+    stack.start_services()
+    t = threading.Thread(target=lambda: asyncio.run(faults()), daemon=True)
+    t.start()
+    report = run_job(
+        config, cfg, run_id=run_id, runs_dir=config.parent, timeout_s=timeout_s, progress=False, stack=stack
+    )
+    t.join(join_s)
+    return report
 
 
 def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_path: Path) -> None:
@@ -113,15 +136,8 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
         finally:
             await close_nats(nc)
 
-    stack.start_infra(cfg.rollout.engines)
     try:
-        stack.start_services()
-        t = threading.Thread(target=lambda: asyncio.run(chaos()), daemon=True)
-        t.start()
-        report = run_job(
-            config, cfg, run_id=run_id, runs_dir=tmp_path, timeout_s=900, progress=False, stack=stack
-        )
-        t.join(120)
+        report = _job_with_faults(stack, config, run_id, chaos, timeout_s=900, join_s=120)
         trained = _redis(stack).scard(trained_key(run_id))
     finally:
         stack.stop()
@@ -185,7 +201,7 @@ def test_a_service_killed_while_the_job_starts_joins_it_when_it_is_back(
 
         bus = await Bus.connect(stack.nats_url, run_id, "cli", "chaos", stack.nats_auth("cli"))
         try:
-            traj = f"LIBRA_{run_id}_TRAJ".replace("-", "_").upper()
+            traj = subjects.stream_name(run_id, "TRAJ")
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 try:
@@ -199,15 +215,8 @@ def test_a_service_killed_while_the_job_starts_joins_it_when_it_is_back(
         finally:
             await bus.close()
 
-    stack.start_infra(cfg.rollout.engines)
     try:
-        stack.start_services()
-        t = threading.Thread(target=lambda: asyncio.run(at_admission()), daemon=True)
-        t.start()
-        report = run_job(
-            config, cfg, run_id=run_id, runs_dir=tmp_path, timeout_s=600, progress=False, stack=stack
-        )
-        t.join(30)
+        report = _job_with_faults(stack, config, run_id, at_admission, timeout_s=600, join_s=30)
     finally:
         stack.stop()
     assert killed, "the kill never happened"

@@ -22,11 +22,12 @@ from services.common.contracts import ev, ws, ws_grpc
 from services.common.credentials import IDENTITIES, NatsAuth, StackCredentials, generate, inbox_prefix
 from services.common.errors import CredentialsRefused
 from services.common.facts import read_facts
-from services.common.localstack import Server, start_nats, start_redis
+from services.common.localstack import Server
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
 from services.common.streams import SCHEDULER_FEED, TRAINER_FEED
 from services.trainer.weight_push import WeightPusher
+from tests.secured import secured_nats, secured_redis
 from tests.weight_rig import nudged_weights, weight_sync_rig
 from tools.report import engine_versions
 
@@ -40,17 +41,14 @@ def creds(tmp_path_factory: pytest.TempPathFactory) -> StackCredentials:
 
 @pytest.fixture(scope="module")
 def secure_nats(creds: StackCredentials, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    d = tmp_path_factory.mktemp("nats")
-    srv = start_nats(d / "data", d / "nats-server.log", config=creds.nats_conf)
-    yield srv
-    srv.stop()
+    with secured_nats(creds, tmp_path_factory) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def secure_redis(creds: StackCredentials, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_redis(tmp_path_factory.mktemp("redis"), config=creds.redis_conf)
-    yield srv
-    srv.stop()
+    with secured_redis(creds, tmp_path_factory) as srv:
+        yield srv
 
 
 def test_secrets_are_private_and_per_identity(creds: StackCredentials) -> None:

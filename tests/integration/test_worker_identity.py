@@ -18,7 +18,8 @@ from services.common import control, subjects
 from services.common.bus import Bus, Envelope, connect_nats
 from services.common.contracts import ev
 from services.common.credentials import StackCredentials, generate
-from services.common.localstack import Server, start_nats, start_redis
+from services.common.localstack import Server
+from tests.secured import secured_nats, secured_redis
 
 pytestmark = pytest.mark.integration
 
@@ -32,10 +33,8 @@ def creds(tmp_path_factory: pytest.TempPathFactory) -> StackCredentials:
 
 @pytest.fixture(scope="module")
 def worker_nats(creds: StackCredentials, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    d = tmp_path_factory.mktemp("nats")
-    srv = start_nats(d / "data", d / "nats-server.log", config=creds.nats_conf)
-    yield srv
-    srv.stop()
+    with secured_nats(creds, tmp_path_factory) as srv:
+        yield srv
 
 
 async def _bus(srv: Server, creds: StackCredentials, run_id: str, identity: str, worker_id: str) -> Bus:
@@ -173,8 +172,7 @@ async def test_a_receiver_refuses_a_body_that_names_another_worker(
 async def test_a_worker_renews_only_its_own_lease(
     creds: StackCredentials, tmp_path_factory: pytest.TempPathFactory, run_id: str
 ) -> None:
-    srv = start_redis(tmp_path_factory.mktemp("redis"), config=creds.redis_conf)
-    try:
+    with secured_redis(creds, tmp_path_factory) as srv:
         clients = {
             w: aioredis.from_url(srv.url, decode_responses=True, **creds.redis_auth(w))
             for w in ("planner", "rollout-engine-0", "rollout-engine-1", "tool-sandbox")
@@ -199,8 +197,6 @@ async def test_a_worker_renews_only_its_own_lease(
             assert await clients[who].get(lease.format(whose)) == f"{whose}:1"  # reading is fine
         for c in clients.values():
             await c.aclose()
-    finally:
-        srv.stop()
 
 
 async def test_shared_kind_identities_cannot_speak_for_another_kind(
@@ -209,9 +205,7 @@ async def test_shared_kind_identities_cannot_speak_for_another_kind(
     """Kubernetes' layout (an identity per kind, its pods sharing it): the sandbox still cannot say
     hello as an engine or beat the trainer's heartbeat; an engine speaks for any engine."""
     creds = generate(tmp_path_factory.mktemp("kinds") / "secrets")
-    d = tmp_path_factory.mktemp("nats-kinds")
-    srv = start_nats(d / "data", d / "nats-server.log", config=creds.nats_conf)
-    try:
+    with secured_nats(creds, tmp_path_factory) as srv:
         cli = await _bus(srv, creds, run_id, "cli", "cli")
         seen: list[str] = []
 
@@ -245,5 +239,3 @@ async def test_shared_kind_identities_cannot_speak_for_another_kind(
         for nc in (sandbox, engine):
             await nc.close()
         await cli.close()
-    finally:
-        srv.stop()
