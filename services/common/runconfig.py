@@ -252,7 +252,15 @@ class TrainingConfig(_Strict):
     null disables."""
     tis_cap: float = Field(2.0, ge=1.0, le=1000.0)
     """Truncated importance sampling: the weight pi_prox / pi_behaviour that corrects for stale
-    (and engine-vs-trainer mismatched) samples is capped here."""
+    (and engine-vs-trainer mismatched) samples is capped here (`rollout_correction`'s cap)."""
+    rollout_correction: Literal["tis", "mis", "seq_is"] = "tis"
+    """How the ratio rho = pi_prox / pi_behaviour weighs each token's loss: `tis` min(rho, tis_cap)
+    per token; `mis` (masked IS) rho per token inside [1/tis_cap, tis_cap], 0 outside (the token is
+    left out); `seq_is` min(prod rho, tis_cap) over the sequence, on all its tokens."""
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    """How the step's token losses become one: `token_mean` every generated token weighs the same
+    (DAPO); `seq_mean_token_sum` each sequence's sum, averaged over the sequences (no length
+    normalisation, Dr. GRPO); `seq_mean_token_mean` each sequence's mean, averaged (original GRPO)."""
     kl_coef: float = Field(0.0, ge=0.0, le=10.0)
     """Weight of a k3 KL penalty to the frozen reference policy (0: no reference model is loaded)."""
     reference_model: ModelConfig | None = None

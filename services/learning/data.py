@@ -61,6 +61,11 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    @property
+    def num_sequences(self) -> int:
+        """Rows with a generated token (the sequences a `seq_mean_*` loss averages over)."""
+        return int((self.loss_mask.sum(-1) > 0).sum().item())
+
     def to(self, device: torch.device | str) -> MicroBatch:
         """The same batch on `device` (itself when it is there already)."""
         import torch

@@ -14,8 +14,20 @@ w = min(pi_prox/pi_behaviour, tis_cap) (truncated importance sampling, Ionides 2
     loss = w * max(-A r, -A clip(r, 1 - eps, 1 + eps_high))        (A >= 0)
     loss = w * min(max(-A r, -A clip(r, 1 - eps, 1 + eps_high)), -A c)   (A < 0, dual-clip c)
 
-summed over the step's generated tokens and divided by their count (DAPO's token-level mean),
-plus `kl_coef` times the k3 estimate of KL(pi || pi_ref) to a frozen reference when configured.
+plus `kl_coef` times the k3 estimate of KL(pi || pi_ref) to a frozen reference when configured,
+aggregated over the (mini-)batch by `loss_agg`: `token_mean`, summed over its generated tokens and
+divided by their count (DAPO's token-level mean: every token weighs the same); or
+`seq_mean_token_sum`, each sequence's tokens summed and the sums averaged over its sequences (a
+long sequence weighs more, no length normalisation: Dr. GRPO's aggregation up to a constant); or
+`seq_mean_token_mean`, each sequence's token mean averaged over its sequences (the original GRPO:
+every sequence weighs the same, so a long one's tokens weigh less).
+
+`rollout_correction` chooses w (rho_t = pi_prox/pi_behaviour at token t, cap = `tis_cap`):
+`tis` w_t = min(rho_t, cap) (above); `mis`, masked IS, w_t = rho_t inside [1/cap, cap] and 0
+outside (a token the sampler and the trainer disagree on that much is left out, not down-weighted:
+IcePop's two-sided mask); `seq_is`, one weight per sequence, w = min(prod_t rho_t, cap) on all of
+its tokens (sequence-level truncated IS: unbiased for the sequence's likelihood ratio up to the
+truncation, with more variance).
 The dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"; verl `clip_ratio_c`)
 bounds the loss of a negative-advantage token whose ratio has grown large. `w` carries no gradient;
 it corrects for the tokens' sampler being older than (or numerically different from) the trainer.
@@ -104,6 +116,14 @@ class LossConfig:
     """Truncation of the importance weight pi_prox / pi_behaviour."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the frozen reference (0: no reference)."""
+    loss_agg: str = "token_mean"
+    """token_mean | seq_mean_token_sum | seq_mean_token_mean (module docstring)."""
+    rollout_correction: str = "tis"
+    """tis | mis | seq_is: how pi_prox/pi_behaviour weighs the tokens (module docstring)."""
+
+
+LOSS_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+ROLLOUT_CORRECTIONS = ("tis", "mis", "seq_is")
 
 
 @dataclass(frozen=True)
@@ -170,6 +190,7 @@ def policy_loss(
     num_tokens: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     same_weights: torch.Tensor | None = None,
+    num_seqs: float | None = None,
 ) -> tuple[torch.Tensor, LossMetrics]:
     """The decoupled, truncated-IS, dual-clipped loss of the module docstring.
 
@@ -178,10 +199,12 @@ def policy_loss(
     the whole (mini-)batch as `num_tokens` when accumulating gradients over micro-batches, so every
     generated token weighs the same; by default this call's masked tokens are counted.
     `same_weights` marks the tokens the engine sampled with the weights `prox_logprobs` come from:
-    on those, |prox - behaviour| is the engine-vs-trainer logprob mismatch.
+    on those, |prox - behaviour| is the engine-vs-trainer logprob mismatch. `num_seqs` is the
+    (mini-)batch's sequence count for the `seq_mean_*` aggregations (default: this call's).
     """
     mask = mask.to(new_logprobs.dtype)
     n = float(mask.sum().item()) if num_tokens is None else float(num_tokens)
+    seqs = float((mask.sum(-1) > 0).sum().item()) if num_seqs is None else float(num_seqs)
     prox = prox_logprobs.detach()
     log_ratio = new_logprobs - prox
     ratio = torch.exp(log_ratio)
@@ -197,15 +220,14 @@ def policy_loss(
         dual = (adv < 0) & (bound < clipped_loss)
         per_token = torch.where(adv < 0, torch.minimum(clipped_loss, bound), clipped_loss)
     with torch.no_grad():
-        raw_weight = torch.exp(prox - behaviour_logprobs)
-        weight = torch.clamp(raw_weight, max=cfg.tis_cap)
+        raw_weight, weight, corrected = importance_weights(prox, behaviour_logprobs, mask, cfg)
     per_token = per_token * weight
     ref_k3 = None
     if ref_logprobs is not None and cfg.kl_coef > 0:
         d = ref_logprobs.detach() - new_logprobs
         ref_k3 = torch.exp(d) - d - 1.0  # k3 estimate of KL(pi || pi_ref), samples of pi (Schulman 2020)
         per_token = per_token + cfg.kl_coef * ref_k3
-    loss = (per_token * mask).sum() / max(n, 1.0)
+    loss = aggregate(per_token, mask, cfg.loss_agg, n, seqs)
     with torch.no_grad():
         m = mask
 
@@ -230,10 +252,47 @@ def policy_loss(
             ratio=total(ratio),
             is_weight=total(weight),
             is_weight_max=float(raw_weight[live].max().item()) if bool(live.any()) else 0.0,
-            truncated=total(raw_weight > cfg.tis_cap),
+            truncated=total(corrected),
             behaviour_kl=total(behaviour_k3),
             ref_kl=total(ref_k3) if ref_k3 is not None else 0.0,
             mismatch=mismatch,
             mismatch_tokens=mismatch_tokens,
         )
     return loss, metrics
+
+
+def importance_weights(
+    prox: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token ([B, L]): rho = pi_prox/pi_behaviour, the weight `rollout_correction` gives the
+    token's loss, and where the correction changed rho (truncated or masked)."""
+    log_rho = (prox - behaviour) * mask
+    rho = torch.exp(log_rho)
+    cap = cfg.tis_cap
+    if cfg.rollout_correction == "tis":
+        return rho, torch.clamp(rho, max=cap), rho > cap
+    if cfg.rollout_correction == "mis":
+        outside = (rho > cap) | (rho < 1.0 / cap)
+        return rho, torch.where(outside, torch.zeros_like(rho), rho), outside
+    if cfg.rollout_correction == "seq_is":
+        seq_rho = torch.exp(log_rho.sum(-1, keepdim=True)).expand_as(rho)
+        return rho, torch.clamp(seq_rho, max=cap), (seq_rho > cap) & mask.bool()
+    raise ValueError(
+        f"rollout_correction {cfg.rollout_correction!r}: one of {', '.join(ROLLOUT_CORRECTIONS)}"
+    )
+
+
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, how: str, tokens: float, seqs: float
+) -> torch.Tensor:
+    """The loss of a (mini-)batch of `tokens` generated tokens in `seqs` sequences from its
+    per-token losses ([B, L]) under `loss_agg` (module docstring); a micro-batch's share of it."""
+    masked = per_token * mask
+    if how == "token_mean":
+        return masked.sum() / max(tokens, 1.0)
+    if how == "seq_mean_token_sum":
+        return masked.sum() / max(seqs, 1.0)
+    if how == "seq_mean_token_mean":
+        lengths = mask.sum(-1).clamp(min=1.0)
+        return (masked.sum(-1) / lengths).sum() / max(seqs, 1.0)
+    raise ValueError(f"loss_agg {how!r}: one of {', '.join(LOSS_AGGS)}")

@@ -75,6 +75,8 @@ def step_settings(
             dual_clip=t.dual_clip,
             tis_cap=t.tis_cap,
             kl_coef=t.kl_coef,
+            loss_agg=t.loss_agg,
+            rollout_correction=t.rollout_correction,
         ),
         micro_batch=t.micro_batch,
         pad_id=pad_id,

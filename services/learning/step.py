@@ -186,6 +186,7 @@ def train_step(
     loss_sum, metrics, norms, lr = 0.0, LossMetrics(), [], 0.0
     for k, mbs in enumerate(minis):
         tokens = sum(mb.num_tokens for mb in mbs)
+        seqs = sum(mb.num_sequences for mb in mbs)
         abortable = k == 0
         for mb, weight in _passes(mbs, rank, world, sharded):
             if abortable and should_abort():
@@ -193,7 +194,7 @@ def train_step(
                 raise StepAborted()
             # FSDP averages the gradients over its ranks; each rank's loss is its share of a sum
             scale = weight * world if sharded else weight
-            loss, m = _micro_step(model, mb, prox.get(id(mb)), settings, tokens, ref_model, scale)
+            loss, m = _micro_step(model, mb, prox.get(id(mb)), settings, (tokens, seqs), ref_model, scale)
             if weight:
                 loss_sum += loss / len(minis)
                 metrics = metrics + m
@@ -301,12 +302,12 @@ def _micro_step(
     mb: MicroBatch,
     prox: torch.Tensor | None,
     settings: StepSettings,
-    tokens: int,
+    sizes: tuple[int, int],
     ref_model: torch.nn.Module | None,
     scale: float = 1.0,
 ) -> tuple[float, LossMetrics]:
-    """Forward and backward of one micro-batch (its gradient times `scale`); returns its loss and
-    metric sums."""
+    """Forward and backward of one micro-batch (its gradient times `scale`) of a mini-batch of
+    `sizes` (generated tokens, sequences); returns its loss and metric sums."""
     logits, new_lp = _forward_logprobs(model, mb, settings)
     ref_lp = None
     if ref_model is not None and settings.loss.kl_coef > 0:
@@ -319,9 +320,10 @@ def _micro_step(
         mb.advantages,
         mb.loss_mask,
         settings.loss,
-        tokens,
+        sizes[0],
         ref_lp,
         same_weights=mb.versions == settings.version,
+        num_seqs=sizes[1],
     )
     m = dataclasses.replace(m, entropy=entropy_sum(logits, mb.temperatures, mb.loss_mask))
     (loss * scale if scale != 1.0 else loss).backward()

@@ -249,3 +249,67 @@ def test_the_run_config_chooses_the_estimator_and_the_nucleus_of_every_step() ->
     run = RunConfig.model_validate({"training": {"advantage": "rloo"}, "task": {"top_p": 0.9}})
     settings = step_settings(run, pad_id=0, version=0)
     assert (settings.advantage, settings.top_p) == ("rloo", 0.9)
+
+
+def test_loss_aggregation_modes_against_hand_computed_values() -> None:
+    """On-policy (ratio 1, weight 1): each token's loss is -A. Two sequences, advantages 2 and
+    -1, with 3 and 1 generated tokens: per-token losses -2, -2, -2 | 1."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.1, -4.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([2.0, -1.0])
+
+    def loss(agg: str, **kw) -> float:
+        cfg = LossConfig(clip_eps=0.2, dual_clip=None, loss_agg=agg)
+        return policy_loss(lp, lp.clone(), lp.clone(), adv, mask, cfg, **kw)[0].item()
+
+    assert loss("token_mean") == pytest.approx((-6.0 + 1.0) / 4)  # every token the same
+    assert loss("seq_mean_token_sum") == pytest.approx((-6.0 + 1.0) / 2)  # sums, averaged
+    assert loss("seq_mean_token_mean") == pytest.approx((-2.0 + 1.0) / 2)  # means, averaged
+    # a micro-batch of a larger mini-batch divides by the mini-batch's counts
+    assert loss("seq_mean_token_sum", num_seqs=5) == pytest.approx(-5.0 / 5)
+    assert loss("seq_mean_token_mean", num_seqs=4) == pytest.approx(-1.0 / 4)
+    with pytest.raises(ValueError, match="loss_agg"):
+        loss("sum")
+
+
+def test_rollout_correction_modes_against_hand_computed_weights() -> None:
+    """prox - behaviour = log rho per token: rho = 3, 1/3, 1.5 on sequence one (rho product 1.5),
+    rho = 2.5 on sequence two; cap 2. On-policy ratio, advantage 1: a token's loss is -w."""
+    prox = torch.zeros(2, 3)
+    behaviour = -torch.log(torch.tensor([[3.0, 1 / 3, 1.5], [2.5, 1.0, 1.0]]))
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, 1.0])
+
+    def run(mode: str) -> tuple[float, dict[str, float]]:
+        cfg = LossConfig(clip_eps=0.2, dual_clip=None, tis_cap=2.0, rollout_correction=mode)
+        loss, m = policy_loss(prox.clone(), prox, behaviour, adv, mask, cfg)
+        return loss.item(), m.means()
+
+    loss, means = run("tis")  # min(rho, 2): 2, 1/3, 1.5 | 2
+    assert loss == pytest.approx(-(2 + 1 / 3 + 1.5 + 2) / 4)
+    assert means["is_truncated_fraction"] == pytest.approx(2 / 4)
+    loss, means = run("mis")  # rho inside [1/2, 2], else 0: 0, 0, 1.5 | 0
+    assert loss == pytest.approx(-1.5 / 4)
+    assert means["is_truncated_fraction"] == pytest.approx(3 / 4)
+    loss, means = run("seq_is")  # min(prod rho, 2) per sequence: 1.5 x3 | 2
+    assert loss == pytest.approx(-(1.5 * 3 + 2) / 4)
+    assert means["is_truncated_fraction"] == pytest.approx(1 / 4)  # sequence two's one token
+    with pytest.raises(ValueError, match="rollout_correction"):
+        run("ppo")
+
+
+def test_the_config_offers_exactly_the_loss_options_the_trainer_has() -> None:
+    import typing
+
+    from services.common.runconfig import RunConfig, TrainingConfig
+    from services.learning.grpo import LOSS_AGGS, ROLLOUT_CORRECTIONS
+    from services.learning.recipe import step_settings
+
+    fields = TrainingConfig.model_fields
+    assert typing.get_args(fields["loss_agg"].annotation) == LOSS_AGGS
+    assert typing.get_args(fields["rollout_correction"].annotation) == ROLLOUT_CORRECTIONS
+    run = RunConfig.model_validate(
+        {"training": {"loss_agg": "seq_mean_token_sum", "rollout_correction": "mis"}}
+    )
+    loss = step_settings(run, pad_id=0, version=0).loss
+    assert (loss.loss_agg, loss.rollout_correction) == ("seq_mean_token_sum", "mis")

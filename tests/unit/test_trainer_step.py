@@ -228,3 +228,30 @@ def test_the_kl_reference_is_the_configured_model(
     with pytest.raises(ConfigFileError) as err:
         reference_for(RunConfig.model_validate(base), cpu)
     assert "vocabulary of 100 tokens" in err.value.message
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+def test_every_loss_aggregation_is_the_same_whatever_the_micro_batch(
+    model: torch.nn.Module, agg: str
+) -> None:
+    """Gradients accumulated over micro-batches of 1 equal one pass over the whole mini-batch:
+    each micro-batch divides by the mini-batch's token or sequence count."""
+    samples = [engine_sample(model, f"t{i}", "g", float(i % 2), temperature=1.0, seed=i) for i in range(3)]
+    samples.append(engine_sample(model, "short", "g", 1.0, temperature=1.0, seed=9))
+    samples[-1].loss_mask[-3:] = [False] * 3  # a shorter answer: the modes differ
+
+    def grads(micro: int) -> tuple[float, list[torch.Tensor]]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        captured: list[torch.Tensor] = []
+
+        def keep() -> None:
+            captured.extend(p.grad.detach().clone() for p in model.parameters() if p.grad is not None)
+
+        opt.step = keep  # type: ignore[method-assign]  # the gradients before zero_grad
+        s = StepSettings(LossConfig(loss_agg=agg), micro_batch=micro, pad_id=0)
+        return train_step(model, opt, samples, s).loss, captured
+
+    loss_one, g_one = grads(1)
+    loss_all, g_all = grads(4)
+    assert loss_one == pytest.approx(loss_all, rel=1e-5, abs=1e-7)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(g_one, g_all, strict=True))
