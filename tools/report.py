@@ -235,6 +235,7 @@ def learning_report(trained: list[ev.TrainMetrics]) -> dict[str, Any]:
         "logprob_mismatch_per_step": col("logprob_mismatch", 7),
         "groups_filtered_per_step": [m.groups_filtered for m in trained],
         "groups_informative_per_step": [m.groups_informative for m in trained],
+        "overlong_filtered_per_step": [m.overlong_filtered for m in trained],
         "steps_without_update": idle,
         "warnings": [
             f"{idle} of {len(trained)} train steps had no group with a non-zero advantage (every "

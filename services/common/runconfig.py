@@ -70,6 +70,29 @@ _PLUGIN_REF = r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"
 _REWARD_REF = rf"^({_PLUGIN_REF}|exact_match|numeric|code_tests)$"
 
 
+class SoftPenaltyConfig(_Strict):
+    length: int = Field(ge=1)
+    """The buffer before the limit over which the penalty ramps up: a trajectory of L generated
+    tokens gets -factor * (L - (limit - length)) / length when L is past limit - length, -factor at
+    the limit and beyond (DAPO's soft overlong punishment, its L_cache)."""
+    factor: float = Field(1.0, gt=0.0, le=100.0)
+    """The penalty at the limit (DAPO: 1, the reward's scale)."""
+
+
+class OverlongConfig(_Strict):
+    """Answers that run out of room (DAPO, Yu et al. 2025, §3.4): their truncation, not their
+    content, would decide their reward."""
+
+    filter: bool = False
+    """Truncated trajectories (the last turn cut by max_new_tokens, or the context run out) add no
+    tokens to the loss; their rewards still count in their group's advantages."""
+    soft_penalty: SoftPenaltyConfig | None = None
+    """Added to the reward of a trajectory whose generated tokens come near `max_tokens`."""
+    max_tokens: int | None = Field(None, ge=1)
+    """The limit the soft penalty counts to, in generated tokens of the whole trajectory (default:
+    max_new_tokens x max_turns; for one turn, the answer's own budget, as in DAPO)."""
+
+
 class TaskConfig(_Strict):
     dataset: Literal["arithmetic", "expressions", "synthetic"] | DatasetFile = "arithmetic"
     """`arithmetic`: built-in word problems solved with python/calculator tools. `expressions`:
@@ -141,6 +164,23 @@ class TaskConfig(_Strict):
     tool_bonus: float = Field(0.1, ge=0.0, le=1.0)
     """Shaping added to the built-in tasks' reward (1 for the right number) when a tool call
     succeeded; 0 makes the reward exactly task success."""
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    """Filtering and soft punishment of answers that run out of room (off by default)."""
+
+    @property
+    def overlong_limit(self) -> int:
+        """The generated tokens the soft overlong penalty counts to."""
+        return self.overlong.max_tokens or self.max_new_tokens * self.max_turns
+
+    @model_validator(mode="after")
+    def _overlong_fits(self) -> TaskConfig:
+        penalty = self.overlong.soft_penalty
+        if penalty is not None and penalty.length > self.overlong_limit:
+            raise ValueError(
+                f"overlong.soft_penalty.length {penalty.length} exceeds the limit it counts to "
+                f"({self.overlong_limit} generated tokens: overlong.max_tokens, else max_new_tokens x max_turns)"
+            )
+        return self
 
 
 class BucketConfig(_Strict):

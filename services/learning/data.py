@@ -38,6 +38,8 @@ class Sample:
     """None: 1.0 everywhere."""
     versions: list[int] | None = None
     """None: -1 everywhere (unknown: never counted as sampled by the step's weights)."""
+    truncated: bool = False
+    """It ran out of room (CompletedTrajectory.truncated): task.overlong.filter masks its tokens."""
 
     @property
     def num_generated(self) -> int:
@@ -118,7 +120,9 @@ def to_sample(traj: ev.CompletedTrajectory) -> Sample:
         behaviour.extend(seg.logprobs if seg.generated else [0.0] * n)
         temps.extend([seg.temperature if seg.generated else 1.0] * n)
         versions.extend([seg.policy_version if seg.generated else -1] * n)
-    return Sample(traj.trajectory_id, traj.group_id, traj.reward, ids, mask, behaviour, temps, versions)
+    return Sample(
+        traj.trajectory_id, traj.group_id, traj.reward, ids, mask, behaviour, temps, versions, traj.truncated
+    )
 
 
 def collate(samples: Sequence[Sample], advantages: Sequence[float], pad_id: int) -> MicroBatch:

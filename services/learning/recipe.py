@@ -87,6 +87,7 @@ def step_settings(
         drop_zero_advantage=run.filters_zero_advantage,
         top_p=run.task.top_p,
         advantage=t.advantage,
+        overlong_filter=run.task.overlong.filter,
         device=str(device or torch.device("cpu")),
         bf16=uses_bf16(run, device or torch.device("cpu")),
     )

@@ -54,6 +54,9 @@ class StepSettings:
     """The nucleus the engines sampled from (task.top_p): tokens are scored under it."""
     advantage: str = "grpo"
     """The group advantage estimator (training.advantage; services/learning/advantages.py)."""
+    overlong_filter: bool = False
+    """task.overlong.filter: a truncated sample's tokens leave the loss (its reward still counts
+    in its group's advantages)."""
     sharded: bool = False
     """FSDP (services/learning/fsdp.py): every rank holds a shard and steps its optimizer, gradients
     are reduce-scattered by the backward pass itself, every rank runs as many passes, and the step
@@ -92,6 +95,8 @@ class StepStats:
     """Groups with a non-zero advantage."""
     policy_versions: tuple[int, ...] = ()
     stale_token_fraction: float = 0.0
+    overlong_filtered: int = 0
+    """Truncated samples whose tokens the overlong filter left out."""
 
 
 def lr_at(step: int, *, lr: float, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
@@ -165,6 +170,11 @@ def train_step(
     for s in samples:
         by_group.setdefault(s.group_id, []).append(s.reward)
     kept = [s for s in samples if informative(by_group[s.group_id]) or not settings.drop_zero_advantage]
+    cut = [s for s in kept if s.truncated] if settings.overlong_filter else []
+    if cut:  # DAPO's overlong filtering: no tokens to learn from, still in its group's baseline
+        kept = [
+            dataclasses.replace(s, loss_mask=[False] * len(s.loss_mask)) if s.truncated else s for s in kept
+        ]
     versions, stale_fraction = _version_stats(kept, settings.version)
     minis = [
         [
@@ -243,6 +253,7 @@ def train_step(
         trained_groups=len({s.group_id for s in kept if informative(by_group[s.group_id])}),
         policy_versions=versions,
         stale_token_fraction=stale_fraction,
+        overlong_filtered=len(cut),
     )
 
 

@@ -14,12 +14,13 @@ from services.common import subjects
 from services.common.bus import Bus
 from services.common.contracts import ev
 from services.common.logging import get_logger
+from services.common.runconfig import TaskConfig
 from services.common.tracing import tracer
 from services.scheduler.evaluation import Evaluator
 from services.scheduler.inflight import Live
 from services.scheduler.ledger import Ledger, durably
 from services.scheduler.plugins import PluginFailure
-from services.scheduler.rewards import Scorer, reward_trajectory
+from services.scheduler.rewards import Scorer, overlong_penalty, reward_trajectory
 from services.scheduler.trajectory import Finish
 from services.scheduler.user_code import BrokenUserCode
 from services.scheduler.workload import WorkloadWindow
@@ -35,8 +36,10 @@ class Completion:
         scorer: Scorer | None,
         evaluator: Evaluator | None,
         trained_version: Callable[[], int],
+        task: TaskConfig | None = None,
     ):
         self.bus, self.ledger, self.workload, self.metrics = bus, ledger, workload, metrics
+        self.task = task
         self.scorer, self.evaluator = scorer, evaluator
         self.trained_version = trained_version
         self.log = get_logger(component="scheduler")
@@ -92,6 +95,8 @@ class Completion:
         self.broken = self.broken or why
         latency = time.monotonic() - traj.started_at
         versions = traj.versions or [0]
+        penalty = self._overlong_penalty(live)
+        fin = Finish(fin.reason, fin.reward + penalty, fin.needs_score)
         msg = ev.CompletedTrajectory(
             trajectory_id=traj.trajectory_id,
             group_id=traj.group_id,
@@ -118,6 +123,8 @@ class Completion:
             final_text=traj.texts[-1] if traj.texts else "",
             failure=live.failure,
             breakdown=live.times,
+            truncated=traj.truncated,
+            overlong_penalty=penalty,
         )
         with tracer().start_as_current_span("score", context=trace.set_span_in_context(live.span)) as s:
             s.set_attribute("libra.reward", fin.reward)
@@ -133,6 +140,15 @@ class Completion:
         await durably(self.ledger.published(traj.trajectory_id, live.failure is not None), self.log)
         live.span.end()
         self._count(live, fin, latency)
+
+    def _overlong_penalty(self, live: Live) -> float:
+        """task.overlong.soft_penalty's share of a trained trajectory's reward (never on a failed one)."""
+        penalty = self.task.overlong.soft_penalty if self.task is not None else None
+        if penalty is None or live.failure is not None or self.task is None:
+            return 0.0
+        return overlong_penalty(
+            live.traj.output_tokens, self.task.overlong_limit, penalty.length, penalty.factor
+        )
 
     def _count(self, live: Live, fin: Finish, latency: float) -> None:
         traj = live.traj

@@ -193,7 +193,14 @@ class TrajectoryDriver:
             await self.fail(live, step.code, step.message)
             return
         action = live.traj.on_turn(
-            list(res.token_ids), list(res.logprobs), res.text, versions, eos, res.temperature, step
+            list(res.token_ids),
+            list(res.logprobs),
+            res.text,
+            versions,
+            eos,
+            res.temperature,
+            step,
+            cut=res.finish_reason == "length",
         )
         await self._execute(live, action)
 

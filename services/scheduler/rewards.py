@@ -32,6 +32,15 @@ SANDBOX_GRACE_S = 10.0
 """How long past the code's own timeout a sandbox's answer is waited for."""
 
 
+def overlong_penalty(tokens: int, limit: int, length: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to limit - length generated
+    tokens, then falling linearly to -factor at the limit, -factor beyond it."""
+    start = limit - length
+    if tokens <= start:
+        return 0.0
+    return -factor * min(1.0, (tokens - start) / length)
+
+
 def exact_match(response: str, answer: Any) -> float:
     """1 when the last `<answer>` tag (or, without one, the whole stripped text) equals the reference."""
     tags = _ANSWER_TAG.findall(response)

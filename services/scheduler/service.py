@@ -89,6 +89,7 @@ class SchedulerService:
             scorer,
             self.evaluator,
             lambda: self.trained_version,
+            cfg.task,
         )
         self.inflight = InFlight(bus, self.dispatch, settings, cfg, stop_strings, fail=self._fail)
         self.driver = TrajectoryDriver(

@@ -125,6 +125,8 @@ class Trajectory:
     tool_statuses: list[str] = field(default_factory=list)
     finish: Finish | None = None
     ended_with_eos: bool = False
+    last_turn_cut: bool = False
+    """The last turn ended because it reached its token budget (the engine's finish `length`)."""
     script: list[ScriptedTurn] | None = None
     """Synthetic trajectories follow a script drawn from a workload instead of parsing the text."""
     launch_version: int = 0
@@ -170,6 +172,11 @@ class Trajectory:
         return sum(len(s.token_ids) for s in self.segments if s.generated)
 
     @property
+    def truncated(self) -> bool:
+        """It ran out of room: its context (finish `length`) or its last turn's token budget."""
+        return self.last_turn_cut or (self.finish is not None and self.finish.reason == "length")
+
+    @property
     def versions(self) -> list[int]:
         return [s.policy_version for s in self.segments if s.generated]
 
@@ -185,17 +192,19 @@ class Trajectory:
         eos: bool,
         temperature: float = 1.0,
         step: Step | None = None,
+        cut: bool = False,
     ) -> Action:
         """A generation turn finished: `step` is the environment's answer to it (None: the built-in
         ToolUse, or the synthetic script) — a tool call, an observation or the end. `versions`
         names the weight version of each token; a turn that ran across a weight swap becomes one
         generated segment per version, so the trainer sees which policy sampled which token.
         `temperature` is the one the engine's logprobs were computed at; the segments carry it to
-        the trainer."""
+        the trainer. `cut`: the turn stopped at its token budget."""
         if self.state is not State.GENERATING:
             raise IllegalTransition(f"turn result in state {self.state.value}")
         check_turn(token_ids, logprobs, versions, temperature)
         self.turns += 1
+        self.last_turn_cut = cut
         start = 0
         for end in range(1, len(token_ids) + 1):
             if end == len(token_ids) or versions[end] != versions[start]:

@@ -287,6 +287,7 @@ class TrainerService:
             sampled_reward_std=statistics.pstdev(sampled) if sampled else 0.0,
             sampled_trajectories=len(sampled),
             groups_informative=stats.trained_groups,
+            overlong_filtered=stats.overlong_filtered,
         )
         await self.bus.publish(subjects.TRAIN_METRICS, self.last_metrics)
         m = trainer_metrics()

@@ -97,8 +97,12 @@ class Harness:
         return ev.TurnResult(**base)
 
     def normal(self, req: ev.TurnRequest) -> ev.TurnResult:
-        """First turn calls the calculator, the second answers."""
-        return self.result(req, CALL if req.turn_index == 0 else ANSWER)
+        """First turn calls the calculator (at its token budget: cut), the second answers; the
+        first trajectory's answer is cut too (so it, alone, is truncated)."""
+        first = self.requests[0].trajectory_id if self.requests else req.trajectory_id
+        if req.turn_index == 0:
+            return self.result(req, CALL, finish_reason="length")
+        return self.result(req, ANSWER, finish_reason="length" if req.trajectory_id == first else "stop")
 
     async def completed(self, bus: Bus, n: int, timeout: float = 60) -> list[ev.CompletedTrajectory]:
         stream = subjects.stream_name(bus.run_id, "TRAJ")  # a reader of its own (no auth here)
@@ -122,7 +126,14 @@ async def scheduler(
     )
     run = {
         "model": {"source": "tiny-random", "cache_dir": tiny_model.cache_dir},
-        "task": {"dataset": {"path": str(data)}, "num_prompts": 4, "group_size": 2, "max_turns": 3},
+        "task": {
+            "dataset": {"path": str(data)},
+            "num_prompts": 4,
+            "group_size": 2,
+            "max_turns": 3,
+            # 8 generated tokens of 12, 4 past the buffer's start: -0.5 x 4 / 8
+            "overlong": {"max_tokens": 12, "soft_penalty": {"length": 8, "factor": 0.5}},
+        },
         "rollout": {"engines": 1},
         "training": {"steps": 2, "groups_per_step": 1, "max_staleness": 1},
     }
@@ -170,13 +181,17 @@ async def test_turns_tools_and_completion_reach_the_trainer_within_the_staleness
     done = await h.completed(bus, 4)  # (max_staleness 1 + 1) x 1 group per step x 2 samples
     for t in done:
         assert t.finish == "answer" and t.num_turns == 2 and list(t.tool_statuses) == ["ok"]
-        assert t.reward > 1.0 - 1e-9  # the right answer, plus the bonus for a working tool
+        # the right answer, less the soft overlong penalty
+        assert t.overlong_penalty == pytest.approx(-0.25)
+        assert t.reward == pytest.approx(1.0 - 0.25)
         generated = [s for s in t.segments if s.generated]
         assert [list(s.token_ids) for s in generated] == [[200, 201, 202, 203]] * 2
         assert all(s.temperature == 1.0 and s.policy_version == 0 for s in generated)
         assert not t.HasField("failure")
     assert {t.group_id for t in done} == {done[0].group_id, done[-1].group_id} and len(done) == 4
     assert len(h.calls) == 4 and {c.tool for c in h.calls} == {"calculator"}
+    # its last turn decides: only the trajectory whose answer was cut is truncated
+    assert [t.trajectory_id for t in done if t.truncated] == [h.requests[0].trajectory_id]
     # every turn names its group and prompt (what the engine's drafter reads)
     by_traj = {t.trajectory_id: t for t in done}
     assert all(r.group_id == by_traj[r.trajectory_id].group_id for r in h.requests)

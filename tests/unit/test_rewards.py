@@ -173,3 +173,34 @@ def test_a_reward_failing_on_nearly_every_call_is_called_broken_and_one_failing_
     mixed = BrokenUserCode(window=3, share=1.0)
     assert [mixed.ended(c, "m") for c in ("reward_error", "env_error")] == [None, None]
     assert "3 of the last 3" in (mixed.ended("env_timeout", "slow") or "")
+
+
+def test_the_soft_overlong_penalty_against_hand_computed_values() -> None:
+    """DAPO's eq. 13 with limit 100, buffer 20, factor 1 (and 0.5): nothing up to 80 tokens, a
+    linear ramp to -factor at 100, -factor beyond."""
+    from services.scheduler.rewards import overlong_penalty
+
+    assert overlong_penalty(50, 100, 20, 1.0) == 0.0
+    assert overlong_penalty(80, 100, 20, 1.0) == 0.0
+    assert overlong_penalty(85, 100, 20, 1.0) == pytest.approx(-0.25)
+    assert overlong_penalty(90, 100, 20, 0.5) == pytest.approx(-0.25)
+    assert overlong_penalty(100, 100, 20, 1.0) == pytest.approx(-1.0)
+    assert overlong_penalty(140, 100, 20, 1.0) == pytest.approx(-1.0)
+
+
+def test_the_overlong_limit_defaults_to_the_trajectory_budget_and_the_buffer_must_fit() -> None:
+    from pydantic import ValidationError
+
+    from services.common.runconfig import TaskConfig
+
+    task = TaskConfig.model_validate({"max_new_tokens": 64, "max_turns": 2})
+    assert task.overlong_limit == 128 and not task.overlong.filter and task.overlong.soft_penalty is None
+    one = TaskConfig.model_validate(
+        {"max_new_tokens": 64, "max_turns": 1, "overlong": {"soft_penalty": {"length": 16}}}
+    )
+    assert one.overlong_limit == 64 and one.overlong.soft_penalty is not None
+    assert one.overlong.soft_penalty.factor == 1.0
+    with pytest.raises(ValidationError, match="exceeds the limit"):
+        TaskConfig.model_validate(
+            {"max_new_tokens": 8, "max_turns": 1, "overlong": {"soft_penalty": {"length": 16}}}
+        )

@@ -255,3 +255,25 @@ def test_every_loss_aggregation_is_the_same_whatever_the_micro_batch(
     loss_all, g_all = grads(4)
     assert loss_one == pytest.approx(loss_all, rel=1e-5, abs=1e-7)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(g_one, g_all, strict=True))
+
+
+def test_the_overlong_filter_drops_truncated_tokens_but_keeps_their_rewards_in_the_baseline(
+    model: torch.nn.Module,
+) -> None:
+    """Group rewards 1, 0, 0 with the first 0 truncated: its 6 tokens leave the loss, and the other
+    two keep the advantages of the whole group (so the step equals one where its loss mask was
+    cleared by hand)."""
+    import dataclasses
+
+    samples = [
+        engine_sample(model, f"t{i}", "g", r, temperature=1.0, seed=i) for i, r in enumerate([1.0, 0.0, 0.0])
+    ]
+    samples[1] = dataclasses.replace(samples[1], truncated=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    on = train_step(model, opt, samples, settings(overlong_filter=True))
+    assert (on.tokens, on.overlong_filtered, on.trajectories, on.trained_groups) == (12, 1, 3, 1)
+    by_hand = [samples[0], dataclasses.replace(samples[1], loss_mask=[False] * 10), samples[2]]
+    manual = train_step(model, opt, by_hand, settings())
+    assert on.loss == pytest.approx(manual.loss, rel=1e-6)
+    off = train_step(model, opt, samples, settings())
+    assert (off.tokens, off.overlong_filtered) == (18, 0)  # off: trained like any other

@@ -183,3 +183,27 @@ def test_tool_calls_in_the_hermes_format() -> None:
     nameless = parse_action('<tool_call>{"arguments": {}}</tool_call>')
     assert nameless is not None and nameless.tool == ""
     assert parse_action('<answer>7</answer> <tool_call>{"name": "x"}</tool_call>') is None
+
+
+def test_a_trajectory_is_truncated_when_its_last_turn_was_cut_or_its_context_ran_out() -> None:
+    t = make(max_turns=1)
+    t.first_action()
+    t.on_turn([10] * 8, [-0.1] * 8, "The answer is 1", versions=[0] * 8, eos=False, cut=True)
+    assert t.truncated and t.finish is not None  # the text is its answer, cut short
+    done = make(max_turns=1)
+    done.first_action()
+    done.on_turn([10], [-0.1], "<answer>5</answer>", versions=[0], eos=True)
+    assert not done.truncated
+    # a turn cut mid-way, then an answer that fits: the last turn decides
+    t = make()
+    t.first_action()
+    t.on_turn([10] * 8, [-0.1] * 8, "<calc>2+3</calc>", versions=[0] * 8, eos=False, cut=True)
+    t.on_tool_return("ok", [20])
+    t.on_turn([12], [-0.3], "<answer>5</answer>", versions=[0], eos=True)
+    assert not t.truncated
+    # the context ran out
+    t = make(max_ctx=6)
+    t.first_action()
+    t.on_turn([10, 11], [-1.0, -1.0], "<calc>1</calc>", [0, 0], False)
+    t.on_tool_return("ok", [5, 5])
+    assert t.truncated
