@@ -240,9 +240,12 @@ def print_summary(report: dict[str, Any]) -> int:
         if "version" in r:
             ci = f" (95% CI {r['ci95'][0]} .. {r['ci95'][1]})" if r.get("ci95") else ""
             lost = f", failed {r['failed']}" if r.get("failed") else ""
-            print(
-                f"{'eval v' + str(r['version']):<24} {r['reward_mean']}{ci} on {r['completed']}/{r['prompts']} held-out prompts{lost}"
-            )
+            n = r.get("samples_per_prompt", 1)
+            on = f"{r['completed']}/{r['prompts']} held-out prompts"
+            if n > 1:
+                on = f"{r['completed']}/{r.get('trajectories')} samples of {r['prompts']} held-out prompts"
+            passes = "".join(f", pass@{k} {v}" for k, v in (r.get("pass_at_k") or {}).items() if n > 1)
+            print(f"{'eval v' + str(r['version']):<24} {r['reward_mean']}{ci} on {on}{passes}{lost}")
     print(f"{'policy_versions_per_step':<24} {report['policy_versions_per_step']}")
     print(f"{'logprob_mismatch':<24} {report['logprob_mismatch_per_step']}")
     print(f"{'tool_calls':<24} {report.get('tool_calls')}")

@@ -400,6 +400,29 @@ class EvalConfig(_Strict):
     temperature: float | None = Field(None, gt=0.0, le=2.0)
     """Sampling temperature of the evaluation (default: the task's): the score is pass@1 at it; a
     low one (0.05) is near-greedy."""
+    samples: int = Field(1, ge=1, le=256)
+    """Samples of each held-out prompt per round (pass@k needs k or more)."""
+    pass_at_k: list[int] | None = None
+    """The k of the pass@k each round reports: the chance that at least one of k samples of a
+    prompt passes, by the unbiased estimator over its `samples` (Chen et al. 2021), averaged over
+    the prompts. Default: 1 and `samples`."""
+    pass_threshold: float = 1.0
+    """A sample passes (and counts as `solved`) when its reward is at least this: 1 is the built-in
+    tasks' right answer, whatever the tool bonus."""
+
+    @property
+    def ks(self) -> list[int]:
+        """The k of pass@k, each at most `samples`."""
+        return sorted(set(self.pass_at_k if self.pass_at_k is not None else [1, self.samples]))
+
+    @model_validator(mode="after")
+    def _ks_fit(self) -> EvalConfig:
+        bad = [k for k in self.ks if not 1 <= k <= self.samples]
+        if bad:
+            raise ValueError(
+                f"eval.pass_at_k {bad}: each k must be between 1 and eval.samples ({self.samples})"
+            )
+        return self
 
 
 class JobConfig(_Strict):

@@ -187,7 +187,8 @@ class Completion:
         live.span.end()
         if rnd is None or not rnd.owns(traj.trajectory_id):
             return  # a round that is over (a late straggler)
-        rnd.record(fin.reward, traj.versions, live.failure.code if live.failure is not None else "")
+        failure = live.failure.code if live.failure is not None else ""
+        rnd.record(fin.reward, traj.versions, failure, traj.trajectory_id)
         if rnd.done:
             assert self.evaluator is not None
             self.evaluator.finish()

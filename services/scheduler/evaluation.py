@@ -1,5 +1,6 @@
 """Held-out evaluation (`eval` in the run config): the policy is scored on prompts the run never
-trains on, one sample each, before the first step, every `eval.every` steps and after the last.
+trains on, `eval.samples` samples each (pass@k for each k of `eval.pass_at_k`), before the first
+step, every `eval.every` steps and after the last.
 
 An evaluation round runs through the same engines, tools, environment and reward as training, at
 the weights the engines serve once they hold the round's version (a turn waits for them); its
@@ -56,6 +57,16 @@ def targets(every: int, steps: int) -> list[int]:
     return sorted({*range(0, steps + 1, every), steps})
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that at least one of k samples drawn without replacement from n, of which c
+    pass, passes: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021's unbiased estimator)."""
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= n = {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
 @dataclass
 class Round:
     version: int
@@ -63,7 +74,13 @@ class Round:
     total: int
     nonce: str
     """Per launch, so a relaunched round's ids never meet a lost launch's on an engine."""
+    samples: int = 1
+    """Samples per prompt: trajectory i is sample i % samples of prompt i // samples."""
+    ks: tuple[int, ...] = (1,)
+    threshold: float = 1.0
+    """A sample passes when its reward is at least this."""
     rewards: list[float] = field(default_factory=list)
+    by_prompt: dict[int, list[float]] = field(default_factory=dict)
     failed: dict[str, int] = field(default_factory=dict)
     versions: set[int] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
@@ -82,12 +99,30 @@ class Round:
     def done(self) -> bool:
         return len(self.rewards) + sum(self.failed.values()) >= self.total
 
-    def record(self, reward: float | None, versions: list[int], failure: str = "") -> None:
+    def record(
+        self, reward: float | None, versions: list[int], failure: str = "", trajectory_id: str = ""
+    ) -> None:
         if failure:
             self.failed[failure] = self.failed.get(failure, 0) + 1
         elif reward is not None:
             self.rewards.append(reward)
+            if trajectory_id:
+                prompt = int(trajectory_id[len(self._prefix) :]) // self.samples
+                self.by_prompt.setdefault(prompt, []).append(reward)
         self.versions.update(v for v in versions if v >= 0)
+
+    def pass_rates(self) -> dict[str, float | None]:
+        """pass@k for each k, averaged over the prompts with at least k completed samples (a
+        failed sample is no sample: infrastructure, not the policy); None where none has."""
+        out: dict[str, float | None] = {}
+        for k in self.ks:
+            rates = [
+                pass_at_k(len(r), sum(x >= self.threshold for x in r), k)
+                for r in self.by_prompt.values()
+                if len(r) >= k
+            ]
+            out[str(k)] = round(statistics.fmean(rates), 4) if rates else None
+        return out
 
     def summary(self, train_step: int) -> dict[str, Any]:
         r = self.rewards
@@ -95,12 +130,15 @@ class Round:
         half = 1.96 * statistics.stdev(r) / math.sqrt(len(r)) if len(r) > 1 else math.nan
         return {
             "version": self.version,
-            "prompts": self.total,
+            "prompts": self.total // self.samples,
+            "trajectories": self.total,
             "completed": len(r),
             "failed": dict(sorted(self.failed.items())),
             "reward_mean": round(mean, 4) if r else None,
             "ci95": [round(mean - half, 4), round(mean + half, 4)] if len(r) > 1 else None,
-            "solved": sum(1 for x in r if x > 0) if r else 0,
+            "solved": sum(1 for x in r if x >= self.threshold),
+            "samples_per_prompt": self.samples,
+            "pass_at_k": self.pass_rates(),
             "policy_versions": sorted(self.versions),
             "seconds": round(time.monotonic() - self.started, 2),
             "train_step_at_end": train_step,
@@ -132,7 +170,10 @@ class Evaluator:
         return reached[-1]
 
     def start(self, version: int, nonce: str) -> Round:
-        self.running = Round(version, len(self.tasks), nonce)
+        e = self.cfg.eval
+        self.running = Round(
+            version, len(self.tasks) * e.samples, nonce, e.samples, tuple(e.ks), e.pass_threshold
+        )
         return self.running
 
     def finish(self) -> Round:

@@ -356,11 +356,12 @@ class SchedulerService:
         return launched
 
     def _launch_eval(self, version: int) -> None:
-        """An evaluation round of the policy at `version`: one trajectory per held-out prompt, each
-        its own group of one, whose turns wait for engines that hold that version."""
+        """An evaluation round of the policy at `version`: `eval.samples` trajectories per held-out
+        prompt, each its own group of one, whose turns wait for engines that hold that version."""
         assert self.evaluator is not None
         rnd = self.evaluator.start(version, self._eval_nonce)
-        for i, task in enumerate(self.evaluator.tasks):
+        for i in range(rnd.total):
+            task = self.evaluator.tasks[i // rnd.samples]
             tid = rnd.trajectory_id(i)
             self.driver.start(
                 (tid, tid, 0, 1),

@@ -578,7 +578,8 @@ def test_held_out_evaluation_scores_each_policy_and_trains_on_none_of_it(
     stack: Stack, tmp_path: Path
 ) -> None:
     """eval.every: the initial, intermediate and final policies scored on a held-out file by the
-    task's reward (a reward that raises fails its evaluation trajectory, counted by code), while
+    task's reward, two samples a prompt with their pass@1 and pass@2 (a reward that raises fails
+    its evaluation trajectory, counted by code), while
     training sees none of those trajectories; the job ends once the final policy is scored."""
     data, plugins = _own_task(tmp_path, ["ok"] * 6)
     held_out = tmp_path / "data" / "held_out.jsonl"
@@ -591,19 +592,25 @@ def test_held_out_evaluation_scores_each_policy_and_trains_on_none_of_it(
         "reward": "my_rewards:moody",
         "plugin_paths": [str(plugins)],
     }
-    evaluation = {"every": 1, "prompts": 4, "dataset": {"path": str(held_out), "prompt_key": "question"}}
+    evaluation = {
+        "every": 1,
+        "prompts": 4,
+        "samples": 2,
+        "dataset": {"path": str(held_out), "prompt_key": "question"},
+    }
     config = _config(tmp_path, task=task, training={"filter_zero_advantage": False}, eval=evaluation)
     report = _run(stack, config, f"eval-{RUN}", tmp_path)
     assert report["status"] == "completed", report["reason"]
     rounds = report["eval"]
     assert [r["version"] for r in rounds] == [0, 1, 2]
-    for r in rounds:  # the first 4 rows: one raises
+    for r in rounds:  # the first 4 rows, 2 samples each: one row raises
         assert (r["prompts"], r["completed"], r["failed"], r["reward_mean"]) == (
             4,
-            3,
-            {"reward_error": 1},
+            6,
+            {"reward_error": 2},
             1.0,
         ), r
+        assert r["pass_at_k"] == {"1": 1.0, "2": 1.0} and r["solved"] == 6  # of the prompts that scored
         assert r["policy_versions"] and min(r["policy_versions"]) >= r["version"]  # never an older policy
     assert report["trajectories_failed_by_code"] == {}  # the evaluation's failure is its round's
     accounting = report["trajectories_accounting"]

@@ -78,3 +78,41 @@ def test_eval_config_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(SettingsError) as err:
         parse_run_config(json.dumps({"task": {"dataset": {"path": str(f)}}, "eval": {"every": 1}}), "x")
     assert "eval.dataset is required to evaluate a task from a dataset file" in str(err.value.message)
+
+
+def test_pass_at_k_against_hand_computed_values() -> None:
+    from services.scheduler.evaluation import pass_at_k
+
+    # n = 4 samples, c = 1 passes: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6, pass@4 = 1
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(4, 1, 4) == pytest.approx(1.0)
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    # n = 5, c = 2: pass@3 = 1 - C(3,3)/C(5,3) = 1 - 1/10
+    assert pass_at_k(5, 2, 3) == pytest.approx(0.9)
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_a_round_of_several_samples_reports_pass_at_k_per_prompt() -> None:
+    """Two prompts, 4 samples each: prompt 0 passes 1 of 4 (a reward of 0.1, the tool bonus, is
+    not a pass), prompt 1 passes 3 of 3 (its fourth sample failed: not counted)."""
+    rnd = Round(version=2, total=8, nonce="ab", samples=4, ks=(1, 2, 4), threshold=1.0)
+    for i, reward in enumerate([1.1, 0.1, 0.0, 0.0, 1.0, 1.0, 1.0]):
+        rnd.record(reward, [2], trajectory_id=rnd.trajectory_id(i))
+    rnd.record(None, [], failure="engine_unavailable", trajectory_id=rnd.trajectory_id(7))
+    s = rnd.summary(train_step=2)
+    assert s["solved"] == 4 and s["samples_per_prompt"] == 4
+    # pass@1 = (1/4 + 1) / 2; pass@2 = (1/2 + 1) / 2; pass@4: prompt 0 only (prompt 1 has 3 samples)
+    assert s["pass_at_k"] == {"1": pytest.approx(0.625), "2": pytest.approx(0.75), "4": pytest.approx(1.0)}
+
+
+def test_pass_at_k_settings_are_checked() -> None:
+    from pydantic import ValidationError
+
+    from services.common.runconfig import EvalConfig
+
+    assert EvalConfig().ks == [1] and EvalConfig(samples=8).ks == [1, 8]
+    assert EvalConfig(samples=8, pass_at_k=[4, 1, 4]).ks == [1, 4]
+    with pytest.raises(ValidationError, match="between 1 and eval.samples"):
+        EvalConfig(samples=4, pass_at_k=[8])
