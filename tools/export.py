@@ -1,6 +1,7 @@
 """The trained policy in Hugging Face format: a trainer checkpoint's weights in the run's model
 architecture, with its tokenizer, loadable by `transformers.AutoModelForCausalLM.from_pretrained`
-(`runs/<id>/final` when a job completes; `libra export RUN` for an earlier run)."""
+(`runs/<id>/final` when a job completes; `libra export RUN` for an earlier run). A LoRA run's
+policy is the merged model, with its adapter in `adapter/` (loadable by peft on the base model)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,15 @@ def export_policy(cfg: RunConfig, checkpoint: Path, out: Path, run_id: str = "")
         raise ExportError(f"no checkpoint at {checkpoint or '(none recorded)'}")
     payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
     model = load_model(cfg.model)
+    adapter = None
+    if cfg.training.lora is not None and cfg.training.backend != "emulated":
+        from services.learning.lora import merged_state, wrap
+
+        adapter = wrap(load_model(cfg.model), cfg.training.lora)
     try:
-        model.load_state_dict(payload["model"])
+        (adapter or model).load_state_dict(payload["model"])
+        if adapter is not None:
+            model.load_state_dict(merged_state(adapter))
     except (KeyError, RuntimeError) as e:
         raise ExportError(f"{checkpoint} does not fit model {cfg.model.source}: {e}") from None
     meta = {
@@ -36,4 +44,4 @@ def export_policy(cfg: RunConfig, checkpoint: Path, out: Path, run_id: str = "")
         "checkpoint": str(checkpoint),
         "model_source": cfg.model.source,
     }
-    return save_policy(model, load_tokenizer(cfg.model), out, meta)
+    return save_policy(model, load_tokenizer(cfg.model), out, meta, adapter=adapter)

@@ -263,6 +263,20 @@ class RolloutConfig(_Strict):
         return self
 
 
+class LoraConfig(_Strict):
+    """Low-rank adapters (LoRA, Hu et al. 2021) with the peft library: the base weights stay frozen,
+    the trainer optimises A (r x in) and B (out x r) per targeted linear layer, and the engines
+    serve the merged weights W + (alpha / rank) B A."""
+
+    rank: int = Field(16, ge=1, le=1024)
+    """r, the adapters' rank."""
+    alpha: int = Field(32, ge=1, le=4096)
+    """The adapters' scale is alpha / rank."""
+    targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Names of the linear layers that get an adapter (peft's target_modules; a Llama/Qwen's
+    attention projections by default; add gate_proj, up_proj, down_proj for the MLP)."""
+
+
 class TrainingConfig(_Strict):
     steps: int = Field(2, ge=1)
     """GRPO steps; the job ends after the last step's weights reach every engine."""
@@ -369,6 +383,10 @@ class TrainingConfig(_Strict):
     """`emulated` backend: GPUs the emulated step trains on."""
     emulated_tp: int = Field(1, ge=1, le=64)
     """`emulated` backend: TP degree of the emulated training."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of every weight (e.g. `{rank: 16, alpha: 32}`): the engines
+    get the merged weights, the exported policy is merged and its adapter is saved beside it
+    (`final/adapter`, loadable with peft). Not with fsdp > 1 or hybrid workers yet."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainingConfig:
@@ -525,6 +543,14 @@ class RunConfig(_Strict):
             raise ValueError("eval.dataset is required to evaluate a task from a dataset file")
         if self.eval.every > 0 and self.task.dataset == "synthetic":
             raise ValueError("eval: a synthetic task learns nothing to evaluate")
+        if self.training.lora is not None and self.training.fsdp > 1:
+            raise ValueError(
+                "training.lora with training.fsdp > 1: a sharded trainer cannot train adapters yet"
+            )
+        if self.training.lora is not None and self.planner.hybrid.workers > 0:
+            raise ValueError(
+                "training.lora with planner.hybrid.workers: hybrid workers cannot train adapters yet"
+            )
         if self.training.fsdp > 1 and self.planner.hybrid.workers > 0:
             raise ValueError(
                 "training.fsdp > 1 with planner.hybrid.workers: hybrid workers cannot join a sharded step yet"

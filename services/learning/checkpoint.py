@@ -102,9 +102,10 @@ def save(
     return final
 
 
-def save_policy(model: Any, tokenizer: Any, out: Path, meta: dict[str, Any]) -> Path:
+def save_policy(model: Any, tokenizer: Any, out: Path, meta: dict[str, Any], adapter: Any = None) -> Path:
     """The policy in Hugging Face format (safetensors, config, tokenizer, and libra.json with
-    `meta`), written beside `out` and renamed into place, replacing what was there."""
+    `meta`), written beside `out` and renamed into place, replacing what was there; with
+    `adapter` (a peft model) its LoRA adapter too, in `out/adapter`."""
     import json
     import shutil
 
@@ -112,6 +113,8 @@ def save_policy(model: Any, tokenizer: Any, out: Path, meta: dict[str, Any]) -> 
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if adapter is not None:
+        adapter.save_pretrained(tmp / "adapter")
     (tmp / "libra.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -24,6 +24,8 @@ from services.learning.advantages import informative
 from services.learning.data import Sample
 from services.learning.fsdp import ShardedTrainer
 from services.learning.hybrid import GroupBroken, TrainerGroup
+from services.learning.lora import is_lora, merged_state
+from services.learning.lora import wrap as wrap_lora
 from services.learning.recipe import compute_device, optimizer_for, reference_for, run_step, step_settings
 from services.learning.snapshot import Snapshot, snapshot
 from services.learning.step import StepAborted, StepStats
@@ -50,7 +52,7 @@ class Learner:
             self.optimizer = self.sharded.shards.optimizer
             self.ref = self.sharded.shards.ref
         else:
-            self.model = load_model(run.model).to(self.device)
+            self.model = self._fresh_model()
             self.optimizer = optimizer_for(run, self.model)
             self.ref = reference_for(run, self.device)
         self.state = checkpoint.TrainerState()
@@ -60,6 +62,20 @@ class Learner:
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.group_error = ""
         """Why the last step's hybrid group broke ('' when it did not)."""
+
+    def _fresh_model(self) -> Any:
+        """The initial policy on this trainer's device; with training.lora, wrapped in its adapters."""
+        model = load_model(self.run.model).to(self.device)
+        lora = self.run.training.lora
+        if lora is not None and self.run.training.backend != "emulated":
+            return wrap_lora(model, lora)
+        return model
+
+    def _plain_state(self) -> dict[str, Any]:
+        """The policy's weights under the plain model's names (LoRA: merged), as engines load them."""
+        if is_lora(self.model):
+            return merged_state(self.model)
+        return self._full_state(optimizer=False)[0]
 
     def close(self) -> None:
         """Stops the FSDP ranks, if any (the trainer's job ended)."""
@@ -108,7 +124,7 @@ class Learner:
             self.optimizer = self.sharded.shards.optimizer
             self.state = checkpoint.TrainerState()
         else:
-            self.model = load_model(self.run.model).to(self.device)
+            self.model = self._fresh_model()
             self.optimizer = optimizer_for(self.run, self.model)
             self.state = checkpoint.TrainerState()
         self.loaded = found
@@ -209,11 +225,12 @@ class Learner:
         }
         out = self.ckpt_dir / "hf" / f"step_{s.step:08d}"
         out.parent.mkdir(parents=True, exist_ok=True)
-        if self.sharded is None:
+        if self.sharded is None and not is_lora(self.model):
             return checkpoint.save_policy(self.model, self.tokenizer, out, meta)
         plain = load_model(self.run.model)  # the full weights, in the model's own class, on the host
-        plain.load_state_dict(self._full_state(optimizer=False)[0])
-        return checkpoint.save_policy(plain, self.tokenizer, out, meta)
+        plain.load_state_dict(self._plain_state())
+        adapter = self.model if is_lora(self.model) else None
+        return checkpoint.save_policy(plain, self.tokenizer, out, meta, adapter=adapter)
 
     def snapshot(self) -> Snapshot:
         """The current weights for the wire (`training.push_dtype`). EMULATED end to end (emulated
@@ -226,4 +243,4 @@ class Learner:
         if self.run.training.backend == "emulated" and self.run.rollout.backend == "emulated":
             return snapshot({"emulated.version": torch.tensor([float(version)])}, version)
         dtype = self.run.training.push_dtype
-        return snapshot(self._full_state(optimizer=False)[0], version, None if dtype == "auto" else dtype)
+        return snapshot(self._plain_state(), version, None if dtype == "auto" else dtype)

@@ -33,7 +33,8 @@ def uses_bf16(run: RunConfig, device: torch.device) -> bool:
 
 def optimizer_for(run: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     t = run.training
-    return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    return torch.optim.AdamW(trainable, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
 
 
 def reference_for(run: RunConfig, device: torch.device) -> torch.nn.Module | None:

@@ -79,6 +79,8 @@ class TrainerService:
                 if emulated
                 else "a sharded (FSDP) trainer does not take hybrid workers yet"
                 if run.training.fsdp > 1
+                else "a LoRA trainer (training.lora) does not take hybrid workers yet"
+                if run.training.lora is not None
                 else ""
             ),
         )

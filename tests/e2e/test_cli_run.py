@@ -108,13 +108,18 @@ def test_run_on_a_stack_reached_by_its_endpoints(tmp_path: Path) -> None:
             "--output-dir",
             "out",
         ]
+        # with LoRA: the trainer pushes the merged weights, the export adds the adapter
         out = _libra("run", "tiny", *endpoints, "--secrets", str(stack.credentials.root), *common,
-                     "--run-id", run_id, cwd=project)  # fmt: skip
+                     "--run-id", run_id, "training.lora={rank: 4, alpha: 8}", cwd=project)  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
         report = json.loads((project / "out" / run_id / "report.json").read_text())
         assert report["status"] == "completed" and report["train_steps"] == 2
+        assert report["all_engines_on_final_version"], report["engines"]
+        assert all(m is None or m < 1e-3 for m in report["logprob_mismatch_per_step"])
         assert report["stack"] == f"remote {stack.nats_url}" and report["logs"] is None
-        assert (project / "out" / run_id / "final" / "config.json").is_file()  # exported from the checkpoint
+        final = project / "out" / run_id / "final"
+        assert (final / "config.json").is_file()  # exported from the checkpoint
+        assert (final / "adapter" / "adapter_config.json").is_file()
         assert not (project / ".libra" / "stack.json").exists()
 
         # without the stack's credentials the CLI is refused, with a message and nothing started
