@@ -160,6 +160,29 @@ class ContinuousEngine(VersionGate):
         await self._swapped(version, self.running)
         return True
 
+    async def hand_back(self) -> int:
+        """Ends every request it holds at once, between two iterations (the planner took the engine
+        away): each finishes `handed_back` with the tokens it generated so far (a queued one with
+        none), so the turn can continue elsewhere from there. Returns how many; requests sent
+        afterwards are served as before."""
+        n = 0
+        async with self._step:
+            now = time.monotonic()
+            while self._queue:
+                _, _, item = heapq.heappop(self._queue)
+                if not item.future.done():
+                    item.started = now
+                    item.future.set_result(item.result("handed_back"))
+                    n += 1
+            for slot, item in list(self._running.items()):
+                del self._running[slot]
+                self._leaving.append(slot)
+                if not item.future.done():
+                    item.future.set_result(item.result("handed_back"))
+                    n += 1
+        self._wake.set()
+        return n
+
     async def close(self, timeout: float) -> None:
         """Stops taking work, fails queued requests with EngineClosed, lets running ones finish for
         up to `timeout` seconds, then fails those too."""

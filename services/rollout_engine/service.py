@@ -128,6 +128,8 @@ class RolloutEngineService:
         self._serving: dict[str, tuple[asyncio.Task[None], ev.TurnRequest]] = {}
         """Turns queued or running here, by request id: what a drain hands back."""
         self.draining = False
+        self._awaiting_weights: set[str] = set()
+        """Turns it holds that wait for newer weights (not in the engine yet: none has a token)."""
         self._hybrid_task: asyncio.Task[None] | None = None
         """The training side's run while the planner has this engine in the hybrid pool."""
 
@@ -248,17 +250,24 @@ class RolloutEngineService:
     async def _drain(self) -> None:
         """The planner took this engine out of rollout (maintenance, a move to another bucket or to
         training): it refuses new turns and hands back every turn it holds, queued or running,
-        with `handed_back` at once, so the scheduler re-sends them elsewhere instead of waiting
-        for them; their partial output is dropped, nothing of it is returned or trained."""
+        with `handed_back` at once, so the scheduler continues them elsewhere instead of waiting
+        for them. A running turn comes back with the tokens it generated so far (their logprobs
+        and versions), which the scheduler keeps: the turn goes on from there on another engine,
+        which re-prefills the context. A backend that schedules its own iterations (vllm) hands
+        its turns back without their tokens (the partial output is dropped)."""
         if self.draining:
             return
         self.draining = True
         held = list(self._serving.values())
-        for task, _ in held:
-            task.cancel()
-        for _, req in held:
+        hand_back = getattr(self.engine, "hand_back", None)
+        kept = await hand_back() if hand_back is not None else 0  # their tasks publish them
+        await asyncio.sleep(0)
+        for task, req in held:
+            if task.done() or (hand_back is not None and req.request_id not in self._awaiting_weights):
+                continue
+            task.cancel()  # waiting for weights, or a backend without hand_back: no tokens
             await self._publish_error(req, "handed_back", f"{self.worker_id} is draining", None)
-        self.log.info("engine_drained", handed_back=len(held))
+        self.log.info("engine_drained", handed_back=len(held), with_tokens=kept)
 
     async def _wait_for_role(self, stop: asyncio.Event) -> None:
         waits = [asyncio.ensure_future(self._serving_role.wait()), asyncio.ensure_future(stop.wait())]
@@ -301,14 +310,19 @@ class RolloutEngineService:
             span.set_attribute("libra.context_tokens", len(gen.prompt_ids))
             ctx = otel_context.get_current()
             try:
+                if self.draining:  # taken away before it started: nothing generated
+                    await self._publish_error(req, "handed_back", f"{self.worker_id} is draining", ctx)
+                    return
                 if self.engine.version < req.min_policy_version:
                     self.held += 1
+                    self._awaiting_weights.add(req.request_id)
                     try:
                         ok = await self.engine.wait_for_version(
                             req.min_policy_version, self.settings.max_wait_for_weights_s
                         )
                     finally:
                         self.held -= 1
+                        self._awaiting_weights.discard(req.request_id)
                     if not ok:
                         stale = (
                             f"weights v{self.engine.version} < min_policy_version {req.min_policy_version}"
@@ -317,6 +331,9 @@ class RolloutEngineService:
                             req, "unavailable", "shutdown" if self.stopping else stale, ctx
                         )
                         return
+                if self.draining:  # taken away while it waited for weights: nothing generated
+                    await self._publish_error(req, "handed_back", f"{self.worker_id} is draining", ctx)
+                    return
                 done = await self.engine.submit(gen)
             except EngineClosed:
                 await self._publish_error(req, "unavailable", "shutdown", ctx)
@@ -336,6 +353,10 @@ class RolloutEngineService:
                 span.set_attribute("libra.spec.accepted_tokens", out.accepted)
             result = turn_result(req, done, self.worker_id, len(gen.prompt_ids), queue_s)
             result.text = self.backend.decode(out.token_ids)
+            if out.finish_reason == "handed_back":  # drained mid-turn: what it made so far
+                result.error.CopyFrom(
+                    ev.ErrorInfo(code="handed_back", message=f"{self.worker_id} is draining")
+                )
             await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
             self.prom.turns.labels(out.finish_reason or "unknown").inc()
             self.prom.tokens.inc(len(out.token_ids))

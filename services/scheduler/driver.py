@@ -19,7 +19,7 @@ from services.common.tracing import tracer
 from services.scheduler.completion import Completion
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.episodes import Episode
-from services.scheduler.inflight import InFlight, Live
+from services.scheduler.inflight import InFlight, Live, PartialTurn
 from services.scheduler.plugins import PluginFailure
 from services.scheduler.prefix_tree import ToolSignal, map_sandbox_status, size_class
 from services.scheduler.prompting import Prompter
@@ -167,35 +167,41 @@ class TrajectoryDriver:
             )
             live.last_error = f"{res.engine_id}: {res.error.code}: {res.error.message}"
             if res.error.code == "handed_back" and live.pending_action is not None:
-                # a draining engine gave it back: not a failure, no retry spent
-                await self.inflight.send_turn(live, live.pending_action)
+                # a draining engine gave it back: not a failure, no retry spent; what it generated
+                # so far is kept, and the turn goes on from there
+                await self.inflight.send_turn(live, self._continued(live, live.pending_action, res))
                 return
             await self.inflight.retry_or_fail(live)
             return
         versions = list(res.token_versions) or [res.policy_version] * len(res.token_ids)
+        token_ids, logprobs, text = list(res.token_ids), list(res.logprobs), res.text
+        if live.partial is not None:  # the turn began on an engine that handed it back
+            part = live.partial
+            token_ids, logprobs = part.token_ids + token_ids, part.logprobs + logprobs
+            versions = part.versions + versions
+            text = self.prompter.tok.decode(token_ids, skip_special_tokens=True)
         try:
-            check_turn(list(res.token_ids), list(res.logprobs), versions, res.temperature)
+            check_turn(token_ids, logprobs, versions, res.temperature)
         except ValueError as err:
             self.log.warning("turn_result_malformed", trajectory_id=traj_id, reason=str(err))
             live.last_error = f"{res.engine_id}: malformed result: {err}"
             await self.inflight.retry_or_fail(live)
             return
+        live.partial = None
         self.turns += 1
         self.metrics.turns.inc()
-        self.workload.turn(time.monotonic(), len(res.token_ids), res.context_tokens, traj_id)
-        eos = (
-            res.finish_reason == "stop" and bool(res.token_ids) and res.token_ids[-1] == self.prompter.eos_id
-        )
-        step = await self.episode.step(live, res.text)
+        self.workload.turn(time.monotonic(), len(token_ids), res.context_tokens, traj_id)
+        eos = res.finish_reason == "stop" and bool(token_ids) and token_ids[-1] == self.prompter.eos_id
+        step = await self.episode.step(live, text)
         if not self.inflight.holds(live):
             return  # aborted meanwhile
         if isinstance(step, PluginFailure):
             await self.fail(live, step.code, step.message)
             return
         action = live.traj.on_turn(
-            list(res.token_ids),
-            list(res.logprobs),
-            res.text,
+            token_ids,
+            logprobs,
+            text,
             versions,
             eos,
             res.temperature,
@@ -203,6 +209,32 @@ class TrajectoryDriver:
             cut=res.finish_reason == "length",
         )
         await self._execute(live, action)
+
+    def _continued(self, live: Live, action: Generate, res: ev.TurnResult) -> Generate:
+        """The rest of a turn an engine handed back with `res.token_ids` generated: its context
+        followed by them, the budget less them. Tokens that do not check out are dropped (the
+        turn restarts from its own context)."""
+        if not res.token_ids:
+            return action
+        versions = list(res.token_versions) or [res.policy_version] * len(res.token_ids)
+        try:
+            check_turn(list(res.token_ids), list(res.logprobs), versions, res.temperature)
+        except ValueError as err:
+            self.log.warning(
+                "handed_back_tokens_malformed", trajectory_id=live.trajectory_id, reason=str(err)
+            )
+            return action
+        if len(res.token_ids) >= action.max_new_tokens:
+            return action  # cannot happen (the engine ends a turn at its budget): start it again
+        live.partial = live.partial or PartialTurn()
+        live.partial.add(res, versions)
+        n = len(res.token_ids)
+        self.log.info(
+            "turn_continued", trajectory_id=live.trajectory_id, kept_tokens=len(live.partial.token_ids)
+        )
+        return Generate(
+            action.context + list(res.token_ids), action.max_new_tokens - n, max(0, action.min_new_tokens - n)
+        )
 
     async def _reply(self, live: Live, action: Reply) -> None:
         """The environment's observation goes into the context; the router sees it as a small,

@@ -64,10 +64,34 @@ class Live:
     """What its environment said between turns (a `task.environment`'s observations)."""
     evaluation: bool = False
     """A held-out evaluation trajectory: scored, never sent to the trainer."""
+    partial: PartialTurn | None = None
+    """What its turn generated before an engine handed it back (drained): the turn goes on from
+    there on another engine, and these tokens open its result."""
 
     @property
     def trajectory_id(self) -> str:
         return self.traj.trajectory_id
+
+    @property
+    def min_policy_version(self) -> int:
+        """The oldest weights its next request may run on: its trajectory's, and no older than a
+        handed-back part of the turn (weights only move forward within a trajectory)."""
+        done = self.partial.versions[-1] if self.partial is not None and self.partial.versions else -1
+        return max(self.traj.min_policy_version, done)
+
+
+@dataclass
+class PartialTurn:
+    """Tokens of a turn an engine gave back before it ended (their logprobs and weight versions)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def add(self, res: ev.TurnResult, versions: list[int]) -> None:
+        self.token_ids += list(res.token_ids)
+        self.logprobs += list(res.logprobs)
+        self.versions += versions
 
 
 Fail = Callable[[Live, str, str], Awaitable[None]]
@@ -262,7 +286,7 @@ class InFlight:
             min_new_tokens=action.min_new_tokens,
             temperature=live.temperature,
             top_p=self.cfg.task.top_p,
-            min_policy_version=traj.min_policy_version,
+            min_policy_version=live.min_policy_version,
             stop=self.stop_strings,
             priority=self.bucket_level.get(live.bucket, 0),
             group_id=traj.group_id,

@@ -319,9 +319,10 @@ async def test_emulated_engine_is_labelled_and_holds_requests_until_weights_arri
 async def test_a_draining_engine_hands_back_every_turn_it_holds_and_takes_no_new_one(
     engine: Any, redis_server: Server, run_id: str
 ) -> None:
-    """The planner moves the engine to `draining`: every turn it holds (running or queued) comes
-    back at once as `handed_back` without tokens, a new turn is refused, and back in rollout it
-    serves again."""
+    """The planner moves the engine to `draining`: every turn it holds comes back at once as
+    `handed_back` — a running one with the tokens it generated so far (their logprobs and weight
+    versions: the scheduler continues the turn from there), a queued one without — a new turn is
+    refused, and back in rollout it serves again."""
     proc, h = engine
     store = OwnershipStore.from_url(redis_server.url, run_id)
     try:
@@ -340,10 +341,16 @@ async def test_a_draining_engine_hands_back_every_turn_it_holds_and_takes_no_new
             while not h.loads or h.loads[-1].running < 4:
                 await asyncio.sleep(0.05)
         await plan(2, "draining")
-        for rid in ids:
-            res, _ = await h.result(rid, timeout=20)
-            assert (res.finish_reason, res.error.code) == ("error", "handed_back"), res
-            assert not res.token_ids
+        back = [(await h.result(rid, timeout=20))[0] for rid in ids]
+        assert all(r.error.code == "handed_back" for r in back), back
+        running = [r for r in back if r.token_ids]
+        assert len(running) == 4 and all(r.finish_reason == "handed_back" for r in running)
+        for r in running:  # what it made so far, as a finished turn would carry it
+            assert 0 < len(r.token_ids) < 1500 and len(r.logprobs) == len(r.token_ids) == len(
+                r.token_versions
+            )
+            assert all(lp <= 0.0 for lp in r.logprobs) and set(r.token_versions) == {0}
+        assert len(back) - len(running) == 2  # the queued two: nothing generated
         await h.send(turn("during"))
         res, _ = await h.result("during")
         assert res.error.code == "unavailable" and "draining" in res.error.message

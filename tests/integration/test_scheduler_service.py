@@ -288,3 +288,43 @@ async def test_an_engine_that_never_answers_fails_its_trajectories_typed(schedul
     s = await stats(bus, 4)
     assert s.trajectories_failed == 4 and s.failures_by_code["engine_unavailable"] == 4
     assert proc.poll() is None
+
+
+async def test_a_turn_handed_back_mid_way_goes_on_from_the_tokens_it_made(
+    scheduler: Any, tiny_model: ModelConfig
+) -> None:
+    """A draining engine hands the first turn back after two tokens: the scheduler keeps them,
+    sends the rest of the turn (context + those tokens, budget less them, no retry spent), and the
+    trajectory's turn is the two joined — tokens, logprobs, and the text they decode to, whose
+    tool call runs."""
+    from services.common.models import load_tokenizer
+
+    proc, h, bus = scheduler
+    tok = load_tokenizer(tiny_model)
+    head = tok.encode("<calc>2", add_special_tokens=False)
+    rest = tok.encode("+3</calc>", add_special_tokens=False)
+    assert tok.decode(head + rest) == CALL
+    first: list[ev.TurnRequest] = []
+
+    def answer(req: ev.TurnRequest) -> ev.TurnResult:
+        if req.turn_index == 0 and not first:  # the first turn of all: handed back mid-way
+            first.append(req)
+            gave_up = ev.ErrorInfo(code="handed_back", message="engine-s1 is draining")
+            return h.result(req, "<calc>2", token_ids=head, logprobs=[-0.25] * len(head), finish_reason="handed_back", error=gave_up)  # fmt: skip
+        if first and req.trajectory_id == first[0].trajectory_id and req.turn_index == 0:
+            return h.result(req, "+3</calc>", token_ids=rest, logprobs=[-0.75] * len(rest))
+        return h.normal(req)
+
+    h.answer = answer
+    done = {t.trajectory_id: t for t in await h.completed(bus, 4)}
+    cut = first[0]
+    again = [r for r in h.requests if r.trajectory_id == cut.trajectory_id and r.turn_index == 0]
+    assert len(again) == 2
+    assert list(again[1].context_token_ids) == list(cut.context_token_ids) + head
+    assert again[1].max_new_tokens == cut.max_new_tokens - len(head)
+    t = done[cut.trajectory_id]
+    turn = [s for s in t.segments if s.generated][0]
+    assert list(turn.token_ids) == head + rest
+    assert list(turn.logprobs) == pytest.approx([-0.25] * len(head) + [-0.75] * len(rest))
+    assert t.finish == "answer" and list(t.tool_statuses) == ["ok"]  # the joined text's call ran
+    assert not t.HasField("failure") and proc.poll() is None
