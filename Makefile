@@ -31,6 +31,9 @@ run: $(STAMP) ## Run the default agentic RL job on an embedded local stack (writ
 learn: $(STAMP) ## A job whose reward visibly rises: SmolLM2-135M on the tool task, 19 min on 2 cores (configs/learn.yaml)
 	$(LIBRA) run configs/learn.yaml
 
+learn-hard: $(STAMP) ## The same tool task with no worked example of the protocol: it must be discovered (configs/learn-hard.yaml)
+	$(LIBRA) run configs/learn-hard.yaml
+
 test: $(STAMP) ## Run unit, integration and e2e tests (real nats-server, redis-server, gRPC, tiny model)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -69,4 +72,4 @@ bench: $(STAMP) ## Run benchmarks; writes bench-results/*.json and docs/benchmar
 clean: ## Remove the virtualenv and local state
 	rm -rf $(VENV) .libra
 
-.PHONY: help venv proto run learn test lint docs fmt up down status sim bench clean
+.PHONY: help venv proto run learn learn-hard test lint docs fmt up down status sim bench clean

@@ -13,9 +13,9 @@ from services.scheduler.task import SYSTEM_PROMPT, Task, examples
 
 
 class Prompter:
-    def __init__(self, tokenizer: Any, dataset: object = "arithmetic"):
+    def __init__(self, tokenizer: Any, dataset: object = "arithmetic", worked_examples: bool = True):
         self.tok = tokenizer
-        self.examples = examples(dataset) if isinstance(dataset, str) else []
+        self.examples = examples(dataset) if isinstance(dataset, str) and worked_examples else []
         self.chatml = "<|im_start|>" in tokenizer.get_vocab()
         self.eos_id = tokenizer.eos_token_id
 

@@ -384,7 +384,7 @@ async def serve(
     settings = load_settings(SchedulerSettings)
     cfg = run
     assert common.worker_id is not None
-    prompter = Prompter(load_tokenizer(cfg.model), cfg.task.dataset)
+    prompter = Prompter(load_tokenizer(cfg.model), cfg.task.dataset, cfg.task.worked_examples)
     bus = await Bus.connect(
         common.nats_url, common.run_id, "scheduler", common.worker_id, common.nats_auth(), common.nats_tls()
     )

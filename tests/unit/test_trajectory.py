@@ -207,3 +207,16 @@ def test_a_trajectory_is_truncated_when_its_last_turn_was_cut_or_its_context_ran
     t.on_turn([10, 11], [-1.0, -1.0], "<calc>1</calc>", [0, 0], False)
     t.on_tool_return("ok", [5, 5])
     assert t.truncated
+
+
+def test_a_built_in_prompt_shows_worked_examples_unless_the_task_turns_them_off(tiny_model) -> None:
+    from services.common.models import load_tokenizer
+    from services.scheduler.prompting import Prompter
+    from services.scheduler.task import SYSTEM_PROMPT
+
+    tok = load_tokenizer(tiny_model)
+    task = expression_tasks(1, 0)[0]
+    shown = tok.decode(Prompter(tok, "expressions").prompt_ids(task))
+    bare = tok.decode(Prompter(tok, "expressions", worked_examples=False).prompt_ids(task))
+    assert "<calc>12*7+5</calc>" in shown and "<calc>" not in bare.replace(SYSTEM_PROMPT, "")
+    assert SYSTEM_PROMPT in bare and task.question in bare
