@@ -164,9 +164,9 @@ class TaskConfig(_Strict):
     tool_bonus: float = Field(0.1, ge=0.0, le=1.0)
     """Shaping added to the built-in tasks' reward (1 for the right number) when a tool call
     succeeded; 0 makes the reward exactly task success."""
-    worked_examples: bool = True
-    """Built-in datasets: two worked examples of the tool protocol come before the question; false
-    leaves the system prompt's description alone (what `configs/learn-hard.yaml` learns from)."""
+    worked_examples: int = Field(2, ge=0, le=2)
+    """Built-in datasets: how many of the two worked examples of the tool protocol come before the
+    question (0: the system prompt's description alone)."""
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
     """Filtering and soft punishment of answers that run out of room (off by default)."""
 

@@ -13,9 +13,10 @@ from services.scheduler.task import SYSTEM_PROMPT, Task, examples
 
 
 class Prompter:
-    def __init__(self, tokenizer: Any, dataset: object = "arithmetic", worked_examples: bool = True):
+    def __init__(self, tokenizer: Any, dataset: object = "arithmetic", worked_examples: int = 2):
         self.tok = tokenizer
-        self.examples = examples(dataset) if isinstance(dataset, str) and worked_examples else []
+        shots = examples(dataset) if isinstance(dataset, str) else []
+        self.examples = shots[: 4 * worked_examples]  # four messages each: question, call, result, answer
         self.chatml = "<|im_start|>" in tokenizer.get_vocab()
         self.eos_id = tokenizer.eos_token_id
 

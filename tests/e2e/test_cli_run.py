@@ -108,9 +108,18 @@ def test_run_on_a_stack_reached_by_its_endpoints(tmp_path: Path) -> None:
             "--output-dir",
             "out",
         ]
-        # with LoRA: the trainer pushes the merged weights, the export adds the adapter
+        # with LoRA: the trainer pushes the merged weights, the export adds the adapter; a reward
+        # that varies with the text's length gives the random model's groups advantages to train on
+        (project / "parity.py").write_text("def score(response, **_):\n    return float(len(response) % 2)\n")
+        lora = [
+            "training.lora={rank: 4, alpha: 8}",
+            "task.reward=parity:score",
+            "task.plugin_paths=[.]",
+            "training.lr=1e-3",
+            "training.filter_zero_advantage=false",
+        ]
         out = _libra("run", "tiny", *endpoints, "--secrets", str(stack.credentials.root), *common,
-                     "--run-id", run_id, "training.lora={rank: 4, alpha: 8}", cwd=project)  # fmt: skip
+                     "--run-id", run_id, *lora, cwd=project)  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
         report = json.loads((project / "out" / run_id / "report.json").read_text())
         assert report["status"] == "completed" and report["train_steps"] == 2
@@ -119,7 +128,12 @@ def test_run_on_a_stack_reached_by_its_endpoints(tmp_path: Path) -> None:
         assert report["stack"] == f"remote {stack.nats_url}" and report["logs"] is None
         final = project / "out" / run_id / "final"
         assert (final / "config.json").is_file()  # exported from the checkpoint
-        assert (final / "adapter" / "adapter_config.json").is_file()
+        from safetensors.torch import load_file
+
+        adapter = load_file(str(final / "adapter" / "adapter_model.safetensors"))
+        trained = [k for k, v in adapter.items() if "lora_B" in k and bool(v.abs().sum() > 0)]
+        assert trained, "the job trained the adapter (B starts at zero)"
+        assert sum(report["groups_informative_per_step"]) > 0
         assert not (project / ".libra" / "stack.json").exists()
 
         # without the stack's credentials the CLI is refused, with a message and nothing started

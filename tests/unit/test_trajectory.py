@@ -217,6 +217,9 @@ def test_a_built_in_prompt_shows_worked_examples_unless_the_task_turns_them_off(
     tok = load_tokenizer(tiny_model)
     task = expression_tasks(1, 0)[0]
     shown = tok.decode(Prompter(tok, "expressions").prompt_ids(task))
-    bare = tok.decode(Prompter(tok, "expressions", worked_examples=False).prompt_ids(task))
-    assert "<calc>12*7+5</calc>" in shown and "<calc>" not in bare.replace(SYSTEM_PROMPT, "")
+    bare = tok.decode(Prompter(tok, "expressions", worked_examples=0).prompt_ids(task))
+    one = tok.decode(Prompter(tok, "expressions", worked_examples=1).prompt_ids(task))
+    assert "<calc>12*7+5</calc>" in shown and "<calc>15*6-4</calc>" in shown
+    assert "<calc>12*7+5</calc>" in one and "<calc>15*6-4</calc>" not in one
+    assert "<calc>" not in bare.replace(SYSTEM_PROMPT, "")
     assert SYSTEM_PROMPT in bare and task.question in bare
