@@ -31,7 +31,7 @@ run: $(STAMP) ## Run the default agentic RL job on an embedded local stack (writ
 learn: $(STAMP) ## A job whose reward visibly rises: SmolLM2-135M on the tool task, 19 min on 2 cores (configs/learn.yaml)
 	$(LIBRA) run configs/learn.yaml
 
-learn-hard: $(STAMP) ## The same tool task with no worked example of the protocol: it must be discovered (configs/learn-hard.yaml)
+learn-hard: $(STAMP) ## The tool task with one worked example instead of two: held-out 0.075 -> 1.0, 28 min on 2 cores (configs/learn-hard.yaml)
 	$(LIBRA) run configs/learn-hard.yaml
 
 test: $(STAMP) ## Run unit, integration and e2e tests (real nats-server, redis-server, gRPC, tiny model)
