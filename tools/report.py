@@ -373,6 +373,7 @@ async def build_report(
         "plans": plans,
         "role_changes": changes,
         "migrations": stats.migrations,
+        "handed_back": {"turns": stats.turns_handed_back, "tokens_kept": stats.tokens_kept_on_hand_back},
         "routing_policy": cfg.rollout.policy,
         "speculation": None
         if cfg.rollout.speculative.method == "off"

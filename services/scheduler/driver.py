@@ -61,6 +61,10 @@ class TrajectoryDriver:
         self.sandbox, self.workload, self.metrics = sandbox, workload, metrics
         self.log = get_logger(component="scheduler")
         self.turns = 0
+        self.handed_back = 0
+        """Turns a draining engine gave back."""
+        self.tokens_kept = 0
+        """Tokens those turns had made, kept and continued from."""
         self.tool_statuses: Counter[str] = Counter()
         for status in (*KNOWN_TOOL_STATUSES, "other"):  # every series exists from the start, at 0
             self.metrics.tool_calls.labels(status)
@@ -169,6 +173,7 @@ class TrajectoryDriver:
             if res.error.code == "handed_back" and live.pending_action is not None:
                 # a draining engine gave it back: not a failure, no retry spent; what it generated
                 # so far is kept, and the turn goes on from there
+                self.handed_back += 1
                 await self.inflight.send_turn(live, self._continued(live, live.pending_action, res))
                 return
             await self.inflight.retry_or_fail(live)
@@ -229,6 +234,7 @@ class TrajectoryDriver:
         live.partial = live.partial or PartialTurn()
         live.partial.add(res, versions)
         n = len(res.token_ids)
+        self.tokens_kept += n
         self.log.info(
             "turn_continued", trajectory_id=live.trajectory_id, kept_tokens=len(live.partial.token_ids)
         )

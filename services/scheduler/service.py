@@ -163,6 +163,8 @@ class SchedulerService:
             trajectories_failed=done.failed,
             failures_by_code=dict(done.failure_codes),
             migrations=self.dispatch.migrations,
+            turns_handed_back=self.driver.handed_back,
+            tokens_kept_on_hand_back=self.driver.tokens_kept,
             decisions=self.dispatch.decisions,
             decision_p50_us=inflight.decision_quantile(0.5),
             decision_p99_us=inflight.decision_quantile(0.99),

@@ -328,3 +328,5 @@ async def test_a_turn_handed_back_mid_way_goes_on_from_the_tokens_it_made(
     assert list(turn.logprobs) == pytest.approx([-0.25] * len(head) + [-0.75] * len(rest))
     assert t.finish == "answer" and list(t.tool_statuses) == ["ok"]  # the joined text's call ran
     assert not t.HasField("failure") and proc.poll() is None
+    s = await stats(bus, 4)  # counted for the report
+    assert (s.turns_handed_back, s.tokens_kept_on_hand_back) == (1, len(head))

@@ -555,7 +555,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("trajectories_completed", "trajectories_in_flight", "tool_calls_by_status", "turns", "dropped_stale", "reward_mean", "groups_launched", "groups_total", "trained_version", "engines", "oldest_in_flight", "groups_replaced", "group_outcomes", "trajectories_failed", "migrations", "decisions", "decision_p50_us", "decision_p99_us", "messages_received", "messages_published", "failures_by_code")
+    __slots__ = ("trajectories_completed", "trajectories_in_flight", "tool_calls_by_status", "turns", "dropped_stale", "reward_mean", "groups_launched", "groups_total", "trained_version", "engines", "oldest_in_flight", "groups_replaced", "group_outcomes", "trajectories_failed", "migrations", "decisions", "decision_p50_us", "decision_p99_us", "messages_received", "messages_published", "failures_by_code", "turns_handed_back", "tokens_kept_on_hand_back")
     class ToolCallsByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -598,6 +598,8 @@ class SchedulerStats(_message.Message):
     MESSAGES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     FAILURES_BY_CODE_FIELD_NUMBER: _ClassVar[int]
+    TURNS_HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_KEPT_ON_HAND_BACK_FIELD_NUMBER: _ClassVar[int]
     trajectories_completed: int
     trajectories_in_flight: int
     tool_calls_by_status: _containers.ScalarMap[str, int]
@@ -619,7 +621,9 @@ class SchedulerStats(_message.Message):
     messages_received: int
     messages_published: int
     failures_by_code: _containers.ScalarMap[str, int]
-    def __init__(self, trajectories_completed: _Optional[int] = ..., trajectories_in_flight: _Optional[int] = ..., tool_calls_by_status: _Optional[_Mapping[str, int]] = ..., turns: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., reward_mean: _Optional[float] = ..., groups_launched: _Optional[int] = ..., groups_total: _Optional[int] = ..., trained_version: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ..., oldest_in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., groups_replaced: _Optional[int] = ..., group_outcomes: _Optional[_Mapping[str, int]] = ..., trajectories_failed: _Optional[int] = ..., migrations: _Optional[int] = ..., decisions: _Optional[int] = ..., decision_p50_us: _Optional[float] = ..., decision_p99_us: _Optional[float] = ..., messages_received: _Optional[int] = ..., messages_published: _Optional[int] = ..., failures_by_code: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    turns_handed_back: int
+    tokens_kept_on_hand_back: int
+    def __init__(self, trajectories_completed: _Optional[int] = ..., trajectories_in_flight: _Optional[int] = ..., tool_calls_by_status: _Optional[_Mapping[str, int]] = ..., turns: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., reward_mean: _Optional[float] = ..., groups_launched: _Optional[int] = ..., groups_total: _Optional[int] = ..., trained_version: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ..., oldest_in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., groups_replaced: _Optional[int] = ..., group_outcomes: _Optional[_Mapping[str, int]] = ..., trajectories_failed: _Optional[int] = ..., migrations: _Optional[int] = ..., decisions: _Optional[int] = ..., decision_p50_us: _Optional[float] = ..., decision_p99_us: _Optional[float] = ..., messages_received: _Optional[int] = ..., messages_published: _Optional[int] = ..., failures_by_code: _Optional[_Mapping[str, int]] = ..., turns_handed_back: _Optional[int] = ..., tokens_kept_on_hand_back: _Optional[int] = ...) -> None: ...
 
 class InFlight(_message.Message):
     __slots__ = ("trajectory_id", "group_id", "state", "engine_id", "turns", "age_s", "idle_s")
