@@ -6,7 +6,6 @@ weights for a push and the Hugging Face export."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from services.common.runconfig import ModelConfig, RunConfig
 from services.learning.data import Sample
 from services.learning.learner import Learner
+from tests.learning_samples import random_groups
 
 pytestmark = pytest.mark.integration
 
@@ -28,17 +28,7 @@ def _run(model: ModelConfig, fsdp: int) -> RunConfig:
 def _samples(seed: int, version: int = 0) -> list[Sample]:
     """Two groups of three, of different lengths: three micro-batches per mini-batch, so one rank
     of two computes two and the other one (plus a padding pass)."""
-    rng = random.Random(seed)
-    out = []
-    for g in range(2):
-        for i in range(3):
-            n_prompt, n_gen = rng.randint(3, 6), rng.randint(2, 7)
-            ids = [rng.randint(5, 400) for _ in range(n_prompt + n_gen)]
-            mask = [False] * n_prompt + [True] * n_gen
-            lps = [0.0] * n_prompt + [rng.uniform(-6.0, -3.0) for _ in range(n_gen)]
-            versions = [-1] * n_prompt + [version] * n_gen
-            out.append(Sample(f"s{seed}-{g}-{i}", f"g{seed}-{g}", float(i), ids, mask, lps, None, versions))
-    return out
+    return random_groups(seed, version)
 
 
 def _weights(learner: Learner) -> dict[str, torch.Tensor]:

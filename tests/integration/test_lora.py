@@ -6,7 +6,6 @@ holds the same policy."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,9 @@ import torch
 
 from services.common.models import load_model
 from services.common.runconfig import ModelConfig, RunConfig
-from services.learning.data import Sample
 from services.learning.grpo import token_logprobs
 from services.learning.learner import Learner
+from tests.learning_samples import random_groups
 from tools.export import export_policy
 
 pytestmark = pytest.mark.integration
@@ -25,20 +24,6 @@ pytestmark = pytest.mark.integration
 def _run(model: ModelConfig) -> RunConfig:
     training = {"lora": {"rank": 4, "alpha": 8}, "lr": 1e-2, "micro_batch": 2, "torch_threads": 1}
     return RunConfig.model_validate({"model": model.model_dump(), "training": training})
-
-
-def _samples(seed: int) -> list[Sample]:
-    """Two groups of three with rewards 0, 1, 2: every group has an advantage, so the step trains."""
-    rng = random.Random(seed)
-    out = []
-    for g in range(2):
-        for i in range(3):
-            n_prompt, n_gen = rng.randint(3, 6), rng.randint(2, 7)
-            ids = [rng.randint(5, 400) for _ in range(n_prompt + n_gen)]
-            mask = [False] * n_prompt + [True] * n_gen
-            lps = [0.0] * n_prompt + [rng.uniform(-6.0, -3.0) for _ in range(n_gen)]
-            out.append(Sample(f"s{seed}-{g}-{i}", f"g{seed}-{g}", float(i), ids, mask, lps))
-    return out
 
 
 def _logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -62,7 +47,7 @@ def test_a_lora_trainer_trains_adapters_and_sends_the_merged_model(
     for name, tensor, shape in zip(snap.names, snap.tensors, snap.shapes, strict=True):
         assert torch.equal(tensor.view(shape), base[name]), name
 
-    stats = learner.step(_samples(1))
+    stats = learner.step(random_groups(1))
     assert stats.trained_groups == 2 and stats.tokens > 0
     learner.commit({"s1"})
     merged = learner._plain_state()
