@@ -36,7 +36,7 @@ class Completion:
         scorer: Scorer | None,
         evaluator: Evaluator | None,
         trained_version: Callable[[], int],
-        task: TaskConfig | None = None,
+        task: TaskConfig,
     ):
         self.bus, self.ledger, self.workload, self.metrics = bus, ledger, workload, metrics
         self.task = task
@@ -143,8 +143,8 @@ class Completion:
 
     def _overlong_penalty(self, live: Live) -> float:
         """task.overlong.soft_penalty's share of a trained trajectory's reward (never on a failed one)."""
-        penalty = self.task.overlong.soft_penalty if self.task is not None else None
-        if penalty is None or live.failure is not None or self.task is None:
+        penalty = self.task.overlong.soft_penalty
+        if penalty is None or live.failure is not None:
             return 0.0
         return overlong_penalty(
             live.traj.output_tokens, self.task.overlong_limit, penalty.length, penalty.factor
