@@ -82,7 +82,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.common.models import resolve_model_dir
 
     resolve_model_dir(cfg.model)  # converted once here, so the first job starts quickly
-    engines = args.engines or cfg.rollout.engines
+    engines = args.engines or cfg.engines_needed
     name = args.name or f"stack-{time.strftime('%Y%m%d-%H%M%S')}"
     stack = Stack(
         name, Path("runs").resolve() / name / "logs", args.otlp_endpoint, max_restarts=args.max_restarts

@@ -18,7 +18,7 @@ from services.common.bus import Bus
 from services.common.contracts import ev, ws, ws_grpc
 from services.common.facts import read_facts
 from services.common.grpc_auth import bearer_metadata
-from services.common.membership import SERVING_ROLES
+from services.common.membership import LENT_ROLE, PARKED_ROLE, SERVING_ROLES
 from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
 from tools.job_watch import JobObserver, speculation_report
 from tools.learning_plot import write_reward_plot
@@ -374,6 +374,7 @@ async def build_report(
         "role_changes": changes,
         "migrations": stats.migrations,
         "handed_back": {"turns": stats.turns_handed_back, "tokens_kept": stats.tokens_kept_on_hand_back},
+        "lending": lending_report(cfg, trained, changes),
         "routing_policy": cfg.rollout.policy,
         "speculation": None
         if cfg.rollout.speculative.method == "off"
@@ -449,6 +450,27 @@ def export_final(cfg: RunConfig, report: dict[str, Any], out_dir: Path) -> str:
     return str(out)
 
 
+def lending_report(
+    cfg: RunConfig, trained: list[ev.TrainMetrics], changes: list[dict[str, Any]] | dict[str, str]
+) -> dict[str, Any] | None:
+    """The trainer's GPUs lent to rollout (planner.lending): times lent and taken back and wall
+    seconds lent (the trainer's count, since it last started), and the turns the reclaimed
+    engines handed back to go on elsewhere (the planner's role history)."""
+    if cfg.planner.lending.engines == 0:
+        return None
+    last = trained[-1] if trained else ev.TrainMetrics()
+    moved = None
+    if isinstance(changes, list):
+        moved = sum(c.get("turns_handed_back", 0) for c in changes if c["from"] == LENT_ROLE)
+    return {
+        "engines": cfg.planner.lending.engines,
+        "lends": last.lends,
+        "reclaims": last.reclaims,
+        "seconds_lent": round(last.seconds_lent, 3),
+        "turns_moved": moved,
+    }
+
+
 def completing_step(source: str, target: str) -> str | None:
     """The worker's step that completes a move (None: the plan itself completes it, as for a
     move between buckets or back from `draining`)."""
@@ -458,6 +480,8 @@ def completing_step(source: str, target: str) -> str | None:
         return "joined"  # in the trainer's data-parallel group
     if target == "draining" and source != "draining":
         return "drained"
+    if target == PARKED_ROLE and source != PARKED_ROLE:
+        return PARKED_ROLE  # lent GPUs back with the trainer: the engine handed its turns back
     return None
 
 
@@ -478,6 +502,7 @@ def role_changes(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "seconds": None,
                 "steps": {},
                 "failures": 0,
+                "turns_handed_back": 0,
             }
             done_by = completing_step(entry["from"], entry["to"])
             entry["seconds"] = None if done_by else 0.0
@@ -492,6 +517,7 @@ def role_changes(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
             change["failures"] += 1
             continue
         change["steps"][state] = h.get("seconds", 0.0)
+        change["turns_handed_back"] += int(h.get("turns_handed_back", 0))
         if state == completing_step(change["from"], change["to"]) and change["seconds"] is None:
             change["seconds"] = round(max(0.0, h.get("at", 0.0) - change["at"]), 3)
     return out

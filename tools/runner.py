@@ -232,8 +232,9 @@ class JobDriver:
     async def _choose_workers(self) -> None:
         """Picks idle services for the job: one planner and scheduler, every trainer (the planner
         gives one the role, the others stand by), every tool sandbox and exactly `rollout.engines`
-        engines; waits for them while the stack is starting."""
-        need_engines = self.cfg.rollout.engines
+        engines plus `planner.lending.engines` (those stand for the training GPUs);
+        waits for them while the stack is starting."""
+        need_engines = self.cfg.engines_needed
         deadline = time.monotonic() + READY_S
         problem = "no service answered on the control plane"
         while time.monotonic() < deadline:
@@ -488,7 +489,7 @@ def run_job(
                 dict(extra_env or {}),
                 max_restarts=max_restarts,
             )
-            stack.start_infra(cfg.rollout.engines)
+            stack.start_infra(cfg.engines_needed)
             stack.start_services()
             owned = True
             print(f"run {run_id} on an embedded stack", file=sys.stderr)

@@ -33,6 +33,15 @@ from services.common.tracing import extract_context, inject_headers
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 
+ERROR_HEADER = "Libra-Error"
+"""On a reply: the handler refused the request; the body is an ErrorEvent (its code here too)."""
+
+
+class Refused(LibraError):
+    """The service asked refused the request (its typed error)."""
+
+    code = "refused"
+
 
 @dataclass
 class Envelope:
@@ -182,9 +191,14 @@ class Bus:
         self.published += 1
 
     async def request(self, suffix: str, msg: Message, resp_type: type[M], timeout: float = 5.0) -> M:
+        """Asks and decodes the answer; a refusal (the handler's typed error, sent as an ErrorEvent
+        marked by the `Libra-Error` header) raises `Refused` unless `resp_type` is ErrorEvent."""
         resp = await self.nc.request(
             self.subject(suffix), msg.SerializeToString(), timeout=timeout, headers=inject_headers()
         )
+        if (resp.headers or {}).get(ERROR_HEADER) and resp_type is not ev.ErrorEvent:
+            err = decode(ev.ErrorEvent, resp.data).error
+            raise Refused(f"{err.code}: {err.message}")
         return decode(resp_type, resp.data)
 
     async def subscribe(self, suffix: str, msg_type: type[M], handler: Handler, *, queue: str = "") -> Any:
@@ -197,7 +211,9 @@ class Bus:
             self.received += 1
             out = await self._dispatch(raw, msg_type, handler, spoken)
             if raw.reply and out is not None:
-                await self.nc.publish(raw.reply, out.SerializeToString())
+                refused = isinstance(out, ev.ErrorEvent) and out.error.code
+                headers = {ERROR_HEADER: out.error.code} if refused else None
+                await self.nc.publish(raw.reply, out.SerializeToString(), headers=headers)
                 self.published += 1
 
         sub = await self.nc.subscribe(subj, queue=queue, cb=on_msg)

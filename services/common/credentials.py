@@ -83,6 +83,7 @@ _GRANTS: dict[str, Grants] = {
             subjects.WORKLOAD_STATS,
             subjects.TRAIN_METRICS,
             subjects.ROLE_REQUEST,
+            subjects.LEND_REQUEST,
             subjects.HYBRID_STATE,
         ),
     ),
@@ -117,6 +118,7 @@ _GRANTS: dict[str, Grants] = {
             subjects.GROUP_OUTCOME,
             subjects.HYBRID_GROUP,
             subjects.FACTS_TRAINER,
+            subjects.LEND_REQUEST,  # request/reply: the planner answers on this trainer's inbox
         ),
         speaks=(subjects.HYBRID_STATE,),  # a refused join, about the worker it refuses (bus.py)
         subscribes=(subjects.PLAN, subjects.HYBRID_STATE),

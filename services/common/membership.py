@@ -24,9 +24,14 @@ DEFAULT_LEASE_TTL_S = 10.0
 TRAINER_ROLE = "role:trainer"
 HYBRID_ROLE = "hybrid"
 """An engine in the trainer's data-parallel group (services/learning/hybrid.py)."""
-SERVING_ROLES = ("rollout",)
+LENT_ROLE = "lent"
+"""An engine on the trainer's GPUs serving rollout while the trainer waits for its batch."""
+PARKED_ROLE = "parked"
+"""An engine on the trainer's GPUs while the trainer trains: it serves nothing."""
+SERVING_ROLES = ("rollout", LENT_ROLE)
 """Roles in which an engine serves turns (and takes every new weight version). Not `draining`
-(out of rollout) nor `hybrid` (in the trainer's data-parallel group, services/learning/hybrid.py)."""
+(out of rollout), `parked` (its GPUs are training) nor `hybrid` (in the trainer's data-parallel
+group, services/learning/hybrid.py)."""
 
 
 def lease_resource(role: str, worker_id: str) -> str:

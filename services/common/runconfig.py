@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -500,6 +501,23 @@ class HybridPoolConfig(_Strict):
     """A worker stays at least this long in training once it joined."""
 
 
+class LendingConfig(_Strict):
+    """Lending the trainer's GPUs to rollout while it waits for its batch (docs/planner.md): the
+    job takes `engines` engines more than `rollout.engines`, which stand for engines on the
+    training GPUs. They are `parked` while the trainer trains; when it waits for complete groups it
+    asks the planner to lend them (`lent`: they serve the bucket of the nearest TP), and before
+    its next step to take them back (their running turns are handed back with the tokens they
+    generated and continue elsewhere). Emulated engines pay the cost model's role switch
+    (`colocated_switch_s`) each way; other backends pay what the move really costs."""
+
+    engines: int = Field(0, ge=0, le=64)
+    """Engines on the training GPUs (0: no lending), e.g. training GPUs / `tensor_parallel`."""
+    tensor_parallel: int = Field(1, ge=1, le=64)
+    """TP of each lent engine (emulated engines pretend to span this many GPUs)."""
+    bucket: str = ""
+    """The bucket they serve when lent (default: the one whose TP is nearest theirs)."""
+
+
 class PlannerConfig(_Strict):
     replan: bool = True
     """Re-fit the buckets' token thresholds to the live workload while the run goes on (C-MLFQ
@@ -518,6 +536,8 @@ class PlannerConfig(_Strict):
     engines, name your hardware and model here)."""
     hybrid: HybridPoolConfig = Field(default_factory=HybridPoolConfig)
     """The elastic hybrid pool: engines the planner may lend to training and take back."""
+    lending: LendingConfig = Field(default_factory=LendingConfig)
+    """The other direction: the trainer's GPUs lent to rollout while it waits for its batch."""
 
 
 class RunConfig(_Strict):
@@ -582,6 +602,9 @@ class RunConfig(_Strict):
             raise ValueError("planner.hybrid.workers must leave at least one engine serving")
         if pool.workers and self.training.backend == "emulated":
             raise ValueError("planner.hybrid needs a real trainer: an emulated one has no gradients to share")
+        lend = self.planner.lending
+        if lend.bucket and lend.bucket not in names:
+            raise ValueError(f"planner.lending.bucket {lend.bucket!r} is not a bucket; known: {names}")
         buckets = self.rollout.buckets
         if len({b.name for b in buckets}) != len(buckets):
             raise ValueError("rollout.buckets: names must be unique")
@@ -601,6 +624,23 @@ class RunConfig(_Strict):
     @property
     def trajectories_per_step(self) -> int:
         return self.training.groups_per_step * self.task.group_size
+
+    @property
+    def engines_needed(self) -> int:
+        """Engines a job takes: the rollout engines and those standing for the training GPUs."""
+        return self.rollout.engines + self.planner.lending.engines
+
+    @property
+    def lending_bucket(self) -> str:
+        """Where lent engines serve: `planner.lending.bucket`, else the bucket whose TP is nearest
+        theirs (on a log scale; the smaller TP on a tie), as the simulator places them."""
+        lend = self.planner.lending
+        if lend.bucket:
+            return lend.bucket
+        tp = math.log2(lend.tensor_parallel)
+        return min(
+            self.rollout.buckets, key=lambda b: (abs(math.log2(b.tensor_parallel) - tp), b.tensor_parallel)
+        ).name
 
 
 FILE_PATHS = (

@@ -13,6 +13,7 @@ WORKER_HELLO = "worker.hello"  # .<kind>.<worker_id>
 PLAN = "plan.current"
 ROLE_CHANGE = "plan.role_change"
 ROLE_REQUEST = "plan.role_request"  # the operator asks the planner to move a worker (request/reply)
+LEND_REQUEST = "plan.lend_request"  # the trainer asks the planner to lend or reclaim its GPUs' engines
 HYBRID_STATE = "hybrid.state"  # a worker's progress into training and back
 HYBRID_GROUP = "hybrid.group"  # the trainer's data-parallel group of a generation
 WEIGHTS_UPDATED = "weights.updated"

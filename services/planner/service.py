@@ -23,7 +23,7 @@ from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
 from services.common.errors import require
 from services.common.logging import get_logger
-from services.common.membership import HYBRID_ROLE, TRAINER_ROLE, lease_resource
+from services.common.membership import HYBRID_ROLE, LENT_ROLE, PARKED_ROLE, TRAINER_ROLE, lease_resource
 from services.common.metrics import planner_metrics
 from services.common.ownership import Lease, OwnershipStore
 from services.common.runconfig import RunConfig
@@ -88,6 +88,7 @@ class PlannerService:
         await self.bus.subscribe(subjects.WORKLOAD_STATS, ev.WorkloadStats, self._on_workload)
         await self.bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, self._on_train_metrics)
         await self.bus.subscribe(subjects.ROLE_REQUEST, ev.RoleChange, self._on_role_request)
+        await self.bus.subscribe(subjects.LEND_REQUEST, ev.LendRequest, self._on_lend_request)
         await self.bus.subscribe(subjects.HYBRID_STATE, ev.HybridState, self._on_hybrid_state)
         self.bus.spawn(self._loop())
 
@@ -113,46 +114,79 @@ class PlannerService:
 
     async def _move(self, slot: Slot, to_role: str, bucket: str, why: str) -> ev.RoleChange | None:
         """Applies a role change to the plan and publishes both (None: the lease was lost first)."""
-        change = ev.RoleChange(
-            worker_id=slot.worker_id,
-            from_role=slot.role,
-            to_role=to_role,
-            bucket=bucket,
-            fencing_token=slot.fencing_token,
-        )
-        attrs: dict[str, Any] = {
-            "libra.worker_id": slot.worker_id,
-            "libra.from_role": slot.role,
-            "libra.to_role": to_role,
-            "libra.why": why,
-            "libra.fencing_token": slot.fencing_token,
-        }
-        tracer().start_span("plan.role_change", attributes=attrs).end()
-        slot.role, slot.bucket = to_role, bucket
-        self.reason = f"{why}:{slot.worker_id}:{change.from_role}->{to_role}"
+        changes = await self._move_all([slot], to_role, bucket, why)
+        return changes[0] if changes else None
+
+    async def _move_all(
+        self, slots: list[Slot], to_role: str, bucket: str, why: str
+    ) -> list[ev.RoleChange] | None:
+        """Moves every slot to `to_role` in `bucket` under one plan, then announces each change
+        (None: the lease was lost before the plan went out)."""
+        changes = []
+        for slot in slots:
+            change = ev.RoleChange(
+                worker_id=slot.worker_id,
+                from_role=slot.role,
+                to_role=to_role,
+                bucket=bucket,
+                fencing_token=slot.fencing_token,
+            )
+            attrs: dict[str, Any] = {
+                "libra.worker_id": slot.worker_id,
+                "libra.from_role": slot.role,
+                "libra.to_role": to_role,
+                "libra.why": why,
+                "libra.fencing_token": slot.fencing_token,
+            }
+            tracer().start_span("plan.role_change", attributes=attrs).end()
+            slot.role, slot.bucket = to_role, bucket
+            changes.append(change)
+        names = ",".join(s.worker_id for s in slots)
+        self.reason = f"{why}:{names}:{changes[0].from_role}->{to_role}" if changes else why
         self.dirty = True
-        async with self._history:  # the worker's first step, which may come at once, goes after it
+        async with self._history:  # the workers' first steps, which may come at once, go after it
             if not await self._publish():
                 return None
-            await self._record_role_change(
-                {
-                    "worker": slot.worker_id,
-                    "from": change.from_role,
-                    "to": to_role,
-                    "bucket": bucket,
-                    "why": why,
-                }
+            for change in changes:
+                await self._record_role_change(
+                    {
+                        "worker": change.worker_id,
+                        "from": change.from_role,
+                        "to": to_role,
+                        "bucket": bucket,
+                        "why": why,
+                    }
+                )
+        for change in changes:
+            await self.bus.publish(subjects.ROLE_CHANGE, change)
+            self.log.info(
+                "role_changed",
+                worker_id=change.worker_id,
+                source=change.from_role,
+                target=to_role,
+                bucket=bucket,
+                why=why,
             )
-        await self.bus.publish(subjects.ROLE_CHANGE, change)
-        self.log.info(
-            "role_changed",
-            worker_id=slot.worker_id,
-            source=change.from_role,
-            target=to_role,
-            bucket=bucket,
-            why=why,
+        return changes
+
+    async def _on_lend_request(self, req: ev.LendRequest, _: Envelope) -> ev.LendReply:
+        """The trainer waits for its batch (`lend`: every parked engine on its GPUs serves the
+        lending bucket) or is about to train (`reclaim`: every lent engine is parked, handing its
+        turns back). Only the trainer holding the role, under its current fencing token."""
+        require(self.lease is not None, "this planner does not hold the planner lease")
+        require(req.want in ("lend", "reclaim"), f"want must be lend or reclaim, not {req.want!r}")
+        require(self.cfg.planner.lending.engines > 0, "lending is off (planner.lending.engines is 0)")
+        trainer = next((s for s in self.slots.values() if s.role == "train"), None)
+        require(
+            trainer is not None and trainer.fencing_token == req.fencing_token,
+            f"fencing token {req.fencing_token} is not the trainer's: only the trainer holding the role lends",
         )
-        return change
+        src, dst = (PARKED_ROLE, LENT_ROLE) if req.want == "lend" else (LENT_ROLE, PARKED_ROLE)
+        moving = sorted((s for s in self.slots.values() if s.role == src), key=lambda s: s.worker_id)
+        if moving:
+            changes = await self._move_all(moving, dst, self.cfg.lending_bucket, req.want)
+            require(changes is not None, "the planner lost its lease before publishing the change")
+        return ev.LendReply(workers=[s.worker_id for s in moving], plan_version=self.version)
 
     async def _pool_moves(self) -> None:
         """The hybrid pool's own joins, cancels and releases (`planner.hybrid`)."""
@@ -180,6 +214,7 @@ class PlannerService:
                     "seconds": round(msg.seconds, 3),
                     "generation": msg.generation,
                     "detail": msg.detail[:200],
+                    "turns_handed_back": msg.turns_handed_back,
                 }
             )
 
@@ -222,6 +257,7 @@ class PlannerService:
         )
         if slot is None:
             return
+        self._lendable(slot)
         lease = await self.store.acquire(
             lease_resource(slot.role, slot.worker_id),
             slot.worker_id,
@@ -241,6 +277,23 @@ class PlannerService:
             bucket=slot.bucket,
             token=lease.token,
         )
+
+    def _lendable(self, slot: Slot) -> None:
+        """Engines past `rollout.engines` stand for the training GPUs (planner.lending.engines of
+        them): parked, at the lent TP, until the trainer lends them."""
+        lend = self.cfg.planner.lending
+        if slot.role != "rollout" or lend.engines == 0:
+            return
+        roles = Counter(s.role for s in self.slots.values() if s.worker_id != slot.worker_id)
+        if (
+            roles["rollout"] >= self.cfg.rollout.engines
+            and roles[PARKED_ROLE] + roles[LENT_ROLE] < lend.engines
+        ):
+            slot.role, slot.bucket, slot.tensor_parallel = (
+                PARKED_ROLE,
+                self.cfg.lending_bucket,
+                lend.tensor_parallel,
+            )
 
     async def _loop(self) -> None:
         while True:
@@ -364,7 +417,7 @@ class PlannerService:
         m.plans.inc()
         m.plan_version.set(plan.plan_version)
         roles = Counter(a.role for a in plan.assignments)
-        for role in {*ROLE_BY_KIND.values(), HYBRID_ROLE, "standby"}:
+        for role in {*ROLE_BY_KIND.values(), HYBRID_ROLE, LENT_ROLE, PARKED_ROLE, "standby"}:
             m.workers.labels(role).set(roles.get(role, 0))
         await self.bus.publish_durable(
             subjects.PLAN, plan, msg_id=f"plan-{plan.planner_epoch}-{plan.plan_version}"

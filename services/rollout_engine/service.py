@@ -12,18 +12,26 @@ import contextlib
 import math
 import socket
 import time
+from collections import deque
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from services.common import control, subjects
+from services.common import control, lending, subjects
 from services.common.bus import Bus, Envelope
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import MAX_TEMPERATURE, ev
 from services.common.errors import LibraError, Unavailable, require
 from services.common.logging import get_logger
-from services.common.membership import HYBRID_ROLE, SERVING_ROLES, Membership, lease_resource
+from services.common.membership import (
+    HYBRID_ROLE,
+    LENT_ROLE,
+    PARKED_ROLE,
+    SERVING_ROLES,
+    Membership,
+    lease_resource,
+)
 from services.common.metrics import engine_metrics
 from services.common.ownership import Lease
 from services.common.runconfig import RunConfig
@@ -38,6 +46,8 @@ from services.rollout_engine.training_side import TrainingSide
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 
 SERVICE = "rollout-engine"
+ANSWERED_REPORTED = 128
+"""Answered requests a load report names (EngineLoad.answered_ids)."""
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 
@@ -129,9 +139,16 @@ class RolloutEngineService:
         """Turns queued or running here, by request id: what a drain hands back."""
         self.draining = False
         self._awaiting_weights: set[str] = set()
-        """Turns it holds that wait for newer weights (not in the engine yet: none has a token)."""
+        """Turns it holds that wait for newer weights, or for its lent GPUs to switch to rollout
+        (not in the engine yet: none has a token)."""
         self._hybrid_task: asyncio.Task[None] | None = None
         """The training side's run while the planner has this engine in the hybrid pool."""
+        self.last_seq = 0
+        """The highest TurnRequest.seq it has read (its load reports say so)."""
+        self.answered: deque[str] = deque(maxlen=ANSWERED_REPORTED)
+        """The requests it answered last (its load reports name them)."""
+        self._awake_at = 0.0
+        """Lent by the trainer: turns start once its GPUs have switched to rollout (monotonic)."""
 
     async def start(self, stop: asyncio.Event) -> None:
         """Loads the model, opens the servers and waits for an assignment (or `stop`)."""
@@ -222,19 +239,27 @@ class RolloutEngineService:
             return
         if self._hybrid_task is not None:
             return  # leaving training: it serves again once the trainer has let it go
-        if a is not None and a.role == "draining":
+        if a is not None and a.role in ("draining", PARKED_ROLE):
             if not self.draining:
                 start = time.monotonic()
-                await self._drain()
-                await self.training.state("drained", a.fencing_token, time.monotonic() - start)
+                handed_back = await self._drain()
+                state = "drained" if a.role == "draining" else PARKED_ROLE
+                await self.training.state(
+                    state, a.fencing_token, time.monotonic() - start, handed_back=handed_back
+                )
+            self._serving_role.set()  # a parked engine waits for its turn requests, refusing them
             return
+        if a is not None and a.role == LENT_ROLE and self.draining:
+            # the trainer's GPUs switch to rollout: what that costs, turns wait for (emulated)
+            self._awake_at = time.monotonic() + lending.switch_s(self.run)
         self.draining = False
         if a is not None and a.role in SERVING_ROLES:
             spec = next((b for b in plan.buckets if b.name == a.bucket), None)
-            if isinstance(self.backend, EmulatedBackend) and spec is not None and spec.tensor_parallel > 0:
-                self.backend.set_tensor_parallel(
-                    spec.tensor_parallel
-                )  # it pretends to span its bucket's GPUs
+            tp = a.tensor_parallel if a.role == LENT_ROLE else spec.tensor_parallel if spec else 0
+            if isinstance(self.backend, EmulatedBackend):
+                self.backend.weights_local = a.role == LENT_ROLE
+                if tp > 0:
+                    self.backend.set_tensor_parallel(tp)  # it pretends to span its bucket's GPUs
             self._serving_role.set()
         elif a is not None:
             self.log.warning("not_a_rollout_role", role=a.role)
@@ -247,7 +272,7 @@ class RolloutEngineService:
             if self.membership.plan is not None and not self.stopping:
                 await self._on_plan(self.membership.plan)  # back to what the plan says now
 
-    async def _drain(self) -> None:
+    async def _drain(self) -> int:
         """The planner took this engine out of rollout (maintenance, a move to another bucket or to
         training): it refuses new turns and hands back every turn it holds, queued or running,
         with `handed_back` at once, so the scheduler continues them elsewhere instead of waiting
@@ -256,7 +281,7 @@ class RolloutEngineService:
         which re-prefills the context. A backend that schedules its own iterations (vllm) hands
         its turns back without their tokens (the partial output is dropped)."""
         if self.draining:
-            return
+            return 0
         self.draining = True
         held = list(self._serving.values())
         hand_back = getattr(self.engine, "hand_back", None)
@@ -268,6 +293,7 @@ class RolloutEngineService:
             task.cancel()  # waiting for weights, or a backend without hand_back: no tokens
             await self._publish_error(req, "handed_back", f"{self.worker_id} is draining", None)
         self.log.info("engine_drained", handed_back=len(held), with_tokens=kept)
+        return len(held)
 
     async def _wait_for_role(self, stop: asyncio.Event) -> None:
         waits = [asyncio.ensure_future(self._serving_role.wait()), asyncio.ensure_future(stop.wait())]
@@ -281,6 +307,7 @@ class RolloutEngineService:
     async def _on_turn(self, req: ev.TurnRequest, env: Envelope) -> None:
         """Validates and queues; generation runs in its own task so this subscription stays free."""
         received = time.monotonic()
+        self.last_seq = max(self.last_seq, req.seq)
         try:
             if self.stopping:
                 raise Unavailable("shutdown")
@@ -313,10 +340,13 @@ class RolloutEngineService:
                 if self.draining:  # taken away before it started: nothing generated
                     await self._publish_error(req, "handed_back", f"{self.worker_id} is draining", ctx)
                     return
-                if self.engine.version < req.min_policy_version:
+                waking = self._awake_at - time.monotonic()
+                if waking > 0 or self.engine.version < req.min_policy_version:
                     self.held += 1
                     self._awaiting_weights.add(req.request_id)
                     try:
+                        if waking > 0:
+                            await asyncio.sleep(waking)
                         ok = await self.engine.wait_for_version(
                             req.min_policy_version, self.settings.max_wait_for_weights_s
                         )
@@ -358,6 +388,7 @@ class RolloutEngineService:
                     ev.ErrorInfo(code="handed_back", message=f"{self.worker_id} is draining")
                 )
             await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
+            self.answered.append(req.request_id)
             self.prom.turns.labels(out.finish_reason or "unknown").inc()
             self.prom.tokens.inc(len(out.token_ids))
             if out.drafted:
@@ -380,6 +411,7 @@ class RolloutEngineService:
         )
         with contextlib.suppress(Exception):
             await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
+            self.answered.append(req.request_id)
 
     def load_report(self, tokens_per_s: float) -> ev.EngineLoad:
         load = ev.EngineLoad(
@@ -391,6 +423,8 @@ class RolloutEngineService:
             weight_version=self.engine.version,
             weight_sync_addr=self.weight_sync_addr,
             request_ids=sorted(self.holding),
+            last_seq=self.last_seq,
+            answered_ids=list(self.answered),
             tensor_parallel=self.tensor_parallel,
             capacity_seqs=self.engine.max_batch,
             free_kv_tokens=self.backend.free_kv_tokens(),

@@ -65,7 +65,13 @@ class TrainingSide:
             self.bus.spawn(self.bus.publish(subjects.HYBRID_STATE, last))
 
     async def state(
-        self, state: str, token: int, seconds: float = 0.0, generation: int = 0, detail: str = ""
+        self,
+        state: str,
+        token: int,
+        seconds: float = 0.0,
+        generation: int = 0,
+        detail: str = "",
+        handed_back: int = 0,
     ) -> None:
         self.log.info(
             f"hybrid_{state}", fencing_token=token, seconds=round(seconds, 3), generation=generation
@@ -77,6 +83,7 @@ class TrainingSide:
             seconds=seconds,
             generation=generation,
             detail=detail[:500],
+            turns_handed_back=handed_back,
         )
         if state != "ready":
             self.latest = msg

@@ -29,6 +29,9 @@ class SchedulerSettings(BaseSettings):
     """Re-sends of one turn before the trajectory ends with finish=error."""
     tool_grace_s: float = Field(15.0, gt=0)
     """Extra seconds beyond the tool's own timeout before the scheduler records a timeout itself."""
+    handback_wait_s: float = Field(5.0, gt=0)
+    """How long the turns of an engine moved out of rollout (drained, parked) wait for it to hand
+    them back, with what they generated, before they are re-sent without it."""
     lost_turn_grace_s: float = Field(2.0, gt=0)
     """A turn sent this recently may not be in the engine's load report yet; older ones missing from
     two reports in a row were lost and are re-sent."""

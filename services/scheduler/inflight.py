@@ -4,11 +4,12 @@ what was lost. It alone changes these; the rest of the shell asks it (`holds`, `
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -42,6 +43,8 @@ class Live:
     engine_id: str = ""
     deadline: float = 0.0
     sent_at: float = 0.0
+    seq: int = 0
+    """The turn's number among those sent to its engine (TurnRequest.seq)."""
     missing: int = 0
     lost: int = 0
     """Its turns that vanished on the way to an engine or back (the first is re-sent for free)."""
@@ -116,6 +119,8 @@ class InFlight:
         self._live: dict[str, Live] = {}
         self._by_request: dict[str, str] = {}
         """Engine request id -> the trajectory whose turn it is (absent: answered, lost, given up)."""
+        self._sent_to: dict[str, int] = {}
+        """Engine id -> turns sent to it so far (the last TurnRequest.seq)."""
         self._by_call: dict[str, str] = {}
         """Tool call id -> the trajectory that waits for it."""
         self.engine_tokens: dict[str, int] = {}
@@ -199,7 +204,8 @@ class InFlight:
         """Places the turn: on an engine with a free slot the policy picks, else in its bucket's
         queue until a slot frees (`drain`)."""
         live.pending_action = action
-        if not self.dispatch.engines:
+        if not self.dispatch.engines:  # none serving: the watchdog sends it again in a second
+            live.request_id = ""
             live.deadline = time.monotonic() + 1.0
             return
         engine_id = self.decide(self.dispatch.place, live.trajectory_id, time.monotonic())
@@ -267,6 +273,7 @@ class InFlight:
         live.request_id = uuid.uuid4().hex
         live.engine_id = engine_id
         live.sent_at = time.monotonic()
+        live.seq = self._sent_to[engine_id] = self._sent_to.get(engine_id, 0) + 1
         live.deadline = time.monotonic() + self.settings.turn_timeout(action.max_new_tokens)
         self._by_request[live.request_id] = traj.trajectory_id
         ctx = trace.set_span_in_context(live.span)
@@ -290,6 +297,7 @@ class InFlight:
             stop=self.stop_strings,
             priority=self.bucket_level.get(live.bucket, 0),
             group_id=traj.group_id,
+            seq=live.seq,
             prompt_id=traj.task.prompt_id,
         )
         await self.bus.publish(
@@ -336,14 +344,21 @@ class InFlight:
 
     # engines ------------------------------------------------------------------------------------
 
-    async def set_engines(self, current: dict[str, ev.Assignment]) -> None:
+    async def set_engines(
+        self, current: dict[str, ev.Assignment], moved: Mapping[str, int] | None = None
+    ) -> None:
         """The plan's serving engines. An engine that left the plan, or came back under a new
-        lease (it restarted), has lost whatever turns it was running: they are re-sent at once."""
+        lease (it restarted), has lost whatever turns it was running: they are re-sent at once.
+        One still in the plan under the same lease but out of rollout (`moved`: worker id ->
+        fencing token of those drained, parked, in training) hands its turns back itself, running ones with the tokens they generated:
+        those wait for that, and are re-sent if they are not back within `handback_wait_s`."""
         gone = [
             wid
             for wid in self.dispatch.engines
             if wid not in current or current[wid].fencing_token != self.engine_tokens.get(wid)
         ]
+        moved = moved or {}
+        handing_back = {wid for wid in gone if wid in moved and moved[wid] == self.engine_tokens.get(wid)}
         self.dispatch.forget(gone)  # a restarted engine comes back with no turns in flight
         self.dispatch.set_engines({wid: a.bucket for wid, a in current.items()})
         self.engine_tokens = {wid: a.fencing_token for wid, a in current.items()}
@@ -351,25 +366,46 @@ class InFlight:
             "engines_updated",
             engines={wid: e.bucket for wid, e in sorted(self.dispatch.engines.items())},
         )
+        waiting: list[tuple[str, str]] = []
         for live in list(self._live.values()):
             if live.engine_id in gone and live.request_id in self._by_request and live.pending_action:
+                if live.engine_id in handing_back:
+                    waiting.append((live.trajectory_id, live.request_id))
+                    continue
                 self._by_request.pop(live.request_id, None)
                 self.log.info("turn_redispatched", trajectory_id=live.trajectory_id, engine_id=live.engine_id)
                 await self.send_turn(live, live.pending_action)
+        if waiting:
+            self.bus.spawn(self._unless_handed_back(waiting))
         await self.drain_all()
+
+    async def _unless_handed_back(self, turns: list[tuple[str, str]]) -> None:
+        """Re-sends the turns an engine moved out of rollout has not handed back in time."""
+        await asyncio.sleep(self.settings.handback_wait_s)
+        for traj_id, request_id in turns:
+            live = self._live.get(traj_id)
+            if self._by_request.get(request_id) != traj_id or live is None or live.pending_action is None:
+                continue  # handed back (or finished) meanwhile
+            self._by_request.pop(request_id, None)
+            self.log.warning("turn_not_handed_back", trajectory_id=traj_id, engine_id=live.engine_id)
+            await self.send_turn(live, live.pending_action)
 
     async def engine_load(self, load: ev.EngineLoad) -> None:
         """A turn the engine does not hold, two reports in a row, was lost on the way there or back
-        (a NATS restart, a dropped message): re-sent now rather than after the turn timeout."""
+        (a NATS restart, a dropped message): re-sent now rather than after the turn timeout. Only
+        once the engine has read past it (`last_seq`) and not among those it says it answered
+        (`answered_ids`): an engine too busy to read its requests, or a scheduler too busy to read
+        the results, for a while has lost nothing."""
         if load.engine_id not in self.dispatch.engines:
             return
         self.dispatch.set_capacity(load.engine_id, load.capacity_seqs)
-        held = set(load.request_ids)
+        held = {*load.request_ids, *load.answered_ids}  # answered: the result is on its way
         now = time.monotonic()
         for live in list(self._live.values()):
             if live.engine_id != load.engine_id or live.request_id not in self._by_request:
                 continue
-            if live.request_id in held or now - live.sent_at < self.settings.lost_turn_grace_s:
+            unread = load.last_seq < live.seq
+            if live.request_id in held or unread or now - live.sent_at < self.settings.lost_turn_grace_s:
                 live.missing = 0
                 continue
             live.missing += 1

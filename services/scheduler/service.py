@@ -136,7 +136,10 @@ class SchedulerService:
         limits = {b.name: float(b.max_output_tokens or math.inf) for b in plan.buckets}
         if limits and self.dispatch.router.set_thresholds(limits):
             self.log.info("bucket_thresholds_changed", thresholds=limits, reason=plan.reason)
-        await self.inflight.set_engines({a.worker_id: a for a in plan.assignments if a.role in SERVING_ROLES})
+        serving = {a.worker_id: a for a in plan.assignments if a.role in SERVING_ROLES}
+        # out of rollout under the same lease: the engine hands its turns back itself
+        moved = {a.worker_id: a.fencing_token for a in plan.assignments if a.role not in SERVING_ROLES}
+        await self.inflight.set_engines(serving, moved)
 
     async def _on_engine_load(self, load: ev.EngineLoad, _: Envelope) -> None:
         await self.inflight.engine_load(load)

@@ -27,6 +27,9 @@ class TrainerSettings(BaseSettings):
     """First retry delay of a failed push; it doubles with each attempt."""
     push_timeout_s: float = Field(300.0, gt=0.0)
     """Deadline of one PushWeights call."""
+    lend_timeout_s: float = Field(30.0, gt=0.0)
+    """How long the trainer asks the planner to take its lent GPUs back before it trains anyway
+    (a planner restarting; the engines are taken back at the next step)."""
     resync_interval_s: float = Field(5.0, gt=0.0)
     """How often engines that miss the current weights (new, restarted, failed) are pushed again."""
     hybrid_host: str = "127.0.0.1"

@@ -67,6 +67,11 @@ class WeightDistribution:
         self._push_parent = parent  # weights.push: a child of this step
         self._want_push.set()
 
+    def want_push(self) -> None:
+        """Engines that joined the plan (lent ones) get the current version without waiting for
+        the resync."""
+        self._want_push.set()
+
     def _addresses(self) -> list[str]:
         return [a.weight_sync_addr for a in self.membership.peers(*SERVING_ROLES) if a.weight_sync_addr]
 

@@ -70,10 +70,10 @@ class Intake:
         await self.bus.bind_stream("GROUPS")  # where group outcomes go
         self.psub, self.ack_wait_s = await self.bus.bind_consumer(TRAINER_FEED)
 
-    async def fetch(self) -> list[tuple[ev.CompletedTrajectory, Msg]]:
-        return await self.bus.fetch(
-            self.psub, ev.CompletedTrajectory, self.settings.fetch_batch, self.settings.idle_poll_s
-        )
+    async def fetch(self, timeout_s: float | None = None) -> list[tuple[ev.CompletedTrajectory, Msg]]:
+        """Deliveries waiting for this trainer, waiting up to `timeout_s` (idle_poll_s) for one."""
+        timeout = self.settings.idle_poll_s if timeout_s is None else timeout_s
+        return await self.bus.fetch(self.psub, ev.CompletedTrajectory, self.settings.fetch_batch, timeout)
 
     async def keep_deliveries(self) -> None:
         """Tells JetStream that every delivery this trainer holds (buffered, or in the step being

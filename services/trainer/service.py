@@ -34,6 +34,7 @@ from services.trainer.distribution import WeightDistribution
 from services.trainer.hybrid_host import HybridHost
 from services.trainer.intake import Intake
 from services.trainer.leadership import Leadership
+from services.trainer.lending import Lender
 from services.trainer.weight_push import WeightPusher
 
 if TYPE_CHECKING:
@@ -90,6 +91,15 @@ class TrainerService:
         )
         self.weights: WeightDistribution = WeightDistribution(
             run, bus, membership, learner, pusher, lambda: self.lead.leading, lambda: self.lead.token
+        )
+        self.lender = Lender(
+            run,
+            bus,
+            membership,
+            lambda: self.lead.token,
+            lambda: self.learner.state.step,
+            self.weights.want_push,
+            settings.lend_timeout_s,
         )
 
     @property
@@ -161,10 +171,23 @@ class TrainerService:
             await self.intake.filter_uninformative()
             groups = await self.intake.take()
             if not groups:
+                await self._wait_for_batch()
                 break
+            await self.lender.reclaim()
             await self._step_boundary()  # hybrid workers join and leave between two steps
             await self._step(groups, stop)
         self._show_progress()
+
+    async def _wait_for_batch(self) -> None:
+        """No batch is complete with what has been fetched: with what JetStream holds for it now
+        still none, the trainer waits for rollout, and lends its GPUs to it meanwhile."""
+        if not self.lender.enabled or self.lender.lent_at is not None:
+            return
+        with contextlib.suppress(Exception):  # NATS reconnecting: the next fetch tries again
+            await self.intake.admit(await self.intake.fetch(timeout_s=0.05))
+            await self.intake.filter_uninformative()
+        if await self.intake.groups_ready() < self.run.training.groups_per_step:
+            await self.lender.lend()
 
     async def _step_boundary(self) -> None:
         await self.hybrid.tick(self.lead.leading and not self.finished, self.lead.token)
@@ -290,6 +313,9 @@ class TrainerService:
             sampled_trajectories=len(sampled),
             groups_informative=stats.trained_groups,
             overlong_filtered=stats.overlong_filtered,
+            lends=self.lender.lends,
+            reclaims=self.lender.reclaims,
+            seconds_lent=self.lender.seconds_lent,
         )
         await self.bus.publish(subjects.TRAIN_METRICS, self.last_metrics)
         m = trainer_metrics()

@@ -116,6 +116,10 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("scheduler", subjects.FACTS_TRAINER, ev.TrainerFacts(step=1000)),
         ("rollout-engine", subjects.FACTS_SCHEDULER, ev.SchedulerFacts(published=424242)),
         ("cli", subjects.FACTS_PLANNER, ev.PlannerFacts(plans_total=7)),
+        # only the trainer lends its GPUs (the planner checks its fencing token too)
+        ("rollout-engine", subjects.LEND_REQUEST, ev.LendRequest(want="lend")),
+        ("scheduler", subjects.LEND_REQUEST, ev.LendRequest(want="reclaim")),
+        ("cli", subjects.LEND_REQUEST, ev.LendRequest(want="lend")),
     ]
     for identity, suffix, msg in forgeries:
         await buses[identity].publish(suffix, msg)
@@ -127,6 +131,7 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("trainer", subjects.FACTS_TRAINER, ev.TrainerFacts(step=1)),
         ("scheduler", subjects.FACTS_SCHEDULER, ev.SchedulerFacts(published=1)),
         ("planner", subjects.FACTS_PLANNER, ev.PlannerFacts(plans_total=1)),
+        ("trainer", subjects.LEND_REQUEST, ev.LendRequest(want="lend")),
     ]
     for identity, suffix, msg in owned:
         await buses[identity].publish(suffix, msg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -316,13 +316,26 @@ async def test_emulated_engine_is_labelled_and_holds_requests_until_weights_arri
         await store.close()
 
 
+async def refused_then_served(h: Harness, name: str, back: Callable[[], Awaitable[None]]) -> None:
+    """A turn sent now is refused (the engine is out of rollout); after `back`, one is served."""
+    await h.send(turn(name))
+    res, _ = await h.result(name)
+    assert res.error.code == "unavailable" and "draining" in res.error.message
+    await back()
+    await asyncio.sleep(0.5)
+    await h.send(turn(f"{name}-after"))
+    res, _ = await h.result(f"{name}-after")
+    assert not res.HasField("error") and res.token_ids, res.error
+
+
 async def test_a_draining_engine_hands_back_every_turn_it_holds_and_takes_no_new_one(
     engine: Any, redis_server: Server, run_id: str
 ) -> None:
     """The planner moves the engine to `draining`: every turn it holds comes back at once as
     `handed_back` — a running one with the tokens it generated so far (their logprobs and weight
     versions: the scheduler continues the turn from there), a queued one without — a new turn is
-    refused, and back in rollout it serves again."""
+    refused, and back in rollout it serves again. An engine on the trainer's GPUs does the same
+    when they go back to training (`lent` -> `parked`), and says how many turns it handed back."""
     proc, h = engine
     store = OwnershipStore.from_url(redis_server.url, run_id)
     try:
@@ -351,14 +364,31 @@ async def test_a_draining_engine_hands_back_every_turn_it_holds_and_takes_no_new
             )
             assert all(lp <= 0.0 for lp in r.logprobs) and set(r.token_versions) == {0}
         assert len(back) - len(running) == 2  # the queued two: nothing generated
-        await h.send(turn("during"))
-        res, _ = await h.result("during")
-        assert res.error.code == "unavailable" and "draining" in res.error.message
-        await plan(3, "rollout")
-        await asyncio.sleep(0.5)
-        await h.send(turn("after"))
-        res, _ = await h.result("after")
-        assert not res.HasField("error") and res.token_ids, res.error
+        await refused_then_served(h, "during", lambda: plan(3, "rollout"))
+
+        # the same steps when it stands for the trainer's GPUs: parked (they train), lent (serving)
+        states: list[ev.HybridState] = []
+
+        async def on_state(m: ev.HybridState, _: Envelope) -> None:
+            states.append(m)
+
+        await h.bus.subscribe(subjects.HYBRID_STATE, ev.HybridState, on_state)
+        await plan(4, "lent")
+        lent = [f"lent-{i}" for i in range(2)]
+        for rid in lent:
+            await h.send(turn(rid, max_new_tokens=1500, min_new_tokens=1500))
+        async with asyncio.timeout(30):
+            while not h.loads or h.loads[-1].running < 2:
+                await asyncio.sleep(0.05)
+        await plan(5, "parked")  # the trainer takes its GPUs back
+        back = [(await h.result(rid, timeout=20))[0] for rid in lent]
+        assert all(r.error.code == "handed_back" and 0 < len(r.token_ids) < 1500 for r in back), back
+        async with asyncio.timeout(10):
+            while not any(m.state == "parked" for m in states):
+                await asyncio.sleep(0.05)
+        parked = next(m for m in states if m.state == "parked")
+        assert (parked.worker_id, parked.fencing_token, parked.turns_handed_back) == (WORKER, held.token, 2)
+        await refused_then_served(h, "while-parked", lambda: plan(6, "lent"))
         assert proc.poll() is None
     finally:
         await store.close()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from services.common import subjects
-from services.common.bus import Bus, Envelope
+from services.common.bus import Bus, Envelope, Refused
 from services.common.contracts import ev
 from services.common.facts import read_facts
 from services.common.localstack import Server, start_redis
@@ -368,4 +368,110 @@ async def test_the_planner_moves_an_engine_into_training_when_rollout_idles_and_
     finally:
         for b in (bus, watcher):
             await b.close()
+        await store.close()
+
+
+async def test_the_trainer_lends_its_gpus_engines_under_its_fencing_token(
+    nats_server: Server, run_id: str, redis_server: Server
+) -> None:
+    """Engines past `rollout.engines` stand for the training GPUs: parked at the lent TP in the
+    bucket of the nearest TP. The trainer holding the role lends them (`lent`) and takes them back
+    (`parked`), each move under one plan and in the role history; a request under another token,
+    or an unknown want, is refused with a typed error and changes nothing."""
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "planner", "planner")
+    watcher = await Bus.connect(nats_server.url, run_id, "test", "watcher")
+    plans = await _watch_plans(watcher)
+    cfg = RunConfig.model_validate(
+        {
+            "rollout": {
+                "engines": 2,
+                "buckets": [
+                    {"name": "short", "tensor_parallel": 1, "max_output_tokens": 100},
+                    {"name": "long", "tensor_parallel": 8},
+                ],
+            },
+            "planner": {"lending": {"engines": 2, "tensor_parallel": 4}},
+        }
+    )
+    assert cfg.lending_bucket == "long" and cfg.engines_needed == 4
+    planner = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus, store)
+    await planner.start()
+    try:
+        workers = ("engine-0", "engine-1", "engine-2", "engine-3", "trainer-a")
+        for wid in workers:
+            kind = "rollout-engine" if wid.startswith("engine") else "trainer"
+            await speak(
+                watcher,
+                subjects.WORKER_HELLO,
+                ev.WorkerHello(worker_id=wid, kind=kind, weight_sync_addr="x:1"),
+            )
+            await _until("registered", lambda wid=wid: plans and wid in _roles(plans[-1]))
+        plan = plans[-1]
+        assert _roles(plan) == {
+            "engine-0": "rollout",
+            "engine-1": "rollout",
+            "engine-2": "parked",
+            "engine-3": "parked",
+            "trainer-a": "train",
+        }
+        parked = [a for a in plan.assignments if a.role == "parked"]
+        assert {(a.bucket, a.tensor_parallel) for a in parked} == {("long", 4)}
+        token = next(a.fencing_token for a in plan.assignments if a.role == "train")
+
+        for bad in (
+            ev.LendRequest(want="lend", fencing_token=token + 1),
+            ev.LendRequest(want="everything", fencing_token=token),
+        ):
+            seen = len(plans)
+            with pytest.raises(Refused, match="invalid"):
+                await watcher.request(subjects.LEND_REQUEST, bad, ev.LendReply)
+            await asyncio.sleep(0.3)
+            assert len(plans) == seen
+
+        lent = await watcher.request(
+            subjects.LEND_REQUEST, ev.LendRequest(want="lend", fencing_token=token, step=3), ev.LendReply
+        )
+        assert list(lent.workers) == ["engine-2", "engine-3"]
+        await _until("lent", lambda: plans[-1].plan_version >= lent.plan_version)
+        assert [_roles(plans[-1])[w] for w in lent.workers] == ["lent", "lent"]
+        assert plans[-1].reason.startswith("lend:engine-2,engine-3:parked->lent")
+        again = await watcher.request(  # nothing parked any more: nothing moves
+            subjects.LEND_REQUEST, ev.LendRequest(want="lend", fencing_token=token), ev.LendReply
+        )
+        assert list(again.workers) == [] and again.plan_version == lent.plan_version
+
+        back = await watcher.request(
+            subjects.LEND_REQUEST, ev.LendRequest(want="reclaim", fencing_token=token), ev.LendReply
+        )
+        assert list(back.workers) == ["engine-2", "engine-3"] and back.plan_version == lent.plan_version + 1
+        await _until("parked", lambda: _roles(plans[-1])["engine-2"] == "parked")
+        await speak(  # the engine handed its turns back
+            watcher,
+            subjects.HYBRID_STATE,
+            ev.HybridState(
+                worker_id="engine-2",
+                state="parked",
+                fencing_token=parked[0].fencing_token,
+                turns_handed_back=3,
+            ),
+            "rollout-engine",
+        )
+        key = role_changes_key(run_id)
+        async with asyncio.timeout(5):
+            while len(await store.r.lrange(key, 0, -1)) < 5:
+                await asyncio.sleep(0.05)
+        changes = role_changes([json.loads(x) for x in await store.r.lrange(key, 0, -1)])
+        assert [(c["worker"], c["from"], c["to"]) for c in changes] == [
+            ("engine-2", "parked", "lent"),
+            ("engine-3", "parked", "lent"),
+            ("engine-2", "lent", "parked"),
+            ("engine-3", "lent", "parked"),
+        ]
+        assert changes[2]["turns_handed_back"] == 3 and changes[2]["seconds"] is not None
+        assert changes[3]["seconds"] is None  # engine-3 has not said it is parked yet
+    finally:
+        for b in (bus, watcher):
+            await b.close()
+            await b.nc.close()
         await store.close()

@@ -40,10 +40,12 @@ class Harness:
         self.answer: Callable[[ev.TurnRequest], ev.TurnResult | None] = self.normal
         self.hold = False
         """Hold every request (named in load reports) and never answer: a hung engine."""
+        self.last_seq = 0
 
     async def start(self) -> None:
         async def on_request(req: ev.TurnRequest, _: Envelope) -> None:
             self.requests.append(req)
+            self.last_seq = max(self.last_seq, req.seq)
             if self.hold:
                 self.held.add(req.request_id)
                 return
@@ -73,7 +75,11 @@ class Harness:
     async def _report(self) -> None:
         while True:
             load = ev.EngineLoad(
-                engine_id=ENGINE, bucket="short", capacity_seqs=4, request_ids=sorted(self.held)
+                engine_id=ENGINE,
+                bucket="short",
+                capacity_seqs=4,
+                request_ids=sorted(self.held),
+                last_seq=self.last_seq,
             )
             await self.bus.publish(subjects.ENGINE_LOAD, load)
             await asyncio.sleep(0.3)
@@ -329,4 +335,45 @@ async def test_a_turn_handed_back_mid_way_goes_on_from_the_tokens_it_made(
     assert t.finish == "answer" and list(t.tool_statuses) == ["ok"]  # the joined text's call ran
     assert not t.HasField("failure") and proc.poll() is None
     s = await stats(bus, 4)  # counted for the report
+    assert (s.turns_handed_back, s.tokens_kept_on_hand_back) == (1, len(head))
+
+
+async def test_turns_of_an_engine_moved_out_of_rollout_wait_for_it_to_hand_them_back(
+    scheduler: Any, run_id: str
+) -> None:
+    """The plan takes the engine out of rollout (drained, parked: same lease) before its handed-back
+    turn arrives: the scheduler does not re-send the turn from scratch at the plan, it waits for
+    the engine to hand it back and goes on from the tokens it made."""
+    proc, h, bus = scheduler
+    first: list[ev.TurnRequest] = []
+    head = [300, 301, 302]
+
+    async def move_out_then_hand_back(req: ev.TurnRequest) -> None:
+        def plan(version: int, role: str) -> ev.Plan:
+            a = ev.Assignment(worker_id=ENGINE, role=role, bucket="short", fencing_token=1)
+            return ev.Plan(plan_version=version, assignments=[a])
+
+        await bus.publish_durable(subjects.PLAN, plan(2, "parked"), msg_id=f"{run_id}-plan-2")
+        await asyncio.sleep(0.5)  # the scheduler has the plan by now
+        gave_up = ev.ErrorInfo(code="handed_back", message=f"{ENGINE} is draining")
+        res = h.result(req, "", token_ids=head, logprobs=[-0.25] * 3, finish_reason="handed_back", error=gave_up)  # fmt: skip
+        await bus.publish(subjects.TURN_RESULT, res)
+        await asyncio.sleep(0.2)
+        await bus.publish_durable(subjects.PLAN, plan(3, "lent"), msg_id=f"{run_id}-plan-3")
+
+    def answer(req: ev.TurnRequest) -> ev.TurnResult | None:
+        if req.turn_index == 0 and not first:
+            first.append(req)
+            bus.spawn(move_out_then_hand_back(req))
+            return None
+        return h.normal(req)
+
+    h.answer = answer
+    await h.completed(bus, 4)
+    cut = first[0]
+    again = [r for r in h.requests if r.trajectory_id == cut.trajectory_id and r.turn_index == 0]
+    assert len(again) == 2, again  # not re-sent from scratch when the plan moved the engine out
+    assert list(again[1].context_token_ids) == list(cut.context_token_ids) + head
+    assert proc.poll() is None
+    s = await stats(bus, 4)
     assert (s.turns_handed_back, s.tokens_kept_on_hand_back) == (1, len(head))

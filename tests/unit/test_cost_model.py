@@ -82,3 +82,23 @@ def test_switch_and_join_costs_include_their_fixed_parts():
     assert c.engine_load_s(8) < c.engine_load_s(1)
     # Per decode iteration the engine pays an overhead that TP does not shrink.
     assert c.decode_step_s(1, 100, 8) > c.calib.decode_overhead_s
+
+
+def test_lending_switch_is_the_colocated_switch_in_wall_time_for_emulated_engines_only() -> None:
+    from services.common.cost_model import load_presets
+    from services.common.lending import switch_s
+    from services.common.runconfig import RunConfig
+
+    def cfg(backend: str, engines: int = 2) -> RunConfig:
+        return RunConfig.model_validate(
+            {
+                "rollout": {"backend": backend, "emulated": {"model": "qwen3-14b", "time_scale": 0.5}},
+                "training": {"emulated_gpus": 16},
+                "planner": {"lending": {"engines": engines, "tensor_parallel": 8}},
+            }
+        )
+
+    expected = load_presets("H100", "qwen3-14b").colocated_switch_s(16, 8) * 0.5
+    assert switch_s(cfg("emulated")) == pytest.approx(expected) and expected > 1.0
+    assert switch_s(cfg("hf")) == 0.0  # real engines pay what the move really costs
+    assert switch_s(cfg("emulated", engines=0)) == 0.0

@@ -230,3 +230,56 @@ def test_speculation_totals_survive_an_engine_restart_and_split_by_step() -> Non
     assert report["acceptance_rate_per_step"] == [round(25 / 60, 4), 1.0]
     assert report["mean_accepted_per_step"] == [round(25 / 15, 3), 4.0]
     assert speculation_report([0, 0, 0], [[0, 0, 0]])["acceptance_rate_per_step"] == [None]
+
+
+def test_lending_reports_the_trainers_counts_and_the_turns_its_engines_handed_back() -> None:
+    from services.common.runconfig import RunConfig
+    from tools.report import lending_report, role_changes
+
+    history = [
+        {"worker": "e2", "from": "parked", "to": "lent", "at": 10.0},
+        {"worker": "e2", "from": "lent", "to": "parked", "at": 30.0},
+        {"worker": "e2", "state": "parked", "seconds": 0.01, "turns_handed_back": 3, "at": 30.2},
+        {"worker": "e2", "from": "parked", "to": "lent", "at": 40.0},
+        {"worker": "e2", "from": "lent", "to": "parked", "at": 50.0},
+        {"worker": "e2", "state": "parked", "seconds": 0.01, "turns_handed_back": 1, "at": 50.1},
+    ]
+    changes = role_changes(history)
+    assert [c["seconds"] for c in changes] == [0.0, 0.2, 0.0, 0.1]  # parked: once it said so
+    steps = [ev.TrainMetrics(step=1, lends=1, reclaims=1, seconds_lent=20.0)]
+    steps.append(ev.TrainMetrics(step=2, lends=2, reclaims=2, seconds_lent=30.0))
+    off = RunConfig()
+    assert lending_report(off, steps, changes) is None
+    on = RunConfig.model_validate({"planner": {"lending": {"engines": 2, "tensor_parallel": 4}}})
+    assert lending_report(on, steps, changes) == {
+        "engines": 2,
+        "lends": 2,
+        "reclaims": 2,
+        "seconds_lent": 30.0,
+        "turns_moved": 4,
+    }
+    assert lending_report(on, [], {"error": "no history"})["turns_moved"] is None
+
+
+def test_lent_engines_serve_the_bucket_of_the_nearest_tp() -> None:
+    from pydantic import ValidationError
+
+    from services.common.runconfig import RunConfig
+
+    def cfg(**lending: object) -> RunConfig:
+        buckets = [
+            {"name": "short", "tensor_parallel": 1, "max_output_tokens": 100},
+            {"name": "mid", "tensor_parallel": 2, "max_output_tokens": 1000},
+            {"name": "long", "tensor_parallel": 8},
+        ]
+        return RunConfig.model_validate(
+            {"rollout": {"engines": 3, "buckets": buckets}, "planner": {"lending": {"engines": 1, **lending}}}
+        )
+
+    assert cfg(tensor_parallel=4).lending_bucket == "mid"  # log2 4 is as near 2 as 8: the smaller
+    assert cfg(tensor_parallel=8).lending_bucket == "long"
+    assert cfg(tensor_parallel=1).lending_bucket == "short"
+    assert cfg(tensor_parallel=8, bucket="short").lending_bucket == "short"
+    assert cfg().engines_needed == 4
+    with pytest.raises(ValidationError, match="planner.lending.bucket"):
+        cfg(bucket="nowhere")

@@ -66,6 +66,8 @@ class EmulatedBackend(StepBackend):
         """Prefix cache: hashes of cached KV blocks, least recently used first."""
         self.emulated_s = 0.0
         self.load_s = 0.0
+        self.weights_local = False
+        """On the trainer's GPUs (lent): new weights come at no network cost, as the simulator has it."""
         self._clock = float("-inf")
 
     def set_tensor_parallel(self, tp: int) -> None:
@@ -197,7 +199,8 @@ class EmulatedBackend(StepBackend):
         weights (`engine_load_s`: each TP shard over the network in parallel, plus the fixed
         coordination cost); the tensors pushed (a small stand-in model) are not kept."""
         self.cache.clear()  # KV computed with the old weights is worthless (vLLM resets its cache)
-        self.load_s = self.cm.engine_load_s(self.tp)
+        # lent by the trainer, the weights are its own GPUs' (the lending switch reshards them)
+        self.load_s = 0.0 if self.weights_local else self.cm.engine_load_s(self.tp)
         self.emulated_s += self.load_s
         await self._advance(self.load_s)
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TurnRequest(_message.Message):
-    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "bucket", "context_token_ids", "max_new_tokens", "temperature", "min_policy_version", "stop", "priority", "min_new_tokens", "top_p", "group_id", "prompt_id")
+    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "bucket", "context_token_ids", "max_new_tokens", "temperature", "min_policy_version", "stop", "priority", "min_new_tokens", "top_p", "group_id", "prompt_id", "seq")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class TurnRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     trajectory_id: str
     turn_index: int
@@ -38,7 +39,8 @@ class TurnRequest(_message.Message):
     top_p: float
     group_id: str
     prompt_id: str
-    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., min_policy_version: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., priority: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ...) -> None: ...
+    seq: int
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., min_policy_version: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., priority: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class TurnResult(_message.Message):
     __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "token_ids", "logprobs", "policy_version", "finish_reason", "context_tokens", "queue_s", "generate_s", "text", "error", "token_versions", "temperature", "drafted_tokens", "accepted_tokens")
@@ -207,7 +209,7 @@ class GroupOutcome(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., trajectories: _Optional[int] = ..., weight_version: _Optional[int] = ..., train_step: _Optional[int] = ..., trained_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("engine_id", "bucket", "running", "waiting", "tokens_per_s", "weight_version", "weight_sync_addr", "request_ids", "tensor_parallel", "capacity_seqs", "free_kv_tokens", "backend", "spec_verify_steps", "spec_drafted_tokens", "spec_accepted_tokens")
+    __slots__ = ("engine_id", "bucket", "running", "waiting", "tokens_per_s", "weight_version", "weight_sync_addr", "request_ids", "tensor_parallel", "capacity_seqs", "free_kv_tokens", "backend", "spec_verify_steps", "spec_drafted_tokens", "spec_accepted_tokens", "last_seq", "answered_ids")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +225,8 @@ class EngineLoad(_message.Message):
     SPEC_VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_IDS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     bucket: str
     running: int
@@ -238,7 +242,9 @@ class EngineLoad(_message.Message):
     spec_verify_steps: int
     spec_drafted_tokens: int
     spec_accepted_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., capacity_seqs: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., spec_verify_steps: _Optional[int] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    last_seq: int
+    answered_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., capacity_seqs: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., spec_verify_steps: _Optional[int] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., last_seq: _Optional[int] = ..., answered_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
     __slots__ = ("worker_id", "kind", "weight_sync_addr", "tensor_parallel", "preferred_bucket")
@@ -384,20 +390,40 @@ class RoleChange(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., from_role: _Optional[str] = ..., to_role: _Optional[str] = ..., bucket: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class HybridState(_message.Message):
-    __slots__ = ("worker_id", "state", "fencing_token", "seconds", "generation", "detail")
+    __slots__ = ("worker_id", "state", "fencing_token", "seconds", "generation", "detail", "turns_handed_back")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    TURNS_HANDED_BACK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     state: str
     fencing_token: int
     seconds: float
     generation: int
     detail: str
-    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., fencing_token: _Optional[int] = ..., seconds: _Optional[float] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    turns_handed_back: int
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[str] = ..., fencing_token: _Optional[int] = ..., seconds: _Optional[float] = ..., generation: _Optional[int] = ..., detail: _Optional[str] = ..., turns_handed_back: _Optional[int] = ...) -> None: ...
+
+class LendRequest(_message.Message):
+    __slots__ = ("want", "fencing_token", "step")
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    want: str
+    fencing_token: int
+    step: int
+    def __init__(self, want: _Optional[str] = ..., fencing_token: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class LendReply(_message.Message):
+    __slots__ = ("workers", "plan_version")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedScalarFieldContainer[str]
+    plan_version: int
+    def __init__(self, workers: _Optional[_Iterable[str]] = ..., plan_version: _Optional[int] = ...) -> None: ...
 
 class HybridGroup(_message.Message):
     __slots__ = ("generation", "store_addr", "members", "member_tokens", "trainer_token", "timeout_s", "rendezvous_key")
@@ -444,7 +470,7 @@ class WeightsUpdated(_message.Message):
     def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., size_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., engines: _Optional[_Iterable[str]] = ..., train_step: _Optional[int] = ..., uploaded_bytes: _Optional[int] = ..., delta_bytes: _Optional[int] = ..., delta_engines: _Optional[int] = ..., dtype: _Optional[str] = ..., relayed_engines: _Optional[int] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
-    __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done", "data_parallel", "groups_ready", "entropy", "is_weight_mean", "is_weight_max", "is_truncated_fraction", "dual_clip_fraction", "logprob_mismatch", "mismatch_tokens", "lr", "grad_norm", "groups_filtered", "policy_versions", "stale_token_fraction", "ref_kl", "sampled_reward_mean", "sampled_reward_std", "sampled_trajectories", "groups_informative", "overlong_filtered")
+    __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done", "data_parallel", "groups_ready", "entropy", "is_weight_mean", "is_weight_max", "is_truncated_fraction", "dual_clip_fraction", "logprob_mismatch", "mismatch_tokens", "lr", "grad_norm", "groups_filtered", "policy_versions", "stale_token_fraction", "ref_kl", "sampled_reward_mean", "sampled_reward_std", "sampled_trajectories", "groups_informative", "overlong_filtered", "lends", "reclaims", "seconds_lent")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -478,6 +504,9 @@ class TrainMetrics(_message.Message):
     SAMPLED_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_INFORMATIVE_FIELD_NUMBER: _ClassVar[int]
     OVERLONG_FILTERED_FIELD_NUMBER: _ClassVar[int]
+    LENDS_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_LENT_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     loss: float
@@ -511,7 +540,10 @@ class TrainMetrics(_message.Message):
     sampled_trajectories: int
     groups_informative: int
     overlong_filtered: int
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: bool = ..., data_parallel: _Optional[int] = ..., groups_ready: _Optional[int] = ..., entropy: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ..., dual_clip_fraction: _Optional[float] = ..., logprob_mismatch: _Optional[float] = ..., mismatch_tokens: _Optional[int] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., groups_filtered: _Optional[int] = ..., policy_versions: _Optional[_Iterable[int]] = ..., stale_token_fraction: _Optional[float] = ..., ref_kl: _Optional[float] = ..., sampled_reward_mean: _Optional[float] = ..., sampled_reward_std: _Optional[float] = ..., sampled_trajectories: _Optional[int] = ..., groups_informative: _Optional[int] = ..., overlong_filtered: _Optional[int] = ...) -> None: ...
+    lends: int
+    reclaims: int
+    seconds_lent: float
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: bool = ..., data_parallel: _Optional[int] = ..., groups_ready: _Optional[int] = ..., entropy: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ..., dual_clip_fraction: _Optional[float] = ..., logprob_mismatch: _Optional[float] = ..., mismatch_tokens: _Optional[int] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., groups_filtered: _Optional[int] = ..., policy_versions: _Optional[_Iterable[int]] = ..., stale_token_fraction: _Optional[float] = ..., ref_kl: _Optional[float] = ..., sampled_reward_mean: _Optional[float] = ..., sampled_reward_std: _Optional[float] = ..., sampled_trajectories: _Optional[int] = ..., groups_informative: _Optional[int] = ..., overlong_filtered: _Optional[int] = ..., lends: _Optional[int] = ..., reclaims: _Optional[int] = ..., seconds_lent: _Optional[float] = ...) -> None: ...
 
 class MetricSample(_message.Message):
     __slots__ = ("service", "worker_id", "values")

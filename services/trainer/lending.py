@@ -1,0 +1,109 @@
+"""The trainer's side of lending its GPUs to rollout (planner.lending): while it waits for a
+batch of complete groups it asks the planner to lend the engines standing for its GPUs, and
+before its next step to take them back, then waits for its GPUs to switch back.
+
+The planner moves the engines (`parked` <-> `lent`) under the trainer's fencing token; a lent
+engine hands its running turns back with their tokens when it is parked again, and they continue
+on other engines. Each move costs the switch time (`services.common.lending.switch_s`): the
+engines pay it when lent (turns wait for their GPUs), the trainer when it takes them back, plus
+whatever of the lending switch is still under way (its GPUs are mid-switch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from services.common import lending, subjects
+from services.common.bus import Bus
+from services.common.contracts import ev
+from services.common.logging import get_logger
+from services.common.membership import LENT_ROLE, PARKED_ROLE, Membership
+from services.common.runconfig import RunConfig
+from services.common.tracing import tracer
+
+
+class Lender:
+    def __init__(
+        self,
+        run: RunConfig,
+        bus: Bus,
+        membership: Membership,
+        token: Callable[[], int],
+        step: Callable[[], int],
+        lent: Callable[[], None],
+        timeout_s: float,
+    ):
+        self.bus, self.membership, self.token, self.step, self.on_lent = bus, membership, token, step, lent
+        self.enabled = run.planner.lending.engines > 0
+        self.switch_s = lending.switch_s(run)
+        self.timeout_s = timeout_s
+        self.lent_at: float | None = None
+        """When its GPUs went to rollout (monotonic); None while they are the trainer's."""
+        self.lends = self.reclaims = 0
+        self.seconds_lent = 0.0
+        self.log = get_logger(component="trainer")
+
+    async def lend(self) -> None:
+        """The trainer waits for its batch: its GPUs serve rollout meanwhile (if any is parked)."""
+        if not self.enabled or self.lent_at is not None or not self.membership.peers(PARKED_ROLE):
+            return
+        reply = await self._ask("lend", once=True)
+        if reply is None or not reply.workers:
+            return
+        self.lent_at = time.monotonic()
+        self.lends += 1
+        self.log.info("gpus_lent", engines=list(reply.workers), switch_s=round(self.switch_s, 3))
+        await self._plan_at_least(reply.plan_version)
+        self.on_lent()  # they get the current weights (on GPUs the trainer's own: no copy)
+
+    async def reclaim(self) -> None:
+        """A batch is ready: the GPUs come back before the step (also ones a trainer before this one
+        lent and never took back). A planner that does not answer within `timeout_s` (restarting)
+        does not stop training: the step goes on, and the engines are taken back next time."""
+        if not self.enabled or (self.lent_at is None and not self.membership.peers(LENT_ROLE)):
+            return
+        start = time.monotonic()
+        with tracer().start_as_current_span("train.reclaim") as span:
+            reply = await self._ask("reclaim", once=False)
+            if reply is None:
+                self.log.warning("gpus_not_reclaimed", waited_s=round(time.monotonic() - start, 3))
+                return
+            now = time.monotonic()
+            switching = max(0.0, self.lent_at + self.switch_s - now) if self.lent_at is not None else 0.0
+            wait = switching + self.switch_s if reply.workers else switching
+            await asyncio.sleep(wait)
+            if self.lent_at is not None:
+                self.seconds_lent += now - self.lent_at
+            self.lent_at = None
+            self.reclaims += 1
+            span.set_attribute("libra.engines", len(reply.workers))
+            span.set_attribute("libra.switch_s", wait)
+        self.log.info("gpus_reclaimed", engines=list(reply.workers), switch_s=round(wait, 3))
+
+    async def _ask(self, want: str, once: bool) -> ev.LendReply | None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return await self.bus.request(
+                    subjects.LEND_REQUEST,
+                    ev.LendRequest(want=want, fencing_token=self.token(), step=self.step()),
+                    ev.LendReply,
+                    timeout=min(5.0, self.timeout_s),
+                )
+            except Exception as err:  # refused (Refused), or no planner answered (restarting)
+                error = f"{type(err).__name__}: {err}"
+            if once or time.monotonic() >= deadline:
+                self.log.warning("lend_request_failed", want=want, error=error)
+                return None
+            await asyncio.sleep(0.5)
+
+    async def _plan_at_least(self, version: int, wait_s: float = 5.0) -> None:
+        """Until this trainer follows the plan that lent them (its pushes go to the plan's engines)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            plan = self.membership.plan
+            if plan is not None and plan.plan_version >= version:
+                return
+            await asyncio.sleep(0.05)
