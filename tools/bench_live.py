@@ -43,15 +43,32 @@ from tools.sim.state import SystemConfig
 from tools.sim.stats import mean_ci
 from tools.stack import Stack
 
-POLICIES = {"libra": "cmlfq", "least_loaded": "least_loaded"}
-TARGETS = {"throughput_error": 0.05, "p99_error": 0.10}
+POLICIES = {"libra": "cmlfq", "least_loaded": "least_loaded", "libra_lend": "cmlfq"}
+LENDING = ("libra_lend",)
+"""Policies whose trainer lends its GPUs to rollout while it waits for its batch."""
+TARGETS = {"throughput_error": 0.05, "p99_error": 0.10, "lending_gain": 0.05, "lending_gain_error": 0.05}
+"""Errors are relative to the prediction; lending's gain (libra_lend over libra, measured) at
+least +5 %, and within 5 points of the simulator's predicted gain."""
 
 
-def live_config(ns: argparse.Namespace, workload: Workload, policy: str) -> dict[str, Any]:
-    """The job: the workload on `engines` emulated engines in two buckets, emulated training."""
+def lent_engines(ns: argparse.Namespace) -> int:
+    """Engines of `--lend-tp` GPUs on the training GPUs (the simulator's `lend_tp` fleet)."""
+    if ns.lend_tp < 1 or ns.train_gpus % ns.lend_tp:
+        raise ValueError(f"{ns.train_gpus} training GPUs cannot lend TP{ns.lend_tp} engines")
+    return ns.train_gpus // ns.lend_tp
+
+
+def live_config(
+    ns: argparse.Namespace, workload: Workload, policy: str, lend: bool = False
+) -> dict[str, Any]:
+    """The job: the workload on `engines` emulated engines in two buckets, emulated training
+    (lending its GPUs to rollout while it waits for its batch if `lend`)."""
     short_limit = ns.short_bucket_tokens or _median_output(workload)
+    planner: dict[str, Any] = {"replan": False}  # the simulated configuration keeps its buckets too
+    if lend:
+        planner["lending"] = {"engines": lent_engines(ns), "tensor_parallel": ns.lend_tp}
     return {
-        "name": f"bench-live-{policy}",
+        "name": f"bench-live-{policy}" + ("-lend" if lend else ""),
         "model": {"source": "tiny-random"},
         "task": {
             "dataset": "synthetic",
@@ -85,7 +102,7 @@ def live_config(ns: argparse.Namespace, workload: Workload, policy: str) -> dict
             "torch_threads": 1,
         },
         "job": {"stall_timeout_s": 600},
-        "planner": {"replan": False},  # the simulated configuration keeps its buckets too
+        "planner": planner,
     }
 
 
@@ -156,6 +173,7 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
         "failed": watch.failed,
         "steps_seen": len(ends),
         "migrations": report.get("migrations", 0),
+        "lending": _lending(report.get("lending"), scale),
         "status": report.get("status"),
         "wall_s": wall,
         "decisions_per_s": sched.get("decisions", 0) / wall,
@@ -163,6 +181,13 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
         "decision_p99_us": sched.get("decision_p99_us", 0.0),
         "messages_per_s": (sched.get("messages_received", 0) + sched.get("messages_published", 0)) / wall,
     }
+
+
+def _lending(lending: dict[str, Any] | None, scale: float) -> dict[str, Any] | None:
+    """The job report's lending figures, seconds in emulated time as everything here."""
+    if not lending:
+        return None
+    return {**lending, "seconds_lent": lending["seconds_lent"] / scale}
 
 
 def _breakdown(watch: Watch, scale: float) -> dict[str, float]:
@@ -218,6 +243,7 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
             pooled_routing=r.policy == "least_loaded",
             update_mode="recompute",
             job_groups=t.steps * t.groups_per_step,  # the live feed launches no more
+            lend_tp=cfg.planner.lending.tensor_parallel if cfg.planner.lending.engines else 0,
         )
         out, _ = run_system(system, wl, cm, n_gpus, t.steps, seed)
         out["trajectories_per_s"] = steady_rate(out["step_end_s"], cfg.trajectories_per_step, drained=True)
@@ -246,6 +272,29 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
     }
 
 
+def lending_gain(results: dict[str, Any]) -> dict[str, Any]:
+    """libra_lend's throughput over libra's, measured and predicted (the same seed; and the mean
+    of the per-seed ratios with its 95 % CI), and how far apart the two gains are (points)."""
+    lend, base = results["libra_lend"], results["libra"]
+    measured = lend["measured"]["trajectories_per_s"] / base["measured"]["trajectories_per_s"] - 1
+    predicted = lend["predicted"]["trajectories_per_s"] / base["predicted"]["trajectories_per_s"] - 1
+    ratios = [
+        a / b - 1
+        for a, b in zip(
+            lend["predicted"]["per_seed_trajectories_per_s"],
+            base["predicted"]["per_seed_trajectories_per_s"],
+            strict=True,
+        )
+    ]
+    m, ci = mean_ci(ratios)
+    return {
+        "measured": measured,
+        "predicted": predicted,
+        "predicted_over_seeds": {"mean": m, "ci95": list(ci), "per_seed": ratios},
+        "error": abs(measured - predicted),
+    }
+
+
 def _fmt(breakdown: dict[str, float]) -> str:
     return ", ".join(f"{k.removesuffix('_s')} {v:.0f}" for k, v in breakdown.items())
 
@@ -269,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short-bucket-tokens", type=int, help="C-MLFQ threshold (default: median output)")
     p.add_argument("--train-gpus", type=int, default=8)
     p.add_argument("--train-tp", type=int, default=2)
+    p.add_argument("--lend-tp", type=int, default=4, help="TP of the engines libra_lend lends (default 4)")
     p.add_argument("--gpu", default="H100")
     p.add_argument("--model", default="qwen3-14b")
     p.add_argument("--sim-seeds", type=int, default=5)
@@ -287,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     configs = {}
     for name in policies:
-        data = live_config(ns, workload, POLICIES[name])
+        try:
+            data = live_config(ns, workload, POLICIES[name], lend=name in LENDING)
+        except ValueError as err:
+            p.error(str(err))
         path = out / f"config-{name}.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         configs[name] = (path, RunConfig.model_validate(data))
@@ -301,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     results: dict[str, Any] = {}
-    stack.start_infra(ns.engines)
+    stack.start_infra(max(cfg.engines_needed for _, cfg in configs.values()))
     try:
         stack.start_services()
         for name in policies:
@@ -328,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name]["p99_error"] = _error(m["latency_p99_s"], pred["latency_p99_s"])
         results[name]["migrations"] = m["migrations"]
     first = results[policies[0]]["measured"]
+    gain = lending_gain(results) if {"libra", "libra_lend"} <= set(policies) else None
     doc = {
         "workload": ns.workload,
         "engines": ns.engines,
@@ -337,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(ns).items() if k != "out"} | {"out": str(out)},
         "targets": TARGETS,
         "policies": results,
+        "lending_gain": gain,
         "scheduler": {
             "policy": policies[0],
             "decisions_per_s": first["decisions_per_s"],
@@ -356,6 +411,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{'':>12}  mean s per trajectory, measured {_fmt(m['latency_breakdown_mean_s'])}")
         print(f"{'':>12}  mean s per trajectory, predicted {_fmt(pr['latency_breakdown_mean_s'])}")
+    if gain is not None:
+        print(
+            f"lending: measured gain {gain['measured']:+.1%}, predicted {gain['predicted']:+.1%} "
+            f"(over seeds {gain['predicted_over_seeds']['mean']:+.1%}, 95 % CI "
+            f"[{gain['predicted_over_seeds']['ci95'][0]:+.1%}, {gain['predicted_over_seeds']['ci95'][1]:+.1%}]); "
+            f"error {gain['error']:.1%}"
+        )
     print(f"wrote {out / 'live.json'}")
     return 0
 

@@ -16,14 +16,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 WORKLOAD = Path(__file__).parent / "workloads" / "tiny_tools.yaml"
 
 
-def test_bench_live_measures_both_policies_and_the_simulators_prediction(tmp_path: Path) -> None:
+def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path: Path) -> None:
     out = tmp_path / "live"
     args = ["--workload", str(WORKLOAD), "--engines", "4", "--steps", "3", "--groups-per-step", "2"]
     args += ["--group-size", "2", "--time-scale", "1", "--sim-seeds", "2", "--out", str(out)]
+    args += ["--policies", "libra,least_loaded,libra_lend", "--train-gpus", "8", "--lend-tp", "4"]
     assert main(args) == 0
     doc = json.loads((out / "live.json").read_text())
     assert doc["emulated"] is True and doc["engines"] == 4
-    for name in ("libra", "least_loaded"):
+    for name in ("libra", "least_loaded", "libra_lend"):
         r = doc["policies"][name]
         m, p = r["measured"], r["predicted"]
         assert m["status"] == "completed" and m["steps_seen"] == 3 and m["failed"] == 0
@@ -44,6 +45,14 @@ def test_bench_live_measures_both_policies_and_the_simulators_prediction(tmp_pat
         assert r["p99_error"] is not None
     assert doc["policies"]["libra"]["migrations"] > 0, "C-MLFQ moved trajectories to the long bucket"
     assert doc["policies"]["least_loaded"]["migrations"] == 0
+    # the trainer lent its GPUs' two TP4 engines while it waited, and took them back to train
+    assert doc["policies"]["libra"]["measured"]["lending"] is None
+    lending = doc["policies"]["libra_lend"]["measured"]["lending"]
+    assert lending["engines"] == 2 and lending["lends"] >= 1 and lending["reclaims"] >= 1
+    assert lending["seconds_lent"] > 0 and lending["turns_moved"] is not None
+    gain = doc["lending_gain"]
+    assert gain["error"] == pytest.approx(abs(gain["measured"] - gain["predicted"]))
+    assert len(gain["predicted_over_seeds"]["per_seed"]) == 2
     sched = doc["scheduler"]
     assert sched["decisions_per_s"] > 0 and sched["decision_p99_us"] >= sched["decision_p50_us"] > 0
     assert sched["messages_per_s"] > 0
