@@ -22,7 +22,7 @@ import yaml
 from services.common import control, subjects
 from services.common.bus import close_nats
 from services.common.ownership import committed_key, trained_key
-from services.common.runconfig import load_run_config
+from services.common.runconfig import RunConfig, load_run_config
 from tools.runner import run_job
 from tools.stack import ROOT, Stack
 
@@ -48,7 +48,7 @@ def _job_with_faults(
     """Starts the stack, runs `faults` in a thread beside the job and returns the job's report;
     the caller stops the stack (after reading what it needs from its Redis)."""
     cfg = load_run_config(config)
-    stack.start_infra(cfg.rollout.engines)
+    stack.start_infra(cfg.engines_needed)
     stack.start_services()
     t = threading.Thread(target=lambda: asyncio.run(faults()), daemon=True)
     t.start()
@@ -59,18 +59,24 @@ def _job_with_faults(
     return report
 
 
-def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_path: Path) -> None:
+def _chaos_config(tmp_path: Path, name: str, steps: int, **sections: Any) -> tuple[Path, RunConfig]:
+    """configs/tiny.yaml for a job that faults are timed against, written to `tmp_path`."""
     data = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     # plain GRPO: the random model's rewards are all equal, and with dynamic sampling its steps
     # would train nothing and take no time; the faults are timed against steps that train
     data["training"].update(
-        steps=70, checkpoint_dir=str(tmp_path / "ckpt" / "{run_id}"), filter_zero_advantage=False
+        steps=steps, checkpoint_dir=str(tmp_path / "ckpt" / "{run_id}"), filter_zero_advantage=False
     )
     # a dead trainer's deliveries come back after the feed's ack wait: short here, so the test is short
     data.setdefault("job", {})["feed_ack_wait_s"] = 6.0
-    config = tmp_path / "chaos.yaml"
+    data.update(sections)
+    config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump(data))
-    cfg = load_run_config(config)
+    return config, load_run_config(config)
+
+
+def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_path: Path) -> None:
+    config, cfg = _chaos_config(tmp_path, "chaos", steps=70)
     run_id = f"chaos-{int(time.time())}"
     stack = Stack(run_id, tmp_path / "logs", max_restarts=3)
     recovered: dict[str, float] = {}
@@ -225,3 +231,112 @@ def test_a_service_killed_while_the_job_starts_joins_it_when_it_is_back(
     assert report["restarts"].get(victim) == 1, report["restarts"]
     assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
     assert report["trajectories_trained_twice"] == 0
+
+
+LENDING_VICTIMS = ("trainer", "lent engine", "planner")
+
+
+def test_lending_loses_nothing_when_the_trainer_a_lent_engine_or_the_planner_dies(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """The trainer lends its GPUs' engines (`planner.lending`) whenever it waits for a batch. While
+    an engine is lent: kill -9 the trainer (the restarted one takes back what is lent before its
+    first step), kill -9 the lent engine (its turns are re-sent; it comes back parked), kill -9 the
+    planner (a restarted planner continues the plan, lent roles included, and answers the next
+    reclaim). The job completes with every group trained once and nothing lost."""
+    from services.common.bus import Bus, Envelope
+    from services.common.contracts import ev
+
+    # emulated engines and training (the control plane is real): the workload's slow tools make
+    # every step wait for rollout, so the trainer lends its GPUs' two engines at every step
+    workload = Path(__file__).parent / "workloads" / "slow_tools.yaml"
+    data = {
+        "name": "lend-chaos",
+        "model": {"source": "tiny-random"},
+        "task": {"dataset": "synthetic", "workload": str(workload), "group_size": 2, "num_prompts": 10_000},
+        "rollout": {
+            "engines": 2,
+            "backend": "emulated",
+            "buckets": [
+                {"name": "short", "tensor_parallel": 1, "max_output_tokens": 20},
+                {"name": "long", "tensor_parallel": 2},
+            ],
+            "max_batch": 8,
+            "emulated": {"time_scale": 0.3},
+        },
+        "training": {
+            "backend": "emulated",
+            "steps": 14,
+            "groups_per_step": 2,
+            "checkpoint_dir": str(tmp_path / "ckpt" / "{run_id}"),
+        },
+        "job": {"feed_ack_wait_s": 6.0},
+        "planner": {"replan": False, "lending": {"engines": 2, "tensor_parallel": 4}},
+    }
+    config = tmp_path / "lending.yaml"
+    config.write_text(yaml.safe_dump(data))
+    cfg = load_run_config(config)
+    run_id = f"lend-chaos-{int(time.time())}"
+    stack = Stack(run_id, tmp_path / "logs", max_restarts=3)
+    recovered: dict[str, float] = {}
+    events: list[tuple[str, str, float]] = []
+    plans: list[ev.Plan] = []
+
+    def lent() -> list[str]:
+        return [a.worker_id for a in plans[-1].assignments if a.role == "lent"] if plans else []
+
+    async def faults() -> None:
+        bus = await Bus.connect(stack.nats_url, run_id, "cli", "chaos", stack.nats_auth("cli"))
+
+        async def on_plan(p: ev.Plan, _: Envelope) -> None:
+            plans.append(p)
+
+        await bus.subscribe(subjects.PLAN, ev.Plan, on_plan)
+        try:
+
+            async def running(worker: str) -> bool:
+                found = await control.discover(bus.nc, 0.3)
+                return any(st.worker_id == worker and st.run_id == run_id for st in found)
+
+            for fault in LENDING_VICTIMS:
+                since = time.monotonic()
+                while not lent():  # the trainer waits for its batch: its engine serves rollout
+                    if time.monotonic() - since > 120:
+                        events.append((fault, "nothing was ever lent", time.monotonic() - since))
+                        return
+                    await asyncio.sleep(0.1)
+                victim = lent()[0] if fault == "lent engine" else fault
+                os.kill(stack.procs[victim].pid, signal.SIGKILL)
+                killed = time.monotonic()
+                await asyncio.sleep(1.5)
+                while not await running(victim):
+                    if time.monotonic() - killed > 120:
+                        events.append((fault, "never came back", time.monotonic() - killed))
+                        return
+                    await asyncio.sleep(0.2)
+                recovered[f"kill -9 {fault} while lent"] = time.monotonic() - killed
+                await asyncio.sleep(2.0)
+        finally:
+            await bus.close()
+
+    try:
+        report = _job_with_faults(stack, config, run_id, faults, timeout_s=900, join_s=120)
+        trained = _redis(stack).scard(trained_key(run_id))
+    finally:
+        stack.stop()
+    print("\n| fault | back in the job after |\n| --- | --- |")
+    for fault, seconds in recovered.items():
+        print(f"| {fault} | {seconds:.1f} s |")
+    print(f"job {report['status']} in {report['wall_s']:.0f} s; lending {report['lending']}")
+    assert set(recovered) == {f"kill -9 {f} while lent" for f in LENDING_VICTIMS}, events
+    assert report["status"] == "completed", report["reason"]
+    assert report["train_steps"] == cfg.training.steps
+    groups = cfg.training.steps * cfg.training.groups_per_step
+    assert report["group_outcomes"]["trained"] == groups
+    assert trained == groups * cfg.task.group_size
+    assert report["trajectories_trained_twice"] == 0
+    assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
+    # lent and taken back after the last restart too; every move is in the role history
+    assert report["lending"]["lends"] >= 1 and report["lending"]["reclaims"] >= 1, report["lending"]
+    moves = [(c["from"], c["to"]) for c in report["role_changes"]]
+    assert ("parked", "lent") in moves and ("lent", "parked") in moves
