@@ -32,6 +32,9 @@ class SchedulerSettings(BaseSettings):
     handback_wait_s: float = Field(5.0, gt=0)
     """How long the turns of an engine moved out of rollout (drained, parked) wait for it to hand
     them back, with what they generated, before they are re-sent without it."""
+    answered_grace_s: float = Field(10.0, gt=0)
+    """A turn its engine says it answered is lost only if its result has not come this long after
+    the engine first said so (a result NATS dropped; a slow reader is not a loss)."""
     lost_turn_grace_s: float = Field(2.0, gt=0)
     """A turn sent this recently may not be in the engine's load report yet; older ones missing from
     two reports in a row were lost and are re-sent."""

@@ -45,6 +45,8 @@ class Live:
     sent_at: float = 0.0
     seq: int = 0
     """The turn's number among those sent to its engine (TurnRequest.seq)."""
+    answered_at: float = 0.0
+    """When its engine first said it had answered it (EngineLoad.answered_ids; 0: not yet)."""
     missing: int = 0
     lost: int = 0
     """Its turns that vanished on the way to an engine or back (the first is re-sent for free)."""
@@ -274,6 +276,7 @@ class InFlight:
         live.engine_id = engine_id
         live.sent_at = time.monotonic()
         live.seq = self._sent_to[engine_id] = self._sent_to.get(engine_id, 0) + 1
+        live.answered_at = 0.0
         live.deadline = time.monotonic() + self.settings.turn_timeout(action.max_new_tokens)
         self._by_request[live.request_id] = traj.trajectory_id
         ctx = trace.set_span_in_context(live.span)
@@ -393,13 +396,14 @@ class InFlight:
     async def engine_load(self, load: ev.EngineLoad) -> None:
         """A turn the engine does not hold, two reports in a row, was lost on the way there or back
         (a NATS restart, a dropped message): re-sent now rather than after the turn timeout. Only
-        once the engine has read past it (`last_seq`) and not among those it says it answered
-        (`answered_ids`): an engine too busy to read its requests, or a scheduler too busy to read
-        the results, for a while has lost nothing."""
+        once the engine has read past it (`last_seq`), and once `answered_grace_s` has passed since
+        the engine first said it answered it (`answered_ids`): an engine too busy to read its
+        requests, or a scheduler too busy to read the results, for a while has lost nothing."""
         if load.engine_id not in self.dispatch.engines:
             return
         self.dispatch.set_capacity(load.engine_id, load.capacity_seqs)
-        held = {*load.request_ids, *load.answered_ids}  # answered: the result is on its way
+        held = set(load.request_ids)
+        answered = set(load.answered_ids)
         now = time.monotonic()
         for live in list(self._live.values()):
             if live.engine_id != load.engine_id or live.request_id not in self._by_request:
@@ -408,6 +412,11 @@ class InFlight:
             if live.request_id in held or unread or now - live.sent_at < self.settings.lost_turn_grace_s:
                 live.missing = 0
                 continue
+            if live.request_id in answered:  # its result is on the way, unless NATS dropped it
+                live.answered_at = live.answered_at or now
+                if now - live.answered_at < self.settings.answered_grace_s:
+                    live.missing = 0
+                    continue
             live.missing += 1
             if live.missing >= 2 and live.pending_action is not None:
                 self._forget_turn(live)

@@ -41,6 +41,8 @@ class Harness:
         self.hold = False
         """Hold every request (named in load reports) and never answer: a hung engine."""
         self.last_seq = 0
+        self.answered: list[str] = []
+        """Requests it names as answered in its load reports."""
 
     async def start(self) -> None:
         async def on_request(req: ev.TurnRequest, _: Envelope) -> None:
@@ -80,6 +82,7 @@ class Harness:
                 capacity_seqs=4,
                 request_ids=sorted(self.held),
                 last_seq=self.last_seq,
+                answered_ids=self.answered[-128:],
             )
             await self.bus.publish(subjects.ENGINE_LOAD, load)
             await asyncio.sleep(0.3)
@@ -152,6 +155,7 @@ async def scheduler(
         "scheduler-t1",
         LIBRA_SCHEDULER_TICK_S="0.05",
         LIBRA_SCHEDULER_LOST_TURN_GRACE_S="0.5",
+        LIBRA_SCHEDULER_ANSWERED_GRACE_S="1",
         LIBRA_SCHEDULER_TURN_TIMEOUT_S="3",
     )
     bus = await Bus.connect(nats_server.url, run_id, "rollout-engine", ENGINE)  # plays the engine
@@ -248,7 +252,11 @@ async def test_lost_and_malformed_turns_are_sent_again_and_bad_input_changes_not
         key = f"{req.trajectory_id}/{req.turn_index}"
         seen[key] = seen.get(key, 0) + 1
         if seen[key] == 1 and req.turn_index == 0:
-            # the first attempt of every first turn is lost; the engine's reports never name it
+            # the first attempt of every first turn is lost: on the way there (the engine's reports
+            # never name it), or its result on the way back (they name it answered; re-sent once
+            # LIBRA_SCHEDULER_ANSWERED_GRACE_S has passed)
+            if len(seen) % 2:
+                h.answered.append(req.request_id)
             return None
         if seen[key] == 2 and req.turn_index == 0:
             return h.result(req, CALL, logprobs=[-0.5])  # one logprob for four tokens
