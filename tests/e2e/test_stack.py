@@ -47,8 +47,10 @@ def otlp() -> Iterator[OtlpReceiver]:
 def stack(tiny_model: Any, otlp: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """An idle stack, as `libra up configs/tiny.yaml` starts it."""
     logs = tmp_path_factory.mktemp("stack") / "logs"
-    # workload stats every 0.5 s (default 5 s): a tiny job lasts only seconds
-    s = Stack(f"e2e-{int(time.time())}", logs, otlp.endpoint, {"LIBRA_SCHEDULER_STATS_INTERVAL_S": "0.5"})
+    # workload stats every 0.5 s (default 5 s) and engine loads every 0.2 s (default 1 s): a tiny
+    # job lasts only seconds, and its timeline must still have the engines' samples
+    env = {"LIBRA_SCHEDULER_STATS_INTERVAL_S": "0.5", "LIBRA_ROLLOUT_ENGINE_LOAD_REPORT_INTERVAL_S": "0.2"}
+    s = Stack(f"e2e-{int(time.time())}", logs, otlp.endpoint, env)
     s.start_infra(load_run_config(TINY).rollout.engines)
     try:
         s.start_services()
