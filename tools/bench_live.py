@@ -43,9 +43,15 @@ from tools.sim.state import SystemConfig
 from tools.sim.stats import mean_ci
 from tools.stack import Stack
 
-POLICIES = {"libra": "cmlfq", "least_loaded": "least_loaded", "libra_lend": "cmlfq"}
-LENDING = ("libra_lend",)
-"""Policies whose trainer lends its GPUs to rollout while it waits for its batch."""
+POLICIES = {
+    "libra": "cmlfq",
+    "least_loaded": "least_loaded",
+    "libra_lend": "cmlfq",
+    "libra_lend_always": "cmlfq",
+}
+LENDING = {"libra_lend": "predictive", "libra_lend_always": "always"}
+"""Policies whose trainer lends its GPUs to rollout while it waits for its batch, and when
+(`planner.lending.policy`): as the forecast says, or at every wait."""
 TARGETS = {"throughput_error": 0.05, "p99_error": 0.10, "lending_gain": 0.05, "lending_gain_error": 0.05}
 """Errors are relative to the prediction; lending's gain (libra_lend over libra, measured) at
 least +5 %, and within 5 points of the simulator's predicted gain."""
@@ -59,16 +65,20 @@ def lent_engines(ns: argparse.Namespace) -> int:
 
 
 def live_config(
-    ns: argparse.Namespace, workload: Workload, policy: str, lend: bool = False
+    ns: argparse.Namespace, workload: Workload, policy: str, lend: str | None = None
 ) -> dict[str, Any]:
     """The job: the workload on `engines` emulated engines in two buckets, emulated training
-    (lending its GPUs to rollout while it waits for its batch if `lend`)."""
+    (lending its GPUs to rollout while it waits for its batch under the `lend` policy, if any)."""
     short_limit = ns.short_bucket_tokens or _median_output(workload)
     planner: dict[str, Any] = {"replan": False}  # the simulated configuration keeps its buckets too
     if lend:
-        planner["lending"] = {"engines": lent_engines(ns), "tensor_parallel": ns.lend_tp}
+        planner["lending"] = {
+            "engines": lent_engines(ns),
+            "tensor_parallel": ns.lend_tp,
+            "policy": lend,
+        }
     return {
-        "name": f"bench-live-{policy}" + ("-lend" if lend else ""),
+        "name": f"bench-live-{policy}" + (f"-lend-{lend}" if lend else ""),
         "model": {"source": "tiny-random"},
         "task": {
             "dataset": "synthetic",
@@ -244,6 +254,7 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
             update_mode="recompute",
             job_groups=t.steps * t.groups_per_step,  # the live feed launches no more
             lend_tp=cfg.planner.lending.tensor_parallel if cfg.planner.lending.engines else 0,
+            lend_policy=cfg.planner.lending.policy,
         )
         out, _ = run_system(system, wl, cm, n_gpus, t.steps, seed)
         out["trajectories_per_s"] = steady_rate(out["step_end_s"], cfg.trajectories_per_step, drained=True)
@@ -260,6 +271,7 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
         "latency_p50_s": same["rollout_latency_p50_s"],
         "latency_p99_s": same["rollout_latency_p99_s"],
         "migrations": same["bucket_migrations"],
+        "lending": same["lending"],
         "latency_breakdown_mean_s": same["rollout_latency_breakdown_mean_s"],
         "over_seeds": {
             "seeds": len(runs),
@@ -272,10 +284,10 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
     }
 
 
-def lending_gain(results: dict[str, Any]) -> dict[str, Any]:
-    """libra_lend's throughput over libra's, measured and predicted (the same seed; and the mean
-    of the per-seed ratios with its 95 % CI), and how far apart the two gains are (points)."""
-    lend, base = results["libra_lend"], results["libra"]
+def lending_gain(results: dict[str, Any], name: str = "libra_lend") -> dict[str, Any]:
+    """A lending policy's throughput over libra's, measured and predicted (the same seed; and the
+    mean of the per-seed ratios with its 95 % CI), and how far apart the two gains are (points)."""
+    lend, base = results[name], results["libra"]
     measured = lend["measured"]["trajectories_per_s"] / base["measured"]["trajectories_per_s"] - 1
     predicted = lend["predicted"]["trajectories_per_s"] / base["predicted"]["trajectories_per_s"] - 1
     ratios = [
@@ -303,7 +315,7 @@ def _error(m: float, p: float) -> float | None:
     return abs(m - p) / p if p > 0 else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="libra bench live", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="r2e_gym", help="simulator workload (name or YAML path)")
     p.add_argument("--engines", type=int, default=16, help="emulated rollout engines (default 16)")
@@ -323,7 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen3-14b")
     p.add_argument("--sim-seeds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policies", default="libra,least_loaded")
+    p.add_argument(
+        "--policies", default="libra,least_loaded", help=f"comma-separated, of: {', '.join(POLICIES)}"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     ns = p.parse_args(argv)
     policies = [x.strip() for x in ns.policies.split(",") if x.strip()]
     unknown = [x for x in policies if x not in POLICIES]
@@ -338,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = {}
     for name in policies:
         try:
-            data = live_config(ns, workload, POLICIES[name], lend=name in LENDING)
+            data = live_config(ns, workload, POLICIES[name], lend=LENDING.get(name))
         except ValueError as err:
             p.error(str(err))
         path = out / f"config-{name}.yaml"
@@ -381,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         results[name]["p99_error"] = _error(m["latency_p99_s"], pred["latency_p99_s"])
         results[name]["migrations"] = m["migrations"]
     first = results[policies[0]]["measured"]
-    gain = lending_gain(results) if {"libra", "libra_lend"} <= set(policies) else None
+    gains = {n: lending_gain(results, n) for n in LENDING if {"libra", n} <= set(policies)}
+    gain = gains.get("libra_lend")
     doc = {
         "workload": ns.workload,
         "engines": ns.engines,
@@ -392,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": TARGETS,
         "policies": results,
         "lending_gain": gain,
+        "lending_gain_always": gains.get("libra_lend_always"),
         "scheduler": {
             "policy": policies[0],
             "decisions_per_s": first["decisions_per_s"],
@@ -411,9 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{'':>12}  mean s per trajectory, measured {_fmt(m['latency_breakdown_mean_s'])}")
         print(f"{'':>12}  mean s per trajectory, predicted {_fmt(pr['latency_breakdown_mean_s'])}")
-    if gain is not None:
+    for name, gain in gains.items():
         print(
-            f"lending: measured gain {gain['measured']:+.1%}, predicted {gain['predicted']:+.1%} "
+            f"{name}: measured gain {gain['measured']:+.1%}, predicted {gain['predicted']:+.1%} "
             f"(over seeds {gain['predicted_over_seeds']['mean']:+.1%}, 95 % CI "
             f"[{gain['predicted_over_seeds']['ci95'][0]:+.1%}, {gain['predicted_over_seeds']['ci95'][1]:+.1%}]); "
             f"error {gain['error']:.1%}"

@@ -466,6 +466,8 @@ def lending_report(
         "engines": cfg.planner.lending.engines,
         "lends": last.lends,
         "reclaims": last.reclaims,
+        "early_reclaims": last.early_reclaims,
+        "policy": cfg.planner.lending.policy,
         "seconds_lent": round(last.seconds_lent, 3),
         "turns_moved": moved,
     }

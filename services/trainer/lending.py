@@ -1,6 +1,9 @@
 """The trainer's side of lending its GPUs to rollout (planner.lending): while it waits for a
 batch of complete groups it asks the planner to lend the engines standing for its GPUs, and
-before its next step to take them back, then waits for its GPUs to switch back.
+before its next step to take them back, then waits for its GPUs to switch back. When to do either
+is the policy's (`services.trainer.lend_policy`, the simulator's too): from the times recent groups
+became complete, it lends only when the batch is forecast far enough off to repay both switches,
+and takes the GPUs back one switch before the batch is forecast complete.
 
 The planner moves the engines (`parked` <-> `lent`) under the trainer's fencing token; a lent
 engine hands its running turns back with their tokens when it is parked again, and they continue
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from services.common import lending, subjects
 from services.common.bus import Bus
@@ -22,6 +25,7 @@ from services.common.logging import get_logger
 from services.common.membership import LENT_ROLE, PARKED_ROLE, Membership
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
+from services.trainer.lend_policy import LendPolicy
 
 
 class Lender:
@@ -38,15 +42,44 @@ class Lender:
         self.bus, self.membership, self.token, self.step, self.on_lent = bus, membership, token, step, lent
         self.enabled = run.planner.lending.engines > 0
         self.switch_s = lending.switch_s(run)
+        self.policy = LendPolicy(self.switch_s, run.planner.lending.policy)
+        self.need = run.training.groups_per_step
         self.timeout_s = timeout_s
+        self._moving = asyncio.Lock()
+        """One move of the GPUs at a time (the watcher's early reclaim, the step's own)."""
         self.lent_at: float | None = None
         """When its GPUs went to rollout (monotonic); None while they are the trainer's."""
-        self.lends = self.reclaims = 0
+        self.lends = self.reclaims = self.early_reclaims = 0
         self.seconds_lent = 0.0
         self.log = get_logger(component="trainer")
 
+    async def watch(self, ready: Callable[[], Awaitable[int]], every_s: float = 0.25) -> None:
+        """Keeps the forecast fed with the complete groups (`ready`) as they come, also while the
+        trainer trains, and takes lent GPUs back when the policy says so."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                n = await ready()
+            except Exception:  # NATS reconnecting: the next look counts what came meanwhile
+                continue
+            now = time.monotonic()
+            self.policy.observe(now, n)
+            if self.lent_at is not None and self.policy.should_reclaim(now, n, self.need):
+                await self.reclaim(early=True)
+
+    async def waiting(self, ready: int) -> None:
+        """No batch is complete (`ready` groups are): lend the GPUs if the policy says it pays."""
+        now = time.monotonic()
+        self.policy.observe(now, ready)
+        if self.policy.should_lend(now, ready, self.need):
+            await self.lend()
+
     async def lend(self) -> None:
         """The trainer waits for its batch: its GPUs serve rollout meanwhile (if any is parked)."""
+        async with self._moving:
+            await self._lend()
+
+    async def _lend(self) -> None:
         if not self.enabled or self.lent_at is not None or not self.membership.peers(PARKED_ROLE):
             return
         reply = await self._ask("lend", once=True)
@@ -58,11 +91,18 @@ class Lender:
         await self._plan_at_least(reply.plan_version)
         self.on_lent()  # they get the current weights (on GPUs the trainer's own: no copy)
 
-    async def reclaim(self) -> None:
-        """A batch is ready: the GPUs come back before the step (also ones a trainer before this one
-        lent and never took back). A planner that does not answer within `timeout_s` (restarting)
-        does not stop training: the step goes on, and the engines are taken back next time."""
+    async def reclaim(self, early: bool = False) -> None:
+        """A batch is ready (or forecast within a switch, `early`): the GPUs come back before the
+        step (also ones a trainer before this one lent and never took back). A planner that does
+        not answer within `timeout_s` (restarting) does not stop training: the step goes on, and
+        the engines are taken back next time."""
+        async with self._moving:
+            await self._reclaim(early)
+
+    async def _reclaim(self, early: bool) -> None:
         if not self.enabled or (self.lent_at is None and not self.membership.peers(LENT_ROLE)):
+            return
+        if early and self.lent_at is None:
             return
         start = time.monotonic()
         with tracer().start_as_current_span("train.reclaim") as span:
@@ -76,11 +116,14 @@ class Lender:
             await asyncio.sleep(wait)
             if self.lent_at is not None:
                 self.seconds_lent += now - self.lent_at
+            if self.lent_at is not None or reply.workers:
+                self.reclaims += 1
+                self.early_reclaims += early
             self.lent_at = None
-            self.reclaims += 1
             span.set_attribute("libra.engines", len(reply.workers))
             span.set_attribute("libra.switch_s", wait)
-        self.log.info("gpus_reclaimed", engines=list(reply.workers), switch_s=round(wait, 3))
+            span.set_attribute("libra.early", early)
+        self.log.info("gpus_reclaimed", engines=list(reply.workers), switch_s=round(wait, 3), early=early)
 
     async def _ask(self, want: str, once: bool) -> ev.LendReply | None:
         deadline = time.monotonic() + self.timeout_s

@@ -119,6 +119,8 @@ class TrainerService:
         await self.lead.facts.start()
         self.bus.spawn(self.intake.keep_deliveries())
         self.bus.spawn(self.weights.push_loop())
+        if self.lender.enabled:
+            self.bus.spawn(self.lender.watch(self.intake.groups_ready))
         await self.hybrid.start()
         try:
             while not stop.is_set():
@@ -186,8 +188,9 @@ class TrainerService:
         with contextlib.suppress(Exception):  # NATS reconnecting: the next fetch tries again
             await self.intake.admit(await self.intake.fetch(timeout_s=0.05))
             await self.intake.filter_uninformative()
-        if await self.intake.groups_ready() < self.run.training.groups_per_step:
-            await self.lender.lend()
+        ready = await self.intake.groups_ready()
+        if ready < self.run.training.groups_per_step:
+            await self.lender.waiting(ready)
 
     async def _step_boundary(self) -> None:
         await self.hybrid.tick(self.lead.leading and not self.finished, self.lead.token)
@@ -315,6 +318,7 @@ class TrainerService:
             overlong_filtered=stats.overlong_filtered,
             lends=self.lender.lends,
             reclaims=self.lender.reclaims,
+            early_reclaims=self.lender.early_reclaims,
             seconds_lent=self.lender.seconds_lent,
         )
         await self.bus.publish(subjects.TRAIN_METRICS, self.last_metrics)

@@ -50,6 +50,9 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
     lending = doc["policies"]["libra_lend"]["measured"]["lending"]
     assert lending["engines"] == 2 and lending["lends"] >= 1 and lending["reclaims"] >= 1
     assert lending["seconds_lent"] > 0 and lending["turns_moved"] is not None
+    assert lending["policy"] == "predictive" and 0 <= lending["early_reclaims"] <= lending["reclaims"]
+    simulated = doc["policies"]["libra_lend"]["predicted"]["lending"]
+    assert simulated["policy"] == "predictive" and simulated["lends"] >= 1, simulated
     gain = doc["lending_gain"]
     assert gain["error"] == pytest.approx(abs(gain["measured"] - gain["predicted"]))
     assert len(gain["predicted_over_seeds"]["per_seed"]) == 2

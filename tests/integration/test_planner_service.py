@@ -475,3 +475,71 @@ async def test_the_trainer_lends_its_gpus_engines_under_its_fencing_token(
             await b.close()
             await b.nc.close()
         await store.close()
+
+
+async def test_the_trainer_takes_its_gpus_back_one_switch_before_its_batch_is_forecast(
+    nats_server: Server, run_id: str, redis_server: Server
+) -> None:
+    """The trainer's Lender (its real membership, the real planner): with nothing forecast yet it
+    lends its GPUs' engines; as groups complete one every four switches, it takes them back by
+    itself one switch before the last group of the batch is due (an early reclaim, the engines
+    parked again under one plan), and does not lend them again for a batch that is that close."""
+    from services.common.membership import Membership
+    from services.trainer.lending import Lender
+
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "planner", "planner")
+    tbus = await Bus.connect(nats_server.url, run_id, "trainer", "trainer-a")
+    watcher = await Bus.connect(nats_server.url, run_id, "test", "watcher")
+    plans = await _watch_plans(watcher)
+    cfg = RunConfig.model_validate(
+        {
+            "rollout": {
+                "engines": 1,
+                "backend": "emulated",
+                "emulated": {"time_scale": 0.02},
+                "buckets": [{"name": "all", "tensor_parallel": 4}],
+            },
+            "training": {"backend": "emulated", "groups_per_step": 4},
+            "planner": {"lending": {"engines": 1, "tensor_parallel": 4}},
+        }
+    )
+    planner = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus, store)
+    await planner.start()
+    membership = Membership(tbus, store, ev.WorkerHello(worker_id="trainer-a", kind="trainer"))
+    watching: asyncio.Task[None] | None = None
+    try:
+        await membership.start()
+        for wid in ("engine-0", "engine-1"):
+            await speak(watcher, subjects.WORKER_HELLO, ev.WorkerHello(worker_id=wid, kind="rollout-engine"))
+        await _until("parked", lambda: plans and _roles(plans[-1]).get("engine-1") == "parked")
+        await membership.wait_assigned(15.0)
+        await _until("follows", lambda: membership.peers("parked"))
+        assert membership.assignment is not None
+        token = membership.assignment.fencing_token
+        lender = Lender(cfg, tbus, membership, lambda: token, lambda: 0, lambda: None, timeout_s=5.0)
+        assert 0.1 < lender.switch_s < 1.0, lender.switch_s  # the cost model's switch, time-scaled
+        ready = [0]
+
+        async def groups_ready() -> int:
+            return ready[0]
+
+        watching = asyncio.create_task(lender.watch(groups_ready, every_s=0.01))
+        await lender.waiting(0)
+        assert lender.lends == 1 and lender.lent_at is not None
+        await _until("lent", lambda: _roles(plans[-1])["engine-1"] == "lent")
+        for i in (1, 2, 3):  # of the 4 the step needs
+            await asyncio.sleep(4 * lender.switch_s)
+            assert lender.lent_at is not None, f"taken back before group {i} completed"
+            ready[0] = i
+        await _until("reclaimed", lambda: lender.lent_at is None, timeout=8 * lender.switch_s + 5)
+        assert ready[0] == 3 and lender.reclaims == lender.early_reclaims == 1
+        await _until("parked again", lambda: _roles(plans[-1])["engine-1"] == "parked")
+        await lender.waiting(3)
+        assert lender.lends == 1, "the batch is forecast within a switch: no lending for it"
+    finally:
+        if watching is not None:
+            watching.cancel()
+        for b in (bus, tbus, watcher):
+            await b.close()
+        await store.close()

@@ -247,7 +247,7 @@ def test_lending_reports_the_trainers_counts_and_the_turns_its_engines_handed_ba
     changes = role_changes(history)
     assert [c["seconds"] for c in changes] == [0.0, 0.2, 0.0, 0.1]  # parked: once it said so
     steps = [ev.TrainMetrics(step=1, lends=1, reclaims=1, seconds_lent=20.0)]
-    steps.append(ev.TrainMetrics(step=2, lends=2, reclaims=2, seconds_lent=30.0))
+    steps.append(ev.TrainMetrics(step=2, lends=2, reclaims=2, early_reclaims=1, seconds_lent=30.0))
     off = RunConfig()
     assert lending_report(off, steps, changes) is None
     on = RunConfig.model_validate({"planner": {"lending": {"engines": 2, "tensor_parallel": 4}}})
@@ -255,6 +255,8 @@ def test_lending_reports_the_trainers_counts_and_the_turns_its_engines_handed_ba
         "engines": 2,
         "lends": 2,
         "reclaims": 2,
+        "early_reclaims": 1,
+        "policy": "predictive",
         "seconds_lent": 30.0,
         "turns_moved": 4,
     }

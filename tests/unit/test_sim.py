@@ -377,12 +377,17 @@ def test_a_slice_plan_scales_to_the_whole_cluster():
         scale_settings({"plan": Plan(1, 1, [BucketPlan("all", 8, 6, math.inf)], 0).to_dict()}, 2.0, 96)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_lent_training_gpus_serve_rollout_between_steps_and_lose_nothing(env, seed):
+@pytest.mark.parametrize(("seed", "policy"), [(1, "predictive"), (2, "predictive"), (1, "always")])
+def test_lent_training_gpus_serve_rollout_between_steps_and_lose_nothing(env, seed, policy):
     plan = Plan(8, 4, [BucketPlan("all", 4, 2, math.inf)], 0)
     system = libra_system(env, "libra", plan, lend_tp=4)
+    system.lend_policy = policy
     sim = Simulator(system, env.workload, env.cm, N_GPUS, 4, seed=seed)
     sim.run()
+    t = sim.training
+    assert t.lends >= 1 and t.reclaims >= 1 and t.reclaims <= t.lends
+    if policy == "always":
+        assert t.early_reclaims == 0, "always: the GPUs come back when a batch is complete"
     assert sim.version == 4
     assert sum(sim.step_trajs) == 4 * env.workload.prompts_per_step * env.workload.group_size
     assert max(sim.trained_staleness) <= env.staleness
@@ -528,3 +533,32 @@ def test_sensitivity_moves_each_constant_both_ways_and_reads_the_lead():
     assert lead(results) == {"best": "b", "mean": 1.25, "ci95": [1.2, 1.3], "settings": "y"}
     assert main(["--constants", "nope"]) == 2
     assert main(["--systems", "areal"]) == 2
+
+
+def test_predictive_lending_keeps_the_gpus_where_a_batch_is_never_far_off_and_reclaims_ahead_of_it():
+    """The simulator on `libra bench live`'s configuration (32 training GPUs lending TP4 engines):
+    on search_r1 a batch is often complete within a few switches, so the forecast lends less often
+    than lending at every wait, and takes the GPUs back ahead of the batch; on r2e_gym's long
+    waits it lends at every step."""
+    import argparse
+
+    from services.common.runconfig import RunConfig
+    from services.common.synthetic import Workload
+    from tools.bench_live import live_config, predicted
+
+    def lending(workload: str, policy: str) -> dict:
+        ns = argparse.Namespace(
+            workload=workload, engines=16, time_scale=0.25, steps=8, groups_per_step=32, group_size=4,
+            staleness=1, max_batch=16, long_tp=2, short_bucket_tokens=None, train_gpus=32, train_tp=2,
+            lend_tp=4, gpu="H100", model="qwen3-14b", seed=0,
+        )  # fmt: skip
+        wl = Workload.load(workload)
+        return predicted(RunConfig.model_validate(live_config(ns, wl, "cmlfq", lend=policy)), wl, 1)[
+            "lending"
+        ]
+
+    short = {p: lending("search_r1", p) for p in ("always", "predictive")}
+    assert short["predictive"]["lends"] < short["always"]["lends"], short
+    assert short["predictive"]["early_reclaims"] >= 1 and short["always"]["early_reclaims"] == 0
+    long = lending("r2e_gym", "predictive")
+    assert long["lends"] >= 8 and long["early_reclaims"] >= 1, long

@@ -89,6 +89,14 @@ def summarize(sim: Simulator, wall_s: float) -> dict[str, Any]:
             "fallbacks": sim.kvm.fallbacks,
         },
         "bucket_migrations": sim.migrations,
+        "lending": {
+            "policy": s.lend_policy,
+            "lends": sim.training.lends,
+            "reclaims": sim.training.reclaims,
+            "early_reclaims": sim.training.early_reclaims,
+        }
+        if s.lend_tp
+        else None,
         "reprefill_tokens": sim.reprefill_tokens,
         "replans": sim.replanner.replans if sim.replanner is not None else [],
         "allocation": {

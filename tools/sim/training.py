@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from services.trainer.lend_policy import LendPolicy
 from tools.sim.engine import Engine
 from tools.sim.kernel import Kernel
 from tools.sim.ledger import Meter
@@ -31,6 +32,13 @@ class Training:
         self.lent = lent
         """Engines on the trainer's GPUs, serving while it waits for a batch (`SystemConfig.lend_tp`)."""
         self.lend_state = "training"
+        """training (the GPUs are the trainer's), lent, switching (to rollout), reclaiming (early)."""
+        self.policy = LendPolicy(
+            sim.cm.colocated_switch_s(s.train_gpus, s.lend_tp) if lent else 0.0, s.lend_policy
+        )
+        self.lends = self.reclaims = self.early_reclaims = 0
+        self.reclaim_due: float | None = None
+        """When the policy takes the lent GPUs back unless a group completes first."""
         self.last_step_s = 0.0
         self.durations: list[float] = []
         self.gen = 0
@@ -42,8 +50,9 @@ class Training:
         if sim.sys.mode == "sync":
             self.admit_sync()
             return
-        if self.lent:
+        if self.lent:  # the run starts with nothing to train: the GPUs start out lent
             self.lend_state = "lent"
+            self.lends += 1
         else:
             self.meter.set("train_idle", 0.0)
         self.admit_async()
@@ -51,6 +60,8 @@ class Training:
     def maybe_train(self) -> None:
         sim = self.sim
         s = sim.sys
+        if self.lent:  # the forecast hears of every complete group, also while the trainer trains
+            self.policy.observe(sim.now, len(sim.ready))
         if self.busy or self.syncing or sim.version >= sim.steps or self.lend_state == "switching":
             return
         if self.bounded:
@@ -61,11 +72,19 @@ class Training:
                 sim.groups.pop(gid)
                 sim.dropped_groups += 1
             sim.ready = fresh
+        if self.lent:
+            self.policy.observe(sim.now, len(sim.ready))
         if len(sim.ready) < sim.B:
             if s.mode == "async":
                 self.admit_async()  # replace dropped groups so the trainer is never starved
+            if self.lent:
+                self.lend_or_reclaim()
             return
+        if self.lend_state == "reclaiming":
+            return  # the GPUs are on their way back; the step starts when they are
         batch = [sim.groups.pop(sim.ready.popleft()) for _ in range(sim.B)]
+        if self.lent:
+            self.policy.observe(sim.now, len(sim.ready))
         sim.trained_staleness.extend(sim.version - g.version for g in batch)
         sim.trained_token_staleness.extend(
             sim.version - g.version_tokens / g.gen_tokens for g in batch if g.gen_tokens
@@ -98,11 +117,34 @@ class Training:
         self.gen += 1
         sim.push(start + dur, TRAIN_DONE, None, self.gen)
 
+    def lend_or_reclaim(self) -> None:
+        """No batch is complete: the policy lends the trainer's idle GPUs, or takes lent ones back
+        ahead of the batch (checked again when a group completes or the forecast's time comes)."""
+        sim = self.sim
+        ready, need = len(sim.ready), sim.B
+        if self.lend_state == "training" and self.policy.should_lend(sim.now, ready, need):
+            self.lend_state = "switching"
+            self.lends += 1
+            self.meter.set("switch", sim.now)
+            sim.push(sim.now + self.policy.switch_s, SYNC_DONE, "lend")
+        elif self.lend_state == "lent":
+            self.reclaim_due = self.policy.reclaim_at(sim.now, ready, need)
+            if self.reclaim_due is None:
+                return
+            if self.reclaim_due > sim.now:
+                sim.push(self.reclaim_due, SYNC_DONE, "reclaim_due")
+                return
+            self.lend_state = "reclaiming"
+            self.early_reclaims += 1
+            self.reclaim_due = None
+            sim.push(sim.now + self.reclaim(), SYNC_DONE, "reclaimed")
+
     def reclaim(self) -> float:
         """Take the lent engines back for training: running turns keep the tokens they generated
         and continue on other engines (re-prefilling their context). Returns the switch time."""
         sim = self.sim
         self.lend_state = "training"
+        self.reclaims += 1
         moved: list[str] = []
         lent = {e.engine_id for e in self.lent}
         for e in self.lent:
@@ -116,7 +158,7 @@ class Training:
         self.meter.set("switch", sim.now)
         for tid in moved:
             sim.start_turn(tid)
-        return sim.cm.colocated_switch_s(sim.sys.train_gpus, sim.sys.lend_tp)
+        return self.policy.switch_s
 
     def evict(self, e: Engine) -> list[str]:
         """Stop every turn running on `e` because its GPUs go to training: each keeps the tokens it
@@ -203,6 +245,15 @@ class Training:
         if what == "to_train":
             self.meter.set("train_busy", sim.now)
             return
+        if what == "reclaim_due":
+            if self.lend_state == "lent" and self.reclaim_due == sim.now:
+                self.lend_or_reclaim()
+            return
+        if what == "reclaimed":  # ahead of the batch: the trainer waits for it with its GPUs
+            self.lend_state = "training"
+            self.meter.set("train_idle", sim.now)
+            self.maybe_train()
+            return
         if what == "to_rollout":
             self.meter.set(None, sim.now)
             for e in sim.engines.values():
@@ -223,15 +274,6 @@ class Training:
         self.syncing = False
         self.meter.set("train_idle", sim.now)
         self.admit_async()
-        if self.lent and len(sim.ready) < sim.B:
-            self.lend_state = "switching"
-            self.meter.set("switch", sim.now)
-            sim.push(
-                sim.now + sim.cm.colocated_switch_s(sim.sys.train_gpus, sim.sys.lend_tp),
-                SYNC_DONE,
-                "lend",
-            )
-            return
         self.maybe_train()
 
     def admit_sync(self) -> None:

@@ -470,7 +470,7 @@ class WeightsUpdated(_message.Message):
     def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., size_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., engines: _Optional[_Iterable[str]] = ..., train_step: _Optional[int] = ..., uploaded_bytes: _Optional[int] = ..., delta_bytes: _Optional[int] = ..., delta_engines: _Optional[int] = ..., dtype: _Optional[str] = ..., relayed_engines: _Optional[int] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
-    __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done", "data_parallel", "groups_ready", "entropy", "is_weight_mean", "is_weight_max", "is_truncated_fraction", "dual_clip_fraction", "logprob_mismatch", "mismatch_tokens", "lr", "grad_norm", "groups_filtered", "policy_versions", "stale_token_fraction", "ref_kl", "sampled_reward_mean", "sampled_reward_std", "sampled_trajectories", "groups_informative", "overlong_filtered", "lends", "reclaims", "seconds_lent")
+    __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done", "data_parallel", "groups_ready", "entropy", "is_weight_mean", "is_weight_max", "is_truncated_fraction", "dual_clip_fraction", "logprob_mismatch", "mismatch_tokens", "lr", "grad_norm", "groups_filtered", "policy_versions", "stale_token_fraction", "ref_kl", "sampled_reward_mean", "sampled_reward_std", "sampled_trajectories", "groups_informative", "overlong_filtered", "lends", "reclaims", "seconds_lent", "early_reclaims")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +507,7 @@ class TrainMetrics(_message.Message):
     LENDS_FIELD_NUMBER: _ClassVar[int]
     RECLAIMS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_LENT_FIELD_NUMBER: _ClassVar[int]
+    EARLY_RECLAIMS_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     loss: float
@@ -543,7 +544,8 @@ class TrainMetrics(_message.Message):
     lends: int
     reclaims: int
     seconds_lent: float
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: bool = ..., data_parallel: _Optional[int] = ..., groups_ready: _Optional[int] = ..., entropy: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ..., dual_clip_fraction: _Optional[float] = ..., logprob_mismatch: _Optional[float] = ..., mismatch_tokens: _Optional[int] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., groups_filtered: _Optional[int] = ..., policy_versions: _Optional[_Iterable[int]] = ..., stale_token_fraction: _Optional[float] = ..., ref_kl: _Optional[float] = ..., sampled_reward_mean: _Optional[float] = ..., sampled_reward_std: _Optional[float] = ..., sampled_trajectories: _Optional[int] = ..., groups_informative: _Optional[int] = ..., overlong_filtered: _Optional[int] = ..., lends: _Optional[int] = ..., reclaims: _Optional[int] = ..., seconds_lent: _Optional[float] = ...) -> None: ...
+    early_reclaims: int
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: bool = ..., data_parallel: _Optional[int] = ..., groups_ready: _Optional[int] = ..., entropy: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ..., dual_clip_fraction: _Optional[float] = ..., logprob_mismatch: _Optional[float] = ..., mismatch_tokens: _Optional[int] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., groups_filtered: _Optional[int] = ..., policy_versions: _Optional[_Iterable[int]] = ..., stale_token_fraction: _Optional[float] = ..., ref_kl: _Optional[float] = ..., sampled_reward_mean: _Optional[float] = ..., sampled_reward_std: _Optional[float] = ..., sampled_trajectories: _Optional[int] = ..., groups_informative: _Optional[int] = ..., overlong_filtered: _Optional[int] = ..., lends: _Optional[int] = ..., reclaims: _Optional[int] = ..., seconds_lent: _Optional[float] = ..., early_reclaims: _Optional[int] = ...) -> None: ...
 
 class MetricSample(_message.Message):
     __slots__ = ("service", "worker_id", "values")

@@ -1,0 +1,89 @@
+"""When the trainer lends its GPUs to rollout, and when it takes them back (planner.lending).
+
+A forecast of the trainer's next batch from when recent groups became complete: the rate of the
+last few completions, anchored at the last one. Each move of the GPUs costs `switch_s` one way, so
+lending pays only if the batch is predicted to be further off than both moves plus some serving
+time (`min_serve` switches), and the GPUs come back one switch before the batch is predicted to be
+complete, so that the switch hides behind rollout rather than delaying the step.
+
+Pure: time is passed in. The trainer service (`services.trainer.lending`) and the simulator
+(`tools.sim.training`) both drive it, so what the simulator predicts is what the services do.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+POLICIES = ("predictive", "always")
+"""`predictive`: this forecast decides; `always`: lend whenever no batch is complete, take the GPUs
+back when one is (the switch then delays the step)."""
+
+
+@dataclass(slots=True)
+class LendPolicy:
+    switch_s: float
+    """One move of the training GPUs, either way (seconds in the caller's clock)."""
+    mode: str = "predictive"
+    window: int = 8
+    """Completions the rate comes from."""
+    min_serve: float = 1.0
+    """Lend only if the lent engines are predicted to serve at least this many switches' time."""
+    _times: deque[float] = field(init=False)
+    _ready: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.mode not in POLICIES:
+            raise ValueError(f"lending policy must be one of {', '.join(POLICIES)}, not {self.mode!r}")
+        self._times = deque(maxlen=max(2, self.window))
+
+    def observe(self, now: float, ready: int) -> None:
+        """`ready` groups are complete at `now` (fewer after a step takes its batch)."""
+        for _ in range(max(0, ready - self._ready)):
+            self._times.append(now)
+        self._ready = ready
+
+    def rate(self) -> float | None:
+        """Groups completed per second over the window (None: fewer than two completions known,
+        or all at one instant)."""
+        if len(self._times) < 2 or self._times[-1] <= self._times[0]:
+            return None
+        return (len(self._times) - 1) / (self._times[-1] - self._times[0])
+
+    def eta(self, now: float, ready: int, need: int) -> float | None:
+        """Seconds until `need` groups are complete (None: nothing to forecast from). The next
+        completion is due one interval after the last; once that is past, it is taken as due now."""
+        if ready >= need:
+            return 0.0
+        rate = self.rate()
+        if rate is None:
+            return None
+        since = now - self._times[-1]
+        return max(0.0, (need - ready) / rate - min(since, 1 / rate))
+
+    def should_lend(self, now: float, ready: int, need: int) -> bool:
+        """The trainer waits for its batch: lend its GPUs now? (Unknown: yes, nothing to train.)"""
+        if ready >= need:
+            return False
+        if self.mode == "always" or self.switch_s <= 0:
+            return True
+        eta = self.eta(now, ready, need)
+        return eta is None or eta >= (2 + self.min_serve) * self.switch_s
+
+    def reclaim_at(self, now: float, ready: int, need: int) -> float | None:
+        """When to take the GPUs back if no further group completes first (None: not before one
+        does): when the batch is complete, or one switch before its forecast."""
+        if ready >= need:
+            return now
+        rate = self.rate()
+        if self.mode == "always" or rate is None:
+            return None
+        last = self._times[-1]
+        at = last + (need - ready) / rate - self.switch_s
+        if at - last > 1 / rate:  # the forecast only holds while the next completion is not overdue
+            return None
+        return max(now, at)
+
+    def should_reclaim(self, now: float, ready: int, need: int) -> bool:
+        at = self.reclaim_at(now, ready, need)
+        return at is not None and at <= now
