@@ -58,6 +58,7 @@ class Membership:
         self.lease_lost = 0
         self._valid_until = 0.0
         self._renew_now = asyncio.Event()
+        self._plan_applied = asyncio.Event()
 
     @property
     def lease_ttl_s(self) -> float:
@@ -85,6 +86,18 @@ class Membership:
         await asyncio.wait_for(self.assigned.wait(), timeout)
         assert self.assignment is not None
         return self.assignment
+
+    async def plan_at_least(self, version: int, timeout: float) -> bool:
+        """Waits until this worker follows plan `version` or a later one (False: not within
+        `timeout` seconds)."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self.plan is None or self.plan.plan_version < version:
+                    self._plan_applied.clear()
+                    await self._plan_applied.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def peers(self, *roles: str) -> list[ev.Assignment]:
         if self.plan is None:
@@ -124,6 +137,7 @@ class Membership:
                     "assignment", role=mine.role, bucket=mine.bucket, fencing_token=mine.fencing_token
                 )
             self.assigned.set()
+        self._plan_applied.set()
         if self.on_plan is not None:
             await self.on_plan(plan)
 

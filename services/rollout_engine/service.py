@@ -127,6 +127,8 @@ class RolloutEngineService:
         self.log = get_logger(component="service")
         self.prom = engine_metrics()
         self.backend = create_backend(run, settings)
+        self.lend_switch_s = lending.switch_s(run)
+        """What a move onto the trainer's GPUs costs (emulated; constant for the job)."""
         self.engine = engine_for(self.backend, run.rollout.max_batch, run.rollout.speculative)
         self.held = 0
         self.stopping = False
@@ -251,7 +253,7 @@ class RolloutEngineService:
             return
         if a is not None and a.role == LENT_ROLE and self.draining:
             # the trainer's GPUs switch to rollout: what that costs, turns wait for (emulated)
-            self._awake_at = time.monotonic() + lending.switch_s(self.run)
+            self._awake_at = time.monotonic() + self.lend_switch_s
         self.draining = False
         if a is not None and a.role in SERVING_ROLES:
             spec = next((b for b in plan.buckets if b.name == a.bucket), None)

@@ -88,7 +88,8 @@ class Lender:
         self.lent_at = time.monotonic()
         self.lends += 1
         self.log.info("gpus_lent", engines=list(reply.workers), switch_s=round(self.switch_s, 3))
-        await self._plan_at_least(reply.plan_version)
+        # until it follows the plan that lent them (its pushes go to the plan's engines)
+        await self.membership.plan_at_least(reply.plan_version, timeout=5.0)
         self.on_lent()  # they get the current weights (on GPUs the trainer's own: no copy)
 
     async def reclaim(self, early: bool = False) -> None:
@@ -141,12 +142,3 @@ class Lender:
                 self.log.warning("lend_request_failed", want=want, error=error)
                 return None
             await asyncio.sleep(0.5)
-
-    async def _plan_at_least(self, version: int, wait_s: float = 5.0) -> None:
-        """Until this trainer follows the plan that lent them (its pushes go to the plan's engines)."""
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            plan = self.membership.plan
-            if plan is not None and plan.plan_version >= version:
-                return
-            await asyncio.sleep(0.05)
