@@ -125,6 +125,7 @@ class Completion:
             breakdown=live.times,
             truncated=traj.truncated,
             overlong_penalty=penalty,
+            completed_at=time.time(),
         )
         with tracer().start_as_current_span("score", context=trace.set_span_in_context(live.span)) as s:
             s.set_attribute("libra.reward", fin.reward)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
@@ -48,6 +50,8 @@ class Intake:
         self.run_id, self.run, self.settings = run_id, run, settings
         self.bus, self.store, self.learner = bus, store, learner
         self.log = get_logger(component="trainer")
+        self.group_complete: Callable[[str, float], None] | None = None
+        """Told of each group the moment this trainer holds all of it (id, when it completed)."""
         self.psub: Any = None
         self.ack_wait_s = FEED_ACK_WAIT_S
         """The feed's ack wait as provisioned: a dead trainer's deliveries come back this fast;
@@ -112,6 +116,11 @@ class Intake:
             adm = self.buffer.add(traj, raw, self.version, extract_context(raw.headers))
             if adm.outcome == "stale":
                 await self.drop_stale(adm.released)
+            elif adm.outcome == "buffered" and self.group_complete is not None:
+                members = self.buffer.groups[traj.group_id]
+                if len(members) >= traj.group_size:
+                    at = max(p.traj.completed_at for p in members.values()) or time.time()
+                    self.group_complete(traj.group_id, at)
 
     async def _known_in_redis(self, ids: list[str]) -> list[bool]:
         try:
@@ -240,11 +249,15 @@ class Intake:
             for h in p.handles:
                 await settle(h.nak())
 
+    def groups_complete(self) -> int:
+        """Complete groups this trainer holds (fetched)."""
+        return sum(have >= size for _, have, size in self.buffer.waiting())
+
     async def groups_ready(self) -> int:
         """Complete groups this trainer could step on next: those buffered, plus what waits in
         JetStream undelivered (whole groups, roughly: their members complete close together). The
         planner's hybrid pool reads it as "training is the bottleneck" when it covers a step."""
-        buffered = sum(have >= size for _, have, size in self.buffer.waiting())
+        buffered = self.groups_complete()
         try:
             pending = int((await self.psub.consumer_info()).num_pending or 0)
         except Exception:  # NATS away: the buffer alone

@@ -1,7 +1,8 @@
 """When the trainer lends its GPUs to rollout, and when it takes them back (planner.lending).
 
-A forecast of the trainer's next batch from when recent groups became complete: the rate of the
-last few completions, anchored at the last one. Each move of the GPUs costs `switch_s` one way, so
+A forecast of the trainer's next batch from when recent groups became complete (the scheduler's
+completion times, wherever the trainer learns of them late): the rate of the last few
+completions, anchored at the last one. Each move of the GPUs costs `switch_s` one way, so
 lending pays only if the batch is predicted to be further off than both moves plus some serving
 time (`min_serve` switches), and the GPUs come back one switch before the batch is predicted to be
 complete, so that the switch hides behind rollout rather than delaying the step.
@@ -12,7 +13,7 @@ Pure: time is passed in. The trainer service (`services.trainer.lending`) and th
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
 POLICIES = ("predictive", "always")
@@ -29,19 +30,18 @@ class LendPolicy:
     """Completions the rate comes from."""
     min_serve: float = 1.0
     """Lend only if the lent engines are predicted to serve at least this many switches' time."""
-    _times: deque[float] = field(init=False)
-    _ready: int = field(init=False, default=0)
+    _times: list[float] = field(init=False, default_factory=list)
+    """The latest `window` completion times, in order."""
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
             raise ValueError(f"lending policy must be one of {', '.join(POLICIES)}, not {self.mode!r}")
-        self._times = deque(maxlen=max(2, self.window))
 
-    def observe(self, now: float, ready: int) -> None:
-        """`ready` groups are complete at `now` (fewer after a step takes its batch)."""
-        for _ in range(max(0, ready - self._ready)):
-            self._times.append(now)
-        self._ready = ready
+    def completed(self, at: float) -> None:
+        """A group became complete at `at` (heard of now or later: a trainer that was training
+        learns of the groups completed meanwhile after its step)."""
+        bisect.insort(self._times, at)
+        del self._times[: max(0, len(self._times) - max(2, self.window))]
 
     def rate(self) -> float | None:
         """Groups completed per second over the window (None: fewer than two completions known,
@@ -58,7 +58,7 @@ class LendPolicy:
         rate = self.rate()
         if rate is None:
             return None
-        since = now - self._times[-1]
+        since = max(0.0, now - self._times[-1])  # (another host's clock may run a little ahead)
         return max(0.0, (need - ready) / rate - min(since, 1 / rate))
 
     def should_lend(self, now: float, ready: int, need: int) -> bool:

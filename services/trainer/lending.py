@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Callable
 
 from services.common import lending, subjects
 from services.common.bus import Bus
@@ -45,6 +46,8 @@ class Lender:
         self.policy = LendPolicy(self.switch_s, run.planner.lending.policy)
         self.need = run.training.groups_per_step
         self.timeout_s = timeout_s
+        self._heard: OrderedDict[str, None] = OrderedDict()
+        """Groups the forecast has heard of (a group redelivered after a hand-back counts once)."""
         self._moving = asyncio.Lock()
         """One move of the GPUs at a time (the watcher's early reclaim, the step's own)."""
         self.lent_at: float | None = None
@@ -53,25 +56,27 @@ class Lender:
         self.seconds_lent = 0.0
         self.log = get_logger(component="trainer")
 
-    async def watch(self, ready: Callable[[], Awaitable[int]], every_s: float = 0.25) -> None:
-        """Keeps the forecast fed with the complete groups (`ready`) as they come, also while the
-        trainer trains, and takes lent GPUs back when the policy says so."""
+    def group_complete(self, group_id: str, at: float) -> None:
+        """The trainer holds every trajectory of a group, the last finished at `at` (wall clock,
+        the scheduler's): the forecast hears of it once."""
+        if group_id in self._heard:
+            return
+        self._heard[group_id] = None
+        while len(self._heard) > 4096:
+            self._heard.popitem(last=False)
+        self.policy.completed(at)
+
+    async def watch(self, ready: Callable[[], int], every_s: float = 0.25) -> None:
+        """Takes lent GPUs back when the policy says so (`ready`: the complete groups this trainer
+        holds; while it waits it fetches whatever completes)."""
         while True:
             await asyncio.sleep(every_s)
-            try:
-                n = await ready()
-            except Exception:  # NATS reconnecting: the next look counts what came meanwhile
-                continue
-            now = time.monotonic()
-            self.policy.observe(now, n)
-            if self.lent_at is not None and self.policy.should_reclaim(now, n, self.need):
+            if self.lent_at is not None and self.policy.should_reclaim(time.time(), ready(), self.need):
                 await self.reclaim(early=True)
 
     async def waiting(self, ready: int) -> None:
         """No batch is complete (`ready` groups are): lend the GPUs if the policy says it pays."""
-        now = time.monotonic()
-        self.policy.observe(now, ready)
-        if self.policy.should_lend(now, ready, self.need):
+        if self.policy.should_lend(time.time(), ready, self.need):
             await self.lend()
 
     async def lend(self) -> None:

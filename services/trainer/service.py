@@ -101,6 +101,7 @@ class TrainerService:
             self.weights.want_push,
             settings.lend_timeout_s,
         )
+        self.intake.group_complete = self.lender.group_complete
 
     @property
     def version(self) -> int:
@@ -120,7 +121,7 @@ class TrainerService:
         self.bus.spawn(self.intake.keep_deliveries())
         self.bus.spawn(self.weights.push_loop())
         if self.lender.enabled:
-            self.bus.spawn(self.lender.watch(self.intake.groups_ready))
+            self.bus.spawn(self.lender.watch(self.intake.groups_complete))
         await self.hybrid.start()
         try:
             while not stop.is_set():
@@ -188,9 +189,8 @@ class TrainerService:
         with contextlib.suppress(Exception):  # NATS reconnecting: the next fetch tries again
             await self.intake.admit(await self.intake.fetch(timeout_s=0.05))
             await self.intake.filter_uninformative()
-        ready = await self.intake.groups_ready()
-        if ready < self.run.training.groups_per_step:
-            await self.lender.waiting(ready)
+        if await self.intake.groups_ready() < self.run.training.groups_per_step:
+            await self.lender.waiting(self.intake.groups_complete())
 
     async def _step_boundary(self) -> None:
         await self.hybrid.tick(self.lead.leading and not self.finished, self.lead.token)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -520,11 +521,7 @@ async def test_the_trainer_takes_its_gpus_back_one_switch_before_its_batch_is_fo
         lender = Lender(cfg, tbus, membership, lambda: token, lambda: 0, lambda: None, timeout_s=5.0)
         assert 0.1 < lender.switch_s < 1.0, lender.switch_s  # the cost model's switch, time-scaled
         ready = [0]
-
-        async def groups_ready() -> int:
-            return ready[0]
-
-        watching = asyncio.create_task(lender.watch(groups_ready, every_s=0.01))
+        watching = asyncio.create_task(lender.watch(lambda: ready[0], every_s=0.01))
         await lender.waiting(0)
         assert lender.lends == 1 and lender.lent_at is not None
         await _until("lent", lambda: _roles(plans[-1])["engine-1"] == "lent")
@@ -532,6 +529,8 @@ async def test_the_trainer_takes_its_gpus_back_one_switch_before_its_batch_is_fo
             await asyncio.sleep(4 * lender.switch_s)
             assert lender.lent_at is not None, f"taken back before group {i} completed"
             ready[0] = i
+            lender.group_complete(f"g{i}", time.time())
+            lender.group_complete(f"g{i}", time.time() + 1.0)  # redelivered: heard of once
         await _until("reclaimed", lambda: lender.lent_at is None, timeout=8 * lender.switch_s + 5)
         assert ready[0] == 3 and lender.reclaims == lender.early_reclaims == 1
         await _until("parked again", lambda: _roles(plans[-1])["engine-1"] == "parked")

@@ -9,7 +9,7 @@ from services.trainer.lend_policy import LendPolicy
 
 def _every_ten_seconds(policy: LendPolicy, groups: int) -> None:
     for i in range(1, groups + 1):
-        policy.observe(10.0 * i, i)
+        policy.completed(10.0 * i)
 
 
 def test_the_forecast_comes_from_the_rate_of_recent_completions_anchored_at_the_last() -> None:
@@ -21,10 +21,12 @@ def test_the_forecast_comes_from_the_rate_of_recent_completions_anchored_at_the_
     assert p.eta(45.0, 4, 8) == pytest.approx(35.0)
     assert p.eta(70.0, 4, 8) == pytest.approx(30.0), "the next completion overdue: due now, no sooner"
     assert p.eta(40.0, 8, 8) == 0.0
-    # a step takes its batch: the count falls, and only what completes after counts again
-    p.observe(41.0, 0)
-    p.observe(50.0, 2)
-    assert list(p._times)[-2:] == [50.0, 50.0]
+    # groups the trainer hears of late (it was training) count at the time they completed
+    p.completed(35.0)
+    assert p._times == [10.0, 20.0, 30.0, 35.0, 40.0] and p.rate() == pytest.approx(4 / 30)
+    for t in range(50, 130, 10):  # only the latest `window` (8) completions count
+        p.completed(float(t))
+    assert p._times == [float(t) for t in range(50, 130, 10)] and p.rate() == pytest.approx(0.1)
 
 
 def test_lending_pays_only_if_the_batch_is_further_off_than_both_switches_and_one_of_serving() -> None:

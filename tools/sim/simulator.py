@@ -307,7 +307,7 @@ class Simulator:
         g.version_tokens += tr.version_tokens
         if g.left == 0:
             self.ready.append(tr.group)
-            self.training.maybe_train()
+            self.training.group_complete()
 
     # ---- ticks and the main loop --------------------------------------------------------------
 

@@ -60,8 +60,6 @@ class Training:
     def maybe_train(self) -> None:
         sim = self.sim
         s = sim.sys
-        if self.lent:  # the forecast hears of every complete group, also while the trainer trains
-            self.policy.observe(sim.now, len(sim.ready))
         if self.busy or self.syncing or sim.version >= sim.steps or self.lend_state == "switching":
             return
         if self.bounded:
@@ -72,8 +70,6 @@ class Training:
                 sim.groups.pop(gid)
                 sim.dropped_groups += 1
             sim.ready = fresh
-        if self.lent:
-            self.policy.observe(sim.now, len(sim.ready))
         if len(sim.ready) < sim.B:
             if s.mode == "async":
                 self.admit_async()  # replace dropped groups so the trainer is never starved
@@ -83,8 +79,6 @@ class Training:
         if self.lend_state == "reclaiming":
             return  # the GPUs are on their way back; the step starts when they are
         batch = [sim.groups.pop(sim.ready.popleft()) for _ in range(sim.B)]
-        if self.lent:
-            self.policy.observe(sim.now, len(sim.ready))
         sim.trained_staleness.extend(sim.version - g.version for g in batch)
         sim.trained_token_staleness.extend(
             sim.version - g.version_tokens / g.gen_tokens for g in batch if g.gen_tokens
@@ -116,6 +110,13 @@ class Training:
         self._pending = (n_traj, tokens)
         self.gen += 1
         sim.push(start + dur, TRAIN_DONE, None, self.gen)
+
+    def group_complete(self) -> None:
+        """A group's last trajectory finished: the lending forecast hears of it (also while the
+        trainer trains), then the trainer may start a step."""
+        if self.lent:
+            self.policy.completed(self.sim.now)
+        self.maybe_train()
 
     def lend_or_reclaim(self) -> None:
         """No batch is complete: the policy lends the trainer's idle GPUs, or takes lent ones back

@@ -139,7 +139,7 @@ class Segment(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., generated: bool = ..., policy_version: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class CompletedTrajectory(_message.Message):
-    __slots__ = ("trajectory_id", "group_id", "sample_index", "group_size", "prompt_id", "segments", "reward", "num_turns", "min_policy_version", "max_policy_version", "tool_statuses", "finish", "latency_s", "final_text", "failure", "breakdown", "truncated", "overlong_penalty")
+    __slots__ = ("trajectory_id", "group_id", "sample_index", "group_size", "prompt_id", "segments", "reward", "num_turns", "min_policy_version", "max_policy_version", "tool_statuses", "finish", "latency_s", "final_text", "failure", "breakdown", "truncated", "overlong_penalty", "completed_at")
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class CompletedTrajectory(_message.Message):
     BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     OVERLONG_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_AT_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     group_id: str
     sample_index: int
@@ -176,7 +177,8 @@ class CompletedTrajectory(_message.Message):
     breakdown: LatencyBreakdown
     truncated: bool
     overlong_penalty: float
-    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., reward: _Optional[float] = ..., num_turns: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., tool_statuses: _Optional[_Iterable[str]] = ..., finish: _Optional[str] = ..., latency_s: _Optional[float] = ..., final_text: _Optional[str] = ..., failure: _Optional[_Union[ErrorInfo, _Mapping]] = ..., breakdown: _Optional[_Union[LatencyBreakdown, _Mapping]] = ..., truncated: bool = ..., overlong_penalty: _Optional[float] = ...) -> None: ...
+    completed_at: float
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., reward: _Optional[float] = ..., num_turns: _Optional[int] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., tool_statuses: _Optional[_Iterable[str]] = ..., finish: _Optional[str] = ..., latency_s: _Optional[float] = ..., final_text: _Optional[str] = ..., failure: _Optional[_Union[ErrorInfo, _Mapping]] = ..., breakdown: _Optional[_Union[LatencyBreakdown, _Mapping]] = ..., truncated: bool = ..., overlong_penalty: _Optional[float] = ..., completed_at: _Optional[float] = ...) -> None: ...
 
 class LatencyBreakdown(_message.Message):
     __slots__ = ("scheduler_queue_s", "engine_queue_s", "generate_s", "tool_s")
