@@ -71,8 +71,12 @@ class Lender:
         holds; while it waits it fetches whatever completes)."""
         while True:
             await asyncio.sleep(every_s)
-            if self.lent_at is not None and self.policy.should_reclaim(time.time(), ready(), self.need):
+            if self.lent_at is None or not self.policy.should_reclaim(time.time(), ready(), self.need):
+                continue
+            try:
                 await self.reclaim(early=True)
+            except Exception as err:  # the step's own reclaim takes them back, whatever this was
+                self.log.warning("early_reclaim_failed", error=f"{type(err).__name__}: {err}")
 
     async def waiting(self, ready: int) -> None:
         """No batch is complete (`ready` groups are): lend the GPUs if the policy says it pays."""

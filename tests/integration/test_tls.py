@@ -68,10 +68,17 @@ async def test_nats_over_mutual_tls(tls_nats: Server, certs: Certs, run_id: str)
         got.append(m)
 
     await b.subscribe("worker.hello", ev.WorkerHello, on_hello)
-    await a.publish("worker.hello", ev.WorkerHello(worker_id="over-tls"))
-    async with asyncio.timeout(10):
+    # Said again every second until heard: twice in clean-clone CI runs a single hello (sent right
+    # after both connected) never arrived in 10 s, though every later test of the suite's buses
+    # passed; what is tested here is that messages cross mutual TLS at all.
+    async with asyncio.timeout(20):
         while not got:
-            await asyncio.sleep(0.05)
+            await a.publish("worker.hello", ev.WorkerHello(worker_id="over-tls"))
+            await a.nc.flush()
+            for _ in range(20):
+                if got:
+                    break
+                await asyncio.sleep(0.05)
     assert got[0].worker_id == "over-tls"
     for bus in (a, b):
         await bus.close()
