@@ -516,11 +516,12 @@ class LendingConfig(_Strict):
     """TP of each lent engine (emulated engines pretend to span this many GPUs)."""
     bucket: str = ""
     """The bucket they serve when lent (default: the one whose TP is nearest theirs)."""
-    policy: Literal["predictive", "always"] = "predictive"
-    """`predictive`: lend only when the batch is forecast (from the rate of recent group
-    completions) to be more than three switches away, and take the GPUs back one switch before it
-    is forecast complete; `always`: lend whenever no batch is complete, take them back when one is
-    (`services/trainer/lend_policy.py`)."""
+    policy: Literal["always", "predictive"] = "always"
+    """`always`: lend whenever no batch is complete, take them back when one is; `predictive`:
+    lend only when the batch is forecast (from the rate of recent group completions) to be more
+    than three switches away, and take the GPUs back one switch before it is forecast complete
+    (`services/trainer/lend_policy.py`). `predictive` wins where batches come often or lent GPUs
+    are a small share of rollout, and loses where they are most of it (docs/planner.md)."""
 
 
 class PlannerConfig(_Strict):

@@ -25,7 +25,7 @@ back when one is (the switch then delays the step)."""
 class LendPolicy:
     switch_s: float
     """One move of the training GPUs, either way (seconds in the caller's clock)."""
-    mode: str = "predictive"
+    mode: str = "always"
     window: int = 8
     """Completions the rate comes from."""
     min_serve: float = 1.0

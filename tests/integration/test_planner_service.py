@@ -502,7 +502,7 @@ async def test_the_trainer_takes_its_gpus_back_one_switch_before_its_batch_is_fo
                 "buckets": [{"name": "all", "tensor_parallel": 4}],
             },
             "training": {"backend": "emulated", "groups_per_step": 4},
-            "planner": {"lending": {"engines": 1, "tensor_parallel": 4}},
+            "planner": {"lending": {"engines": 1, "tensor_parallel": 4, "policy": "predictive"}},
         }
     )
     planner = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus, store)

@@ -13,7 +13,7 @@ def _every_ten_seconds(policy: LendPolicy, groups: int) -> None:
 
 
 def test_the_forecast_comes_from_the_rate_of_recent_completions_anchored_at_the_last() -> None:
-    p = LendPolicy(switch_s=5.0)
+    p = LendPolicy(switch_s=5.0, mode="predictive")
     assert p.rate() is None and p.eta(0.0, 0, 8) is None
     _every_ten_seconds(p, 4)  # completions at 10, 20, 30, 40: 0.1 groups/s
     assert p.rate() == pytest.approx(0.1)
@@ -30,13 +30,13 @@ def test_the_forecast_comes_from_the_rate_of_recent_completions_anchored_at_the_
 
 
 def test_lending_pays_only_if_the_batch_is_further_off_than_both_switches_and_one_of_serving() -> None:
-    p = LendPolicy(switch_s=5.0)
+    p = LendPolicy(switch_s=5.0, mode="predictive")
     assert p.should_lend(0.0, 0, 8), "nothing known yet: nothing to train either"
     _every_ten_seconds(p, 4)
     assert p.should_lend(40.0, 4, 8)  # 40 s off >= 3 switches (15 s)
     assert p.should_lend(40.0, 7, 8) is False  # 10 s off
     assert p.should_lend(40.0, 8, 8) is False  # a batch is complete
-    slow = LendPolicy(switch_s=20.0)
+    slow = LendPolicy(switch_s=20.0, mode="predictive")
     _every_ten_seconds(slow, 4)
     assert slow.should_lend(40.0, 4, 8) is False  # 40 s off < 60
     always = LendPolicy(switch_s=5.0, mode="always")
@@ -45,7 +45,7 @@ def test_lending_pays_only_if_the_batch_is_further_off_than_both_switches_and_on
 
 
 def test_the_gpus_come_back_one_switch_before_the_forecast_batch() -> None:
-    p = LendPolicy(switch_s=5.0)
+    p = LendPolicy(switch_s=5.0, mode="predictive")
     _every_ten_seconds(p, 7)  # the last at 70 s, the 8th due at 80 s
     assert p.reclaim_at(70.0, 7, 8) == pytest.approx(75.0)
     assert not p.should_reclaim(74.9, 7, 8) and p.should_reclaim(75.0, 7, 8)
@@ -56,7 +56,9 @@ def test_the_gpus_come_back_one_switch_before_the_forecast_batch() -> None:
     always = LendPolicy(switch_s=5.0, mode="always")
     _every_ten_seconds(always, 7)
     assert always.reclaim_at(75.0, 7, 8) is None and always.reclaim_at(75.0, 8, 8) == 75.0
-    assert LendPolicy(switch_s=5.0).reclaim_at(0.0, 7, 8) is None, "no forecast: at the batch"
+    assert LendPolicy(switch_s=5.0, mode="predictive").reclaim_at(0.0, 7, 8) is None, (
+        "no forecast: at the batch"
+    )
 
 
 def test_an_unknown_policy_is_refused() -> None:

@@ -256,7 +256,7 @@ def test_lending_reports_the_trainers_counts_and_the_turns_its_engines_handed_ba
         "lends": 2,
         "reclaims": 2,
         "early_reclaims": 1,
-        "policy": "predictive",
+        "policy": "always",
         "seconds_lent": 30.0,
         "turns_moved": 4,
     }

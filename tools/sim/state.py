@@ -101,7 +101,7 @@ class SystemConfig:
     """When > 0, the training GPUs serve rollout as engines of this TP while the trainer waits for
     a batch, and go back to training when it starts (Libra's elastic pool in the trainer-to-rollout
     direction). Each move costs a colocated role switch; turns running on them move elsewhere."""
-    lend_policy: str = "predictive"
+    lend_policy: str = "always"
     """When the training GPUs are lent and taken back (`services.trainer.lend_policy`)."""
     job_groups: int | None = None
     """Groups the job launches in all, besides replacements for dropped ones, as the live task
