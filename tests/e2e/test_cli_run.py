@@ -109,11 +109,15 @@ def test_run_on_a_stack_reached_by_its_endpoints(tmp_path: Path) -> None:
             "out",
         ]
         # with LoRA: the trainer pushes the merged weights, the export adds the adapter; a reward
-        # that varies with the text's length gives the random model's groups advantages to train on
-        (project / "parity.py").write_text("def score(response, **_):\n    return float(len(response) % 2)\n")
+        # that differs between any two different texts (their checksum) gives the random model's
+        # groups advantages to train on (the parity of the length left all four groups of the job
+        # without one about once in sixteen runs: one CI run)
+        (project / "checksum.py").write_text(
+            "import zlib\n\ndef score(response, **_):\n    return zlib.crc32(response.encode()) / 2**32\n"
+        )
         lora = [
             "training.lora={rank: 4, alpha: 8}",
-            "task.reward=parity:score",
+            "task.reward=checksum:score",
             "task.plugin_paths=[.]",
             "training.lr=1e-3",
             "training.filter_zero_advantage=false",

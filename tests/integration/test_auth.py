@@ -4,6 +4,7 @@ publish only what it owns, its Redis wants the password, and WeightSync wants th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -123,6 +124,10 @@ async def test_each_identity_publishes_only_what_it_owns(
     ]
     for identity, suffix, msg in forgeries:
         await buses[identity].publish(suffix, msg)
+    # each forger's flush returns once the server has handled its publishes, so anything it let
+    # through is on its way to the watcher before any of the owned messages below
+    for bus in buses.values():
+        await bus.nc.flush()
     owned = [
         ("planner", subjects.PLAN, ev.Plan(plan_version=1, reason="real")),
         ("scheduler", subjects.TRAJ_COMPLETED, ev.CompletedTrajectory(trajectory_id="real")),
@@ -137,11 +142,16 @@ async def test_each_identity_publishes_only_what_it_owns(
         await buses[identity].publish(suffix, msg)
     for bus in buses.values():
         await bus.nc.flush()
-    await asyncio.sleep(0.5)
-
-    got = {s for s, _ in seen}
     expected = {buses[identity].outgoing(suffix) for identity, suffix, _ in owned}
-    assert got == expected, seen  # every forgery was dropped by the server
+    # waits for the owned messages rather than a fixed time: once one CI run saw none of them
+    # after 0.5 s; the connections' stats say whether any reached the watcher's socket
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(20):
+            while not expected <= {s for s, _ in seen}:
+                await asyncio.sleep(0.05)
+    got = {s for s, _ in seen}
+    stats = {i: (b.nc.is_connected, b.nc.stats) for i, b in buses.items()}
+    assert got == expected, (seen, stats)  # every forgery was dropped by the server
     for identity, suffix, _ in forgeries:
         assert any("permissions violation" in e and suffix in e for e in errors[identity]), errors[identity]
     for bus in buses.values():
