@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import statistics
 import threading
 import time
@@ -32,14 +31,12 @@ import yaml
 from services.common import subjects
 from services.common.bus import Bus, close_nats
 from services.common.contracts import ev
-from services.common.cost_model import load_presets
 from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
-from services.planner.search import BucketPlan
-from services.scheduler.routing import build_router
+from tools.layout import choose_layout, summary
 from tools.runner import run_job
-from tools.sim.runner import percentile, run_system, steady_rate
-from tools.sim.state import SystemConfig
+from tools.sim.live import job_gpus, simulate
+from tools.sim.runner import percentile, steady_rate
 from tools.sim.stats import mean_ci
 from tools.stack import Stack
 
@@ -48,10 +45,14 @@ POLICIES = {
     "least_loaded": "least_loaded",
     "libra_lend": "cmlfq",
     "libra_lend_always": "cmlfq",
+    "libra_planned": "cmlfq",
 }
 LENDING = {"libra_lend": "predictive", "libra_lend_always": "always"}
 """Policies whose trainer lends its GPUs to rollout while it waits for its batch, and when
 (`planner.lending.policy`): as the forecast says, or at every wait."""
+PLANNED = "libra_planned"
+"""The policy whose layout (split, buckets and their TP and engines, lending) the simulator's
+planner chooses from the workload on the same GPUs (`planner.layout.search`, tools/layout.py)."""
 TARGETS = {"throughput_error": 0.05, "p99_error": 0.10, "lending_gain": 0.05, "lending_gain_error": 0.05}
 """Errors are relative to the prediction; lending's gain (libra_lend over libra, measured) at
 least +5 %, and within 5 points of the simulator's predicted gain."""
@@ -224,41 +225,7 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
     are drawn in the same admission order (common random numbers; the errors are against this
     run), and over `seeds` seeds from it (mean and 95% confidence interval: how much a different
     sample of the workload alone moves the figures)."""
-    r = cfg.rollout
-    cm = load_presets(r.emulated.gpu, r.emulated.model)
-    n = r.engines
-    replicas = [n // len(r.buckets) + (1 if i < n % len(r.buckets) else 0) for i in range(len(r.buckets))]
-    buckets = [
-        BucketPlan(b.name, b.tensor_parallel, k, float(b.max_output_tokens or math.inf))
-        for b, k in zip(r.buckets, replicas, strict=True)
-    ]
-    t = cfg.training
-    wl = workload.with_overrides(
-        max_context=cfg.task.max_context_tokens,
-        group_size=cfg.task.group_size,
-        prompts_per_step=t.groups_per_step,
-    )
-    n_gpus = sum(b.gpus for b in buckets) + t.emulated_gpus
-    runs = []
-    for seed in range(cfg.task.seed, cfg.task.seed + max(1, seeds)):
-        system = SystemConfig(
-            f"live-{r.policy}",
-            "async",
-            t.emulated_gpus,
-            t.emulated_tp,
-            buckets,
-            build_router(r.buckets, r.policy),
-            staleness=t.max_staleness,
-            max_seqs=r.max_batch,
-            pooled_routing=r.policy == "least_loaded",
-            update_mode="recompute",
-            job_groups=t.steps * t.groups_per_step,  # the live feed launches no more
-            lend_tp=cfg.planner.lending.tensor_parallel if cfg.planner.lending.engines else 0,
-            lend_policy=cfg.planner.lending.policy,
-        )
-        out, _ = run_system(system, wl, cm, n_gpus, t.steps, seed)
-        out["trajectories_per_s"] = steady_rate(out["step_end_s"], cfg.trajectories_per_step, drained=True)
-        runs.append(out)
+    runs = [simulate(cfg, workload, seed) for seed in range(cfg.task.seed, cfg.task.seed + max(1, seeds))]
 
     def over_seeds(key: str) -> dict[str, Any]:
         m, ci = mean_ci([float(o[key]) for o in runs])
@@ -280,13 +247,14 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
             "latency_p99_s": over_seeds("rollout_latency_p99_s"),
         },
         "per_seed_trajectories_per_s": [o["trajectories_per_s"] for o in runs],
-        "n_gpus": n_gpus,
+        "n_gpus": job_gpus(cfg),
     }
 
 
-def lending_gain(results: dict[str, Any], name: str = "libra_lend") -> dict[str, Any]:
-    """A lending policy's throughput over libra's, measured and predicted (the same seed; and the
-    mean of the per-seed ratios with its 95 % CI), and how far apart the two gains are (points)."""
+def gain_over_libra(results: dict[str, Any], name: str = "libra_lend") -> dict[str, Any]:
+    """A policy's throughput over libra's (lending, a searched layout), measured and predicted (the
+    same seed; and the mean of the per-seed ratios with its 95 % CI), and how far apart the two
+    gains are (points)."""
     lend, base = results[name], results["libra"]
     measured = lend["measured"]["trajectories_per_s"] / base["measured"]["trajectories_per_s"] - 1
     predicted = lend["predicted"]["trajectories_per_s"] / base["predicted"]["trajectories_per_s"] - 1
@@ -333,6 +301,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lend-tp", type=int, default=4, help="TP of the engines libra_lend lends (default 4)")
     p.add_argument("--gpu", default="H100")
     p.add_argument("--model", default="qwen3-14b")
+    p.add_argument(
+        "--max-engines", type=int, default=24, help=f"most engine processes {PLANNED}'s layout may need"
+    )
     p.add_argument("--sim-seeds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -355,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = ns.out
     out.mkdir(parents=True, exist_ok=True)
     configs = {}
+    layouts: dict[str, dict[str, Any]] = {}
+    searched: dict[str, RunConfig] = {}
     for name in policies:
         try:
             data = live_config(ns, workload, POLICIES[name], lend=LENDING.get(name))
@@ -363,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         path = out / f"config-{name}.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         configs[name] = (path, RunConfig.model_validate(data))
+        if name == PLANNED:  # the job searches its layout as it starts: the same search, here first
+            data["name"] = "bench-live-planned"
+            data["planner"]["layout"] = {"search": True, "max_engines": ns.max_engines}
+            searched[name] = RunConfig.model_validate(data)
+            path.write_text(yaml.safe_dump(data, sort_keys=False))
+            cfg, layouts[name] = choose_layout(searched[name], workload)
+            print(summary(layouts[name]), flush=True)
+            configs[name] = (path, cfg)  # the layout the job will run: the stack's size, the prediction
 
     stack = Stack(
         f"bench-live-{int(time.time())}",
@@ -381,8 +362,20 @@ def main(argv: list[str] | None = None) -> int:
             run_id = f"live-{name}-{int(time.time())}"
             watch = Watch()
             watcher = _watch(stack, run_id, watch)
-            print(f"bench live: {name} ({cfg.rollout.policy}) on {ns.engines} emulated engines …", flush=True)
-            report = run_job(path, cfg, run_id=run_id, runs_dir=out / "runs", progress=True, stack=stack)
+            print(
+                f"bench live: {name} ({cfg.rollout.policy}) on {cfg.engines_needed} emulated engines …",
+                flush=True,
+            )
+            report = run_job(
+                path,
+                searched.get(name, cfg),
+                run_id=run_id,
+                runs_dir=out / "runs",
+                progress=True,
+                stack=stack,
+            )
+            if name in layouts and report.get("layout", {}).get("chosen") != layouts[name]["chosen"]:
+                raise RuntimeError(f"{name}: the job chose another layout than the search before it")
             watch.stop.set()
             watcher.join(10)
             results[name] = {"measured": measured(watch, report, cfg), "report": report.get("report_path")}
@@ -399,8 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         results[name]["p50_error"] = _error(m["latency_p50_s"], pred["latency_p50_s"])
         results[name]["p99_error"] = _error(m["latency_p99_s"], pred["latency_p99_s"])
         results[name]["migrations"] = m["migrations"]
+        if name in layouts:
+            results[name]["layout"] = layouts[name]
     first = results[policies[0]]["measured"]
-    gains = {n: lending_gain(results, n) for n in LENDING if {"libra", n} <= set(policies)}
+    gains = {n: gain_over_libra(results, n) for n in LENDING if {"libra", n} <= set(policies)}
     gain = gains.get("libra_lend")
     doc = {
         "workload": ns.workload,
@@ -413,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         "policies": results,
         "lending_gain": gain,
         "lending_gain_always": gains.get("libra_lend_always"),
+        "layout_gain": gain_over_libra(results, PLANNED) if {"libra", PLANNED} <= set(policies) else None,
         "scheduler": {
             "policy": policies[0],
             "decisions_per_s": first["decisions_per_s"],
@@ -432,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{'':>12}  mean s per trajectory, measured {_fmt(m['latency_breakdown_mean_s'])}")
         print(f"{'':>12}  mean s per trajectory, predicted {_fmt(pr['latency_breakdown_mean_s'])}")
+    if doc["layout_gain"] is not None:
+        gains[PLANNED] = doc["layout_gain"]
     for name, gain in gains.items():
         print(
             f"{name}: measured gain {gain['measured']:+.1%}, predicted {gain['predicted']:+.1%} "

@@ -345,6 +345,25 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_plan(args: argparse.Namespace) -> int:
+    """The layout `planner.layout.search` would choose for a config, starting nothing."""
+    import yaml
+
+    from services.common.runconfig import RunConfig
+    from tools.layout import choose_layout, summary
+
+    path, cfg = _load(args.file, [*args.overrides, "planner.layout.search=true"])
+    assert isinstance(cfg, RunConfig)
+    chosen, decision = choose_layout(cfg)
+    print(summary(decision))
+    for why in decision["left_out"]:
+        print(f"  left out: {why}")
+    if args.out:
+        Path(args.out).write_text(yaml.safe_dump(chosen.model_dump(mode="json"), sort_keys=False))
+        print(f"wrote the chosen layout's config to {args.out}")
+    return 0
+
+
 def cmd_config_check(args: argparse.Namespace) -> int:
     """Validates a run config, reads its dataset and loads its reward, starting nothing."""
     from services.common.runconfig import RunConfig
@@ -389,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
 def parse(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """The command line as `libra` reads it: config overrides (`--a.b v`) into `args.overrides`."""
     args, extra = p.parse_known_args(argv)
-    if args.fn in (cmd_run, cmd_config_check):
+    if args.fn in (cmd_run, cmd_config_check, cmd_config_plan):
         try:
             args.overrides = config_overrides(extra)
         except ValueError as e:
@@ -530,7 +549,8 @@ def parser() -> argparse.ArgumentParser:
     exp.set_defaults(fn=cmd_export)
     config = sub.add_parser(
         "config",
-        help="`libra config check FILE`: validate a run config; `list`/`show NAME`: the shipped ones",
+        help="`libra config check FILE`: validate a run config; `plan FILE`: the layout the planner "
+        "would search for it; `list`/`show NAME`: the shipped ones",
     )
     config_sub = config.add_subparsers(dest="config_cmd", required=True)
     check = config_sub.add_parser(
@@ -538,6 +558,14 @@ def parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file", help="run config; overrides after it as for `libra run`")
     check.set_defaults(fn=cmd_config_check)
+    plan = config_sub.add_parser(
+        "plan",
+        help="the layout the simulator's planner chooses for FILE from its workload "
+        "(planner.layout.search), starting nothing",
+    )
+    plan.add_argument("file", help="run config; overrides after it as for `libra run`")
+    plan.add_argument("--out", help="write the chosen layout's run config here (YAML)")
+    plan.set_defaults(fn=cmd_config_plan)
     config_sub.add_parser("list", help="the configs shipped with Libra").set_defaults(fn=cmd_config_list)
     show = config_sub.add_parser("show", help="print a shipped config (a starting point for your own)")
     show.add_argument("name", help="e.g. tiny, gpu.yaml")

@@ -470,6 +470,12 @@ def run_job(
     run_id = run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     runs_dir = runs_dir.resolve()
     check_task(cfg)
+    layout = None
+    if cfg.planner.layout.search:
+        from tools.layout import choose_layout, summary
+
+        cfg, layout = choose_layout(cfg, progress=progress)
+        print(summary(layout), file=sys.stderr)
     cfg = with_local_paths(cfg, runs_dir)
     print(f"preparing model '{cfg.model.source}' (converted once, then cached)…", file=sys.stderr)
     resolve_model_dir(cfg.model)
@@ -514,5 +520,7 @@ def run_job(
             stack.stop()
     if report["status"] == "completed" and cfg.job.export_final and cfg.training.backend != "emulated":
         report["final_policy"] = export_final(cfg, report, out_dir)
+    if layout is not None:
+        report["layout"] = layout
     report["report_path"] = str(write_report(report, runs_dir))
     return report

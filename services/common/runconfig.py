@@ -197,6 +197,9 @@ class BucketConfig(_Strict):
     max_output_tokens: int | None = Field(None, ge=1)
     """C-MLFQ: trajectories predicted to generate at most this many output tokens in all belong
     here; unset takes everything (only the last bucket may leave it unset)."""
+    engines: int | None = Field(None, ge=1)
+    """Rollout engines this bucket gets (set for every bucket or none, summing to
+    `rollout.engines`); unset: the engines spread evenly over the buckets."""
 
 
 class EmulatedConfig(_Strict):
@@ -524,6 +527,29 @@ class LendingConfig(_Strict):
     are a small share of rollout, and loses where they are most of it (docs/planner.md)."""
 
 
+class LayoutConfig(_Strict):
+    """The layout chosen from the workload before the job starts (docs/planner.md): the
+    simulator's planner (`plan_for`'s proposals: every training split with every TP and TP mix of
+    the buckets, and lending the training GPUs as TP4/TP8 engines) scored on this job's workload
+    by simulating each as this job, the best one run. Emulated engines and training on a
+    synthetic workload only, for now."""
+
+    search: bool = False
+    """Search the layout at job start (`libra plan CONFIG` prints what it would choose)."""
+    gpus: int = Field(0, ge=0, le=4096)
+    """GPUs to lay out (0: those of the config's own layout, its engines' and training's)."""
+    max_engines: int = Field(32, ge=1, le=64)
+    """Most engine processes a proposal may need (rollout and lent ones): the machine's limit."""
+    budget_s: float = Field(120.0, gt=0.0)
+    """Wall seconds the search may take; proposals not scored by then are left out."""
+    steps: int = Field(8, ge=3, le=100)
+    """Train steps each proposal is simulated for (at most the job's own)."""
+    seeds: int = Field(5, ge=1, le=20)
+    """Seeds the best few proposals and the config's own layout are compared over."""
+    min_gain: float = Field(0.03, ge=0.0, le=1.0)
+    """The config's own layout stays unless a proposal predicts at least this much more throughput."""
+
+
 class PlannerConfig(_Strict):
     replan: bool = True
     """Re-fit the buckets' token thresholds to the live workload while the run goes on (C-MLFQ
@@ -544,6 +570,9 @@ class PlannerConfig(_Strict):
     """The elastic hybrid pool: engines the planner may lend to training and take back."""
     lending: LendingConfig = Field(default_factory=LendingConfig)
     """The other direction: the trainer's GPUs lent to rollout while it waits for its batch."""
+    layout: LayoutConfig = Field(default_factory=LayoutConfig)
+    """The job's layout searched from its workload at start (split, buckets and their TP and
+    engines, lending)."""
 
 
 class RunConfig(_Strict):
@@ -608,6 +637,16 @@ class RunConfig(_Strict):
             raise ValueError("planner.hybrid.workers must leave at least one engine serving")
         if pool.workers and self.training.backend == "emulated":
             raise ValueError("planner.hybrid needs a real trainer: an emulated one has no gradients to share")
+        if self.planner.layout.search and not (
+            self.rollout.backend == "emulated"
+            and self.training.backend == "emulated"
+            and self.task.dataset == "synthetic"
+        ):
+            raise ValueError(
+                "planner.layout.search needs a workload to judge layouts on and a stack that can take "
+                "any layout: rollout.backend and training.backend 'emulated', task.dataset 'synthetic' "
+                "(searching real engines' layouts from measured statistics is not written yet)"
+            )
         lend = self.planner.lending
         if lend.bucket and lend.bucket not in names:
             raise ValueError(f"planner.lending.bucket {lend.bucket!r} is not a bucket; known: {names}")
@@ -620,7 +659,23 @@ class RunConfig(_Strict):
         caps = [b.max_output_tokens for b in buckets if b.max_output_tokens is not None]
         if any(b <= a for a, b in zip(caps, caps[1:], strict=False)):
             raise ValueError("rollout.buckets: max_output_tokens must grow from bucket to bucket")
+        counts = [b.engines for b in buckets]
+        if any(c is not None for c in counts) and (
+            None in counts or sum(c or 0 for c in counts) != self.rollout.engines
+        ):
+            raise ValueError(
+                f"rollout.buckets: engines {counts} must be set for every bucket or none, and sum to "
+                f"rollout.engines ({self.rollout.engines})"
+            )
         return self
+
+    @property
+    def bucket_engines(self) -> dict[str, int]:
+        """Rollout engines per bucket: as the buckets say, else spread evenly (the first ones get
+        the remainder)."""
+        r = self.rollout
+        n, k = r.engines, len(r.buckets)
+        return {b.name: b.engines or n // k + (1 if i < n % k else 0) for i, b in enumerate(r.buckets)}
 
     @property
     def filters_zero_advantage(self) -> bool:

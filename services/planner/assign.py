@@ -29,10 +29,13 @@ class Slot:
 
 
 class StaticAssigner:
-    def __init__(self, buckets: list[str]):
+    def __init__(self, buckets: list[str], engines: dict[str, int] | None = None):
+        """`engines`: how many rollout engines each bucket is meant to get (default one each: the
+        emptiest bucket takes the next engine)."""
         if not buckets:
             raise ValueError("at least one rollout bucket is needed")
         self.buckets = buckets
+        self.engines = {b: (engines or {}).get(b, 1) for b in buckets}
 
     def assign(
         self,
@@ -45,7 +48,8 @@ class StaticAssigner:
         tp: int = 1,
     ) -> Slot | None:
         """A slot for a new worker, or None for an unknown kind. One trainer holds the train role;
-        further trainers stand by. Engines take their preferred bucket, else the emptiest one."""
+        further trainers stand by. Engines take their preferred bucket, else the one with the
+        fewest for its share (the first of those): the buckets fill in proportion."""
         role = ROLE_BY_KIND.get(kind)
         if role is None:
             return None
@@ -57,5 +61,5 @@ class StaticAssigner:
                 bucket = preferred_bucket
             else:
                 counts = Counter(s.bucket for s in current.values() if s.role == "rollout")
-                bucket = min(self.buckets, key=lambda b: (counts[b], self.buckets.index(b)))
+                bucket = min(self.buckets, key=lambda b: (counts[b] / self.engines[b], self.buckets.index(b)))
         return Slot(worker_id, kind, role, bucket, addr, tp)

@@ -50,7 +50,7 @@ class PlannerService:
     ):
         self.settings, self.cfg, self.bus, self.store = settings, cfg, bus, store
         self.worker_id = worker_id
-        self.assigner = StaticAssigner([b.name for b in cfg.rollout.buckets])
+        self.assigner = StaticAssigner([b.name for b in cfg.rollout.buckets], cfg.bucket_engines)
         self.slots: dict[str, Slot] = {}
         self.version = 0
         self.dirty = False

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tools.bench_live import main
 
@@ -20,11 +21,19 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
     out = tmp_path / "live"
     args = ["--workload", str(WORKLOAD), "--engines", "4", "--steps", "3", "--groups-per-step", "2"]
     args += ["--group-size", "2", "--time-scale", "0.5", "--sim-seeds", "2", "--out", str(out)]
-    args += ["--policies", "libra,least_loaded,libra_lend", "--train-gpus", "8", "--lend-tp", "4"]
+    args += [
+        "--policies",
+        "libra,least_loaded,libra_lend,libra_planned",
+        "--train-gpus",
+        "8",
+        "--lend-tp",
+        "4",
+    ]
+    args += ["--max-engines", "4"]
     assert main(args) == 0
     doc = json.loads((out / "live.json").read_text())
     assert doc["emulated"] is True and doc["engines"] == 4
-    for name in ("libra", "least_loaded", "libra_lend"):
+    for name in ("libra", "least_loaded", "libra_lend", "libra_planned"):
         r = doc["policies"][name]
         m, p = r["measured"], r["predicted"]
         assert m["status"] == "completed" and m["steps_seen"] == 3 and m["failed"] == 0
@@ -56,6 +65,24 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
     gain = doc["lending_gain"]
     assert gain["error"] == pytest.approx(abs(gain["measured"] - gain["predicted"]))
     assert len(gain["predicted_over_seeds"]["per_seed"]) == 2
+    # the planned job searched its layout as it started (the same decision as the search before
+    # it), on the same 14 GPUs, and ran it: the prediction is the chosen layout's
+    layout = doc["policies"]["libra_planned"]["layout"]
+    assert layout["gpus"] == 14 and layout["scored"] >= 2 and layout["engines"] <= 4
+    assert layout["config"]["label"] == "train8/2xTP1+2xTP2 (config)"
+    assert any("max_engines 4" in why for why in layout["left_out"])
+    planned = yaml.safe_load((out / "config-libra_planned.yaml").read_text())
+    assert planned["planner"]["layout"]["search"] is True  # what the job was given
+    report = json.loads(Path(doc["policies"]["libra_planned"]["report"]).read_text())
+    assert report["layout"]["chosen"] == layout["chosen"]
+    ran = yaml.safe_load(
+        (Path(doc["policies"]["libra_planned"]["report"]).parent / "config.yaml").read_text()
+    )
+    assert sum(b["engines"] or 0 for b in ran["rollout"]["buckets"]) in (0, ran["rollout"]["engines"])
+    assert ran["rollout"]["engines"] + ran["planner"]["lending"]["engines"] == layout["engines"]
+    assert doc["layout_gain"]["error"] == pytest.approx(
+        abs(doc["layout_gain"]["measured"] - doc["layout_gain"]["predicted"])
+    )
     sched = doc["scheduler"]
     assert sched["decisions_per_s"] > 0 and sched["decision_p99_us"] >= sched["decision_p50_us"] > 0
     assert sched["messages_per_s"] > 0

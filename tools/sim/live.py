@@ -1,0 +1,79 @@
+"""The simulator on a live job's configuration: what `libra bench live` checks the live stack
+against, and what the layout search (`tools/layout.py`) scores its proposals with.
+
+A job's config maps onto one simulated system: its buckets (TP, engines, thresholds) and router,
+its emulated training GPUs and TP, batch size, staleness, lending and the job's finite feed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from services.common.cost_model import CostModel, load_presets
+from services.common.runconfig import RunConfig
+from services.common.synthetic import Workload
+from services.planner.search import BucketPlan
+from services.scheduler.routing import build_router
+from tools.sim.runner import run_system, steady_rate
+from tools.sim.state import SystemConfig
+
+
+def cost_model(cfg: RunConfig) -> CostModel:
+    e = cfg.rollout.emulated
+    return load_presets(e.gpu, e.model)
+
+
+def bucket_plans(cfg: RunConfig) -> list[BucketPlan]:
+    """The job's buckets as the simulator's plan has them (engines per bucket as the planner
+    assigns them live)."""
+    per = cfg.bucket_engines
+    return [
+        BucketPlan(b.name, b.tensor_parallel, per[b.name], float(b.max_output_tokens or math.inf))
+        for b in cfg.rollout.buckets
+    ]
+
+
+def job_gpus(cfg: RunConfig) -> int:
+    """GPUs the job stands for: its engines' (TP each) and its training GPUs (the lent engines run
+    on those)."""
+    return sum(b.gpus for b in bucket_plans(cfg)) + cfg.training.emulated_gpus
+
+
+def system_for(cfg: RunConfig, steps: int | None = None) -> SystemConfig:
+    """The job as a simulated system (`steps`: a shorter job, e.g. for a quick estimate)."""
+    r, t = cfg.rollout, cfg.training
+    return SystemConfig(
+        f"live-{r.policy}",
+        "async",
+        t.emulated_gpus,
+        t.emulated_tp,
+        bucket_plans(cfg),
+        build_router(r.buckets, r.policy),
+        staleness=t.max_staleness,
+        max_seqs=r.max_batch,
+        pooled_routing=r.policy == "least_loaded",
+        update_mode="recompute",
+        job_groups=(steps or t.steps) * t.groups_per_step,  # the live feed launches no more
+        lend_tp=cfg.planner.lending.tensor_parallel if cfg.planner.lending.engines else 0,
+        lend_policy=cfg.planner.lending.policy,
+    )
+
+
+def job_workload(cfg: RunConfig, workload: Workload) -> Workload:
+    return workload.with_overrides(
+        max_context=cfg.task.max_context_tokens,
+        group_size=cfg.task.group_size,
+        prompts_per_step=cfg.training.groups_per_step,
+    )
+
+
+def simulate(cfg: RunConfig, workload: Workload, seed: int, steps: int | None = None) -> dict[str, Any]:
+    """One simulated run of the job (its own steps unless `steps`), with `trajectories_per_s` the
+    steady rate as the live job measures it."""
+    steps = steps or cfg.training.steps
+    out, _ = run_system(
+        system_for(cfg, steps), job_workload(cfg, workload), cost_model(cfg), job_gpus(cfg), steps, seed
+    )
+    out["trajectories_per_s"] = steady_rate(out["step_end_s"], cfg.trajectories_per_step, drained=True)
+    return out
