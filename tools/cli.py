@@ -249,6 +249,10 @@ def print_summary(report: dict[str, Any]) -> int:
     print(f"{'policy_versions_per_step':<24} {report['policy_versions_per_step']}")
     print(f"{'logprob_mismatch':<24} {report['logprob_mismatch_per_step']}")
     print(f"{'tool_calls':<24} {report.get('tool_calls')}")
+    if layout := report.get("layout"):
+        gain = layout.get("predicted_gain")
+        over = f", predicted {gain:+.1%} over the config's" if gain is not None else ""
+        print(f"{'layout':<24} {layout['chosen']} ({layout['engines']} engines{over})")
     if failed := report.get("trajectories_failed_by_code"):
         print(f"{'trajectories_failed':<24} {failed}")
     for e in report.get("engines") or []:

@@ -237,18 +237,27 @@ def test_a_service_killed_while_the_job_starts_joins_it_when_it_is_back(
     assert report["trajectories_trained_twice"] == 0
 
 
-LENDING_VICTIMS = ("trainer", "lent engine", "planner")
+LENDING_VICTIMS = ("trainer", "lent engine", "reclaimed engine", "planner")
+"""Killed while an engine is lent; the reclaimed engine the moment the plan takes it back (it is
+handing its turns back and paying the switch)."""
+
+
+def _lending_fault(victim: str) -> str:
+    return f"kill -9 {victim} " + (
+        "as the plan takes it back" if victim == "reclaimed engine" else "while lent"
+    )
 
 
 @LONG
-def test_lending_loses_nothing_when_the_trainer_a_lent_engine_or_the_planner_dies(
+def test_lending_loses_nothing_when_the_trainer_a_lent_or_reclaimed_engine_or_the_planner_dies(
     tiny_model: Any, tmp_path: Path
 ) -> None:
     """The trainer lends its GPUs' engines (`planner.lending`) whenever it waits for a batch. While
     an engine is lent: kill -9 the trainer (the restarted one takes back what is lent before its
-    first step), kill -9 the lent engine (its turns are re-sent; it comes back parked), kill -9 the
-    planner (a restarted planner continues the plan, lent roles included, and answers the next
-    reclaim). The job completes with every group trained once and nothing lost."""
+    first step), kill -9 the lent engine (its turns are re-sent; it comes back parked), kill -9 a
+    lent engine the moment the plan takes it back (in the middle of handing its turns back), kill
+    -9 the planner (a restarted planner continues the plan, lent roles included, and answers the
+    next reclaim). The job completes with every group trained once and nothing lost."""
     from services.common.bus import Bus, Envelope
     from services.common.contracts import ev
 
@@ -291,6 +300,9 @@ def test_lending_loses_nothing_when_the_trainer_a_lent_engine_or_the_planner_die
     def lent() -> list[str]:
         return [a.worker_id for a in plans[-1].assignments if a.role == "lent"] if plans else []
 
+    def parked() -> list[str]:
+        return [a.worker_id for a in plans[-1].assignments if a.role == "parked"] if plans else []
+
     async def faults() -> None:
         bus = await Bus.connect(stack.nats_url, run_id, "cli", "chaos", stack.nats_auth("cli"))
 
@@ -311,7 +323,12 @@ def test_lending_loses_nothing_when_the_trainer_a_lent_engine_or_the_planner_die
                         events.append((fault, "nothing was ever lent", time.monotonic() - since))
                         return
                     await asyncio.sleep(0.1)
-                victim = lent()[0] if fault == "lent engine" else fault
+                victim = lent()[0] if fault in ("lent engine", "reclaimed engine") else fault
+                while fault == "reclaimed engine" and victim not in parked():  # the plan takes it back
+                    if time.monotonic() - since > 180:
+                        events.append((fault, "never taken back", time.monotonic() - since))
+                        return
+                    await asyncio.sleep(0.02)
                 os.kill(stack.procs[victim].pid, signal.SIGKILL)
                 killed = time.monotonic()
                 await asyncio.sleep(1.5)
@@ -320,7 +337,7 @@ def test_lending_loses_nothing_when_the_trainer_a_lent_engine_or_the_planner_die
                         events.append((fault, "never came back", time.monotonic() - killed))
                         return
                     await asyncio.sleep(0.2)
-                recovered[f"kill -9 {fault} while lent"] = time.monotonic() - killed
+                recovered[_lending_fault(fault)] = time.monotonic() - killed
                 await asyncio.sleep(2.0)
         finally:
             await bus.close()
@@ -334,7 +351,7 @@ def test_lending_loses_nothing_when_the_trainer_a_lent_engine_or_the_planner_die
     for fault, seconds in recovered.items():
         print(f"| {fault} | {seconds:.1f} s |")
     print(f"job {report['status']} in {report['wall_s']:.0f} s; lending {report['lending']}")
-    assert set(recovered) == {f"kill -9 {f} while lent" for f in LENDING_VICTIMS}, events
+    assert set(recovered) == {_lending_fault(f) for f in LENDING_VICTIMS}, events
     assert report["status"] == "completed", report["reason"]
     assert report["train_steps"] == cfg.training.steps
     groups = cfg.training.steps * cfg.training.groups_per_step

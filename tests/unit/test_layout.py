@@ -150,3 +150,17 @@ def test_libra_config_plan_prints_the_decision_and_writes_the_chosen_config(
     chosen = RunConfig.model_validate(yaml.safe_load(out.read_text()))
     assert f"chosen: {label(chosen)}" in printed.replace(" (config)", "")
     assert not chosen.planner.layout.search and job_gpus(chosen) == 32
+
+
+def test_the_run_summary_says_which_layout_ran(capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.cli import print_summary
+
+    report = {
+        "status": "completed",
+        "all_engines_on_final_version": True,
+        "policy_versions_per_step": [],
+        "logprob_mismatch_per_step": [],
+        "layout": {"chosen": "train16/2xTP8", "engines": 2, "predicted_gain": 0.349},
+    }
+    assert print_summary(report) == 0
+    assert "train16/2xTP8 (2 engines, predicted +34.9% over the config's)" in capsys.readouterr().out
