@@ -12,10 +12,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.config import ConfigFileError
 from tools.stack import Stack, pid_alive, read_stack_file, stack_file
+
+if TYPE_CHECKING:
+    from services.common.runconfig import RunConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """The configs shipped with Libra (configs/ of the repository, tools/configs in the package)."""
@@ -70,6 +73,18 @@ def config_overrides(extra: list[str]) -> list[str]:
     return out
 
 
+def stack_engines(cfg: RunConfig) -> int:
+    """Engines a stack for this config starts: the job's, or, where the job searches its layout
+    as it starts, the chosen layout's (the same search, deterministic, so the job then finds them)."""
+    if not cfg.planner.layout.search:
+        return cfg.engines_needed
+    from tools.layout import choose_layout, summary
+
+    chosen, decision = choose_layout(cfg)
+    print(summary(decision), file=sys.stderr)
+    return chosen.engines_needed
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Starts an idle stack sized by the config (engines) and supervises it until Ctrl-C / `libra down`."""
     from services.common.runconfig import RunConfig
@@ -82,7 +97,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.common.models import resolve_model_dir
 
     resolve_model_dir(cfg.model)  # converted once here, so the first job starts quickly
-    engines = args.engines or cfg.engines_needed
+    engines = args.engines or stack_engines(cfg)
     name = args.name or f"stack-{time.strftime('%Y%m%d-%H%M%S')}"
     stack = Stack(
         name, Path("runs").resolve() / name / "logs", args.otlp_endpoint, max_restarts=args.max_restarts

@@ -164,3 +164,14 @@ def test_the_run_summary_says_which_layout_ran(capsys: pytest.CaptureFixture[str
     }
     assert print_summary(report) == 0
     assert "train16/2xTP8 (2 engines, predicted +34.9% over the config's)" in capsys.readouterr().out
+
+
+def test_libra_up_starts_the_engines_the_searched_layout_needs() -> None:
+    from tools.cli import stack_engines
+
+    cfg = RunConfig.model_validate(job(max_engines=16))
+    chosen, _ = choose_layout(cfg, progress=False)
+    assert stack_engines(cfg) == chosen.engines_needed  # the job's own search then finds them
+    data = job()
+    data["planner"]["layout"]["search"] = False
+    assert stack_engines(RunConfig.model_validate(data)) == 16  # no search: the config's engines
