@@ -19,3 +19,13 @@ def switch_s(cfg: RunConfig) -> float:
     cm = load_presets(e.gpu, e.model)
     switch = cm.colocated_switch_s(cfg.training.emulated_gpus, cfg.planner.lending.tensor_parallel)
     return switch * cfg.rollout.emulated.time_scale
+
+
+def lent_share(cfg: RunConfig) -> float:
+    """The lent engines' share of the GPUs serving rollout while they are lent (each engine counts
+    its bucket's TP, each lent one the lent TP)."""
+    lend = cfg.planner.lending
+    lent = lend.engines * lend.tensor_parallel
+    tp = {b.name: b.tensor_parallel for b in cfg.rollout.buckets}
+    serving = sum(tp[name] * n for name, n in cfg.bucket_engines.items())
+    return lent / (serving + lent) if lent else 0.0

@@ -5,7 +5,11 @@ completion times, wherever the trainer learns of them late): the rate of the las
 completions, anchored at the last one. Each move of the GPUs costs `switch_s` one way, so
 lending pays only if the batch is predicted to be further off than both moves plus some serving
 time (`min_serve` switches), and the GPUs come back one switch before the batch is predicted to be
-complete, so that the switch hides behind rollout rather than delaying the step.
+complete, so that the switch hides behind rollout rather than delaying the step — where that
+pays: taking the GPUs back early costs rollout their share of its GPUs until the batch really
+completes, and the forecast is often late for a batch's last, slowest group, so the policy
+remembers how late recent batches came and reclaims early only if the hidden switch outweighs
+that share of one switch plus the usual lateness.
 
 Pure: time is passed in. The trainer service (`services.trainer.lending`) and the simulator
 (`tools.sim.training`) both drive it, so what the simulator predicts is what the services do.
@@ -30,8 +34,15 @@ class LendPolicy:
     """Completions the rate comes from."""
     min_serve: float = 1.0
     """Lend only if the lent engines are predicted to serve at least this many switches' time."""
+    lent_share: float = 0.0
+    """The lent GPUs' share of the GPUs serving rollout while they are lent: what taking them back
+    early costs rollout."""
     _times: list[float] = field(init=False, default_factory=list)
     """The latest `window` completion times, in order."""
+    _forecast: float | None = field(init=False, default=None)
+    """When the batch being waited for was last forecast complete (while the GPUs were lent)."""
+    _late: list[float] = field(init=False, default_factory=list)
+    """How late the latest `window` batches completed after their last forecast (s, >= 0)."""
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
@@ -42,6 +53,24 @@ class LendPolicy:
         learns of the groups completed meanwhile after its step)."""
         bisect.insort(self._times, at)
         del self._times[: max(0, len(self._times) - max(2, self.window))]
+
+    def batch_complete(self) -> None:
+        """The batch waited for is complete (at the latest completion heard of): how late that
+        was against its last forecast, if one was made, is remembered."""
+        if self._forecast is not None and self._times:
+            self._late.append(max(0.0, self._times[-1] - self._forecast))
+            del self._late[: max(0, len(self._late) - self.window)]
+        self._forecast = None
+
+    def lateness(self) -> float:
+        """Mean seconds recent batches completed after their forecast (0 before any)."""
+        return sum(self._late) / len(self._late) if self._late else 0.0
+
+    def early_pays(self) -> bool:
+        """Does taking the GPUs back one switch ahead of the forecast pay? It hides one switch from
+        the step, and costs rollout the lent share of its GPUs from then until the batch really
+        completes: one switch plus the forecast's usual lateness."""
+        return self.switch_s > self.lent_share * (self.switch_s + self.lateness())
 
     def rate(self) -> float | None:
         """Groups completed per second over the window (None: fewer than two completions known,
@@ -79,8 +108,11 @@ class LendPolicy:
         if self.mode == "always" or rate is None:
             return None
         last = self._times[-1]
-        at = last + (need - ready) / rate - self.switch_s
+        self._forecast = last + (need - ready) / rate
+        at = self._forecast - self.switch_s
         if at - last > 1 / rate:  # the forecast only holds while the next completion is not overdue
+            return None
+        if not self.early_pays():  # the GPUs come back when the batch is complete
             return None
         return max(now, at)
 

@@ -43,7 +43,11 @@ class Lender:
         self.bus, self.membership, self.token, self.step, self.on_lent = bus, membership, token, step, lent
         self.enabled = run.planner.lending.engines > 0
         self.switch_s = lending.switch_s(run)
-        self.policy = LendPolicy(self.switch_s, run.planner.lending.policy)
+        self.policy = LendPolicy(
+            self.switch_s, run.planner.lending.policy, lent_share=lending.lent_share(run)
+        )
+        self._ready: Callable[[], int] | None = None
+        """The complete groups this trainer holds (from `watch`)."""
         self.need = run.training.groups_per_step
         self.timeout_s = timeout_s
         self._heard: OrderedDict[str, None] = OrderedDict()
@@ -65,10 +69,13 @@ class Lender:
         while len(self._heard) > 4096:
             self._heard.popitem(last=False)
         self.policy.completed(at)
+        if self._ready is not None and self._ready() >= self.need:
+            self.policy.batch_complete()
 
     async def watch(self, ready: Callable[[], int], every_s: float = 0.25) -> None:
         """Takes lent GPUs back when the policy says so (`ready`: the complete groups this trainer
         holds; while it waits it fetches whatever completes)."""
+        self._ready = ready
         while True:
             await asyncio.sleep(every_s)
             if self.lent_at is None or not self.policy.should_reclaim(time.time(), ready(), self.need):

@@ -64,3 +64,33 @@ def test_the_gpus_come_back_one_switch_before_the_forecast_batch() -> None:
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="predictive, always"):
         LendPolicy(switch_s=1.0, mode="sometimes")
+
+
+def test_early_reclaims_stop_where_the_lent_share_of_a_late_forecast_outweighs_the_switch() -> None:
+    """Taking the GPUs back a switch early hides that switch from the step, and costs rollout the
+    lent share of its GPUs until the batch really completes (a switch plus the usual lateness)."""
+    p = LendPolicy(switch_s=5.0, mode="predictive", lent_share=0.5)
+    assert p.lateness() == 0.0 and p.early_pays(), "nothing known: 5 s > 0.5 x 5 s"
+    _every_ten_seconds(p, 7)
+    assert p.reclaim_at(70.0, 7, 8) == pytest.approx(75.0)  # forecast: complete at 80 s
+    p.completed(100.0)  # the batch's last group came 20 s after its forecast
+    p.batch_complete()
+    assert p.lateness() == pytest.approx(20.0)
+    assert not p.early_pays(), "5 s hidden < 0.5 x (5 + 20) s of rollout lost"
+    for t in (110.0, 120.0, 130.0, 140.0, 150.0, 160.0, 170.0):
+        p.completed(t)
+    assert p.reclaim_at(170.0, 7, 8) is None, "the GPUs come back when the batch is complete"
+    assert p.reclaim_at(170.0, 8, 8) == 170.0
+    small = LendPolicy(switch_s=5.0, mode="predictive", lent_share=0.1)
+    _every_ten_seconds(small, 7)
+    small.reclaim_at(70.0, 7, 8)
+    small.completed(100.0)
+    small.batch_complete()
+    # a batch completed with no forecast made since (the GPUs were not lent) teaches nothing
+    small.batch_complete()
+    assert small.lateness() == pytest.approx(20.0)
+    assert small.early_pays(), "5 s > 0.1 x 25 s"
+    assert small.reclaim_at(100.0, 7, 8) is not None  # the batch forecast at 100 + 90/7 s
+    small.completed(105.0)  # early: counts as on time
+    small.batch_complete()
+    assert small.lateness() == pytest.approx(10.0)

@@ -33,8 +33,11 @@ class Training:
         """Engines on the trainer's GPUs, serving while it waits for a batch (`SystemConfig.lend_tp`)."""
         self.lend_state = "training"
         """training (the GPUs are the trainer's), lent, switching (to rollout), reclaiming (early)."""
+        lent_gpus = len(lent) * s.lend_tp
         self.policy = LendPolicy(
-            sim.cm.colocated_switch_s(s.train_gpus, s.lend_tp) if lent else 0.0, s.lend_policy
+            sim.cm.colocated_switch_s(s.train_gpus, s.lend_tp) if lent else 0.0,
+            s.lend_policy,
+            lent_share=lent_gpus / (lent_gpus + sum(b.gpus for b in s.buckets)) if lent else 0.0,
         )
         self.lends = self.reclaims = self.early_reclaims = 0
         self.reclaim_due: float | None = None
@@ -116,6 +119,8 @@ class Training:
         trainer trains), then the trainer may start a step."""
         if self.lent:
             self.policy.completed(self.sim.now)
+            if len(self.sim.ready) >= self.sim.B:
+                self.policy.batch_complete()
         self.maybe_train()
 
     def lend_or_reclaim(self) -> None:
