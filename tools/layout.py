@@ -25,7 +25,7 @@ from services.common.synthetic import Workload
 from services.planner.search import Plan
 from tools.sim.live import bucket_plans, cost_model, job_gpus, job_workload, simulate
 from tools.sim.stats import mean_ci
-from tools.sim.systems import MIXES, TPS, Env, default_splits, layout_plan, plan_key
+from tools.sim.systems import Env, plan_key, planner_menu
 
 FINALISTS = 3
 """Proposals besides the config's own that are compared over several seeds."""
@@ -86,20 +86,10 @@ def proposals(
     operator tunes an AReaL-style split over (the benchmark's baseline)."""
     t, r = cfg.training, cfg.rollout
     env = Env(cost_model(cfg), job_workload(cfg, workload), gpus, cfg.task.seed, t.max_staleness, r.max_batch)
-    plans: list[tuple[Plan, int]] = []
     try:
-        splits = default_splits(env)
-    except ValueError as e:
+        plans = planner_menu(env, homogeneous)
+    except ValueError as e:  # too few GPUs for the model's training state and one engine
         raise ConfigFileError(f"planner.layout: {e}") from None
-    for split in splits:
-        for tps in [(tp,) for tp in TPS] + ([] if homogeneous else list(MIXES)):
-            plan = layout_plan(env, split, tps)
-            if plan is None or any(b.replicas < 1 for b in plan.buckets):
-                continue
-            plans.append((plan, 0))
-            tp = plan.buckets[0].tp
-            if not homogeneous and len(plan.buckets) == 1 and tp >= 4 and plan.train_gpus % tp == 0:
-                plans.append((plan, tp))
     out: list[Proposal] = []
     left: list[str] = []
     seen: set[str] = set()

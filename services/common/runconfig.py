@@ -535,7 +535,7 @@ class LayoutConfig(_Strict):
     synthetic workload only, for now."""
 
     search: bool = False
-    """Search the layout at job start (`libra plan CONFIG` prints what it would choose)."""
+    """Search the layout at job start (`libra config plan CONFIG` prints what it would choose)."""
     gpus: int = Field(0, ge=0, le=4096)
     """GPUs to lay out (0: those of the config's own layout, its engines' and training's)."""
     max_engines: int = Field(32, ge=1, le=64)

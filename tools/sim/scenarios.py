@@ -31,8 +31,8 @@ from tools.sim.systems import (
     april_ratios,
     default_splits,
     hybrid_variants,
-    layout_plan,
     plan_key,
+    planner_menu,
     sweep_grid,
 )
 
@@ -319,17 +319,12 @@ def plan_for(
     and the scored hybrid ones.
     """
     env = runner.env
-    plans: list[Plan] = []
-    for split in default_splits(env):
-        for tps in [(tp,) for tp in TPS] + list(MIXES):
-            plan = layout_plan(env, split, tps)
-            if plan is not None and all(b.replicas > 0 for b in plan.buckets):
-                plans.append(plan)
-    if not plans:
+    menu = planner_menu(env)
+    if not menu:
         raise ValueError(f"Libra's planner found no feasible allocation on {env.n_gpus} GPUs")
     sd = extra or {}
     cands: list[dict[str, Any]] = [
-        {"plan": p.to_dict(), "routing": routing, "replan": False, **sd} for p in plans
+        {"plan": p.to_dict(), "routing": routing, "replan": False, **sd} for p, lend in menu if not lend
     ]
     cands += [
         {"colocated_tp": tp, "routing": routing, **sd, **({"partial": r} if r else {})}
@@ -337,10 +332,11 @@ def plan_for(
         if tp <= env.n_gpus
         for r in (0.0, *april_ratios(env))
     ]
-    for p in plans:
-        tp = max(b.tp for b in p.buckets)
-        if len(p.buckets) == 1 and tp >= 4 and p.train_gpus % tp == 0:
-            cands.append({"plan": p.to_dict(), "routing": routing, "replan": False, "lend_tp": tp, **sd})
+    cands += [
+        {"plan": p.to_dict(), "routing": routing, "replan": False, "lend_tp": lend, **sd}
+        for p, lend in menu
+        if lend
+    ]
     static_scores = measure([("proposal", c) for c in cands])
     static = [(sc, c, _label(c)) for sc, c in zip(static_scores, cands, strict=True)]
     if not hybrid:

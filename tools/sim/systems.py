@@ -173,6 +173,25 @@ def layout_plan(env: Env, split: int, tps: tuple[int, ...], hybrid: int = 0) -> 
     return Plan(split + spare, env.best_train_tp(split), buckets, hybrid, 0.0, t_roll)
 
 
+def planner_menu(env: Env, homogeneous: bool = False) -> list[tuple[Plan, int]]:
+    """The layouts Libra's planner proposes, each with the TP its training GPUs are lent at (0:
+    not lent): every training split with every homogeneous TP and TP mix at the analytical best
+    layout, and the homogeneous TP4/TP8 plans again with their training GPUs lent as engines of
+    that TP. `homogeneous`: one bucket of one TP and no lending (what an operator tunes an
+    AReaL-style split over)."""
+    out: list[tuple[Plan, int]] = []
+    for split in default_splits(env):
+        for tps in [(tp,) for tp in TPS] + ([] if homogeneous else list(MIXES)):
+            plan = layout_plan(env, split, tps)
+            if plan is None or any(b.replicas < 1 for b in plan.buckets):
+                continue
+            out.append((plan, 0))
+            tp = plan.buckets[0].tp
+            if not homogeneous and len(plan.buckets) == 1 and tp >= 4 and plan.train_gpus % tp == 0:
+                out.append((plan, tp))
+    return out
+
+
 def hybrid_variants(env: Env, plan: Plan) -> list[Plan]:
     """The plan with one or two hybrid workers (each a training replica of `env.hybrid_tp` GPUs)
     taken from training: training shrinks, the workers serve rollout and lend GPUs back to training
