@@ -5,6 +5,7 @@ Kept free of models and I/O so the unit tests pin down exactly what the engine r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -93,33 +94,82 @@ def verify_draft(
     Returns the emitted tokens (the accepted prefix and one more) and their logprobs under p, the
     distribution they were drawn from (what the trainer's importance weights need).
     """
-    if logits.shape[0] != len(draft) + 1:
+    return verify_drafts(logits, [draft], [temperature], [top_p], generator)[0]
+
+
+def verify_drafts(
+    logits: torch.Tensor,
+    drafts: Sequence[Sequence[int]],
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    generator: torch.Generator | None = None,
+) -> list[tuple[list[int], list[float]]]:
+    """`verify_draft` for several rows at once, in two device-to-host copies whatever the number
+    of rows and drafted tokens (on a GPU each copy waits for the device, so a row-by-row loop costs
+    a wait per drafted token). `logits` packs the rows' k_i + 1 positions one row after another;
+    row i's drafted tokens are `drafts[i]`, sampled at `temperatures[i]` and `top_ps[i]`. Every
+    drafted token gets its own uniform draw, so each row follows the rule exactly as alone."""
+    ks = [len(d) for d in drafts]
+    if not len(ks) == len(temperatures) == len(top_ps):
+        raise ValueError(f"{len(ks)} drafts need as many temperatures and top_ps")
+    if logits.shape[0] != sum(ks) + len(ks):
         raise ValueError(
-            f"{len(draft)} drafted tokens need {len(draft) + 1} rows of logits, got {logits.shape[0]}"
+            f"{sum(ks)} drafted tokens of {len(ks)} rows need {sum(ks) + len(ks)} rows of logits, "
+            f"got {logits.shape[0]}"
         )
-    if any(not 0 <= x < logits.shape[-1] for x in draft):
+    if any(not 0 <= x < logits.shape[-1] for d in drafts for x in d):
         raise ValueError(f"a drafted token is outside the vocabulary of {logits.shape[-1]}")
-    logp = target_logprobs(logits, temperature, top_p)
-    out: list[int] = []
-    for j, x in enumerate(draft):
-        if temperature <= 0:
-            best = int(logp[j].argmax())
-            out.append(best)
-            if best != x:
-                return out, [float(logp[i, t]) for i, t in enumerate(out)]
-            continue
-        p_x = float(logp[j, x].exp())
-        u = float(torch.rand((), generator=generator))
-        if u < p_x:
-            out.append(x)
-            continue
-        residual = logp[j].exp().clone()
-        residual[x] = 0.0
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
-        return out, [float(logp[i, t]) for i, t in enumerate(out)]
-    last = logp[len(draft)]
-    nxt = (
-        int(last.argmax()) if temperature <= 0 else int(torch.multinomial(last.exp(), 1, generator=generator))
-    )
-    out.append(nxt)
-    return out, [float(logp[i, t]) for i, t in enumerate(out)]
+    dev = logits.device
+    offsets = [0]
+    for k in ks:
+        offsets.append(offsets[-1] + k + 1)
+    reps = torch.tensor([k + 1 for k in ks], device=dev)
+    temp = torch.tensor([float(t) for t in temperatures], device=dev).repeat_interleave(reps)
+    scale = torch.where(temp > 0, temp, torch.ones_like(temp)).unsqueeze(-1)
+    logp = torch.log_softmax(logits.float() / scale, dim=-1)
+    if any(t > 0 and p < 1.0 for t, p in zip(temperatures, top_ps, strict=True)):
+        top = torch.tensor([float(p) for p in top_ps], device=dev).repeat_interleave(reps).unsqueeze(-1)
+        cut = ((temp > 0) & (top.squeeze(-1) < 1.0)).unsqueeze(-1)
+        logp = torch.where(cut, _nucleus(logp, top), logp)
+    # 1st copy: each drafted token's logprob, a uniform draw for it, and the argmax at its position
+    dpos = [offsets[i] + j for i, k in enumerate(ks) for j in range(k)]
+    dtok = [x for d in drafts for x in d]
+    n_d = len(dpos)
+    if n_d:
+        pos_t, tok_t = torch.tensor(dpos, device=dev), torch.tensor(dtok, device=dev)
+        u = torch.rand(n_d, generator=generator, device=dev)
+        host = torch.cat([logp[pos_t, tok_t], u, logp[pos_t].argmax(-1).float()]).tolist()
+    else:
+        host = []
+    lp_x, draws, best = host[:n_d], host[n_d : 2 * n_d], host[2 * n_d :]
+    accepted, finals, rejected_rows, rejected_toks = [], [], [], []
+    d_at = 0
+    for i, (d, t) in enumerate(zip(drafts, temperatures, strict=True)):
+        a = 0
+        for j, x in enumerate(d):
+            ok = int(best[d_at + j]) == x if t <= 0 else draws[d_at + j] < math.exp(lp_x[d_at + j])
+            if not ok:
+                rejected_rows.append(i)
+                rejected_toks.append(x)
+                break
+            a += 1
+        accepted.append(a)
+        finals.append(offsets[i] + a)
+        d_at += len(d)
+    # 2nd copy: one more token per row, from p at its first rejected position with the rejected
+    # token removed (renormalised by the sampler), else from p after the whole draft
+    final = logp[torch.tensor(finals, device=dev)]
+    probs = final.exp()
+    if rejected_rows:
+        probs[torch.tensor(rejected_rows, device=dev), torch.tensor(rejected_toks, device=dev)] = 0.0
+    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    greedy = torch.tensor([t <= 0 for t in temperatures], device=dev)
+    tokens = torch.where(greedy, probs.argmax(-1), sampled)
+    host2 = torch.cat([tokens.float(), final.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)]).tolist()
+    n = len(ks)
+    out = []
+    d_at = 0
+    for i, (d, a) in enumerate(zip(drafts, accepted, strict=True)):
+        out.append(([*d[:a], int(host2[i])], [*lp_x[d_at : d_at + a], host2[n + i]]))
+        d_at += len(d)
+    return out

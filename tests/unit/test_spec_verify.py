@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.rollout_engine.drafter import SuffixDrafter
-from services.rollout_engine.sampling import sample_next, target_logprobs, verify_draft
+from services.rollout_engine.sampling import sample_next, target_logprobs, verify_draft, verify_drafts
 
 
 def test_a_sibling_continues_the_longest_match_and_beats_another_groups_rollout() -> None:
@@ -83,8 +83,37 @@ def test_verification_matches_plain_sampling_at_a_temperature_and_top_p() -> Non
     assert chi2 < 20.5  # chi-square, up to 5 degrees of freedom, p = 0.001
 
 
+def test_rows_verified_together_follow_the_rule_each_as_alone() -> None:
+    """Greedy: the same tokens and logprobs as row by row. Sampling: each row of a batch of rows
+    with different draft lengths emits its first token distributed as its own target."""
+    torch.manual_seed(3)
+    logits = [torch.randn(k + 1, 5) * 2 for k in (2, 0, 3)]
+    drafts = [[int(x.argmax()) for x in lg[:-1]] for lg in logits]
+    drafts[2][1] = (drafts[2][1] + 1) % 5  # the third row's second drafted token is not the argmax
+    packed = torch.cat(logits)
+    together = verify_drafts(packed, drafts, [0.0] * 3, [1.0] * 3)
+    alone = [verify_draft(lg, d, 0.0) for lg, d in zip(logits, drafts, strict=True)]
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    for (_, a), (_, b) in zip(together, alone, strict=True):
+        assert a == pytest.approx(b)
+    assert [len(t) for t, _ in together] == [3, 1, 2]
+    p = [torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.1, 0.6, 0.3])]
+    rows = torch.cat([p[0].log().repeat(3, 1), p[1].log().repeat(2, 1)])  # drafts of 2 and 1 tokens
+    gen = torch.Generator().manual_seed(4)
+    n = 8_000
+    seen: list[Counter[int]] = [Counter(), Counter()]
+    for _ in range(n):
+        for i, (tokens, _) in enumerate(verify_drafts(rows, [[1, 1], [2]], [1.0, 1.0], [1.0, 1.0], gen)):
+            seen[i][tokens[0]] += 1
+    for counts, target in zip(seen, p, strict=True):
+        chi2 = sum((counts[t] - n * float(target[t])) ** 2 / (n * float(target[t])) for t in range(3))
+        assert chi2 < 13.8  # chi-square, 2 degrees of freedom, p = 0.001
+
+
 def test_bad_drafts_are_refused_before_anything_is_sampled() -> None:
     with pytest.raises(ValueError, match="rows of logits"):
         verify_draft(torch.zeros(2, 4), [1, 2], 1.0)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         verify_draft(torch.zeros(2, 4), [7], 1.0)
+    with pytest.raises(ValueError, match="temperatures"):
+        verify_drafts(torch.zeros(2, 4), [[1]], [1.0, 1.0], [1.0])

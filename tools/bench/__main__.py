@@ -40,7 +40,7 @@ def earlier_sections(doc: str, measured: set[str]) -> dict[str, str]:
     its text), so running one benchmark on a fresh clone keeps the others' published figures."""
     out = {}
     for part in doc.split("\n## ")[1:]:
-        found = re.search(r"tools\.bench (\w+)", part)
+        found = re.search(r"<!-- bench: (\w+) -->", part) or re.search(r"tools\.bench (\w+)", part)
         if found and found.group(1) not in measured:
             out[found.group(1)] = "## " + part.strip() + "\n"
     return out
@@ -62,6 +62,7 @@ def render(results: list[dict], earlier: dict[str, str] | None = None) -> str:
         lines += [
             f"## {result['title']}",
             "",
+            f"<!-- bench: {name} -->",
             f"Command: `{result['command']}` — {result['machine']}, {result['date']}.",
             "",
             "| metric | value | note |",
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         result.setdefault("name", name)
         result["machine"] = f"{platform.machine()}, {__import__('os').cpu_count()} cores, {platform.system()}"
         result["date"] = time.strftime("%Y-%m-%d")
-        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (RESULTS / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
         for metric, value, _ in result["rows"]:
             print(f"  {metric}: {value}")
     stored = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]

@@ -91,6 +91,11 @@ async def _scenario(backend: Any, task: str, spec_on: bool) -> dict[str, float]:
     for scenario in ("tail", "full"):
         steps, acc = accepted[scenario]
         out[f"{scenario}_mean_accepted"] = acc / steps if steps else 0.0
+        # every row-step emits its accepted drafted tokens and one more
+        out[f"{scenario}_verify_steps"], out[f"{scenario}_row_steps"] = steps, out[f"{scenario}_tokens"] - acc
+    if spec is not None:
+        base, per_token = spec.times.line()
+        out["step_base_ms"], out["step_per_token_ms"] = base * 1e3, per_token * 1e3
     return out
 
 
@@ -142,14 +147,15 @@ def _sampling_test(backend: Any) -> dict[str, Any]:
 
     prompt = _tasks(backend)["free_text"][0][0]
     with torch.inference_mode():
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=backend.device)
         logits = backend.model(input_ids=ids).logits[0, -1:]
         # a draft the model itself would write (greedy), so the test meets real acceptance and rejection
         draft: list[int] = []
         for _ in range(4):
             draft.append(int(logits[-1].argmax()))
-            full = torch.tensor([prompt + draft])
+            full = torch.tensor([prompt + draft], device=backend.device)
             logits = backend.model(input_ids=full).logits[0, -(len(draft) + 1) :]
+    logits = logits.float().cpu()  # the test samples on the CPU generator, whatever the model ran on
     gen = torch.Generator().manual_seed(0)
     spec = Counter(verify_draft(logits, draft, 1.0, generator=gen)[0][0] for _ in range(SAMPLES))
     probs = torch.softmax(logits[0].float(), dim=-1)
@@ -188,30 +194,57 @@ async def _measure() -> dict[str, Any]:
                 "spec_tokens_per_s": round(fast, 2),
                 "speedup": round(fast / plain, 3),
                 "mean_accepted": round(statistics.mean(x[f"{key}_mean_accepted"] for x in runs[True]), 3),
+                # the share of row-steps that verified a draft (others found none, or the policy
+                # judged it would not pay), and the tokens a row-step emitted on average
+                "drafted_share": round(
+                    sum(x[f"{key}_verify_steps"] for x in runs[True])
+                    / sum(x[f"{key}_row_steps"] for x in runs[True]),
+                    3,
+                ),
+                "tokens_per_row_step": round(
+                    sum(x[f"{key}_tokens"] for x in runs[True])
+                    / sum(x[f"{key}_row_steps"] for x in runs[True]),
+                    3,
+                ),
             }
+        # the speculating engine's fitted step time: base + per_token x query tokens
+        task_out["step_line_ms"] = [
+            round(runs[True][-1][k], 3) for k in ("step_base_ms", "step_per_token_ms")
+        ]
         results[task] = task_out
     results["greedy_identical"] = await _greedy_identical(backend)
     results["sampling_test"] = _sampling_test(backend)
     return results
 
 
-def run() -> dict[str, Any]:
-    r = asyncio.run(_measure())
-    rows = []
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+
+
+def rows(r: dict[str, Any]) -> list[list[str]]:
+    """The table of a run's results."""
+    out = []
     for task in ("expressions", "free_text"):
         for scenario in ("tail", "full_batch"):
             x = r[task][scenario]
-            rows.append(
+            share = (
+                f"; a draft on {x['drafted_share']:.0%} of row-steps, {x['tokens_per_row_step']:.2f} tokens per row-step"
+                if "drafted_share" in x
+                else ""
+            )
+            out.append(
                 [
                     f"{task} {scenario}: speedup",
                     f"{x['speedup']:.2f}x",
                     f"{x['spec_tokens_per_s']:.1f} vs {x['plain_tokens_per_s']:.1f} tokens/s; "
-                    f"{x['mean_accepted']:.2f} drafted tokens accepted per verify",
+                    f"{x['mean_accepted']:.2f} drafted tokens accepted per verify{share}",
                 ]
             )
     st = r["sampling_test"]
-    rows.append(["greedy identical", str(r["greedy_identical"]).lower(), "every token, 12 greedy outputs"])
-    rows.append(
+    out.append(["greedy identical", str(r["greedy_identical"]).lower(), "every token, 12 greedy outputs"])
+    out.append(
         [
             "sampling test p-value",
             f"{st['p_value']:.3f}",
@@ -221,11 +254,20 @@ def run() -> dict[str, Any]:
     setup = (
         f"groups of {WARM} warm-up samples, then {TAIL} (tail) or {MAX_BATCH} (full batch); {PROMPTS} prompts"
     )
-    rows.append(["setup", "suffix, adaptive", f"num_tokens {NUM_TOKENS}; temperature 1; {setup}"])
-    assert math.isfinite(st["statistic"])
+    out.append(["setup", "suffix, adaptive", f"num_tokens {NUM_TOKENS}; temperature 1; {setup}"])
+    return out
+
+
+def run() -> dict[str, Any]:
+    device = _device()
+    r = asyncio.run(_measure())
+    r["device"] = device
+    assert math.isfinite(r["sampling_test"]["statistic"])
     return {
-        "title": "Speculative decoding in the hf engine (SmolLM2-135M, CPU)",
-        "command": "python -m tools.bench spec",
+        # a CUDA run is its own section (and results file) beside the CPU one
+        "name": NAME if device == "CPU" else f"{NAME}_cuda",
+        "title": f"Speculative decoding in the hf engine (SmolLM2-135M, {device})",
+        "command": "python -m tools.bench spec" + ("" if device == "CPU" else " (on a CUDA machine)"),
         "results": r,
-        "rows": rows,
+        "rows": rows(r),
     }

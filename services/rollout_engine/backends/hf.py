@@ -10,7 +10,7 @@ work runs in a worker thread so the event loop keeps serving NATS and gRPC meanw
 With speculative decoding (`services/rollout_engine/speculator.py`) a step verifies the running
 rows' drafted tokens in the same forward: each row's last token and its draft enter as new columns
 (a row with a shorter draft is padded on the left of them, so every row still ends at the last
-column), the verifier keeps the accepted prefix and one more token (`sampling.verify_draft`), and
+column), the verifier keeps the accepted prefix and one more token (`sampling.verify_drafts`), and
 the columns of rejected drafted tokens are masked out of the cache — rolled back. Positions count
 each row's own tokens, so those holes change nothing; once they waste more than a quarter of the
 cache's width the rows are compacted (their kept columns gathered right-aligned).
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from services.common.models import load_model, load_tokenizer
 from services.common.runconfig import ModelConfig, RunConfig
 from services.rollout_engine.backends.base import Join, StepBackend
 from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.sampling import left_pad, sample_next, verify_draft
+from services.rollout_engine.sampling import left_pad, sample_next, verify_drafts
 
 COMPACT_MIN_COLUMNS = 32
 """Holes left by rejected drafts are squeezed out of the cache once they waste more columns than
@@ -60,6 +60,15 @@ def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
             f"hf continuous batching needs a full-attention KV cache, this model uses {kinds}"
         )
     return [(layer.keys, layer.values) for layer in layers]
+
+
+def _emitted(
+    slots: list[int], tokens: torch.Tensor, logprobs: torch.Tensor
+) -> dict[int, list[tuple[int, float]]]:
+    """slot -> [(token, logprob)], copied to the host at once (token ids are exact as floats)."""
+    host = torch.cat([tokens.float(), logprobs.float()]).tolist()
+    n = len(slots)
+    return {s: [(int(host[i]), host[n + i])] for i, s in enumerate(slots)}
 
 
 def _left_pad_kv(kv: torch.Tensor, width: int) -> torch.Tensor:
@@ -270,61 +279,71 @@ class HFBackend(StepBackend):
         logits = self._logits(out.logits[:, -1, :], b.slots, no_eos)
         tokens, logprobs = sample_next(logits, b.temps, self.generator, b.top_ps)
         self.batch = _Batch(b.slots, out.past_key_values, mask, b.next_pos + 1, tokens, b.temps, b.top_ps)
-        return {s: [(t, lp)] for s, t, lp in zip(b.slots, tokens.tolist(), logprobs.tolist(), strict=True)}
+        return _emitted(b.slots, tokens, logprobs)
 
     def _verify(self, drafts: list[list[int]], no_eos: frozenset[int]) -> dict[int, list[tuple[int, float]]]:
         """One forward over every running row's last token and its drafted tokens (rows with fewer
         drafted tokens are padded on the left of the new columns, so every row still ends at the
         last column); each row keeps the accepted prefix of its draft and one more token, and the
-        columns of its rejected drafted tokens are masked out of the cache (rolled back)."""
+        columns of its rejected drafted tokens are masked out of the cache (rolled back). The rows
+        are verified together (`sampling.verify_drafts`): on a GPU the step waits for the device
+        a fixed number of times, not once per row or drafted token."""
         b = self.batch
         n, width = len(b.slots), 1 + max(len(d) for d in drafts)
+        firsts = [width - 1 - len(d) for d in drafts]
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         new = torch.zeros((n, width), dtype=torch.long)
-        for i, d in enumerate(drafts):
-            ids[i, width - 1 - len(d) :] = torch.tensor([int(b.last[i]), *d], dtype=torch.long)
-            new[i, width - 1 - len(d) :] = 1
+        for i, (d, first) in enumerate(zip(drafts, firsts, strict=True)):
+            ids[i, first + 1 :] = torch.tensor(d, dtype=torch.long)
+            new[i, first:] = 1
         ids, new = ids.to(self.device), new.to(self.device)
+        rows, first_t = torch.arange(n, device=self.device), torch.tensor(firsts, device=self.device)
+        ids[rows, first_t] = b.last  # each row's last sampled token, before its draft
         # a row's last token sits at its next position, its drafted tokens after it; the padding
         # before them is masked (its positions are clamped, never seen)
         lens = torch.tensor([len(d) for d in drafts], device=self.device)
         offsets = torch.arange(width, device=self.device) - (width - 1)
         pos = (b.next_pos.unsqueeze(-1) + offsets.unsqueeze(0) + lens.unsqueeze(-1)).clamp(min=0)
-        cache, logits_of = self._forward_real(ids, torch.cat([b.mask, new], dim=1), pos, new.bool())
-        kept, last, next_pos = new.clone(), [], []
-        emitted: dict[int, list[tuple[int, float]]] = {}
-        temps, top_ps = b.temps.tolist(), b.top_ps.tolist()
-        for i, (slot, d) in enumerate(zip(b.slots, drafts, strict=True)):
-            first = width - 1 - len(d)
-            logits = self._logits(logits_of(i), [slot] * (len(d) + 1), no_eos)
-            tokens, logprobs = verify_draft(logits, d, temps[i], top_ps[i], self.generator)
-            accepted = len(tokens) - 1
-            kept[i, first + 1 + accepted :] = 0  # the rejected drafted tokens' columns
-            last.append(tokens[-1])
-            next_pos.append(int(b.next_pos[i]) + 1 + accepted)
-            emitted[slot] = list(zip(tokens, logprobs, strict=True))
+        real = [i * width + c for i, first in enumerate(firsts) for c in range(first, width)]
+        cache, logits = self._forward_real(ids, torch.cat([b.mask, new], dim=1), pos, real)
+        masked = [s for s in b.slots if s in no_eos]
+        if masked:
+            counts = [len(d) + 1 for d in drafts]
+            logits = self._logits(
+                logits, [s for s, c in zip(b.slots, counts, strict=True) for _ in range(c)], no_eos
+            )
+        verdicts = verify_drafts(logits, drafts, b.temps.tolist(), b.top_ps.tolist(), self.generator)
+        accepted = [len(tokens) - 1 for tokens, _ in verdicts]
+        # the rejected drafted tokens' columns: those after each row's accepted prefix
+        cols = torch.arange(width, device=self.device).unsqueeze(0)
+        keep_to = first_t + 1 + torch.tensor(accepted, device=self.device)
+        kept = new * (cols < keep_to.unsqueeze(-1))
         self.batch = _Batch(
             b.slots,
             cache,
             torch.cat([b.mask, kept], dim=1),
-            torch.tensor(next_pos, device=self.device),
-            torch.tensor(last, device=self.device),
+            b.next_pos + 1 + torch.tensor(accepted, device=self.device),
+            torch.tensor([tokens[-1] for tokens, _ in verdicts], device=self.device),
             b.temps,
             b.top_ps,
         )
         wasted = self.batch.wasted_columns()
         if wasted > max(COMPACT_MIN_COLUMNS, self.batch.mask.shape[1] // 4):
             self.batch = self.batch.compacted()
-        return emitted
+        return {
+            slot: list(zip(tokens, logprobs, strict=True))
+            for slot, (tokens, logprobs) in zip(b.slots, verdicts, strict=True)
+        }
 
     def _forward_real(
-        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, real: torch.Tensor
-    ) -> tuple[Any, Callable[[int], torch.Tensor]]:
-        """The verify forward: the new cache, and row i's logits at its real (unpadded) positions.
-        The output projection (for a small model with a large vocabulary, most of a step) runs on
-        the real positions only; a model whose head does more than project (soft-capped or scaled
-        logits) runs whole."""
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, flat: list[int]
+    ) -> tuple[Any, torch.Tensor]:
+        """The verify forward: the new cache, and the logits at the real (unpadded) positions, row
+        after row (`flat`: their indices in the flattened rows x columns). The output projection
+        (for a small model with a large vocabulary, most of a step) runs on the real positions
+        only; a model whose head does more than project (soft-capped or scaled logits) runs whole."""
         cfg = self.model.config
+        index = torch.tensor(flat, device=self.device)
         if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
             out = self.model(
                 input_ids=ids,
@@ -333,7 +352,7 @@ class HFBackend(StepBackend):
                 past_key_values=self.batch.cache,
                 use_cache=True,
             )
-            return out.past_key_values, lambda i: out.logits[i][real[i]]
+            return out.past_key_values, out.logits.flatten(0, 1)[index]
         hidden = self.model.get_decoder()(
             input_ids=ids,
             attention_mask=mask,
@@ -341,9 +360,8 @@ class HFBackend(StepBackend):
             past_key_values=self.batch.cache,
             use_cache=True,
         )
-        logits = self.model.get_output_embeddings()(hidden.last_hidden_state[real])
-        ends = real.sum(dim=1).cumsum(0).tolist()
-        return hidden.past_key_values, lambda i: logits[(ends[i - 1] if i else 0) : ends[i]]
+        states = hidden.last_hidden_state.flatten(0, 1)[index]
+        return hidden.past_key_values, self.model.get_output_embeddings()(states)
 
     def _prefill(self, joins: list[Join], no_eos: frozenset[int]) -> dict[int, list[tuple[int, float]]]:
         """Prefills the joining rows in a batch of their own, samples each one's first token and
@@ -360,7 +378,7 @@ class HFBackend(StepBackend):
         tokens, logprobs = sample_next(logits, temps, self.generator, top_ps)
         joined = _Batch(slots, out.past_key_values, mask, pos[:, -1] + 1, tokens, temps, top_ps)
         self.batch = self.batch.merged(joined)
-        return {s: [(t, lp)] for s, t, lp in zip(slots, tokens.tolist(), logprobs.tolist(), strict=True)}
+        return _emitted(slots, tokens, logprobs)
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
         await asyncio.to_thread(self._copy_weights, state_dict)
