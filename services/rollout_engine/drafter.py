@@ -5,7 +5,10 @@ answer formats), so what a sequence is about to write has often been written alr
 siblings in the group (Seer, arXiv 2511.14617), by earlier rollouts of the same prompt (DAS, arXiv
 2511.13841; SuffixDecoding, arXiv 2411.04975), or in its own context (prompt lookup, vLLM's
 `ngram`). The drafter finds the longest earlier occurrence of the sequence's last tokens and
-proposes what followed it there. A draft only saves time; the verifier decides what is emitted
+proposes what followed it there; where its last `key_len` tokens occur nowhere it backs off to
+shorter keys, down to `min_key` (a verify forward on a GPU costs the same with or without a
+draft, so a weak draft is better than none there; the speculator prices short matches by their
+own acceptance, so where verifying costs, the policy drops them). A draft only saves time; the verifier decides what is emitted
 (`sampling.verify_draft`), so a bad draft never changes the output.
 
 Pure and bounded: no clock, no I/O, at most `max_prompts` prompts of `max_sequences` sequences.
@@ -31,7 +34,7 @@ class _Prompt:
     first: int = 0
     """The number of sequences dropped so far (index of `sequences[0]` in arrival order)."""
     index: dict[Key, deque[tuple[int, int]]] = field(default_factory=dict)
-    """Key (the last `key_len` tokens) -> (sequence number, position after the key)."""
+    """Key (`min_key` to `key_len` tokens) -> (sequence number, position after the key)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +58,13 @@ class SuffixDrafter:
         max_sequences: int = 64,
         max_prompts: int = 512,
         per_key: int = 8,
+        min_key: int = 1,
     ):
-        if key_len < 1 or max_match < key_len:
-            raise ValueError(f"need 1 <= key_len <= max_match, got {key_len} and {max_match}")
-        self.key_len, self.max_match = key_len, max_match
+        if not 1 <= min_key <= key_len <= max_match:
+            raise ValueError(
+                f"need 1 <= min_key <= key_len <= max_match, got {min_key}, {key_len} and {max_match}"
+            )
+        self.key_len, self.max_match, self.min_key = key_len, max_match, min_key
         self.max_sequences, self.max_prompts, self.per_key = max_sequences, max_prompts, per_key
         self._prompts: OrderedDict[str, _Prompt] = OrderedDict()
 
@@ -67,7 +73,7 @@ class SuffixDrafter:
 
     def add(self, prompt_id: str, group_id: str, tokens: Sequence[int]) -> None:
         """A response (one turn's generated tokens) of a sample of `group_id` on `prompt_id`."""
-        if len(tokens) <= self.key_len:
+        if len(tokens) <= self.min_key:
             return
         p = self._prompts.pop(prompt_id, None) or _Prompt()
         self._prompts[prompt_id] = p  # most recently used last
@@ -78,12 +84,12 @@ class SuffixDrafter:
         number = p.first + len(p.sequences)
         seq = list(tokens)
         p.sequences.append((group_id, seq))
-        k = self.key_len
         keys: set[Key] = set()
-        for end in range(k, len(seq)):
-            key = tuple(seq[end - k : end])
-            keys.add(key)
-            p.index.setdefault(key, deque(maxlen=self.per_key)).append((number, end))
+        for k in range(self.min_key, self.key_len + 1):
+            for end in range(k, len(seq)):
+                key = tuple(seq[end - k : end])
+                keys.add(key)
+                p.index.setdefault(key, deque(maxlen=self.per_key)).append((number, end))
         p.keys.append(keys)
 
     def _drop_oldest(self, p: _Prompt) -> None:
@@ -100,25 +106,56 @@ class SuffixDrafter:
     def draft(self, prompt_id: str, group_id: str, context: Sequence[int], k: int) -> Draft:
         """Up to `k` tokens that followed the longest earlier occurrence of `context`'s last tokens:
         in a sibling's response first, then in any response to the prompt, then in `context`
-        itself. Longer matches win; among equal ones a sibling's, then the most recent."""
-        if k <= 0 or len(context) < self.key_len:
+        itself. Longer matches win; among equal ones a sibling's, then the most recent. Keys of
+        `key_len` tokens first; only where none occurs, shorter ones (down to `min_key`)."""
+        if k <= 0:
             return NO_DRAFT
-        best = NO_DRAFT
-        key = tuple(context[-self.key_len :])
+        for key_len in range(min(self.key_len, len(context)), self.min_key - 1, -1):
+            found = self._draft(prompt_id, group_id, context, k, key_len)
+            if found.tokens:
+                return found
+        return NO_DRAFT
+
+    def _draft(self, prompt_id: str, group_id: str, context: Sequence[int], k: int, key_len: int) -> Draft:
+        """The earlier responses whose tokens before a position end as `context` does (at least
+        `key_len` of them) vote on each drafted token in turn, each weighted by how long its match
+        is (a longer shared history predicts better; SuffixDecoding, arXiv 2411.04975, also
+        drafts the most frequent continuation); a candidate that disagrees with a drafted token
+        stops voting. Ties go to a sibling, then to the most recent."""
+        key = tuple(context[-key_len:])
         p = self._prompts.get(prompt_id)
+        cands: list[tuple[list[int], int, int, bool]] = []  # (tokens, position, match, sibling)
         if p is not None:
             for number, end in reversed(p.index.get(key, ())):
                 group, seq = p.sequences[number - p.first]
-                if end >= len(seq):
-                    continue
-                match = self._match(context, seq, end)
-                source = "group" if group == group_id else "prompt"
-                sibling_on_a_tie = match == best.match and source == "group" and best.source != "group"
-                if match > best.match or sibling_on_a_tie:
-                    best = Draft(seq[end : end + k], match, source)
+                if end < len(seq):
+                    cands.append((seq, end, self._match(context, seq, end), group == group_id))
+        best = NO_DRAFT
+        if cands:
+            longest = max(c[2] for c in cands)
+            tokens: list[int] = []
+            sibling = False
+            while cands and len(tokens) < k:
+                votes: dict[int, tuple[int, bool, int]] = {}
+                for rank, (seq, end, match, sib) in enumerate(cands):
+                    at = end + len(tokens)
+                    if at < len(seq):
+                        w, s, r = votes.get(seq[at], (0, False, rank))
+                        votes[seq[at]] = (w + match, s or sib, min(r, rank))
+                if not votes:
+                    break
+                token = max(votes, key=lambda t: (votes[t][0], votes[t][1], -votes[t][2]))
+                sibling = sibling or (not tokens and votes[token][1])
+                tokens.append(token)
+                cands = [
+                    c
+                    for c in cands
+                    if c[1] + len(tokens) - 1 < len(c[0]) and c[0][c[1] + len(tokens) - 1] == token
+                ]
+            best = Draft(tokens, longest, "group" if sibling else "prompt")
         if best.match >= self.max_match:
             return best
-        own = self._own(context, k)
+        own = self._own(context, k, key_len)
         return own if own.match > best.match else best
 
     def _match(self, context: Sequence[int], seq: Sequence[int], end: int) -> int:
@@ -130,10 +167,9 @@ class SuffixDrafter:
             n += 1
         return n
 
-    def _own(self, context: Sequence[int], k: int) -> Draft:
-        """Prompt lookup: the latest earlier occurrence of the last tokens in the context itself
-        (searched as bytes, in C: contexts are thousands of tokens and this runs every step)."""
-        kl = self.key_len
+    def _own(self, context: Sequence[int], k: int, kl: int) -> Draft:
+        """Prompt lookup: the latest earlier occurrence of the last `kl` tokens in the context
+        itself (searched as bytes, in C: contexts are thousands of tokens and this runs every step)."""
         hay = array("q", context).tobytes()
         needle = hay[-8 * kl :]
         stop = len(hay) - 8  # an occurrence must end before the context does

@@ -21,6 +21,9 @@ from services.rollout_engine.drafter import SuffixDrafter
 from services.rollout_engine.speculation import SpeculationPolicy
 
 SOURCES = ("group", "prompt", "self")
+LANES = SOURCES + tuple(f"{s}-short" for s in SOURCES)
+"""Acceptance is estimated per lane: a source, and whether its match was shorter than the
+drafter's `key_len` (a backed-off draft, usually accepted less often)."""
 
 
 class StepTimes:
@@ -134,15 +137,15 @@ class Speculator:
         self.policy = SpeculationPolicy(mode=cfg.policy, draft_tokens=cfg.num_tokens)
         self.drafter = drafter or SuffixDrafter()
         self.times = StepTimes()
-        self.acceptance = {s: Acceptance() for s in SOURCES}
+        self.acceptance = {lane: Acceptance() for lane in LANES}
         self.counters = SpecCounters()
-        self._sources: dict[int, str] = {}
+        self._lanes: dict[int, str] = {}
 
     def drafts(self, rows: Sequence[Row]) -> dict[int, list[int]]:
         """Each row's drafted tokens for the next step (rows without any are left out). The hf
         backend pads every row to the longest draft, so one width is chosen for the whole step
         (`SpeculationPolicy.padded_width`) and each draft cut to it."""
-        self._sources.clear()
+        self._lanes.clear()
         found: list[tuple[Row, list[int], str]] = []
         for row in rows:
             k = min(self.cfg.num_tokens, row.room - 1)
@@ -151,25 +154,28 @@ class Speculator:
             prompt = row.prompt_id if self.cfg.method == "suffix" else ""
             d = self.drafter.draft(prompt, row.group_id, row.context, k)
             if d.tokens:
-                found.append((row, d.tokens, d.source))
+                found.append(
+                    (row, d.tokens, d.source if d.match >= self.drafter.key_len else f"{d.source}-short")
+                )
         width = self.policy.padded_width(
-            [(self.acceptance[source].rate, len(tokens)) for _, tokens, source in found],
+            [(self.acceptance[lane].rate, len(tokens)) for _, tokens, lane in found],
             len(rows),
             self.times,
         )
         out: dict[int, list[int]] = {}
-        for row, tokens, source in found[: len(found) if width else 0]:
+        for row, tokens, lane in found[: len(found) if width else 0]:
             out[row.slot] = tokens[:width]
-            self._sources[row.slot] = source
+            self._lanes[row.slot] = lane
         return out
 
     def verified(self, slot: int, drafted: int, emitted: int) -> None:
         """Row `slot` verified `drafted` tokens and emitted `emitted` (the accepted ones and one more)."""
-        source = self._sources.get(slot)
-        if source is None or drafted <= 0:
+        lane = self._lanes.get(slot)
+        if lane is None or drafted <= 0:
             return
         accepted = max(0, min(drafted, emitted - 1))
-        self.acceptance[source].observe(drafted, accepted)
+        self.acceptance[lane].observe(drafted, accepted)
+        source = lane.removesuffix("-short")
         c = self.counters
         c.verify_steps += 1
         c.drafted += drafted

@@ -9,8 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
-from services.rollout_engine.drafter import SuffixDrafter
+from services.common.runconfig import SpeculativeConfig
+from services.rollout_engine.drafter import Draft, SuffixDrafter
 from services.rollout_engine.sampling import sample_next, target_logprobs, verify_draft, verify_drafts
+from services.rollout_engine.speculator import Row, Speculator
 
 
 def test_a_sibling_continues_the_longest_match_and_beats_another_groups_rollout() -> None:
@@ -30,7 +32,7 @@ def test_a_sibling_continues_the_longest_match_and_beats_another_groups_rollout(
 
 
 def test_the_drafter_stays_bounded_and_forgets_the_oldest() -> None:
-    d = SuffixDrafter(key_len=2, max_sequences=2, max_prompts=2)
+    d = SuffixDrafter(key_len=2, max_sequences=2, max_prompts=2, min_key=2)
     d.add("p", "g", [1, 2, 3, 10])
     d.add("p", "g", [4, 5, 6, 11])
     d.add("p", "g", [7, 8, 9, 12])  # the first response is dropped
@@ -42,6 +44,43 @@ def test_the_drafter_stays_bounded_and_forgets_the_oldest() -> None:
     d.add("q", "g", [1, 1, 1, 1])
     d.add("r", "g", [2, 2, 2, 2])  # three prompts: the least recently added ("p") goes
     assert len(d) == 2 and d.draft("p", "g", [8, 9], 1).tokens == []
+
+
+def test_the_drafter_backs_off_to_shorter_keys_only_where_no_full_key_matches() -> None:
+    d = SuffixDrafter(key_len=3, max_match=8)
+    d.add("p", "g", [1, 2, 3, 40, 41, 9, 3, 50, 51])
+    # "1 2 3" occurs: the full key wins over the later one-token match of "3"
+    assert d.draft("p", "g", [1, 2, 3], 2) == Draft([40, 41], 3, "group")
+    # "7 8 3" does not, nor "8 3": the latest "3" continues it, a match of one token
+    assert d.draft("p", "g", [7, 8, 3], 2) == Draft([50, 51], 1, "group")
+    assert SuffixDrafter(key_len=3, min_key=3).draft("p", "g", [7, 8, 3], 2).tokens == []
+    with pytest.raises(ValueError, match="min_key"):
+        SuffixDrafter(key_len=2, min_key=3)
+
+
+def test_the_continuation_most_responses_agree_on_is_drafted_token_by_token() -> None:
+    d = SuffixDrafter(key_len=2, max_match=8)
+    d.add("p", "a", [5, 6, 10, 11, 12])
+    d.add("p", "b", [5, 6, 10, 11, 13])
+    d.add("p", "c", [5, 6, 20, 21, 22])  # the most recent disagrees from the first token
+    # two of three continue "5 6" with "10 11", then split one to one: the more recent (13) wins
+    assert d.draft("p", "x", [1, 5, 6], 3) == Draft([10, 11, 13], 2, "prompt")
+    # a longer match weighs more: "4 5 6" is matched 3 long by c's response only
+    d.add("p", "c", [4, 5, 6, 20, 21, 22])
+    assert d.draft("p", "x", [4, 5, 6], 2).tokens == [20, 21]
+    # the votes counted for the first token come with a sibling: the draft is the group's
+    assert d.draft("p", "a", [1, 5, 6], 1).source == "group"
+
+
+def test_backed_off_drafts_are_priced_by_their_own_acceptance() -> None:
+    spec = Speculator(SpeculativeConfig(method="suffix", num_tokens=2, policy="fixed"))
+    spec.drafter.add("p", "g", [1, 2, 3, 40, 41, 9, 3, 50, 51])
+    rows = [Row(0, "p", "g", [1, 2, 3], 8), Row(1, "p", "g", [7, 8, 3], 8)]
+    assert spec.drafts(rows) == {0: [40, 41], 1: [50, 51]}
+    spec.verified(0, 2, 3)  # both accepted
+    spec.verified(1, 2, 1)  # the backed-off draft rejected
+    assert spec.acceptance["group"].rate > spec.acceptance["group-short"].rate
+    assert spec.counters.by_source["group"] == [4, 2]  # counted under their source either way
 
 
 def test_greedy_verification_keeps_drafted_tokens_while_they_are_the_argmax() -> None:

@@ -19,6 +19,7 @@ distribution at the same position (`SAMPLES` each).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import statistics
 import time
@@ -59,14 +60,18 @@ async def _timed(engine: Any, reqs: list[Any]) -> tuple[int, float]:
     return sum(len(d.output.token_ids) for d in done), time.perf_counter() - start
 
 
-async def _scenario(backend: Any, task: str, spec_on: bool) -> dict[str, float]:
+async def _scenario(backend: Any, task: str, spec_on: bool, policy: str = "adaptive") -> dict[str, float]:
     from services.common.runconfig import SpeculativeConfig
     from services.rollout_engine.backends.base import GenRequest
     from services.rollout_engine.engine import ContinuousEngine
     from services.rollout_engine.speculator import Speculator
 
     prompts, budget, stops = _tasks(backend)[task]
-    spec = Speculator(SpeculativeConfig(method="suffix", num_tokens=NUM_TOKENS)) if spec_on else None
+    spec = (
+        Speculator(SpeculativeConfig(method="suffix", num_tokens=NUM_TOKENS, policy=policy))
+        if spec_on
+        else None
+    )
     engine = ContinuousEngine(backend, MAX_BATCH, speculator=spec)
     engine.start()
     out = {"tail_tokens": 0.0, "tail_s": 0.0, "full_tokens": 0.0, "full_s": 0.0}
@@ -271,3 +276,38 @@ def run() -> dict[str, Any]:
         "results": r,
         "rows": rows(r),
     }
+
+
+async def _draft_yield() -> dict[str, Any]:
+    from services.common.runconfig import ModelConfig
+    from services.rollout_engine.backends.hf import HFBackend
+
+    backend = HFBackend(ModelConfig(source="smollm2"), torch_threads=2, seed=0)
+    await backend.start()
+    out: dict[str, Any] = {}
+    for task in ("expressions", "free_text"):
+        r = await _scenario(backend, task, True, policy="fixed")
+        out[task] = {
+            scenario: {
+                "tokens_per_row_step": round(r[f"{key}_tokens"] / r[f"{key}_row_steps"], 3),
+                "drafted_share": round(r[f"{key}_verify_steps"] / r[f"{key}_row_steps"], 3),
+                "mean_accepted": round(r[f"{key}_mean_accepted"], 3),
+            }
+            for scenario, key in (("tail", "tail"), ("full_batch", "full"))
+        }
+        print(task, json.dumps(out[task]), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    # `python -m tools.bench.spec yield`: the tokens a row-step emits with every found draft
+    # verified (the fixed policy), the speed-up where a verify step costs what a decode step does
+    # (a GPU at these batch sizes: docs/data/hf-engine-h100.json); machine-independent but for
+    # the sampled tokens, so the drafter can be judged on a CPU.
+    import sys
+
+    if sys.argv[1:] != ["yield"]:
+        raise SystemExit(
+            "usage: python -m tools.bench.spec yield  (the benchmark itself: python -m tools.bench spec)"
+        )
+    asyncio.run(_draft_yield())
