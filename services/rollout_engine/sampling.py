@@ -5,7 +5,6 @@ Kept free of models and I/O so the unit tests pin down exactly what the engine r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +29,7 @@ def sample_next(
     temperatures: torch.Tensor,
     generator: torch.Generator | None = None,
     top_p: torch.Tensor | None = None,
+    keys: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples one token per row from softmax(logits / T) and returns (tokens, their logprobs).
 
@@ -38,16 +38,61 @@ def sample_next(
     reaches top_p — renormalised, and reports the logprob under that truncated distribution (the
     true behaviour policy, as vLLM's processed logprobs); at top_p = 1 that is exactly what the
     trainer recomputes from the same weights.
+
+    A row's token is the argmax of its logprobs plus Gumbel noise (an exact sample: the Gumbel-max
+    trick). The noise is `gumbel_noise(keys)` where keys are given (`noise_key(seed, position)`:
+    the same noise whenever that position is sampled again, with or without speculation; a
+    rounding difference between two forwards changes the token only where the two best noisy
+    scores nearly tie), else drawn from `generator`.
     """
     logits = logits.float()
     greedy = temperatures <= 0
     scale = torch.where(greedy, torch.ones_like(temperatures), temperatures).float().unsqueeze(-1)
     logp = torch.log_softmax(logits / scale, dim=-1)
     if top_p is not None and bool((top_p < 1.0).any()):
-        logp = _nucleus(logp, top_p.float().unsqueeze(-1))
-    sampled = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        cut = (top_p < 1.0).unsqueeze(-1)  # rows at top_p = 1 keep every token, as the trainer does
+        logp = torch.where(cut, _nucleus(logp, top_p.float().unsqueeze(-1)), logp)
+    if keys is None:
+        u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=torch.float64)
+        noise = -torch.log(-torch.log(u.clamp(min=1e-300)))
+    else:
+        if len(keys) != logp.shape[0]:
+            raise ValueError(f"{logp.shape[0]} rows need as many noise keys, got {len(keys)}")
+        noise = gumbel_noise(torch.tensor(list(keys), device=logp.device), logp.shape[-1])
+    sampled = (logp.double() + noise).argmax(-1)  # -inf outside the nucleus: never
     tokens = torch.where(greedy, logits.argmax(-1), sampled)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+_MASK32, _MASK64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def noise_key(seed: int, position: int) -> int:
+    """The 32-bit key of the noise a row samples its token at `position` with: splitmix64's output
+    function (Steele et al., OOPSLA 2014) over the seed and the position."""
+    x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        x = ((x ^ (x >> shift)) * mult) & _MASK64
+    return (x ^ (x >> 31)) >> 32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply, constant 0x45d9f3b) of int64 values below 2^32;
+    every product stays below 2^59, so nothing overflows."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise for each token of each row, a function of the row's key (below 2^32)
+    and the token id only: (rows, vocab) float64."""
+    k = keys.to(torch.int64).unsqueeze(-1)
+    v = torch.arange(vocab, device=keys.device, dtype=torch.int64).unsqueeze(0)
+    x = _mix32(k ^ ((v * 0x61C88647) & _MASK32))
+    x = _mix32((x + k) & _MASK32)
+    u = (x.double() + 0.5) / float(1 << 32)
+    return -torch.log(-torch.log(u))
 
 
 def _nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -78,23 +123,26 @@ def verify_draft(
     temperature: float,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    keys: Sequence[int] | None = None,
 ) -> tuple[list[int], list[float]]:
     """Speculative decoding's verification of a deterministic draft, lossless: the emitted tokens
-    are distributed exactly as plain sampling from the target would emit them.
+    are exactly those plain sampling would emit with the same noise.
 
     `logits` holds the target model's logits at the k + 1 positions of one verify forward (after
-    the context, then after each drafted token); `draft` the k drafted tokens. Drafted token x at
-    position j is accepted with probability p_j(x); on rejection one token is drawn from p_j with x
-    removed and renormalised, and verification stops; when all k are accepted, one more token is
-    drawn from p_k. This is the rejection rule of Leviathan et al. (arXiv 2211.17192, Thm. 1) and
-    Chen et al. (arXiv 2302.01318) for a draft distribution that puts all its mass on x: the token
-    emitted at j is x with probability p_j(x) and y != x with (1 - p_j(x)) p_j(y) / (1 - p_j(x)).
-    Greedy (T <= 0): drafted tokens are kept while they are the argmax, then the argmax is emitted.
+    the context, then after each drafted token); `draft` the k drafted tokens. At each position j
+    the target's own token is drawn as plain decoding draws it (`sample_next`, with the position's
+    noise `keys[j]`; argmax when greedy); drafted token x_j is accepted if it is that token, and
+    verification stops at the first that is not, emitting the target's token there. So x_j is
+    accepted with probability p_j(x_j), as by the rejection rule of Leviathan et al. (arXiv
+    2211.17192, Thm. 1) for a draft that puts all its mass on x_j, and the emitted tokens are
+    distributed as p; with noise keyed by position (`noise_key(seed, position)`) they are moreover
+    the very tokens decoding without a draft emits.
 
     Returns the emitted tokens (the accepted prefix and one more) and their logprobs under p, the
     distribution they were drawn from (what the trainer's importance weights need).
     """
-    return verify_drafts(logits, [draft], [temperature], [top_p], generator)[0]
+    rows = [keys] if keys is not None else None
+    return verify_drafts(logits, [draft], [temperature], [top_p], generator, rows)[0]
 
 
 def verify_drafts(
@@ -103,12 +151,13 @@ def verify_drafts(
     temperatures: Sequence[float],
     top_ps: Sequence[float],
     generator: torch.Generator | None = None,
+    keys: Sequence[Sequence[int]] | None = None,
 ) -> list[tuple[list[int], list[float]]]:
-    """`verify_draft` for several rows at once, in two device-to-host copies whatever the number
+    """`verify_draft` for several rows at once, in one device-to-host copy whatever the number
     of rows and drafted tokens (on a GPU each copy waits for the device, so a row-by-row loop costs
     a wait per drafted token). `logits` packs the rows' k_i + 1 positions one row after another;
-    row i's drafted tokens are `drafts[i]`, sampled at `temperatures[i]` and `top_ps[i]`. Every
-    drafted token gets its own uniform draw, so each row follows the rule exactly as alone."""
+    row i's drafted tokens are `drafts[i]`, sampled at `temperatures[i]` and `top_ps[i]` with the
+    k_i + 1 noise keys `keys[i]` (else noise drawn from `generator`)."""
     ks = [len(d) for d in drafts]
     if not len(ks) == len(temperatures) == len(top_ps):
         raise ValueError(f"{len(ks)} drafts need as many temperatures and top_ps")
@@ -119,57 +168,24 @@ def verify_drafts(
         )
     if any(not 0 <= x < logits.shape[-1] for d in drafts for x in d):
         raise ValueError(f"a drafted token is outside the vocabulary of {logits.shape[-1]}")
+    if keys is not None and [len(u) for u in keys] != [k + 1 for k in ks]:
+        raise ValueError(
+            "each row needs one noise key per verified position (its drafted tokens and one more)"
+        )
     dev = logits.device
-    offsets = [0]
-    for k in ks:
-        offsets.append(offsets[-1] + k + 1)
     reps = torch.tensor([k + 1 for k in ks], device=dev)
     temp = torch.tensor([float(t) for t in temperatures], device=dev).repeat_interleave(reps)
-    scale = torch.where(temp > 0, temp, torch.ones_like(temp)).unsqueeze(-1)
-    logp = torch.log_softmax(logits.float() / scale, dim=-1)
-    if any(t > 0 and p < 1.0 for t, p in zip(temperatures, top_ps, strict=True)):
-        top = torch.tensor([float(p) for p in top_ps], device=dev).repeat_interleave(reps).unsqueeze(-1)
-        cut = ((temp > 0) & (top.squeeze(-1) < 1.0)).unsqueeze(-1)
-        logp = torch.where(cut, _nucleus(logp, top), logp)
-    # 1st copy: each drafted token's logprob, a uniform draw for it, and the argmax at its position
-    dpos = [offsets[i] + j for i, k in enumerate(ks) for j in range(k)]
-    dtok = [x for d in drafts for x in d]
-    n_d = len(dpos)
-    if n_d:
-        pos_t, tok_t = torch.tensor(dpos, device=dev), torch.tensor(dtok, device=dev)
-        u = torch.rand(n_d, generator=generator, device=dev)
-        host = torch.cat([logp[pos_t, tok_t], u, logp[pos_t].argmax(-1).float()]).tolist()
-    else:
-        host = []
-    lp_x, draws, best = host[:n_d], host[n_d : 2 * n_d], host[2 * n_d :]
-    accepted, finals, rejected_rows, rejected_toks = [], [], [], []
-    d_at = 0
-    for i, (d, t) in enumerate(zip(drafts, temperatures, strict=True)):
-        a = 0
-        for j, x in enumerate(d):
-            ok = int(best[d_at + j]) == x if t <= 0 else draws[d_at + j] < math.exp(lp_x[d_at + j])
-            if not ok:
-                rejected_rows.append(i)
-                rejected_toks.append(x)
-                break
-            a += 1
-        accepted.append(a)
-        finals.append(offsets[i] + a)
-        d_at += len(d)
-    # 2nd copy: one more token per row, from p at its first rejected position with the rejected
-    # token removed (renormalised by the sampler), else from p after the whole draft
-    final = logp[torch.tensor(finals, device=dev)]
-    probs = final.exp()
-    if rejected_rows:
-        probs[torch.tensor(rejected_rows, device=dev), torch.tensor(rejected_toks, device=dev)] = 0.0
-    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    greedy = torch.tensor([t <= 0 for t in temperatures], device=dev)
-    tokens = torch.where(greedy, probs.argmax(-1), sampled)
-    host2 = torch.cat([tokens.float(), final.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)]).tolist()
-    n = len(ks)
+    top = torch.tensor([float(p) for p in top_ps], device=dev).repeat_interleave(reps)
+    flat = [u for row in keys for u in row] if keys is not None else None
+    tokens, logps = sample_next(logits, temp, generator, top if bool((top < 1.0).any()) else None, flat)
+    host = torch.cat([tokens.double(), logps.double()]).tolist()
+    n = len(host) // 2
     out = []
-    d_at = 0
-    for i, (d, a) in enumerate(zip(drafts, accepted, strict=True)):
-        out.append(([*d[:a], int(host2[i])], [*lp_x[d_at : d_at + a], host2[n + i]]))
-        d_at += len(d)
+    at = 0
+    for d in drafts:
+        a = 0
+        while a < len(d) and int(host[at + a]) == d[a]:
+            a += 1
+        out.append(([int(t) for t in host[at : at + a + 1]], host[n + at : n + at + a + 1]))
+        at += len(d) + 1
     return out

@@ -1,10 +1,12 @@
 """Speculative decoding in the live engine, on SmolLM2-135M-Instruct (the real model, CPU): greedy
-output identical to plain decoding while rows join and leave the batch mid-verify, rejected drafts
+and seeded sampled output identical to plain decoding while rows join and leave the batch
+mid-verify, rejected drafts
 rolled back out of the KV cache, and a fresh engine drafting from nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from typing import Any
 
@@ -84,6 +86,26 @@ async def test_greedy_speculation_emits_exactly_what_plain_decoding_does(backend
     assert sum(f.output.accepted for f in fast) == c.accepted
     assert c.by_source["group"][1] > 0, "siblings' responses were drafted from and accepted"
     assert fast[2 * 0 + 1].output.finish_reason == "stop"  # the stop string still ends a row mid-draft
+
+
+async def test_seeded_sampling_emits_the_same_tokens_with_and_without_speculation(backend: HFBackend) -> None:
+    """At temperature 1 (and top_p 0.9 for some rows) each request's seed fixes the uniform draw
+    of each position, so speculation, verifying drafts, emits the very tokens plain decoding does."""
+    reqs = [
+        dataclasses.replace(r, temperature=1.0, top_p=0.9 if i % 3 == 0 else 1.0, seed=100 + i)
+        for i, r in enumerate(requests(backend))
+    ]
+    plain = await generate(backend, None, reqs)
+    again = await generate(backend, None, reqs)
+    spec = Speculator(SpeculativeConfig(method="suffix", num_tokens=6, policy="fixed"))
+    fast = await generate(backend, spec, reqs)
+    assert [a.output.token_ids for a in plain] == [a.output.token_ids for a in again]
+    for a, b in zip(plain, fast, strict=True):
+        assert b.output.token_ids == a.output.token_ids
+        assert max(abs(x - y) for x, y in zip(a.output.logprobs, b.output.logprobs, strict=True)) < 1e-3
+    assert spec.counters.accepted > 0
+    # siblings with different seeds sample differently
+    assert plain[0].output.token_ids != plain[1].output.token_ids
 
 
 def test_rejected_drafts_are_rolled_back_from_the_kv_cache(backend: HFBackend) -> None:

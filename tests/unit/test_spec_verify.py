@@ -11,7 +11,14 @@ import torch
 
 from services.common.runconfig import SpeculativeConfig
 from services.rollout_engine.drafter import Draft, SuffixDrafter
-from services.rollout_engine.sampling import sample_next, target_logprobs, verify_draft, verify_drafts
+from services.rollout_engine.sampling import (
+    gumbel_noise,
+    noise_key,
+    sample_next,
+    target_logprobs,
+    verify_draft,
+    verify_drafts,
+)
 from services.rollout_engine.speculator import Row, Speculator
 
 
@@ -147,6 +154,41 @@ def test_rows_verified_together_follow_the_rule_each_as_alone() -> None:
     for counts, target in zip(seen, p, strict=True):
         chi2 = sum((counts[t] - n * float(target[t])) ** 2 / (n * float(target[t])) for t in range(3))
         assert chi2 < 13.8  # chi-square, 2 degrees of freedom, p = 0.001
+
+
+def test_seeded_noise_depends_only_on_its_key_and_samples_the_target() -> None:
+    keys = [noise_key(7, pos) for pos in range(20_000)]
+    assert keys[:5] == [noise_key(7, pos) for pos in range(5)] and len(set(keys)) == len(keys)
+    assert all(0 <= k < 2**32 for k in keys) and noise_key(8, 0) != noise_key(7, 0)
+    noise = gumbel_noise(torch.tensor(keys[:3]), 6)
+    assert torch.equal(noise, gumbel_noise(torch.tensor(keys[:3]), 6))
+    assert not torch.equal(noise[0], noise[1])
+    # argmax of logp + noise over 20,000 keys is distributed as p (chi-square, 2 df, p = 0.001)
+    p = torch.tensor([0.5, 0.3, 0.2])
+    n = len(keys)
+    tokens, logps = sample_next(p.log().repeat(n, 1), torch.ones(n), keys=keys)
+    counts = Counter(tokens.tolist())
+    assert sum((counts[t] - n * float(p[t])) ** 2 / (n * float(p[t])) for t in range(3)) < 13.8
+    assert logps[:3].tolist() == pytest.approx([math.log(float(p[t])) for t in tokens[:3].tolist()])
+    # a token of probability zero never; a wrong number of keys refused
+    zero = torch.tensor([0.5, 0.0, 0.5]).log().repeat(1000, 1)
+    assert 1 not in sample_next(zero, torch.ones(1000), keys=keys[:1000])[0].tolist()
+    with pytest.raises(ValueError, match="noise keys"):
+        sample_next(p.log().unsqueeze(0), torch.ones(1), keys=[1, 2])
+
+
+def test_verification_with_the_positions_noise_emits_what_plain_sampling_does() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(4, 50)
+    keys = [noise_key(3, pos) for pos in range(4)]
+    plain = [int(sample_next(logits[j : j + 1], torch.ones(1), keys=[keys[j]])[0]) for j in range(4)]
+    # a draft that agrees on two tokens, then not: the two, then plain sampling's third
+    wrong = (plain[2] + 1) % 50
+    tokens, _ = verify_draft(logits, [plain[0], plain[1], wrong], 1.0, keys=keys)
+    assert tokens == plain[:3]
+    assert verify_draft(logits, plain[:3], 1.0, keys=keys)[0] == plain  # all kept, and one more
+    with pytest.raises(ValueError, match="one noise key per verified position"):
+        verify_draft(logits, plain[:3], 1.0, keys=keys[:3])
 
 
 def test_bad_drafts_are_refused_before_anything_is_sampled() -> None:

@@ -1,4 +1,4 @@
-"""Speculative decoding in the hf engine (SmolLM2-135M-Instruct, CPU): tokens/s with and without it.
+"""Speculative decoding in the hf engine (SmolLM2-135M-Instruct, CPU or CUDA): tokens/s with and without it.
 
 Two tasks: the `expressions` tool task's first turn (the model writes a `<calc>` call; stop
 strings as the scheduler sets them) and a free-text task with longer answers. Sampling at
@@ -9,9 +9,10 @@ generated first (the speculating engine's drafter learns their responses; untime
 - `full_batch`: `MAX_BATCH` more samples of the prompt run together (a full engine),
 
 each timed on an engine without speculation and on one with it (`method: suffix`, adaptive
-policy), alternating which goes first. Sampled lengths differ between the two, so the ratio is of
-tokens per second. Also: `greedy_identical` (every token of greedy outputs equal with and without
-speculation) and `sampling_test`, a chi-square test of homogeneity between the first token the
+policy), alternating which goes first. Every sample has its own seed (`GenRequest.seed`), the
+same in both engines, so they sample the very same tokens (`sampled_identical`) and the ratio is
+of times for the same work. Also: `greedy_identical` (every token of greedy outputs equal with and
+without speculation) and `sampling_test`, a chi-square test of homogeneity between the first token the
 verifier emits after a 4-token draft and the token plain sampling emits, on SmolLM2's real
 distribution at the same position (`SAMPLES` each).
 """
@@ -54,13 +55,18 @@ def _tasks(backend: Any) -> dict[str, tuple[list[list[int]], int, list[str]]]:
     }
 
 
-async def _timed(engine: Any, reqs: list[Any]) -> tuple[int, float]:
+async def _timed(engine: Any, reqs: list[Any]) -> tuple[list[list[int]], float]:
     start = time.perf_counter()
     done = await asyncio.gather(*(engine.submit(r) for r in reqs))
-    return sum(len(d.output.token_ids) for d in done), time.perf_counter() - start
+    return [list(d.output.token_ids) for d in done], time.perf_counter() - start
 
 
-async def _scenario(backend: Any, task: str, spec_on: bool, policy: str = "adaptive") -> dict[str, float]:
+async def _scenario(
+    backend: Any, task: str, spec_on: bool, policy: str = "adaptive", outputs: list[list[int]] | None = None
+) -> dict[str, float]:
+    """Times the task's groups on an engine with or without speculation; each sample has its own
+    seed, the same in every run, so both engines sample the very same tokens (appended to
+    `outputs`) and their times compare the same work."""
     from services.common.runconfig import SpeculativeConfig
     from services.rollout_engine.backends.base import GenRequest
     from services.rollout_engine.engine import ContinuousEngine
@@ -79,13 +85,27 @@ async def _scenario(backend: Any, task: str, spec_on: bool, policy: str = "adapt
     try:
         for i, p in enumerate(prompts):
 
-            def group(n: int, i: int = i, p: list[int] = p) -> list[GenRequest]:
-                return [GenRequest(p, budget, 1.0, list(stops), prompt_id=f"{task}{i}", group_id=f"g{i}")] * n
+            def group(n: int, first: int, i: int = i, p: list[int] = p) -> list[GenRequest]:
+                return [
+                    GenRequest(
+                        p,
+                        budget,
+                        1.0,
+                        list(stops),
+                        prompt_id=f"{task}{i}",
+                        group_id=f"g{i}",
+                        seed=1000 * i + first + j,
+                    )
+                    for j in range(n)
+                ]
 
-            await asyncio.gather(*(engine.submit(r) for r in group(WARM)))
+            await asyncio.gather(*(engine.submit(r) for r in group(WARM, 0)))
             for scenario, n, key in (("tail", TAIL, "tail"), ("full", MAX_BATCH, "full")):
                 before = (spec.counters.verify_steps, spec.counters.accepted) if spec else (0, 0)
-                tokens, seconds = await _timed(engine, group(n))
+                sampled, seconds = await _timed(engine, group(n, 100 if key == "tail" else 200))
+                if outputs is not None:
+                    outputs += sampled
+                tokens = sum(len(t) for t in sampled)
                 out[f"{key}_tokens"] += tokens
                 out[f"{key}_s"] += seconds
                 if spec is not None:
@@ -181,11 +201,14 @@ async def _measure() -> dict[str, Any]:
     backend = HFBackend(ModelConfig(source="smollm2"), torch_threads=2, seed=0)
     await backend.start()
     results: dict[str, Any] = {}
+    identical = True
     for task in ("expressions", "free_text"):
         runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         for rnd in range(2):
+            sampled: dict[bool, list[list[int]]] = {False: [], True: []}
             for spec_on in (False, True) if rnd == 0 else (True, False):
-                runs[spec_on].append(await _scenario(backend, task, spec_on))
+                runs[spec_on].append(await _scenario(backend, task, spec_on, outputs=sampled[spec_on]))
+            identical = identical and sampled[False] == sampled[True]
         task_out: dict[str, Any] = {}
         for scenario, key in (("tail", "tail"), ("full_batch", "full")):
 
@@ -217,6 +240,7 @@ async def _measure() -> dict[str, Any]:
             round(runs[True][-1][k], 3) for k in ("step_base_ms", "step_per_token_ms")
         ]
         results[task] = task_out
+    results["sampled_identical"] = identical
     results["greedy_identical"] = await _greedy_identical(backend)
     results["sampling_test"] = _sampling_test(backend)
     return results
@@ -249,6 +273,14 @@ def rows(r: dict[str, Any]) -> list[list[str]]:
             )
     st = r["sampling_test"]
     out.append(["greedy identical", str(r["greedy_identical"]).lower(), "every token, 12 greedy outputs"])
+    if "sampled_identical" in r:
+        out.append(
+            [
+                "sampled identical",
+                str(r["sampled_identical"]).lower(),
+                "every token of every timed sample at temperature 1, with and without speculation (seeded)",
+            ]
+        )
     out.append(
         [
             "sampling test p-value",

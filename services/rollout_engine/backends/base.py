@@ -40,6 +40,11 @@ class GenRequest:
     group_id: str = ""
     """The task prompt and GRPO group this sequence samples (what the engine's drafter indexes
     its responses by, `services/rollout_engine/drafter.py`); empty when unknown."""
+    seed: int | None = None
+    """Sampling seed: the `hf` backend samples the token at each position with noise keyed by the
+    seed and the position (`sampling.noise_key`), so the same seed, context and weights give the
+    same tokens, with speculative decoding or without (vLLM: its per-request seed). None: the
+    engine draws one."""
 
 
 @dataclass

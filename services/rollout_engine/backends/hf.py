@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from services.common.models import load_model, load_tokenizer
 from services.common.runconfig import ModelConfig, RunConfig
 from services.rollout_engine.backends.base import Join, StepBackend
 from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.sampling import left_pad, sample_next, verify_drafts
+from services.rollout_engine.sampling import left_pad, noise_key, sample_next, verify_drafts
 
 COMPACT_MIN_COLUMNS = 32
 """Holes left by rejected drafts are squeezed out of the cache once they waste more columns than
@@ -83,7 +84,8 @@ def _left_pad_kv(kv: torch.Tensor, width: int) -> torch.Tensor:
 class _Batch:
     """The running rows: slot ids, their shared right-aligned KV cache and attention mask (one
     column per cache column), each row's next position, last sampled token (not yet in the cache),
-    temperature and top_p."""
+    temperature and top_p, and on the host each row's sampling seed and next position (the
+    position its last token enters at: what keys the noise its next token is sampled with)."""
 
     slots: list[int]
     cache: Any
@@ -92,11 +94,13 @@ class _Batch:
     last: torch.Tensor
     temps: torch.Tensor
     top_ps: torch.Tensor
+    seeds: list[int]
+    at: list[int]
 
     @classmethod
     def empty(cls, device: torch.device) -> _Batch:
         none = torch.zeros((0,), dtype=torch.long, device=device)
-        return cls([], None, none.view(0, 0), none, none, none.float(), none.float())
+        return cls([], None, none.view(0, 0), none, none, none.float(), none.float(), [], [])
 
     def without(self, leaving: set[int]) -> _Batch:
         keep = [i for i, s in enumerate(self.slots) if s not in leaving]
@@ -117,6 +121,8 @@ class _Batch:
             self.last[idx],
             self.temps[idx],
             self.top_ps[idx],
+            [self.seeds[i] for i in keep],
+            [self.at[i] for i in keep],
         )
 
     def wasted_columns(self) -> int:
@@ -144,6 +150,8 @@ class _Batch:
             self.last,
             self.temps,
             self.top_ps,
+            self.seeds,
+            self.at,
         )
 
     def merged(self, other: _Batch) -> _Batch:
@@ -169,6 +177,8 @@ class _Batch:
             torch.cat([self.last, other.last]),
             torch.cat([self.temps, other.temps]),
             torch.cat([self.top_ps, other.top_ps]),
+            self.seeds + other.seeds,
+            self.at + other.at,
         )
 
 
@@ -183,7 +193,8 @@ class HFBackend(StepBackend):
         self.model: Any = None
         self.tok: Any = None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.generator: torch.Generator | None = None
+        self.row_seeds = random.Random(seed)
+        """Draws the sampling seed of a row whose request carries none (`GenRequest.seed`)."""
         self.batch = _Batch.empty(self.device)
         self.log = get_logger(component="hf_backend")
 
@@ -202,11 +213,6 @@ class HFBackend(StepBackend):
         self.model.to(self.device).eval()
         self.eos = _eos_ids(self.model, self.tok)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.eos)
-        self.generator = torch.Generator(device=self.device)
-        if self.seed is not None:
-            self.generator.manual_seed(self.seed)
-        else:
-            self.generator.seed()
         self.log.info(
             "model_loaded",
             source=self.model_cfg.source,
@@ -221,6 +227,10 @@ class HFBackend(StepBackend):
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tok.decode(token_ids, skip_special_tokens=True))
+
+    def _seed(self, join: Join) -> int:
+        req = join.request
+        return req.seed if req is not None and req.seed is not None else self.row_seeds.getrandbits(63)
 
     async def step(
         self,
@@ -277,8 +287,12 @@ class HFBackend(StepBackend):
             use_cache=True,
         )
         logits = self._logits(out.logits[:, -1, :], b.slots, no_eos)
-        tokens, logprobs = sample_next(logits, b.temps, self.generator, b.top_ps)
-        self.batch = _Batch(b.slots, out.past_key_values, mask, b.next_pos + 1, tokens, b.temps, b.top_ps)
+        draws = [noise_key(seed, at) for seed, at in zip(b.seeds, b.at, strict=True)]
+        tokens, logprobs = sample_next(logits, b.temps, top_p=b.top_ps, keys=draws)
+        at = [a + 1 for a in b.at]
+        self.batch = _Batch(
+            b.slots, out.past_key_values, mask, b.next_pos + 1, tokens, b.temps, b.top_ps, b.seeds, at
+        )
         return _emitted(b.slots, tokens, logprobs)
 
     def _verify(self, drafts: list[list[int]], no_eos: frozenset[int]) -> dict[int, list[tuple[int, float]]]:
@@ -312,7 +326,11 @@ class HFBackend(StepBackend):
             logits = self._logits(
                 logits, [s for s, c in zip(b.slots, counts, strict=True) for _ in range(c)], no_eos
             )
-        verdicts = verify_drafts(logits, drafts, b.temps.tolist(), b.top_ps.tolist(), self.generator)
+        draws = [
+            [noise_key(seed, at + j) for j in range(len(d) + 1)]
+            for seed, at, d in zip(b.seeds, b.at, drafts, strict=True)
+        ]
+        verdicts = verify_drafts(logits, drafts, b.temps.tolist(), b.top_ps.tolist(), keys=draws)
         accepted = [len(tokens) - 1 for tokens, _ in verdicts]
         # the rejected drafted tokens' columns: those after each row's accepted prefix
         cols = torch.arange(width, device=self.device).unsqueeze(0)
@@ -326,6 +344,8 @@ class HFBackend(StepBackend):
             torch.tensor([tokens[-1] for tokens, _ in verdicts], device=self.device),
             b.temps,
             b.top_ps,
+            b.seeds,
+            [at + 1 + a for at, a in zip(b.at, accepted, strict=True)],
         )
         wasted = self.batch.wasted_columns()
         if wasted > max(COMPACT_MIN_COLUMNS, self.batch.mask.shape[1] // 4):
@@ -375,8 +395,12 @@ class HFBackend(StepBackend):
         )
         slots = [j.slot for j in joins]
         logits = self._logits(out.logits[:, -1, :], slots, no_eos)
-        tokens, logprobs = sample_next(logits, temps, self.generator, top_ps)
-        joined = _Batch(slots, out.past_key_values, mask, pos[:, -1] + 1, tokens, temps, top_ps)
+        seeds = [self._seed(j) for j in joins]
+        # a prompt's last token sits at position len - 1: its logits draw the first token
+        draws = [noise_key(seed, len(j.context) - 1) for seed, j in zip(seeds, joins, strict=True)]
+        tokens, logprobs = sample_next(logits, temps, top_p=top_ps, keys=draws)
+        at = [len(j.context) for j in joins]
+        joined = _Batch(slots, out.past_key_values, mask, pos[:, -1] + 1, tokens, temps, top_ps, seeds, at)
         self.batch = self.batch.merged(joined)
         return _emitted(slots, tokens, logprobs)
 

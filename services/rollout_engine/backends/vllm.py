@@ -212,6 +212,7 @@ class VllmEngine(VersionGate):
             include_stop_str_in_output=True,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
+            seed=req.seed,
         )
         ids: list[int] = []
         lps: list[float] = []
