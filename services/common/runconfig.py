@@ -259,6 +259,11 @@ class RolloutConfig(_Strict):
     """CPU threads of each `hf` engine's torch."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     """Speculative decoding against the tail of a rollout (`docs/engine.md`)."""
+    sampling_seed: int = Field(0, ge=0, lt=2**63)
+    """Seed of the rollouts' sampling: each trajectory samples with its own seed drawn from this
+    and its id (`TurnRequest.sampling_seed`), so a run with the same seed, prompts and weights
+    samples the same tokens, with or without speculation, and a turn moved between `hf` engines
+    continues as it would have. Change it for independent repeats of a run."""
 
     @model_validator(mode="after")
     def _speculation_needs_a_model(self) -> RolloutConfig:

@@ -26,9 +26,9 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
 
 def sample_next(
     logits: torch.Tensor,
-    temperatures: torch.Tensor,
+    temperatures: Sequence[float] | torch.Tensor,
     generator: torch.Generator | None = None,
-    top_p: torch.Tensor | None = None,
+    top_p: Sequence[float] | torch.Tensor | None = None,
     keys: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples one token per row from softmax(logits / T) and returns (tokens, their logprobs).
@@ -39,28 +39,49 @@ def sample_next(
     true behaviour policy, as vLLM's processed logprobs); at top_p = 1 that is exactly what the
     trainer recomputes from the same weights.
 
-    A row's token is the argmax of its logprobs plus Gumbel noise (an exact sample: the Gumbel-max
-    trick). The noise is `gumbel_noise(keys)` where keys are given (`noise_key(seed, position)`:
-    the same noise whenever that position is sampled again, with or without speculation; a
-    rounding difference between two forwards changes the token only where the two best noisy
-    scores nearly tie), else drawn from `generator`.
+    A sampled row's token is the argmax of its logprobs plus Gumbel noise (an exact sample: the
+    Gumbel-max trick). The noise is `gumbel_noise(keys)` where keys are given (`noise_key(seed,
+    position)`: the same noise whenever that position is sampled again, with or without
+    speculation; a rounding difference between two forwards changes the token only where the two
+    best noisy scores nearly tie), else drawn from `generator`; greedy rows draw none.
+
+    Temperatures and top_p are best given as host lists: which rows sample, and which cut a
+    nucleus, is then known without waiting for the device.
     """
+    temps = (
+        temperatures.tolist() if isinstance(temperatures, torch.Tensor) else [float(t) for t in temperatures]
+    )
+    tops = (
+        [1.0] * len(temps)
+        if top_p is None
+        else top_p.tolist()
+        if isinstance(top_p, torch.Tensor)
+        else [float(p) for p in top_p]
+    )
+    if not len(temps) == len(tops) == logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows need as many temperatures and top_ps")
+    if keys is not None and len(keys) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows need as many noise keys, got {len(keys)}")
+    dev = logits.device
     logits = logits.float()
-    greedy = temperatures <= 0
-    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures).float().unsqueeze(-1)
+    scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev).unsqueeze(-1)
     logp = torch.log_softmax(logits / scale, dim=-1)
-    if top_p is not None and bool((top_p < 1.0).any()):
-        cut = (top_p < 1.0).unsqueeze(-1)  # rows at top_p = 1 keep every token, as the trainer does
-        logp = torch.where(cut, _nucleus(logp, top_p.float().unsqueeze(-1)), logp)
-    if keys is None:
-        u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=torch.float64)
-        noise = -torch.log(-torch.log(u.clamp(min=1e-300)))
-    else:
-        if len(keys) != logp.shape[0]:
-            raise ValueError(f"{logp.shape[0]} rows need as many noise keys, got {len(keys)}")
-        noise = gumbel_noise(torch.tensor(list(keys), device=logp.device), logp.shape[-1])
-    sampled = (logp.double() + noise).argmax(-1)  # -inf outside the nucleus: never
-    tokens = torch.where(greedy, logits.argmax(-1), sampled)
+    cut = [t > 0 and p < 1.0 for t, p in zip(temps, tops, strict=True)]
+    if any(cut):  # rows at top_p = 1 keep every token, as the trainer does
+        inside = _nucleus(logp, torch.tensor(tops, device=dev).unsqueeze(-1))
+        logp = torch.where(torch.tensor(cut, device=dev).unsqueeze(-1), inside, logp)
+    tokens = logits.argmax(-1)
+    hot = [i for i, t in enumerate(temps) if t > 0]
+    if hot:
+        rows = torch.tensor(hot, device=dev) if len(hot) < len(temps) else None
+        scores = (logp if rows is None else logp[rows]).double()
+        if keys is None:
+            u = torch.rand(scores.shape, generator=generator, device=dev, dtype=torch.float64)
+            noise = -torch.log(-torch.log(u.clamp(min=1e-300)))
+        else:
+            noise = gumbel_noise(torch.tensor([keys[i] for i in hot], device=dev), scores.shape[-1])
+        sampled = (scores + noise).argmax(-1)  # -inf outside the nucleus: never
+        tokens = sampled if rows is None else tokens.index_copy(0, rows, sampled)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -104,17 +125,6 @@ def _nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     outside = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, before >= top_p)
     kept = logp.masked_fill(outside, float("-inf"))
     return kept - torch.logsumexp(kept, dim=-1, keepdim=True)
-
-
-def target_logprobs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Row-wise log-probabilities of the distribution a token is sampled from (`sample_next`'s):
-    softmax(logits / T), renormalised over the nucleus when top_p < 1; greedy (T <= 0) reports
-    log_softmax(logits)."""
-    logits = logits.float()
-    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
-    if temperature > 0 and top_p < 1.0:
-        logp = _nucleus(logp, torch.full((logp.shape[0], 1), float(top_p)))
-    return logp
 
 
 def verify_draft(
@@ -172,12 +182,10 @@ def verify_drafts(
         raise ValueError(
             "each row needs one noise key per verified position (its drafted tokens and one more)"
         )
-    dev = logits.device
-    reps = torch.tensor([k + 1 for k in ks], device=dev)
-    temp = torch.tensor([float(t) for t in temperatures], device=dev).repeat_interleave(reps)
-    top = torch.tensor([float(p) for p in top_ps], device=dev).repeat_interleave(reps)
+    temp = [float(t) for t, k in zip(temperatures, ks, strict=True) for _ in range(k + 1)]
+    top = [float(p) for p, k in zip(top_ps, ks, strict=True) for _ in range(k + 1)]
     flat = [u for row in keys for u in row] if keys is not None else None
-    tokens, logps = sample_next(logits, temp, generator, top if bool((top < 1.0).any()) else None, flat)
+    tokens, logps = sample_next(logits, temp, generator, top, flat)
     host = torch.cat([tokens.double(), logps.double()]).tolist()
     n = len(host) // 2
     out = []

@@ -90,6 +90,7 @@ def validate_turn(req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int
         float(req.top_p) if req.top_p > 0 else 1.0,  # unset (0): the full distribution
         req.prompt_id,
         req.group_id,
+        seed=int(req.sampling_seed) if req.HasField("sampling_seed") else None,
     )
 
 

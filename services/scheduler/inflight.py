@@ -5,6 +5,7 @@ what was lost. It alone changes these; the rest of the shell asks it (`holds`, `
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import time
 import uuid
@@ -26,6 +27,14 @@ from services.scheduler.dispatch import Dispatcher
 from services.scheduler.trajectory import CallTool, Generate, Trajectory
 
 T = TypeVar("T")
+
+
+def trajectory_seed(run_seed: int, trajectory_id: str) -> int:
+    """The sampling seed of a trajectory's turns (`TurnRequest.sampling_seed`): a 63-bit hash of
+    the run's `rollout.sampling_seed` and the trajectory's id, the same for every turn of it (its
+    turns sample at different positions, so at different noise) and on every resend."""
+    digest = hashlib.blake2b(f"{run_seed}:{trajectory_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 @dataclass
@@ -302,6 +311,7 @@ class InFlight:
             group_id=traj.group_id,
             seq=live.seq,
             prompt_id=traj.task.prompt_id,
+            sampling_seed=trajectory_seed(self.cfg.rollout.sampling_seed, traj.trajectory_id),
         )
         await self.bus.publish(
             f"{subjects.TURN_REQUEST}.{engine_id}", req, ctx=trace.set_span_in_context(live.step_span)

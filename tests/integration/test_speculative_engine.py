@@ -108,6 +108,23 @@ async def test_seeded_sampling_emits_the_same_tokens_with_and_without_speculatio
     assert plain[0].output.token_ids != plain[1].output.token_ids
 
 
+async def test_a_seeded_turn_continued_from_its_tokens_goes_on_as_if_never_moved(backend: HFBackend) -> None:
+    """A turn taken off one engine after some tokens and sent to another with those tokens in its
+    context and the same seed (a reclaimed engine's turn, handed back) samples what it would have
+    sampled had it stayed; another engine, speculating, included."""
+    prompt = prompts(backend)[1]
+    whole = GenRequest(prompt, 40, 1.0, prompt_id="p1", group_id="g1", seed=77)
+    full = (await generate(backend, None, [whole, dataclasses.replace(whole, seed=78)]))[0].output.token_ids
+    assert len(full) == 40
+    cut = 15
+    rest = dataclasses.replace(whole, prompt_ids=prompt + full[:cut], max_new_tokens=40 - cut)
+    spec = Speculator(SpeculativeConfig(method="suffix", num_tokens=4, policy="fixed"))
+    spec.drafter.add("p1", "g1", full)  # a drafter that knows the answer: drafts accepted
+    moved = (await generate(backend, spec, [rest, dataclasses.replace(rest, seed=79)]))[0].output
+    assert full[:cut] + moved.token_ids == full
+    assert moved.accepted > 0
+
+
 def test_rejected_drafts_are_rolled_back_from_the_kv_cache(backend: HFBackend) -> None:
     """Drafts of random tokens (nearly all rejected) leave holes in the cache; the rows still emit
     the greedy tokens, compaction squeezes the holes out, and the next token's logprob from that

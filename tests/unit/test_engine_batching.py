@@ -21,6 +21,7 @@ from services.rollout_engine.engine import ContinuousEngine
 from services.rollout_engine.sampling import left_pad, sample_next
 from services.rollout_engine.service import validate_turn
 from services.rollout_engine.stops import StopMatcher
+from services.scheduler.inflight import trajectory_seed
 
 
 def test_left_pad_aligns_rows_at_the_end_and_counts_positions_from_real_tokens() -> None:
@@ -160,6 +161,17 @@ def test_validate_turn_clips_generation_to_the_model_positions() -> None:
     assert validate_turn(_turn(top_p=0.9), EmulatedBackend(EngineSettings()), 4096).top_p == pytest.approx(
         0.9
     )
+
+
+def test_a_turns_sampling_seed_reaches_the_engine_and_is_fixed_per_trajectory() -> None:
+    engine = EmulatedBackend(EngineSettings())
+    assert validate_turn(_turn(), engine, 4096).seed is None  # unset: the engine draws one
+    assert validate_turn(_turn(sampling_seed=0), engine, 4096).seed == 0
+    assert validate_turn(_turn(sampling_seed=2**63 - 1), engine, 4096).seed == 2**63 - 1
+    seed = trajectory_seed(0, "g00001-p3-s0")
+    assert seed == trajectory_seed(0, "g00001-p3-s0") and 0 <= seed < 2**63
+    others = {trajectory_seed(0, "g00001-p3-s1"), trajectory_seed(1, "g00001-p3-s0"), seed}
+    assert len(others) == 3  # siblings and runs with another rollout.sampling_seed differ
 
 
 class ScriptedBackend(StepBackend):

@@ -15,7 +15,6 @@ from services.rollout_engine.sampling import (
     gumbel_noise,
     noise_key,
     sample_next,
-    target_logprobs,
     verify_draft,
     verify_drafts,
 )
@@ -116,7 +115,11 @@ def test_an_accepted_or_resampled_token_is_distributed_as_the_target() -> None:
 def test_verification_matches_plain_sampling_at_a_temperature_and_top_p() -> None:
     torch.manual_seed(0)
     logits = torch.randn(1, 6) * 2
-    target = target_logprobs(logits, 0.7, 0.8).exp()[0]
+    probs = torch.softmax(logits[0] / 0.7, dim=-1)
+    order = probs.argsort(descending=True).tolist()
+    nucleus = [t for i, t in enumerate(order) if float(probs[order[:i]].sum()) < 0.8]
+    target = torch.zeros(6)
+    target[nucleus] = probs[nucleus] / probs[nucleus].sum()
     plain, _ = sample_next(logits.repeat(4, 1), torch.full((4,), 0.7), top_p=torch.full((4,), 0.8))
     assert all(float(target[t]) > 0 for t in plain)  # the target is the distribution sampled from
     gen = torch.Generator().manual_seed(2)
@@ -175,6 +178,24 @@ def test_seeded_noise_depends_only_on_its_key_and_samples_the_target() -> None:
     assert 1 not in sample_next(zero, torch.ones(1000), keys=keys[:1000])[0].tolist()
     with pytest.raises(ValueError, match="noise keys"):
         sample_next(p.log().unsqueeze(0), torch.ones(1), keys=[1, 2])
+
+
+def test_a_seeded_row_samples_the_same_token_beside_greedy_rows_as_alone() -> None:
+    """Greedy rows draw no noise and take the argmax; a sampled row's token depends on its own
+    logits, temperature, top_p and key only, whatever rows share its batch."""
+    torch.manual_seed(6)
+    logits = torch.randn(5, 40) * 3
+    keys = [noise_key(11, pos) for pos in range(5)]
+    temps, tops = [0.0, 1.0, 0.0, 0.7, 1.3], [1.0, 1.0, 0.5, 0.9, 1.0]
+    tokens, logps = sample_next(logits, temps, top_p=tops, keys=keys)
+    for i in range(5):
+        alone, alone_lp = sample_next(logits[i : i + 1], [temps[i]], top_p=[tops[i]], keys=[keys[i]])
+        assert int(tokens[i]) == int(alone[0]) and float(logps[i]) == pytest.approx(float(alone_lp[0]))
+    assert int(tokens[0]) == int(logits[0].argmax()) and int(tokens[2]) == int(logits[2].argmax())
+    # a greedy row reports log_softmax of its logits, whatever its top_p
+    assert float(logps[2]) == pytest.approx(float(torch.log_softmax(logits[2], -1).max()))
+    with pytest.raises(ValueError, match="temperatures and top_ps"):
+        sample_next(logits, temps[:4], keys=keys)
 
 
 def test_verification_with_the_positions_noise_emits_what_plain_sampling_does() -> None:

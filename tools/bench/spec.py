@@ -62,11 +62,15 @@ async def _timed(engine: Any, reqs: list[Any]) -> tuple[list[list[int]], float]:
 
 
 async def _scenario(
-    backend: Any, task: str, spec_on: bool, policy: str = "adaptive", outputs: list[list[int]] | None = None
+    backend: Any,
+    task: str,
+    spec_on: bool,
+    policy: str = "adaptive",
+    outputs: list[tuple[list[int], int, list[int]]] | None = None,
 ) -> dict[str, float]:
     """Times the task's groups on an engine with or without speculation; each sample has its own
     seed, the same in every run, so both engines sample the very same tokens (appended to
-    `outputs`) and their times compare the same work."""
+    `outputs` as (prompt, seed, tokens)) and their times compare the same work."""
     from services.common.runconfig import SpeculativeConfig
     from services.rollout_engine.backends.base import GenRequest
     from services.rollout_engine.engine import ContinuousEngine
@@ -102,9 +106,10 @@ async def _scenario(
             await asyncio.gather(*(engine.submit(r) for r in group(WARM, 0)))
             for scenario, n, key in (("tail", TAIL, "tail"), ("full", MAX_BATCH, "full")):
                 before = (spec.counters.verify_steps, spec.counters.accepted) if spec else (0, 0)
-                sampled, seconds = await _timed(engine, group(n, 100 if key == "tail" else 200))
+                reqs = group(n, 100 if key == "tail" else 200)
+                sampled, seconds = await _timed(engine, reqs)
                 if outputs is not None:
-                    outputs += sampled
+                    outputs += [(p, r.seed or 0, t) for r, t in zip(reqs, sampled, strict=True)]
                 tokens = sum(len(t) for t in sampled)
                 out[f"{key}_tokens"] += tokens
                 out[f"{key}_s"] += seconds
@@ -122,6 +127,18 @@ async def _scenario(
         base, per_token = spec.times.line()
         out["step_base_ms"], out["step_per_token_ms"] = base * 1e3, per_token * 1e3
     return out
+
+
+def _drafting(runs: list[dict[str, float]], key: str) -> dict[str, float]:
+    """How a speculating engine's runs drafted in one scenario: drafted tokens accepted per verify
+    step, the share of row-steps that verified a draft (others found none, or the policy judged it
+    would not pay), and the tokens a row-step emitted on average."""
+    row_steps = sum(x[f"{key}_row_steps"] for x in runs)
+    return {
+        "mean_accepted": round(statistics.mean(x[f"{key}_mean_accepted"] for x in runs), 3),
+        "drafted_share": round(sum(x[f"{key}_verify_steps"] for x in runs) / row_steps, 3),
+        "tokens_per_row_step": round(sum(x[f"{key}_tokens"] for x in runs) / row_steps, 3),
+    }
 
 
 async def _greedy_identical(backend: Any) -> bool:
@@ -194,6 +211,25 @@ def _sampling_test(backend: Any) -> dict[str, Any]:
     }
 
 
+def _tie_gap(backend: Any, prompt: list[int], seed: int, a: list[int], b: list[int]) -> float:
+    """The gap between the two best noisy scores (logprob + the position's Gumbel noise) at the
+    first position where two samples of the same seed differ, from a forward of the context alone."""
+    import torch
+
+    from services.rollout_engine.sampling import gumbel_noise, noise_key
+
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    ctx = prompt + a[:n]
+    with torch.inference_mode():
+        logits = backend.model(input_ids=torch.tensor([ctx], device=backend.device)).logits[0, -1].float()
+    scores = torch.log_softmax(logits, -1).double()
+    scores += gumbel_noise(torch.tensor([noise_key(seed, len(ctx) - 1)], device=scores.device), len(scores))[
+        0
+    ]
+    top = scores.topk(2).values
+    return float(f"{float(top[0] - top[1]):.3g}")
+
+
 async def _measure() -> dict[str, Any]:
     from services.common.runconfig import ModelConfig
     from services.rollout_engine.backends.hf import HFBackend
@@ -201,15 +237,18 @@ async def _measure() -> dict[str, Any]:
     backend = HFBackend(ModelConfig(source="smollm2"), torch_threads=2, seed=0)
     await backend.start()
     results: dict[str, Any] = {}
-    same, compared = 0, 0
+    same, compared, gaps = 0, 0, []
     for task in ("expressions", "free_text"):
         runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         for rnd in range(2):
-            sampled: dict[bool, list[list[int]]] = {False: [], True: []}
+            sampled: dict[bool, list[tuple[list[int], int, list[int]]]] = {False: [], True: []}
             for spec_on in (False, True) if rnd == 0 else (True, False):
                 runs[spec_on].append(await _scenario(backend, task, spec_on, outputs=sampled[spec_on]))
-            same += sum(a == b for a, b in zip(sampled[False], sampled[True], strict=True))
-            compared += len(sampled[False])
+            for (prompt, seed, a), (_, _, b) in zip(sampled[False], sampled[True], strict=True):
+                same += a == b
+                compared += 1
+                if a != b:
+                    gaps.append(_tie_gap(backend, prompt, seed, a, b))
         task_out: dict[str, Any] = {}
         for scenario, key in (("tail", "tail"), ("full_batch", "full")):
 
@@ -222,20 +261,7 @@ async def _measure() -> dict[str, Any]:
                 "plain_tokens_per_s": round(plain, 2),
                 "spec_tokens_per_s": round(fast, 2),
                 "speedup": round(fast / plain, 3),
-                "mean_accepted": round(statistics.mean(x[f"{key}_mean_accepted"] for x in runs[True]), 3),
-                # the share of row-steps that verified a draft (others found none, or the policy
-                # judged it would not pay), and the tokens a row-step emitted on average
-                "drafted_share": round(
-                    sum(x[f"{key}_verify_steps"] for x in runs[True])
-                    / sum(x[f"{key}_row_steps"] for x in runs[True]),
-                    3,
-                ),
-                "tokens_per_row_step": round(
-                    sum(x[f"{key}_tokens"] for x in runs[True])
-                    / sum(x[f"{key}_row_steps"] for x in runs[True]),
-                    3,
-                ),
-            }
+            } | _drafting(runs[True], key)
         # the speculating engine's fitted step time: base + per_token x query tokens
         task_out["step_line_ms"] = [
             round(runs[True][-1][k], 3) for k in ("step_base_ms", "step_per_token_ms")
@@ -243,6 +269,9 @@ async def _measure() -> dict[str, Any]:
         results[task] = task_out
     results["sampled_identical"] = same == compared
     results["sampled_identical_samples"] = [same, compared]
+    # where samples differ: how near a tie the two best noisy scores were at the first token that
+    # differs (a rounding difference between forwards of different shapes flips only a near-tie)
+    results["sampled_divergence_gaps"] = gaps
     results["greedy_identical"] = await _greedy_identical(backend)
     results["sampling_test"] = _sampling_test(backend)
     return results
@@ -285,7 +314,14 @@ def rows(r: dict[str, Any]) -> list[list[str]]:
                     if "sampled_identical_samples" in r
                     else "every timed sample"
                 )
-                + " token for token at temperature 1, with and without speculation (seeded)",
+                + " token for token at temperature 1, with and without speculation (seeded)"
+                + (
+                    "; where not, the two best noisy scores differed by "
+                    + ", ".join(f"{g:.1e}" for g in r["sampled_divergence_gaps"])
+                    + " at the first differing token (a near-tie that rounding flips)"
+                    if r.get("sampled_divergence_gaps")
+                    else ""
+                ),
             ]
         )
     out.append(
@@ -327,12 +363,7 @@ async def _draft_yield() -> dict[str, Any]:
     for task in ("expressions", "free_text"):
         r = await _scenario(backend, task, True, policy="fixed")
         out[task] = {
-            scenario: {
-                "tokens_per_row_step": round(r[f"{key}_tokens"] / r[f"{key}_row_steps"], 3),
-                "drafted_share": round(r[f"{key}_verify_steps"] / r[f"{key}_row_steps"], 3),
-                "mean_accepted": round(r[f"{key}_mean_accepted"], 3),
-            }
-            for scenario, key in (("tail", "tail"), ("full_batch", "full"))
+            scenario: _drafting([r], key) for scenario, key in (("tail", "tail"), ("full_batch", "full"))
         }
         print(task, json.dumps(out[task]), flush=True)
     return out

@@ -83,24 +83,29 @@ def _left_pad_kv(kv: torch.Tensor, width: int) -> torch.Tensor:
 @dataclass
 class _Batch:
     """The running rows: slot ids, their shared right-aligned KV cache and attention mask (one
-    column per cache column), each row's next position, last sampled token (not yet in the cache),
-    temperature and top_p, and on the host each row's sampling seed and next position (the
-    position its last token enters at: what keys the noise its next token is sampled with)."""
+    column per cache column) and each row's last sampled token (not yet in the cache) on the
+    device; on the host each row's temperature, top_p, sampling seed and next position — the
+    position its last token enters at, which is also how many tokens the row holds in the cache,
+    and what keys the noise its next token is sampled with. What the host holds needs no wait
+    for the device."""
 
     slots: list[int]
     cache: Any
     mask: torch.Tensor
-    next_pos: torch.Tensor
     last: torch.Tensor
-    temps: torch.Tensor
-    top_ps: torch.Tensor
+    temps: list[float]
+    top_ps: list[float]
     seeds: list[int]
     at: list[int]
 
     @classmethod
     def empty(cls, device: torch.device) -> _Batch:
         none = torch.zeros((0,), dtype=torch.long, device=device)
-        return cls([], None, none.view(0, 0), none, none, none.float(), none.float(), [], [])
+        return cls([], None, none.view(0, 0), none, [], [], [], [])
+
+    def positions(self) -> torch.Tensor:
+        """Each row's next position, on the device."""
+        return torch.tensor(self.at, device=self.mask.device)
 
     def without(self, leaving: set[int]) -> _Batch:
         keep = [i for i, s in enumerate(self.slots) if s not in leaving]
@@ -117,23 +122,22 @@ class _Batch:
             [self.slots[i] for i in keep],
             DynamicCache(ddp_cache_data=kv),
             mask[:, first:],
-            self.next_pos[idx],
             self.last[idx],
-            self.temps[idx],
-            self.top_ps[idx],
+            [self.temps[i] for i in keep],
+            [self.top_ps[i] for i in keep],
             [self.seeds[i] for i in keep],
             [self.at[i] for i in keep],
         )
 
     def wasted_columns(self) -> int:
         """Cache columns beyond what the row with the most tokens needs (rejected drafts' holes)."""
-        return int(self.mask.shape[1] - int(self.mask.sum(dim=1).max())) if self.slots else 0
+        return self.mask.shape[1] - max(self.at) if self.slots else 0
 
     def compacted(self) -> _Batch:
         """The same rows with each row's cached columns gathered right-aligned, the holes that
         rejected drafts left (masked columns between kept ones) squeezed out: what attention sees
         is unchanged, the cache is as narrow as its longest row."""
-        width = int(self.mask.sum(dim=1).max())
+        width = max(self.at)
         # masked columns first, then kept ones, each in their order: a row's kept columns end
         # right-aligned, preceded by masked ones when it holds fewer than `width`
         idx = torch.argsort(self.mask, dim=1, stable=True)[:, -width:]
@@ -146,7 +150,6 @@ class _Batch:
             self.slots,
             DynamicCache(ddp_cache_data=kv),
             self.mask.gather(1, idx),
-            self.next_pos,
             self.last,
             self.temps,
             self.top_ps,
@@ -173,10 +176,9 @@ class _Batch:
             self.slots + other.slots,
             DynamicCache(ddp_cache_data=kv),
             torch.cat([pad_mask(self.mask), pad_mask(other.mask)]),
-            torch.cat([self.next_pos, other.next_pos]),
             torch.cat([self.last, other.last]),
-            torch.cat([self.temps, other.temps]),
-            torch.cat([self.top_ps, other.top_ps]),
+            self.temps + other.temps,
+            self.top_ps + other.top_ps,
             self.seeds + other.seeds,
             self.at + other.at,
         )
@@ -282,7 +284,7 @@ class HFBackend(StepBackend):
         out = self.model(
             input_ids=b.last.unsqueeze(-1),
             attention_mask=mask,
-            position_ids=b.next_pos.unsqueeze(-1),
+            position_ids=b.positions().unsqueeze(-1),
             past_key_values=b.cache,
             use_cache=True,
         )
@@ -290,9 +292,7 @@ class HFBackend(StepBackend):
         draws = [noise_key(seed, at) for seed, at in zip(b.seeds, b.at, strict=True)]
         tokens, logprobs = sample_next(logits, b.temps, top_p=b.top_ps, keys=draws)
         at = [a + 1 for a in b.at]
-        self.batch = _Batch(
-            b.slots, out.past_key_values, mask, b.next_pos + 1, tokens, b.temps, b.top_ps, b.seeds, at
-        )
+        self.batch = _Batch(b.slots, out.past_key_values, mask, tokens, b.temps, b.top_ps, b.seeds, at)
         return _emitted(b.slots, tokens, logprobs)
 
     def _verify(self, drafts: list[list[int]], no_eos: frozenset[int]) -> dict[int, list[tuple[int, float]]]:
@@ -317,7 +317,7 @@ class HFBackend(StepBackend):
         # before them is masked (its positions are clamped, never seen)
         lens = torch.tensor([len(d) for d in drafts], device=self.device)
         offsets = torch.arange(width, device=self.device) - (width - 1)
-        pos = (b.next_pos.unsqueeze(-1) + offsets.unsqueeze(0) + lens.unsqueeze(-1)).clamp(min=0)
+        pos = (b.positions().unsqueeze(-1) + offsets.unsqueeze(0) + lens.unsqueeze(-1)).clamp(min=0)
         real = [i * width + c for i, first in enumerate(firsts) for c in range(first, width)]
         cache, logits = self._forward_real(ids, torch.cat([b.mask, new], dim=1), pos, real)
         masked = [s for s in b.slots if s in no_eos]
@@ -330,7 +330,7 @@ class HFBackend(StepBackend):
             [noise_key(seed, at + j) for j in range(len(d) + 1)]
             for seed, at, d in zip(b.seeds, b.at, drafts, strict=True)
         ]
-        verdicts = verify_drafts(logits, drafts, b.temps.tolist(), b.top_ps.tolist(), keys=draws)
+        verdicts = verify_drafts(logits, drafts, b.temps, b.top_ps, keys=draws)
         accepted = [len(tokens) - 1 for tokens, _ in verdicts]
         # the rejected drafted tokens' columns: those after each row's accepted prefix
         cols = torch.arange(width, device=self.device).unsqueeze(0)
@@ -340,7 +340,6 @@ class HFBackend(StepBackend):
             b.slots,
             cache,
             torch.cat([b.mask, kept], dim=1),
-            b.next_pos + 1 + torch.tensor(accepted, device=self.device),
             torch.tensor([tokens[-1] for tokens, _ in verdicts], device=self.device),
             b.temps,
             b.top_ps,
@@ -388,8 +387,8 @@ class HFBackend(StepBackend):
         stacks their cache onto the running rows'."""
         ids, mask, pos = left_pad([j.context for j in joins], self.pad_id)
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
-        temps = torch.tensor([j.temperature for j in joins], device=self.device)
-        top_ps = torch.tensor([j.request.top_p if j.request else 1.0 for j in joins], device=self.device)
+        temps = [float(j.temperature) for j in joins]
+        top_ps = [float(j.request.top_p) if j.request else 1.0 for j in joins]
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
         )
@@ -400,7 +399,7 @@ class HFBackend(StepBackend):
         draws = [noise_key(seed, len(j.context) - 1) for seed, j in zip(seeds, joins, strict=True)]
         tokens, logprobs = sample_next(logits, temps, top_p=top_ps, keys=draws)
         at = [len(j.context) for j in joins]
-        joined = _Batch(slots, out.past_key_values, mask, pos[:, -1] + 1, tokens, temps, top_ps, seeds, at)
+        joined = _Batch(slots, out.past_key_values, mask, tokens, temps, top_ps, seeds, at)
         self.batch = self.batch.merged(joined)
         return _emitted(slots, tokens, logprobs)
 
