@@ -285,7 +285,12 @@ class ContinuousEngine(VersionGate):
             sampled = await self.backend.step(joins, leaves, reset, no_eos, drafts or None)
             if self.speculator is not None and not joins:
                 width = 1 + max((len(d) for d in drafts.values()), default=0)
-                self.speculator.stepped(len(sampled) * width, time.monotonic() - began)
+                self.speculator.stepped(
+                    len(sampled) * width,
+                    time.monotonic() - began,
+                    rows=len(sampled),
+                    emitted=sum(len(e) for e in sampled.values()),
+                )
             version = self.version
         self.iterations += 1
         for slot, emitted in sampled.items():

@@ -69,6 +69,74 @@ class StepTimes:
         return base + slope * query_tokens
 
 
+class RealisedRates:
+    """What drafting actually gave. The policy prices drafts by a fitted step time and estimated
+    acceptance; this measures each step that verified drafts against plain steps of the same
+    number of rows: its gain is the tokens per second it emitted over what a plain step of that
+    many rows emits (the median of recent ones). Where the recent gains at a batch size have a
+    median below 1 (costs the fit misses: padding, sampling the drafted positions, the cache holes
+    rejected drafts leave), drafting at that size is held off, but for every `explore_every`-th
+    step, which keeps the evidence fresh. Gains are pooled by powers of two (1, 2, 3-4, 5-8, ...):
+    as a batch drains its row count changes every few steps; each gain is still against plain
+    steps of its own row count, so pooling does not favour either side."""
+
+    def __init__(self, window: int = 32, min_samples: int = 8, explore_every: int = 32, min_plain: int = 3):
+        self.window, self.min_samples, self.explore_every = window, min_samples, explore_every
+        self.min_plain = min_plain
+        self.plain: dict[int, deque[float]] = {}
+        """rows -> recent plain step times."""
+        self.drafted: dict[int, deque[tuple[int, int, float]]] = {}
+        """pooled size -> recent drafting steps (rows, emitted, seconds)."""
+        self._held: dict[int, int] = {}
+        self.held_steps = 0
+        """Steps the evidence held drafting off (for the report)."""
+
+    @staticmethod
+    def size(rows: int) -> int:
+        """The pooled batch size `rows` counts under: the next power of two."""
+        return 1 << max(0, rows - 1).bit_length()
+
+    def add(self, rows: int, drafted: bool, emitted: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        if drafted:
+            self.drafted.setdefault(self.size(rows), deque(maxlen=self.window)).append(
+                (rows, emitted, seconds)
+            )
+        else:
+            self.plain.setdefault(rows, deque(maxlen=self.window)).append(seconds)
+
+    def gains(self, rows: int) -> list[float]:
+        """The gains of the recent drafting steps pooled with `rows` whose row count has plain
+        steps to compare with."""
+        plain = {
+            n: statistics.median(times) for n, times in self.plain.items() if len(times) >= self.min_plain
+        }
+        return [
+            emitted * plain[n] / (n * seconds)
+            for n, emitted, seconds in self.drafted.get(self.size(rows), ())
+            if n in plain
+        ]
+
+    def pays(self, rows: int) -> bool:
+        """Whether drafting steps at this batch size emitted at least as many tokens per second as
+        plain ones (True until `min_samples` of them could be compared)."""
+        gains = self.gains(rows)
+        return len(gains) < self.min_samples or statistics.median(gains) >= 1.0
+
+    def allows(self, rows: int) -> bool:
+        """Whether the next step of `rows` rows may verify drafts."""
+        size = self.size(rows)
+        if self.pays(rows):
+            self._held.pop(size, None)
+            return True
+        n = self._held[size] = self._held.get(size, 0) + 1
+        if n % self.explore_every == 0:
+            return True
+        self.held_steps += 1
+        return False
+
+
 @dataclass
 class Acceptance:
     """Per-token acceptance of one draft source, estimated from what the verifier did: a row that
@@ -137,6 +205,7 @@ class Speculator:
         self.policy = SpeculationPolicy(mode=cfg.policy, draft_tokens=cfg.num_tokens)
         self.drafter = drafter or SuffixDrafter()
         self.times = StepTimes()
+        self.realised = RealisedRates()
         self.acceptance = {lane: Acceptance() for lane in LANES}
         self.counters = SpecCounters()
         self._lanes: dict[int, str] = {}
@@ -146,6 +215,8 @@ class Speculator:
         backend pads every row to the longest draft, so one width is chosen for the whole step
         (`SpeculationPolicy.padded_width`) and each draft cut to it."""
         self._lanes.clear()
+        if self.policy.mode == "adaptive" and not self.realised.allows(len(rows)):
+            return {}
         found: list[tuple[Row, list[int], str]] = []
         for row in rows:
             k = min(self.cfg.num_tokens, row.room - 1)
@@ -183,10 +254,13 @@ class Speculator:
         c.by_source[source][0] += drafted
         c.by_source[source][1] += accepted
 
-    def stepped(self, query_tokens: int, seconds: float) -> None:
+    def stepped(self, query_tokens: int, seconds: float, rows: int = 0, emitted: int = 0) -> None:
         """A decode or verify step without prefill took `seconds` for `query_tokens` (rows times
-        the step's width: padding costs as much as a drafted token)."""
+        the step's width: padding costs as much as a drafted token) and emitted `emitted` tokens
+        for its `rows` rows (where given: what drafting realised, `RealisedRates`)."""
         self.times.add(query_tokens, seconds)
+        if rows:
+            self.realised.add(rows, query_tokens > rows, emitted, seconds)
 
     def finished(self, prompt_id: str, group_id: str, tokens: Sequence[int]) -> None:
         """A finished response, for later drafts of its prompt (`suffix` only)."""

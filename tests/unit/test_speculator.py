@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.common.runconfig import RolloutConfig, SpeculativeConfig
-from services.rollout_engine.speculator import Acceptance, Row, Speculator, StepTimes
+from services.rollout_engine.speculator import Acceptance, RealisedRates, Row, Speculator, StepTimes
 
 
 def test_step_times_are_flat_until_two_sizes_are_measured_and_ignore_a_stalled_step() -> None:
@@ -59,6 +59,46 @@ def test_adaptive_policy_drafts_when_verifying_is_cheap_and_not_when_it_costs_mo
         costly.stepped(q, 0.01 * q)  # compute-bound: time grows with every query token
     costly.acceptance["self"] = Acceptance(accepted=1.0, rejected=9.0)  # drafts mostly rejected
     assert costly.drafts(rows(8)) == {}
+
+
+def test_drafting_is_held_off_where_drafting_steps_emitted_fewer_tokens_per_second() -> None:
+    r = RealisedRates(min_samples=4, explore_every=4, min_plain=2)
+    for _ in range(4):
+        r.add(8, False, 8, 0.10)  # 80 tokens/s plain at 8 rows
+        r.add(8, True, 10, 0.15)  # 67 tokens/s drafting: the fit priced it wrong
+        r.add(2, False, 2, 0.05)  # 40 tokens/s plain at 2 rows
+        r.add(2, True, 3, 0.06)  # 50 tokens/s drafting: it pays
+    assert r.gains(8) == pytest.approx([10 * 0.10 / (8 * 0.15)] * 4)
+    assert r.pays(2) and not r.pays(8) and r.pays(4)  # 3-4 rows: no evidence yet
+    assert not r.pays(6) and r.pays(9)  # 5-8 rows pooled; 9-16 rows: no evidence
+    assert [RealisedRates.size(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+    assert [r.allows(8) for _ in range(8)] == [False, False, False, True] * 2  # every 4th explores
+    assert r.held_steps == 6 and all(r.allows(2) for _ in range(5))
+    for _ in range(4):
+        r.add(8, True, 16, 0.15)  # the exploring steps now do better: drafting resumes
+    assert r.pays(8) and r.allows(8)
+
+    # pooled sizes compare each drafting step with plain steps of its own row count: drafting at 5
+    # rows against plain at 5 rows loses, though it beats plain steps at 8 rows per second
+    pooled = RealisedRates(min_samples=4, min_plain=2)
+    for _ in range(4):
+        pooled.add(8, False, 8, 0.10)  # 80 tokens/s
+        pooled.add(5, False, 5, 0.05)  # 100 tokens/s
+        pooled.add(5, True, 6, 0.07)  # 86 tokens/s: more than 8 rows plain, less than 5 rows plain
+    assert not pooled.pays(8)
+    # a drafting step whose row count has no plain steps yet is not counted
+    assert RealisedRates(min_plain=2).gains(8) == []
+
+    spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=4))
+    for _ in range(8):
+        spec.stepped(8, 0.10, rows=8, emitted=8)
+        spec.stepped(16, 0.15, rows=8, emitted=10)
+    assert spec.drafts(rows(8)) == {} and len(spec.drafts(rows(2))) == 2
+    fixed = Speculator(SpeculativeConfig(method="ngram", num_tokens=4, policy="fixed"))
+    for _ in range(8):
+        fixed.stepped(8, 0.10, rows=8, emitted=8)
+        fixed.stepped(16, 0.15, rows=8, emitted=10)
+    assert len(fixed.drafts(rows(8))) == 8  # fixed verifies every draft it finds
 
 
 def test_suffix_learns_finished_responses_and_ngram_does_not() -> None:
