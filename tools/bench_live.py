@@ -46,10 +46,15 @@ POLICIES = {
     "libra_lend": "cmlfq",
     "libra_lend_always": "cmlfq",
     "libra_planned": "cmlfq",
+    "libra_refit": "cmlfq",
+    "libra_relayout": "cmlfq",
 }
 LENDING = {"libra_lend": "predictive", "libra_lend_always": "always"}
 """Policies whose trainer lends its GPUs to rollout while it waits for its batch, and when
 (`planner.lending.policy`): as the forecast says, or at every wait."""
+REPLANNED = {"libra_refit": False, "libra_relayout": True}
+"""Policies whose planner re-plans while the job runs: the thresholds (`planner.replan`), and with
+`True` the engines' layout over the buckets too (`planner.relayout`), every `--replan-interval-s`."""
 PLANNED = "libra_planned"
 """The policy whose layout (split, buckets and their TP and engines, lending) the simulator's
 planner chooses from the workload on the same GPUs (`planner.layout.search`, tools/layout.py)."""
@@ -66,12 +71,27 @@ def lent_engines(ns: argparse.Namespace) -> int:
 
 
 def live_config(
-    ns: argparse.Namespace, workload: Workload, policy: str, lend: str | None = None
+    ns: argparse.Namespace,
+    workload: Workload,
+    policy: str,
+    lend: str | None = None,
+    relayout: bool | None = None,
 ) -> dict[str, Any]:
     """The job: the workload on `engines` emulated engines in two buckets, emulated training
-    (lending its GPUs to rollout while it waits for its batch under the `lend` policy, if any)."""
+    (lending its GPUs to rollout while it waits for its batch under the `lend` policy, if any),
+    the buckets fixed, or re-planned live (`relayout` not None: thresholds, and with True the
+    engines' layout)."""
     short_limit = ns.short_bucket_tokens or _median_output(workload)
     planner: dict[str, Any] = {"replan": False}  # the simulated configuration keeps its buckets too
+    if relayout is not None:
+        interval = getattr(ns, "replan_interval_s", 20.0)
+        planner = {
+            "replan": True,
+            "relayout": relayout,
+            "interval_s": interval,
+            "cooldown_s": interval / 2,
+            "min_samples": 16,
+        }
     if lend:
         planner["lending"] = {
             "engines": lent_engines(ns),
@@ -251,11 +271,11 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
     }
 
 
-def gain_over_libra(results: dict[str, Any], name: str = "libra_lend") -> dict[str, Any]:
-    """A policy's throughput over libra's (lending, a searched layout), measured and predicted (the
-    same seed; and the mean of the per-seed ratios with its 95 % CI), and how far apart the two
-    gains are (points)."""
-    lend, base = results[name], results["libra"]
+def gain_over_libra(results: dict[str, Any], name: str = "libra_lend", over: str = "libra") -> dict[str, Any]:
+    """A policy's throughput over libra's (lending, a searched layout) or `over`'s, measured and
+    predicted (the same seed; and the mean of the per-seed ratios with its 95 % CI), and how far
+    apart the two gains are (points)."""
+    lend, base = results[name], results[over]
     measured = lend["measured"]["trajectories_per_s"] / base["measured"]["trajectories_per_s"] - 1
     predicted = lend["predicted"]["trajectories_per_s"] / base["predicted"]["trajectories_per_s"] - 1
     ratios = [
@@ -304,6 +324,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-engines", type=int, default=24, help=f"most engine processes {PLANNED}'s layout may need"
     )
+    p.add_argument(
+        "--replan-interval-s",
+        type=float,
+        default=20.0,
+        help="wall seconds between the re-plans of libra_refit and libra_relayout (default 20)",
+    )
     p.add_argument("--sim-seeds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -330,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     searched: dict[str, RunConfig] = {}
     for name in policies:
         try:
-            data = live_config(ns, workload, POLICIES[name], lend=LENDING.get(name))
+            data = live_config(
+                ns, workload, POLICIES[name], lend=LENDING.get(name), relayout=REPLANNED.get(name)
+            )
         except ValueError as err:
             p.error(str(err))
         path = out / f"config-{name}.yaml"
@@ -409,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
         "lending_gain": gain,
         "lending_gain_always": gains.get("libra_lend_always"),
         "layout_gain": gain_over_libra(results, PLANNED) if {"libra", PLANNED} <= set(policies) else None,
+        "relayout_gain": (
+            gain_over_libra(results, "libra_relayout", "libra_refit")
+            if set(REPLANNED) <= set(policies)
+            else None
+        ),
         "scheduler": {
             "policy": policies[0],
             "decisions_per_s": first["decisions_per_s"],
@@ -430,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':>12}  mean s per trajectory, predicted {_fmt(pr['latency_breakdown_mean_s'])}")
     if doc["layout_gain"] is not None:
         gains[PLANNED] = doc["layout_gain"]
+    if doc["relayout_gain"] is not None:
+        gains["libra_relayout over libra_refit"] = doc["relayout_gain"]
     for name, gain in gains.items():
         print(
             f"{name}: measured gain {gain['measured']:+.1%}, predicted {gain['predicted']:+.1%} "

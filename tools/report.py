@@ -18,7 +18,7 @@ from services.common.bus import Bus
 from services.common.contracts import ev, ws, ws_grpc
 from services.common.facts import read_facts
 from services.common.grpc_auth import bearer_metadata
-from services.common.membership import LENT_ROLE, PARKED_ROLE, SERVING_ROLES
+from services.common.membership import LENT_ROLE, PARKED_ROLE, SERVING_ROLES, SPARE_ROLE
 from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
 from tools.job_watch import JobObserver, speculation_report
 from tools.learning_plot import write_reward_plot
@@ -480,7 +480,7 @@ def completing_step(source: str, target: str) -> str | None:
         return "released"  # the trainer let it go
     if target == "hybrid":
         return "joined"  # in the trainer's data-parallel group
-    if target == "draining" and source != "draining":
+    if target in ("draining", SPARE_ROLE) and source not in ("draining", SPARE_ROLE):
         return "drained"
     if target == PARKED_ROLE and source != PARKED_ROLE:
         return PARKED_ROLE  # lent GPUs back with the trainer: the engine handed its turns back
@@ -489,8 +489,8 @@ def completing_step(source: str, target: str) -> str | None:
 
 def role_changes(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The planner's role history (changes, and the workers' steps through them, in order) as one
-    entry per change: worker, from, to, when, `seconds` until the worker completed it (None while
-    it has not), and the seconds of each step (drain, fetch, join; time in training on release)."""
+    entry per change: worker, from, to, when, why, bucket and TP (as the planner recorded them),
+    `seconds` until the worker completed it (None while it has not), and the seconds of each step (drain, fetch, join; time in training on release)."""
     out: list[dict[str, Any]] = []
     current: dict[str, dict[str, Any]] = {}
     for h in history:
@@ -506,6 +506,7 @@ def role_changes(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "failures": 0,
                 "turns_handed_back": 0,
             }
+            entry.update({k: h[k] for k in ("why", "bucket", "tp") if k in h})
             done_by = completing_step(entry["from"], entry["to"])
             entry["seconds"] = None if done_by else 0.0
             out.append(entry)

@@ -28,9 +28,12 @@ LENT_ROLE = "lent"
 """An engine on the trainer's GPUs serving rollout while the trainer waits for its batch."""
 PARKED_ROLE = "parked"
 """An engine on the trainer's GPUs while the trainer trains: it serves nothing."""
+SPARE_ROLE = "spare"
+"""An engine the planner's re-layout left without a bucket (its GPUs went to engines of a bigger
+TP): it serves nothing until a re-layout needs it again (docs/planner.md)."""
 SERVING_ROLES = ("rollout", LENT_ROLE)
 """Roles in which an engine serves turns (and takes every new weight version). Not `draining`
-(out of rollout), `parked` (its GPUs are training) nor `hybrid` (in the trainer's data-parallel
+(out of rollout), `spare` (left over by a re-layout), `parked` (its GPUs are training) nor `hybrid` (in the trainer's data-parallel
 group, services/learning/hybrid.py)."""
 
 

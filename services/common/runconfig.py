@@ -149,8 +149,8 @@ class TaskConfig(_Strict):
     max_turns: int = Field(3, ge=1, le=32)
     """Model turns of one trajectory (each but the last may call a tool)."""
     max_new_tokens: int = Field(48, ge=1, le=65536)
-    """Generation budget of one turn (engines refuse more than their
-    LIBRA_ROLLOUT_ENGINE_MAX_NEW_TOKENS_CAP, 4096 unless raised)."""
+    """Generation budget of one turn (engines take up to this, or their
+    LIBRA_ROLLOUT_ENGINE_MAX_NEW_TOKENS_CAP if higher, and refuse more)."""
     max_context_tokens: int = Field(640, ge=32)
     """A trajectory whose context would exceed this ends with finish=length."""
     temperature: float = Field(1.0, gt=0.0, le=2.0)
@@ -568,6 +568,12 @@ class PlannerConfig(_Strict):
     """A new plan must predict at least this fractional reduction of the rollout time."""
     min_samples: int = Field(32, ge=1)
     """Finished trajectories (among the last 512 launched) the planner needs before its first re-fit."""
+    relayout: bool = False
+    """Re-fits may also move engines between buckets and change a bucket's TP, when that predicts
+    at least `min_gain` less rollout time than new thresholds alone (docs/planner.md). Emulated
+    engines take their new bucket's TP (an engine whose GPUs went to bigger ones is left `spare`);
+    real engines keep their TP and move only between buckets of it. Scored, like the thresholds,
+    by the cost model's analytical rollout time."""
     cost_model: EmulatedConfig | None = None
     """GPU and model presets the planner predicts with; default `rollout.emulated`'s (for real
     engines, name your hardware and model here)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from services.common.contracts import ev
 from services.common.cost_model import CostModel, load_presets
 from services.common.runconfig import RunConfig
-from services.planner.replan import ReplanPolicy, ReplanSignals, length_sample, refit_thresholds
+from services.planner.replan import EnginePool, ReplanPolicy, ReplanSignals, choose_refit, length_sample
 from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
 
 
@@ -30,6 +30,9 @@ class RefitDecision:
     """New token threshold per bucket, in the plan's order (the last is inf)."""
     current_s: float
     best_s: float
+    layout: list[BucketPlan] | None = None
+    """With `planner.relayout`: each bucket's TP and engines too, when moving engines predicts
+    `min_gain` less rollout time than the thresholds alone (None: the engines stay)."""
 
     @property
     def gain(self) -> float:
@@ -71,10 +74,16 @@ class LiveReplanner:
         return ReplanSignals(queue_pressure=queued / slots, rejected=0, rollout_train_ratio=ratio)
 
     def decide(
-        self, now: float, buckets: Sequence[ev.BucketSpec], replicas: dict[str, int]
+        self,
+        now: float,
+        buckets: Sequence[ev.BucketSpec],
+        replicas: dict[str, int],
+        pool: EnginePool | None = None,
     ) -> RefitDecision | None:
         """A re-fit when the policy's triggers fire (its first interval counts from the first
-        stats) and the best thresholds beat the current ones by `min_gain`; None otherwise."""
+        stats) and the best thresholds beat the current ones by `min_gain`; None otherwise. With
+        `pool` (`planner.relayout`), a new layout of the pool's engines over the buckets when it
+        beats the best thresholds alone by `min_gain` too."""
         s = self.stats
         if not self.enabled or s is None or len(s.trajectory_output_tokens) < self.cfg.planner.min_samples:
             return None
@@ -93,11 +102,18 @@ class LiveReplanner:
         plans = [
             BucketPlan(b.name, b.tensor_parallel, max(1, replicas.get(b.name, 0)), _limit(b)) for b in buckets
         ]
-        refit = refit_thresholds(self.cm, stats, plans, SearchOptions(max_seqs=self.cfg.rollout.max_batch))
-        if refit.buckets is None or not self.policy.accept(now, refit.current_s, refit.best_s, 0.0):
-            self.policy.last_replan = now  # evaluated: the cooldown starts either way
+        opts = SearchOptions(max_seqs=self.cfg.rollout.max_batch)
+        refit = choose_refit(self.cm, stats, plans, opts, self.policy, now, pool)
+        if refit is None or refit.buckets is None:
             return None
-        return RefitDecision(trigger, [b.max_tokens for b in refit.buckets], refit.current_s, refit.best_s)
+        moved = [(b.tp, b.replicas) for b in refit.buckets] != [(b.tp, b.replicas) for b in plans]
+        return RefitDecision(
+            trigger,
+            [b.max_tokens for b in refit.buckets],
+            refit.current_s,
+            refit.best_s,
+            refit.buckets if moved else None,
+        )
 
     def _time_scale(self) -> float:
         """Tool seconds are wall seconds; the cost model's are the hardware's (emulated runs)."""

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.cost_model import CostModel
-from services.planner.search import BucketPlan, SearchOptions, WorkloadStats, rollout_time
+from services.planner.search import BucketPlan, SearchOptions, WorkloadStats, bucket_time, rollout_time
 
 REFIT_QUANTILES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 """Candidate bucket thresholds: these quantiles of recent trajectories' output tokens."""
@@ -137,3 +137,145 @@ def refit_thresholds(
         if t < best_t:
             best, best_t = cand, t
     return Refit(cur, best_t, best)
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePool:
+    """The engines a re-layout may move between buckets.
+
+    `engines` engine processes standing for `gpus` GPUs. With `fixed_tp` (real engines: an
+    engine's TP is set when it starts) an engine moves only between buckets of its own TP, and the
+    count per TP stays; otherwise (emulated engines adopt their bucket's TP) any engine may serve
+    any bucket as long as the buckets' GPUs fit in `gpus` (an engine left over serves nothing)."""
+
+    engines: int
+    gpus: int
+    fixed_tp: bool = False
+
+
+def refit_layout(
+    cm: CostModel, stats: WorkloadStats, buckets: Sequence[BucketPlan], opts: SearchOptions, pool: EnginePool
+) -> Refit:
+    """Like `refit_thresholds`, but the engines too: every ordered choice of thresholds among
+    `REFIT_QUANTILES` with every split of the pool's engines between the buckets (each keeps one
+    at least) and, unless the pool's TPs are fixed, every TP per bucket from `opts.bucket_tps`
+    (not decreasing from the first bucket to the last, as the planner lays buckets out) within the
+    pool's GPUs. The lowest predicted rollout time wins; of equal ones, the one using most GPUs,
+    then the one moving fewest engines. The buckets keep their names. A bucket's time depends only on its own TP, engines
+    and thresholds, so each is computed once per (TP, thresholds, engines) and the splits are
+    searched over those."""
+    cur = rollout_time(cm, stats, buckets, opts)
+    if len(buckets) < 2 or not stats.output_tokens:
+        return Refit(cur, cur, None)
+    xs = stats.output_tokens
+    qs = sorted({xs[min(len(xs) - 1, int(q * len(xs)))] for q in REFIT_QUANTILES})
+    old_tps = tuple(b.tp for b in buckets)
+    old = [b.replicas for b in buckets]
+    if pool.fixed_tp:
+        tp_choices = [old_tps]
+    else:
+        menu = sorted({*opts.bucket_tps, *old_tps})
+        tp_choices = [c for c in itertools.combinations_with_replacement(menu, len(buckets))]
+    best: tuple[float, int, int] = (cur, 0, 0)
+    best_t = cur
+    chosen: list[BucketPlan] | None = None
+    for tps in tp_choices:
+        splits = _replica_splits(tps, old, pool)
+        if not splits:
+            continue
+        most = max(max(s) for s in splits)
+        for cut in itertools.combinations(qs, len(buckets) - 1):
+            limits = (*cut, math.inf)
+            table, lo = [], -math.inf  # per bucket, its time with 1..most engines
+            for b, tp, hi in zip(buckets, tps, limits, strict=True):
+                plans = (BucketPlan(b.name, tp, r, hi) for r in range(1, most + 1))
+                table.append([0.0] + [bucket_time(cm, stats, p, lo, opts) for p in plans])
+                lo = hi
+            for split in splits:
+                t = max(table[i][r] for i, r in enumerate(split)) * opts.rollout_scale
+                if t >= cur * (1 - 1e-9):
+                    continue
+                moved = sum(
+                    r if tp != o_tp else abs(r - o)
+                    for r, o, tp, o_tp in zip(split, old, tps, old_tps, strict=True)
+                )
+                # of equal times, the one using the most GPUs (an engine idle is wasted), then
+                # the one moving fewest engines
+                key = (round(t, 6), -sum(tp * r for tp, r in zip(tps, split, strict=True)), moved)
+                if chosen is None or key < best:
+                    best, best_t = key, t
+                    chosen = [
+                        BucketPlan(b.name, tp, r, h)
+                        for b, tp, r, h in zip(buckets, tps, split, limits, strict=True)
+                    ]
+    return Refit(cur, best_t, chosen)
+
+
+def _replica_splits(tps: Sequence[int], old: Sequence[int], pool: EnginePool) -> list[tuple[int, ...]]:
+    """Every engines-per-bucket the pool allows at these TPs, each bucket one at least (with fixed
+    TPs, `tps` are the buckets' own)."""
+
+    def parts(n: int, k: int) -> list[tuple[int, ...]]:  # k parts >= 1, summing to at most n
+        if k == 0:
+            return [()]
+        return [(r, *rest) for r in range(1, n - k + 2) for rest in parts(n - r, k - 1)]
+
+    if not pool.fixed_tp:
+        return [
+            s
+            for s in parts(pool.engines, len(tps))
+            if sum(t * r for t, r in zip(tps, s, strict=True)) <= pool.gpus
+        ]
+    # each TP's engines stay with the buckets of that TP, all of them serving
+    per_tp: dict[int, list[int]] = {}
+    for i, t in enumerate(tps):
+        per_tp.setdefault(t, []).append(i)
+    out: list[tuple[int, ...]] = [tuple(old)]
+    for idx in per_tp.values():
+        total = sum(old[i] for i in idx)
+        options = [p for p in parts(total, len(idx)) if sum(p) == total]
+        grown = []
+        for base in out:
+            for p in options:
+                s = list(base)
+                for i, r in zip(idx, p, strict=True):
+                    s[i] = r
+                grown.append(tuple(s))
+        out = grown
+    return sorted(set(out))
+
+
+def restart_s(cm: CostModel, old: Sequence[BucketPlan], new: Sequence[BucketPlan]) -> float:
+    """What a re-layout costs before it pays: engines given another TP restart and load the
+    weights (in parallel: the slowest one's `engine_load_s`); a move between buckets is free."""
+    changed = [b.tp for a, b in zip(old, new, strict=True) if a.tp != b.tp]
+    return max((cm.engine_load_s(tp) for tp in changed), default=0.0)
+
+
+def choose_refit(
+    cm: CostModel,
+    stats: WorkloadStats,
+    buckets: Sequence[BucketPlan],
+    opts: SearchOptions,
+    policy: ReplanPolicy,
+    now: float,
+    pool: EnginePool | None = None,
+) -> Refit | None:
+    """What a fired trigger applies, or None: the best thresholds (`refit_thresholds`) if they beat
+    the current ones by the policy's `min_gain`; with `pool`, the best layout of its engines
+    (`refit_layout`) instead when it beats those thresholds by `min_gain` too and repays its
+    restarts (`restart_s`) within the policy's horizon. Evaluating starts the policy's cooldown
+    either way. The live planner and the simulator's re-planner both call this."""
+    refit = refit_thresholds(cm, stats, buckets, opts)
+    if pool is not None:
+        layout = refit_layout(cm, stats, buckets, opts, pool)
+        if (
+            layout.buckets is not None
+            and layout.best_s < refit.best_s * (1 - policy.min_gain)
+            and policy.accept(now, layout.current_s, layout.best_s, restart_s(cm, buckets, layout.buckets))
+        ):
+            return layout
+    if refit.buckets is None or not policy.accept(now, refit.current_s, refit.best_s, 0.0):
+        policy.last_replan = now
+        return None
+    return refit

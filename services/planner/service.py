@@ -23,7 +23,14 @@ from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
 from services.common.errors import require
 from services.common.logging import get_logger
-from services.common.membership import HYBRID_ROLE, LENT_ROLE, PARKED_ROLE, TRAINER_ROLE, lease_resource
+from services.common.membership import (
+    HYBRID_ROLE,
+    LENT_ROLE,
+    PARKED_ROLE,
+    SPARE_ROLE,
+    TRAINER_ROLE,
+    lease_resource,
+)
 from services.common.metrics import planner_metrics
 from services.common.ownership import Lease, OwnershipStore
 from services.common.runconfig import RunConfig
@@ -32,7 +39,9 @@ from services.planner.assign import ROLE_BY_KIND, Slot, StaticAssigner
 from services.planner.config import PlannerSettings
 from services.planner.elastic import LivePool
 from services.planner.history import PLANNER_ROLE, PlanHistory
-from services.planner.refit import LiveReplanner
+from services.planner.refit import LiveReplanner, RefitDecision
+from services.planner.replan import EnginePool
+from services.planner.search import BucketPlan
 
 MOVABLE_ROLES = ("rollout", "draining", "hybrid")
 """Roles an operator (or, next, the planner itself) may move an engine between: serving a bucket,
@@ -122,8 +131,16 @@ class PlannerService:
     ) -> list[ev.RoleChange] | None:
         """Moves every slot to `to_role` in `bucket` under one plan, then announces each change
         (None: the lease was lost before the plan went out)."""
+        return await self._apply_moves([(slot, to_role, bucket) for slot in slots], why)
+
+    async def _apply_moves(
+        self, moves: list[tuple[Slot, str, str]], why: str, reason: str = ""
+    ) -> list[ev.RoleChange] | None:
+        """Applies each (slot, role, bucket) under one plan (`reason`, or one naming the moves),
+        records the changes in the role history, then announces each (None: the lease was lost
+        before the plan went out)."""
         changes = []
-        for slot in slots:
+        for slot, to_role, bucket in moves:
             change = ev.RoleChange(
                 worker_id=slot.worker_id,
                 from_role=slot.role,
@@ -141,19 +158,22 @@ class PlannerService:
             tracer().start_span("plan.role_change", attributes=attrs).end()
             slot.role, slot.bucket = to_role, bucket
             changes.append(change)
-        names = ",".join(s.worker_id for s in slots)
-        self.reason = f"{why}:{names}:{changes[0].from_role}->{to_role}" if changes else why
+        names = ",".join(s.worker_id for s, _, _ in moves)
+        self.reason = reason or (
+            f"{why}:{names}:{changes[0].from_role}->{changes[0].to_role}" if changes else why
+        )
         self.dirty = True
         async with self._history:  # the workers' first steps, which may come at once, go after it
             if not await self._publish():
                 return None
-            for change in changes:
+            for change, (slot, _, _) in zip(changes, moves, strict=True):
                 await self._record_role_change(
                     {
                         "worker": change.worker_id,
                         "from": change.from_role,
-                        "to": to_role,
-                        "bucket": bucket,
+                        "to": change.to_role,
+                        "bucket": change.bucket,
+                        "tp": slot.tensor_parallel,
                         "why": why,
                     }
                 )
@@ -163,8 +183,8 @@ class PlannerService:
                 "role_changed",
                 worker_id=change.worker_id,
                 source=change.from_role,
-                target=to_role,
-                bucket=bucket,
+                target=change.to_role,
+                bucket=change.bucket,
                 why=why,
             )
         return changes
@@ -317,7 +337,7 @@ class PlannerService:
                 self.log.warning("worker_lease_expired", worker_id=slot.worker_id, role=slot.role)
         if not any(s.role == "train" for s in self.slots.values()):
             await self._promote_standby()
-        self._maybe_replan()
+        await self._maybe_replan()
         if self.dirty:
             await self._publish()
         await self._pool_moves()
@@ -339,13 +359,15 @@ class PlannerService:
         self.log.info("planner_lease_taken", epoch=lease.token)
         return True
 
-    def _maybe_replan(self) -> None:
-        """New bucket thresholds when a trigger fires and the predicted gain is worth it."""
+    async def _maybe_replan(self) -> None:
+        """New bucket thresholds when a trigger fires and the predicted gain is worth it; with
+        `planner.relayout`, the engines moved between buckets (and the buckets' TP) too when that
+        is worth more."""
         replicas = {b.name: 0 for b in self.buckets}
         for s in self.slots.values():
             if s.role == "rollout" and s.bucket in replicas:
                 replicas[s.bucket] += 1
-        decision = self.replanner.decide(time.monotonic(), self.buckets, replicas)
+        decision = self.replanner.decide(time.monotonic(), self.buckets, replicas, self._engine_pool())
         if decision is None:
             return
         for b, limit in zip(self.buckets, decision.limits, strict=True):
@@ -356,9 +378,70 @@ class PlannerService:
             "buckets_refit",
             trigger=decision.trigger,
             thresholds={b.name: b.max_output_tokens for b in self.buckets},
+            layout={b.name: f"{b.replicas}xTP{b.tp}" for b in decision.layout or []},
             predicted_gain=round(decision.gain, 4),
             predicted_rollout_s=[round(decision.current_s, 1), round(decision.best_s, 1)],
         )
+        if decision.layout is not None:
+            await self._relayout(decision)
+
+    def _engine_pool(self) -> EnginePool | None:
+        """The engines a re-layout may move (`planner.relayout`): those serving a bucket and those a
+        re-layout left spare, with the GPUs they stand for (an emulated engine its bucket's TP, a
+        spare what it kept)."""
+        if not self.cfg.planner.relayout:
+            return None
+        tp = {b.name: b.tensor_parallel for b in self.buckets}
+        serving = [s for s in self.slots.values() if s.role == "rollout" and s.bucket in tp]
+        spares = [s for s in self.slots.values() if s.role == SPARE_ROLE]
+        gpus = sum(tp[s.bucket] for s in serving) + sum(s.tensor_parallel for s in spares)
+        return EnginePool(len(serving) + len(spares), gpus, fixed_tp=self.cfg.rollout.backend != "emulated")
+
+    async def _relayout(self, decision: RefitDecision) -> None:
+        """Moves engines to the decision's layout under one plan: a bucket with more engines than it
+        needs gives its last ones (by id) to one that needs more, or leaves them spare; spares are
+        taken first. With fixed TPs (real engines) an engine only goes to a bucket of its TP."""
+        assert decision.layout is not None
+        fixed = self.cfg.rollout.backend != "emulated"
+        old_tp = {b.name: b.tensor_parallel for b in self.buckets}
+        pool = self._engine_pool()
+        assert pool is not None
+        want: dict[str, BucketPlan] = {b.name: b for b in decision.layout}
+        members = {
+            name: sorted(
+                (s for s in self.slots.values() if s.role == "rollout" and s.bucket == name),
+                key=lambda s: s.worker_id,
+            )
+            for name in want
+        }
+        free = sorted((s for s in self.slots.values() if s.role == SPARE_ROLE), key=lambda s: s.worker_id)
+        for name, slots in members.items():
+            keep = want[name].replicas
+            free += slots[keep:]
+            members[name] = slots[:keep]
+        moves: list[tuple[Slot, str, str]] = []
+        for spec in self.buckets:
+            plan = want[spec.name]
+            spec.tensor_parallel = plan.tp
+            while len(members[spec.name]) < plan.replicas:
+                fits = [s for s in free if not fixed or old_tp.get(s.bucket, s.tensor_parallel) == plan.tp]
+                if not fits:
+                    break
+                free.remove(fits[0])
+                members[spec.name].append(fits[0])
+                moves.append((fits[0], "rollout", spec.name))
+            for s in members[spec.name]:
+                if old_tp[spec.name] != plan.tp and not any(s is m for m, _, _ in moves):
+                    moves.append((s, "rollout", spec.name))  # the same bucket at another TP
+                s.tensor_parallel = plan.tp
+        left = pool.gpus - sum(b.tp * b.replicas for b in decision.layout)
+        for i, s in enumerate(free):  # the GPUs the layout does not use stay with the spares
+            s.tensor_parallel = left // len(free) + (i < left % len(free))
+            if s.role != SPARE_ROLE:
+                moves.append((s, SPARE_ROLE, ""))
+        if moves:
+            layout = ",".join(f"{b.name}={b.replicas}xTP{b.tp}" for b in decision.layout)
+            await self._apply_moves(moves, "relayout", f"replan:{decision.trigger}:relayout:{layout}")
 
     async def _promote_standby(self) -> None:
         """The trainer's lease expired (dead, paused, cut off): a standby trainer takes the role under
@@ -405,6 +488,11 @@ class PlannerService:
             "reason": plan.reason,
             "predicted_gain": round(plan.predicted_gain, 4),
             "buckets": {b.name: b.max_output_tokens or None for b in plan.buckets},
+            "layout": {
+                b.name: f"{sum(a.role == 'rollout' and a.bucket == b.name for a in plan.assignments)}xTP"
+                f"{b.tensor_parallel}"
+                for b in plan.buckets
+            },
             "workers": len(plan.assignments),
             "at": time.time(),
         }

@@ -38,7 +38,8 @@ class EngineSettings(BaseSettings):
     max_wait_for_weights_s: float = Field(60.0, ge=0.0, le=3600.0)
     """How long a request whose min_policy_version is ahead of the engine waits for newer weights."""
     max_new_tokens_cap: int = Field(4096, ge=1)
-    """Upper bound on a request's max_new_tokens; larger requests are refused as invalid."""
+    """Upper bound on a request's max_new_tokens beyond the job's own task.max_new_tokens (which
+    always passes); larger requests are refused as invalid."""
     assignment_timeout_s: float = Field(0.0, ge=0.0)
     """Give up when no plan assigns this worker within this time; 0 waits until stopped."""
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)

@@ -29,6 +29,7 @@ from services.common.membership import (
     LENT_ROLE,
     PARKED_ROLE,
     SERVING_ROLES,
+    SPARE_ROLE,
     Membership,
     lease_resource,
 )
@@ -124,6 +125,9 @@ class RolloutEngineService:
         self.common = common
         self.settings = settings
         self.run = run
+        self.max_new_tokens_cap = max(settings.max_new_tokens_cap, run.task.max_new_tokens)
+        """A turn may ask for the job's whole output budget (task.max_new_tokens), at least: the
+        setting protects against more than the job asks for, not against the job itself."""
         self.worker_id = common.worker_id
         self.log = get_logger(component="service")
         self.prom = engine_metrics()
@@ -151,7 +155,10 @@ class RolloutEngineService:
         self.answered: deque[str] = deque(maxlen=ANSWERED_REPORTED)
         """The requests it answered last (its load reports name them)."""
         self._awake_at = 0.0
-        """Lent by the trainer: turns start once its GPUs have switched to rollout (monotonic)."""
+        """Lent by the trainer, or restarted at another TP: turns start once its GPUs have switched
+        (monotonic)."""
+        self.served_any = False
+        """Whether it took a turn yet (a TP change before that costs nothing)."""
 
     async def start(self, stop: asyncio.Event) -> None:
         """Loads the model, opens the servers and waits for an assignment (or `stop`)."""
@@ -242,11 +249,11 @@ class RolloutEngineService:
             return
         if self._hybrid_task is not None:
             return  # leaving training: it serves again once the trainer has let it go
-        if a is not None and a.role in ("draining", PARKED_ROLE):
+        if a is not None and a.role in ("draining", SPARE_ROLE, PARKED_ROLE):
             if not self.draining:
                 start = time.monotonic()
                 handed_back = await self._drain()
-                state = "drained" if a.role == "draining" else PARKED_ROLE
+                state = PARKED_ROLE if a.role == PARKED_ROLE else "drained"
                 await self.training.state(
                     state, a.fencing_token, time.monotonic() - start, handed_back=handed_back
                 )
@@ -261,11 +268,26 @@ class RolloutEngineService:
             tp = a.tensor_parallel if a.role == LENT_ROLE else spec.tensor_parallel if spec else 0
             if isinstance(self.backend, EmulatedBackend):
                 self.backend.weights_local = a.role == LENT_ROLE
-                if tp > 0:
-                    self.backend.set_tensor_parallel(tp)  # it pretends to span its bucket's GPUs
+                if tp > 0 and tp != self.backend.tp:
+                    await self._restart_at_tp(tp)
             self._serving_role.set()
         elif a is not None:
             self.log.warning("not_a_rollout_role", role=a.role)
+
+    async def _restart_at_tp(self, tp: int) -> None:
+        """An emulated engine that the plan gives another TP pretends to span that many GPUs from
+        now on. Once it has served, that is a restart on other GPUs, as a real engine's TP is fixed
+        when it starts: it hands back the turns it holds (with their tokens, as a drained engine
+        does) and serves again after loading the weights at the new TP (the cost model's
+        `engine_load_s`, in wall time). Its first TP, before it served, costs nothing."""
+        assert isinstance(self.backend, EmulatedBackend)
+        if self.served_any:
+            await self._drain()
+            self.draining = False
+            load = self.backend.cm.engine_load_s(tp) * self.backend.config.time_scale
+            self._awake_at = max(self._awake_at, time.monotonic() + load)
+            self.log.info("engine_tp_changed", source=self.backend.tp, target=tp, load_s=round(load, 3))
+        self.backend.set_tensor_parallel(tp)
 
     async def _hybrid(self, token: int, drain_s: float) -> None:
         try:
@@ -318,11 +340,12 @@ class RolloutEngineService:
                 raise Unavailable("draining: this engine was taken out of rollout by the planner")
             if not self.membership.holds_lease():  # it may have been replaced: it does not act
                 raise Unavailable("lease_lost: this engine's lease was not renewed; it waits for a new one")
-            gen = validate_turn(req, self.backend, self.settings.max_new_tokens_cap)
+            gen = validate_turn(req, self.backend, self.max_new_tokens_cap)
         except LibraError as err:
             if req.request_id:
                 await self._publish_error(req, err.code, str(err), env.context)
             raise
+        self.served_any = True
         task = asyncio.create_task(self._serve_turn(req, gen, env.context, received))
         self._turns.add(task)
         self.holding.add(req.request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,7 +20,8 @@ from services.common.contracts import ev
 from services.common.localstack import Server
 from services.common.membership import lease_resource
 from services.common.ownership import OwnershipStore
-from services.common.runconfig import ModelConfig
+from services.common.runconfig import ModelConfig, RunConfig
+from services.rollout_engine.config import EngineSettings
 from tests.service_process import pinned_job_env, service_process
 
 pytestmark = pytest.mark.integration
@@ -247,30 +249,19 @@ async def test_emulated_engine_is_labelled_and_holds_requests_until_weights_arri
     nats_server: Server, redis_server: Server, run_id: str
 ) -> None:
     """In-process, with the emulated backend: no model, so this checks the control plane alone."""
-    from services.common.config import CommonSettings
     from services.common.membership import TRAINER_ROLE
-    from services.common.runconfig import RunConfig
     from services.learning.snapshot import snapshot
-    from services.rollout_engine.config import EngineSettings
-    from services.rollout_engine.service import RolloutEngineService
     from services.trainer.weight_push import encode_dense
 
     worker = "engine-emu"
-    common = CommonSettings(
-        nats_url=nats_server.url, redis_url=redis_server.url, run_id=run_id, worker_id=worker
-    )
     settings = EngineSettings(load_report_interval_s=0.1, max_wait_for_weights_s=30, seed=1)
     run = RunConfig.model_validate({"rollout": {"backend": "emulated", "max_batch": 4}})
-    svc = RolloutEngineService(common, settings, run)
-    stop = asyncio.Event()
-    bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
-    store = OwnershipStore.from_url(redis_server.url, run_id)
-    h = Harness(bus, worker)
-    await h.start()
-    starting = asyncio.create_task(svc.start(stop))
-    try:
-        hello = await h.assign(store)
-        await starting
+    async with in_process_engine(nats_server, redis_server, run_id, worker, settings, run) as (
+        _,
+        h,
+        store,
+        hello,
+    ):
         await h.send(turn("e1", engine_id=worker, max_new_tokens=5))
         res, _ = await h.result("e1")
         assert res.text.startswith("<emulated") and 1 <= len(res.token_ids) <= 5
@@ -307,6 +298,31 @@ async def test_emulated_engine_is_labelled_and_holds_requests_until_weights_arri
                 iter([ws.WeightChunk(header=bad.header(lease.token, "trainer-x")), *records])
             )
         assert (nack.accepted, nack.code, nack.version) == (False, "checksum_mismatch", 1)
+
+
+@contextlib.asynccontextmanager
+async def in_process_engine(
+    nats_server: Server, redis_server: Server, run_id: str, worker: str, settings: Any, run: Any
+) -> AsyncIterator[tuple[Any, Harness, OwnershipStore, ev.WorkerHello]]:
+    """An engine service in this process, assigned a rollout role by the harness (as the planner
+    would): the service, the harness, the store and its hello."""
+    from services.common.config import CommonSettings
+    from services.rollout_engine.service import RolloutEngineService
+
+    common = CommonSettings(
+        nats_url=nats_server.url, redis_url=redis_server.url, run_id=run_id, worker_id=worker
+    )
+    svc = RolloutEngineService(common, settings, run)
+    stop = asyncio.Event()
+    bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    h = Harness(bus, worker)
+    await h.start()
+    starting = asyncio.create_task(svc.start(stop))
+    try:
+        hello = await h.assign(store)
+        await starting
+        yield svc, h, store, hello
     finally:
         stop.set()
         if not starting.done():
@@ -392,3 +408,67 @@ async def test_a_draining_engine_hands_back_every_turn_it_holds_and_takes_no_new
         assert proc.poll() is None
     finally:
         await store.close()
+
+
+async def test_an_emulated_engine_given_another_tp_restarts_and_a_spare_serves_nothing(
+    nats_server: Server, redis_server: Server, run_id: str
+) -> None:
+    """A re-layout (`planner.relayout`) gives the engine's bucket another TP: an emulated engine
+    that has served hands back its running turn with the tokens it generated, pretends to span the
+    new TP, and serves again once the weights are loaded at it. Left `spare`, it refuses turns
+    (`draining`) and reports `drained`; back in a bucket, it serves."""
+    from services.common.membership import SPARE_ROLE
+
+    worker = "engine-relayout"
+    settings = EngineSettings(load_report_interval_s=0.1, seed=1)
+    run = RunConfig.model_validate(
+        {"rollout": {"backend": "emulated", "max_batch": 4, "emulated": {"time_scale": 0.05}}}
+    )
+    async with in_process_engine(nats_server, redis_server, run_id, worker, settings, run) as (
+        svc,
+        h,
+        store,
+        _,
+    ):
+        states: list[ev.HybridState] = []
+
+        async def on_state(m: ev.HybridState, _: Envelope) -> None:
+            states.append(m)
+
+        await h.bus.subscribe(subjects.HYBRID_STATE, ev.HybridState, on_state)
+        held = await store.holder(lease_resource("rollout", worker))
+        assert held is not None
+
+        async def plan(version: int, role: str, tp: int) -> None:
+            a = ev.Assignment(worker_id=worker, role=role, bucket="short", fencing_token=held.token)
+            spec = ev.BucketSpec(name="short", tensor_parallel=tp, max_context_tokens=40960)
+            p = ev.Plan(plan_version=version, assignments=[a], buckets=[spec])
+            await h.bus.publish_durable(subjects.PLAN, p, msg_id=f"{run_id}-relayout-{version}")
+
+        await plan(2, "rollout", 1)
+        assert svc.backend.tp == 1
+        await h.send(turn("long", engine_id=worker, max_new_tokens=4000, min_new_tokens=4000))
+        async with asyncio.timeout(20):
+            while not h.loads or h.loads[-1].running < 1:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        await plan(3, "rollout", 4)
+        res, _ = await h.result("long", timeout=20)
+        assert res.error.code == "handed_back" and 0 < len(res.token_ids) < 4000, res
+        assert svc.backend.tp == 4
+        await h.send(turn("after-restart", engine_id=worker, max_new_tokens=5))
+        res, _ = await h.result("after-restart", timeout=30)
+        assert not res.HasField("error") and res.token_ids, res.error
+
+        await plan(4, SPARE_ROLE, 4)
+        async with asyncio.timeout(10):
+            while not any(m.state == "drained" for m in states):
+                await asyncio.sleep(0.05)
+        await h.send(turn("while-spare", engine_id=worker))
+        res, _ = await h.result("while-spare")
+        assert res.error.code == "unavailable" and "draining" in res.error.message
+        await plan(5, "rollout", 4)
+        await asyncio.sleep(0.3)
+        await h.send(turn("back", engine_id=worker, max_new_tokens=5))
+        res, _ = await h.result("back", timeout=30)
+        assert not res.HasField("error") and res.token_ids, res.error

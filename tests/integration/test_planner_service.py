@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -65,6 +66,16 @@ async def _until(what: str, cond: Any, timeout: float = 15.0) -> None:
             await asyncio.sleep(0.05)
 
 
+async def _hello_engines(watcher: Bus, ids: list[str]) -> None:
+    """Each engine says hello, at an address of its own."""
+    for i, wid in enumerate(ids):
+        await speak(
+            watcher,
+            subjects.WORKER_HELLO,
+            ev.WorkerHello(worker_id=wid, kind="rollout-engine", weight_sync_addr=f"x:{i}"),
+        )
+
+
 def _roles(plan: ev.Plan) -> dict[str, str]:
     return {a.worker_id: a.role for a in plan.assignments}
 
@@ -116,8 +127,6 @@ async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replace
     planner publish a re-fitted plan (reason, predicted gain, its lease's epoch) and record it in
     the run's plan history. When another planner takes the lease, the first one publishes nothing
     more, and a worker that follows the new epoch refuses the old one's plan."""
-    import random
-
     from services.common.membership import Membership
     from services.common.ownership import plans_key
     from services.planner.service import PLANNER_ROLE
@@ -146,12 +155,7 @@ async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replace
     first = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus_a, store, "planner-a")
     await first.start()
     try:
-        for i in range(4):
-            await speak(
-                watcher,
-                subjects.WORKER_HELLO,
-                ev.WorkerHello(worker_id=f"engine-{i}", kind="rollout-engine", weight_sync_addr=f"x:{i}"),
-            )
+        await _hello_engines(watcher, [f"engine-{i}" for i in range(4)])
         await _until("plan", lambda: plans and len(plans[-1].assignments) == 4)
         epoch = plans[-1].planner_epoch
         assert epoch > 0 and plans[-1].reason in ("static", "membership")
@@ -541,4 +545,104 @@ async def test_the_trainer_takes_its_gpus_back_one_switch_before_its_batch_is_fo
             watching.cancel()
         for b in (bus, tbus, watcher):
             await b.close()
+        await store.close()
+
+
+async def test_the_planner_relays_out_engines_when_the_lengths_drift_and_keeps_their_gpus(
+    nats_server: Server, run_id: str, redis_server: Server
+) -> None:
+    """With `planner.relayout`, lengths that outgrew the layout (8 TP1 short engines, 4 TP2 long
+    ones, 16 GPUs) make the planner move engines between buckets and change the buckets' TP under
+    one plan, recorded as role changes (`why: relayout`), leaving spare the engines whose GPUs went
+    to bigger ones: the GPUs the engines stand for stay 16. A restarted planner continues the
+    layout; the same stats again find nothing better."""
+    from services.common.membership import SPARE_ROLE
+
+    cfg = RunConfig.model_validate(
+        {
+            "rollout": {
+                "engines": 12,
+                "backend": "emulated",
+                "max_batch": 16,
+                "buckets": [
+                    {"name": "short", "engines": 8, "max_output_tokens": 500},
+                    {"name": "long", "engines": 4, "tensor_parallel": 2},
+                ],
+            },
+            "training": {"groups_per_step": 16},
+            "job": {"lease_ttl_s": 60.0},
+            "planner": {"interval_s": 0.3, "cooldown_s": 0.0, "min_samples": 32, "relayout": True},
+        }
+    )
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    bus = await Bus.connect(nats_server.url, run_id, "planner", "planner")
+    watcher = await Bus.connect(nats_server.url, run_id, "test", "watcher")
+    plans = await _watch_plans(watcher)
+    changes: list[ev.RoleChange] = []
+
+    async def on_change(m: ev.RoleChange, _: Envelope) -> None:
+        changes.append(m)
+
+    await watcher.subscribe(subjects.ROLE_CHANGE, ev.RoleChange, on_change)
+    planner = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus, store)
+    await planner.start()
+
+    def gpus(plan: ev.Plan) -> int:
+        tp = {b.name: b.tensor_parallel for b in plan.buckets}
+        return sum(
+            tp[a.bucket] if a.role == "rollout" else a.tensor_parallel
+            for a in plan.assignments
+            if a.role in ("rollout", SPARE_ROLE)
+        )
+
+    try:
+        await _hello_engines(watcher, [f"engine-{i:02d}" for i in range(12)])
+        await _until("plan", lambda: plans and len(plans[-1].assignments) == 12)
+        first = plans[-1]
+        assert gpus(first) == 16
+        rng = random.Random(0)
+        stats = ev.WorkloadStats(
+            trajectory_output_tokens=[int(rng.lognormvariate(9.0, 0.8)) for _ in range(256)],  # ~8000
+            tool_s_per_turn=5.0,
+            prompt_tokens=2000,
+            turns_per_trajectory_mean=6,
+        )
+        await watcher.publish(subjects.WORKLOAD_STATS, stats)
+        await _until("relayout", lambda: "relayout" in plans[-1].reason)
+        plan = plans[-1]
+        assert plan.reason.startswith("replan:") and plan.predicted_gain > 0.03
+        before = {a.worker_id: (a.role, a.bucket) for a in first.assignments}
+        after = {a.worker_id: (a.role, a.bucket) for a in plan.assignments}
+        tps = [(b.name, b.tensor_parallel) for b in plan.buckets]
+        assert after != before or tps != [("short", 1), ("long", 2)], (
+            "the layout changed, not only thresholds"
+        )
+        assert gpus(plan) == 16, "the engines stand for the GPUs they had"
+        assert all(r in ("rollout", SPARE_ROLE) for r, _ in after.values())
+        assert all(
+            n >= 1 for n in (sum(a == ("rollout", b) for a in after.values()) for b in ("short", "long"))
+        )
+        await _until("events", lambda: changes)
+        history = [json.loads(x) for x in await store.r.lrange(role_changes_key(run_id), 0, -1)]
+        moved = {h["worker"] for h in history if h.get("why") == "relayout"}
+        assert moved and moved == {c.worker_id for c in changes}
+        assert {w for w in after if after[w] != before[w]} <= moved
+
+        # a restarted planner continues the layout, and finds nothing better in the same stats
+        await bus.close()  # the planner's loop with it
+        bus = await Bus.connect(nats_server.url, run_id, "planner", "planner")
+        await store.r.delete(f"libra:{run_id}:lease:planner")
+        again = PlannerService(PlannerSettings(tick_s=0.1), cfg, bus, store)
+        await again.start()
+        await _until("continued", lambda: plans[-1].planner_epoch > plan.planner_epoch)
+        assert {a.worker_id: (a.role, a.bucket) for a in plans[-1].assignments} == after
+        assert [(b.name, b.tensor_parallel) for b in plans[-1].buckets] == tps
+        seen = len(changes)
+        await watcher.publish(subjects.WORKLOAD_STATS, stats)
+        await asyncio.sleep(1.0)
+        assert len(changes) == seen, "the layout is already the best for these lengths"
+    finally:
+        for b in (bus, watcher):
+            await b.close()
+            await b.nc.close()
         await store.close()

@@ -1,8 +1,20 @@
+import itertools
+import math
 import random
 
 import pytest
 
-from services.planner.replan import ReplanPolicy, ReplanSignals, length_sample
+from services.common.cost_model import load_presets
+from services.planner.replan import (
+    REFIT_QUANTILES,
+    EnginePool,
+    ReplanPolicy,
+    ReplanSignals,
+    length_sample,
+    refit_layout,
+    refit_thresholds,
+)
+from services.planner.search import BucketPlan, SearchOptions, WorkloadStats, rollout_time
 
 STEADY = ReplanSignals(queue_pressure=0.5, rejected=0, rollout_train_ratio=1.0)
 
@@ -171,3 +183,74 @@ def test_length_sample_recovers_the_lengths_that_the_finished_ones_understate() 
         truth, naive, corrected = q(lengths, p), q(finished, p), q(length_sample(finished, running), p)
         assert naive < 0.85 * truth  # the bias being corrected is real here
         assert corrected == pytest.approx(truth, rel=0.08)
+
+
+def _drifted_stats(median: float, seed: int = 0) -> WorkloadStats:
+    rng = random.Random(seed)
+    lengths = [max(10, int(rng.lognormvariate(math.log(median), 0.8))) for _ in range(256)]
+    return WorkloadStats(32, lengths, mean_turns=6, mean_tool_s=5.0, prompt_tokens=2000)
+
+
+def test_relayout_finds_what_an_exhaustive_search_over_rollout_time_finds_within_the_pool() -> None:
+    """The re-layout's per-bucket tables give the layout that scoring every (TP per bucket, engines
+    per bucket, thresholds) with `rollout_time` itself gives, within the pool's engines and GPUs,
+    and it is never predicted worse than new thresholds alone."""
+    cm = load_presets("H100", "qwen3-14b")
+    opts = SearchOptions(max_seqs=16, bucket_tps=(1, 2, 4))
+    buckets = [BucketPlan("short", 1, 3, 2000), BucketPlan("long", 2, 3, math.inf)]
+    pool = EnginePool(engines=6, gpus=9)
+    for median in (800.0, 6000.0):
+        stats = _drifted_stats(median)
+        got = refit_layout(cm, stats, buckets, opts, pool)
+        xs = stats.output_tokens
+        qs = sorted({xs[min(len(xs) - 1, int(q * len(xs)))] for q in REFIT_QUANTILES})
+        best = math.inf
+        for tps in itertools.combinations_with_replacement((1, 2, 4), 2):
+            for r0, r1 in itertools.product(range(1, 7), repeat=2):
+                if r0 + r1 > 6 or tps[0] * r0 + tps[1] * r1 > 9:
+                    continue
+                for cut in qs:
+                    cand = [BucketPlan("short", tps[0], r0, cut), BucketPlan("long", tps[1], r1, math.inf)]
+                    best = min(best, rollout_time(cm, stats, cand, opts))
+        assert got.buckets is not None
+        assert got.best_s == pytest.approx(best, rel=1e-9)
+        assert got.best_s == pytest.approx(rollout_time(cm, stats, got.buckets, opts), rel=1e-9)
+        assert sum(b.replicas for b in got.buckets) <= 6 and sum(b.gpus for b in got.buckets) <= 9
+        assert got.best_s <= refit_thresholds(cm, stats, buckets, opts).best_s
+        assert [b.name for b in got.buckets] == ["short", "long"] and math.isinf(got.buckets[-1].max_tokens)
+
+
+def test_relayout_with_fixed_tps_moves_engines_only_between_buckets_of_their_tp() -> None:
+    """Real engines keep the TP they started with: the two TP1 buckets share their five engines
+    however the lengths move, and the TP2 bucket keeps its two."""
+
+    cm = load_presets("H100", "qwen3-14b")
+    buckets = [BucketPlan("a", 1, 4, 500), BucketPlan("b", 1, 1, 1000), BucketPlan("c", 2, 2, math.inf)]
+    moved = 0
+    for median in (300.0, 3000.0, 30000.0):
+        got = refit_layout(
+            cm, _drifted_stats(median), buckets, SearchOptions(max_seqs=16), EnginePool(7, 9, True)
+        )
+        if got.buckets is None:
+            continue
+        assert [b.tp for b in got.buckets] == [1, 1, 2]
+        assert got.buckets[0].replicas + got.buckets[1].replicas == 5 and got.buckets[2].replicas == 2
+        assert min(b.replicas for b in got.buckets) >= 1
+        moved += got.buckets[0].replicas != 4
+    assert moved, "longer lengths want more engines past the first threshold"
+
+
+def test_relayout_leaves_the_layout_alone_when_nothing_beats_it() -> None:
+    """A layout already the best the pool allows for these lengths is kept (no candidate)."""
+
+    cm = load_presets("H100", "qwen3-14b")
+    stats = _drifted_stats(3000.0)
+    opts = SearchOptions(max_seqs=16)
+    pool = EnginePool(16, 24)
+
+    first = refit_layout(
+        cm, stats, [BucketPlan("s", 1, 8, 2000), BucketPlan("l", 2, 8, math.inf)], opts, pool
+    )
+    assert first.buckets is not None and first.gain > 0
+    again = refit_layout(cm, stats, first.buckets, opts, pool)
+    assert again.buckets is None and again.best_s == again.current_s

@@ -58,6 +58,38 @@ def test_role_changes_carry_what_each_move_cost() -> None:
     assert out[2]["steps"] == {"released": 37.0}
 
 
+def test_a_relayout_keeps_why_bucket_and_tp_and_a_spare_is_done_when_drained() -> None:
+    from tools.report import role_changes
+
+    history = [
+        {
+            "worker": "e0",
+            "from": "rollout",
+            "to": "rollout",
+            "bucket": "long",
+            "tp": 4,
+            "why": "relayout",
+            "at": 1.0,
+        },
+        {
+            "worker": "e1",
+            "from": "rollout",
+            "to": "spare",
+            "bucket": "",
+            "tp": 2,
+            "why": "relayout",
+            "at": 1.0,
+        },
+        {"worker": "e1", "state": "drained", "seconds": 0.2, "turns_handed_back": 3, "at": 1.5},
+    ]
+    out = role_changes(history)
+    assert [(c["worker"], c["why"], c["bucket"], c["tp"], c["seconds"]) for c in out] == [
+        ("e0", "relayout", "long", 4, 0.0),  # complete with the plan
+        ("e1", "relayout", "", 2, 0.5),  # once it handed its turns back
+    ]
+    assert out[1]["turns_handed_back"] == 3
+
+
 def test_reward_windows_pool_the_steps_trajectories_with_a_t_interval() -> None:
     import math
     import statistics

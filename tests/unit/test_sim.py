@@ -562,3 +562,37 @@ def test_predictive_lending_keeps_the_gpus_where_a_batch_is_never_far_off_and_re
     assert short["predictive"]["early_reclaims"] >= 1 and short["always"]["early_reclaims"] == 0
     long = lending("r2e_gym", "predictive")
     assert long["lends"] >= 8 and long["early_reclaims"] >= 1, long
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_relayout_moves_the_simulated_engines_keeps_their_gpus_and_loses_nothing(env, seed):
+    """With `relayout` the simulator's re-planner lays the engines out again as the live planner
+    does (`choose_refit` with an engine pool): the engines serving afterwards stand for the rollout
+    GPUs they had (12 here, the rest of them spare), every GPU-second is in the ledger, and every
+    admitted trajectory finishes at most once."""
+    from services.planner.replan import ReplanPolicy
+
+    plan = Plan(4, 1, [BucketPlan("short", 1, 4, 3000), BucketPlan("long", 2, 4, math.inf)])
+    system = libra_system(env, "libra", plan, relayout=True)
+    system.replan = ReplanPolicy(interval_s=60.0, cooldown_s=30.0)
+    finished: Counter = Counter()
+    orig_finish = system.router.finish
+
+    def finish(tid, total, now):
+        finished[tid] += 1
+        orig_finish(tid, total, now)
+
+    system.router.finish = finish
+    sim = Simulator(system, env.workload, env.cm, N_GPUS, 4, seed=seed)
+    sim.run()
+    rp = sim.replanner
+    assert rp is not None and any(r["relayout"] for r in rp.replans) and rp.restarts > 0
+    serving = [e for e in sim.engines.values() if e not in rp.spares]
+    assert [(b.tp, b.replicas) for b in sim.sys.buckets] != [(1, 4), (2, 4)]
+    assert sorted(e.tp for e in serving) == sorted(b.tp for b in sim.sys.buckets for _ in range(b.replicas))
+    assert sum(e.tp for e in serving) + rp.spare.gpus == 12
+    assert {e.bucket for e in serving} == {b.name for b in sim.sys.buckets}
+    assert sim.ledger.total() == pytest.approx(N_GPUS * sim.now, rel=1e-6)
+    assert all(v >= -1e-6 for v in sim.ledger.totals.values())
+    assert finished and max(finished.values()) == 1
+    assert sim.version == 4

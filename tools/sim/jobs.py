@@ -134,6 +134,7 @@ class Runner:
                 drafter,
                 spec,
                 bool(s.get("kv_migration", False)),
+                bool(s.get("relayout", False)),
             )
         return baseline_system(
             env,

@@ -17,11 +17,16 @@ from tools.sim.state import Group, SystemConfig, Traj
 class TrainingPart(Protocol):
     busy: bool
     last_step_s: float
+    lent: list[Engine]
 
     def maybe_train(self) -> None: ...
 
+    def evict(self, e: Engine) -> list[str]: ...
+
 
 class HybridPart(Protocol):
+    meters: dict[str, Any]
+
     def step_starts(self) -> int: ...
 
     def step_ends(self) -> None: ...

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tools.sim.engine import Engine
 
 CATEGORIES = (
     "rollout_busy",
@@ -44,3 +48,15 @@ class Meter:
             self.ledger.add(self.state, (now - self.since) * self.gpus)
         self.state = state
         self.since = now
+
+
+def book_engine(ledger: Ledger, e: Engine, restart: bool = False) -> None:
+    """An engine's GPU-seconds so far, at its TP, into the ledger (busy, weight sync, idle while
+    open); with `restart` its counters start again from zero (its TP may change next)."""
+    busy = min(e.busy_s, e.opened_s)
+    sync = min(e.sync_s, busy)
+    ledger.add("rollout_sync", sync * e.tp)
+    ledger.add("rollout_busy", (busy - sync) * e.tp)
+    ledger.add("rollout_idle", (e.opened_s - busy) * e.tp)
+    if restart:
+        e.busy_s = e.sync_s = e.opened_s = 0.0

@@ -2,7 +2,8 @@
 against, and what the layout search (`tools/layout.py`) scores its proposals with.
 
 A job's config maps onto one simulated system: its buckets (TP, engines, thresholds) and router,
-its emulated training GPUs and TP, batch size, staleness, lending and the job's finite feed.
+its emulated training GPUs and TP, batch size, staleness, lending, the planner's re-fits (and
+re-layouts) and the job's finite feed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from services.common.cost_model import CostModel, load_presets
 from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
+from services.planner.replan import ReplanPolicy
 from services.planner.search import BucketPlan
 from services.scheduler.routing import build_router
 from tools.sim.runner import run_system, steady_rate
@@ -57,7 +59,20 @@ def system_for(cfg: RunConfig, steps: int | None = None) -> SystemConfig:
         job_groups=(steps or t.steps) * t.groups_per_step,  # the live feed launches no more
         lend_tp=cfg.planner.lending.tensor_parallel if cfg.planner.lending.engines else 0,
         lend_policy=cfg.planner.lending.policy,
+        replan=replan_policy(cfg),
+        relayout=cfg.planner.relayout,
     )
+
+
+def replan_policy(cfg: RunConfig) -> ReplanPolicy | None:
+    """The live planner's re-fit triggers in simulated seconds (its wall seconds over the emulated
+    engines' `time_scale`), or None where the live planner does not re-fit (`planner.replan` off,
+    one bucket, or routing that is not C-MLFQ)."""
+    p, r = cfg.planner, cfg.rollout
+    if not p.replan or r.policy != "cmlfq" or len(r.buckets) < 2:
+        return None
+    scale = r.emulated.time_scale
+    return ReplanPolicy(interval_s=p.interval_s / scale, cooldown_s=p.cooldown_s / scale, min_gain=p.min_gain)
 
 
 def job_workload(cfg: RunConfig, workload: Workload) -> Workload:

@@ -1,6 +1,7 @@
 """Re-planning in the simulator: when the live planner's trigger fires (`ReplanPolicy`), the bucket
-thresholds are re-fitted to the recent length distribution (`refit_thresholds`, the planner's own
-code) and applied if the predicted gain is worth it. It keeps every decision for results.json."""
+thresholds are re-fitted to the recent length distribution and, with `relayout`, the engines are
+laid out over the buckets again (`choose_refit`, the planner's own code), and applied if the
+predicted gain is worth it. It keeps every decision for results.json."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.common.synthetic import TrajectorySpec, Workload
-from services.planner.replan import ReplanPolicy, ReplanSignals, length_sample, refit_thresholds
-from services.planner.search import SearchOptions, WorkloadStats
+from services.planner.replan import EnginePool, ReplanPolicy, ReplanSignals, choose_refit, length_sample
+from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
+from tools.sim.engine import Engine
 from tools.sim.kernel import Kernel
+from tools.sim.ledger import Meter, book_engine
 
 
 class Replanner:
@@ -18,9 +21,15 @@ class Replanner:
         self.sim = sim
         self.policy = policy
         self.replans: list[dict[str, Any]] = []
+        self.spares: list[Engine] = []
+        """Engines a re-layout left without a bucket (closed; their GPUs are in `spare`)."""
+        self.spare = Meter(sim.ledger, 0)
+        """The GPUs a re-layout left unused, idle."""
+        self.restarts = 0
 
     def tick(self) -> None:
-        """Re-fit bucket thresholds to the recent length distribution when a trigger fires."""
+        """Re-fit bucket thresholds (and, with `relayout`, the engines' layout) to the recent
+        length distribution when a trigger fires."""
         sim, rp = self.sim, self.policy
         finished = [t.tokens for t in sim.recent if t.finished]
         if len(sim.sys.buckets) < 2 or len(finished) < sim.B * sim.wl.group_size:
@@ -35,15 +44,133 @@ class Replanner:
         if not fire:
             return
         stats = self.workload_stats(length_sample(finished, [t.tokens for t in sim.recent if not t.finished]))
-        refit = refit_thresholds(sim.cm, stats, sim.sys.buckets, SearchOptions(max_seqs=sim.sys.max_seqs))
-        best, cur, best_t = refit.buckets, refit.current_s, refit.best_s
-        applied = best is not None and rp.accept(sim.now, cur, best_t, 0.0)
-        if not applied:
-            rp.last_replan = sim.now
-        self.replans.append({"t": sim.now, "reason": reason, "applied": applied, "pred_s": [cur, best_t]})
-        if applied and best is not None and not sim.sys.pooled_routing:
-            sim.sys.buckets = best
-            sim.router.set_thresholds({b.name: b.max_tokens for b in best})
+        relayout = sim.sys.relayout and not sim.sys.pooled_routing
+        current = [
+            BucketPlan(
+                b.name, b.tp, max(1, len(self._members(b.name))) if relayout else b.replicas, b.max_tokens
+            )
+            for b in sim.sys.buckets
+        ]
+        opts = SearchOptions(max_seqs=sim.sys.max_seqs)
+        refit = choose_refit(sim.cm, stats, current, opts, rp, sim.now, self._pool() if relayout else None)
+        best = refit.buckets if refit is not None else None
+        moved = best is not None and [(b.tp, b.replicas) for b in best] != [
+            (b.tp, b.replicas) for b in current
+        ]
+        self.replans.append(
+            {
+                "t": sim.now,
+                "reason": reason,
+                "applied": best is not None,
+                "relayout": moved,
+                "pred_s": [refit.current_s, refit.best_s] if refit is not None else None,
+            }
+        )
+        if best is None or sim.sys.pooled_routing:
+            return
+        if moved:
+            self._relayout(best)
+        sim.sys.buckets = best
+        sim.router.set_thresholds({b.name: b.max_tokens for b in best})
+
+    def close(self, end: float) -> None:
+        self.spare.set(None, end)
+
+    # ---- re-layout: the live planner's moves, on the simulated engines ---------------------------
+
+    def _members(self, bucket: str) -> list[Engine]:
+        """The bucket's own engines (not the hybrid workers, not the lent ones, not spares), by id."""
+        sim = self.sim
+        other = {*sim.hybrid.meters, *(e.engine_id for e in sim.training.lent)}
+        spare = {e.engine_id for e in self.spares}
+        out = [
+            e
+            for e in sim.engines.values()
+            if e.bucket == bucket and e.engine_id not in other and e.engine_id not in spare
+        ]
+        return sorted(out, key=lambda e: int(e.engine_id.lstrip("e")))
+
+    def _pool(self) -> EnginePool:
+        engines = [e for b in self.sim.sys.buckets for e in self._members(b.name)]
+        return EnginePool(len(engines) + len(self.spares), sum(e.tp for e in engines) + self.spare.gpus)
+
+    def _relayout(self, layout: list[BucketPlan]) -> None:
+        """As the live planner applies a layout (`PlannerService._relayout`): a bucket's surplus
+        engines (its last ones) and the spares fill the buckets short of engines; an engine that
+        changes TP restarts (its turns stop with their tokens and continue elsewhere, and it loads
+        the weights at the new TP); an engine moving between buckets at its TP keeps its turns;
+        engines left over become spares, and the GPUs the layout does not use idle in `spare`."""
+        sim = self.sim
+        total = self._pool().gpus
+        members = {b.name: self._members(b.name) for b in layout}
+        free = list(self.spares)
+        for b in layout:
+            free += members[b.name][b.replicas :]
+            members[b.name] = members[b.name][: b.replicas]
+        stopped: list[str] = []
+        for b in layout:
+            for e in members[b.name]:
+                if e.tp != b.tp:
+                    stopped += self._restart(e, b)
+            while len(members[b.name]) < b.replicas and free:
+                e = free.pop(0)
+                members[b.name].append(e)
+                if e in self.spares:
+                    self.spares.remove(e)
+                    self._move(e, b.name)
+                    self._open(e, b.tp)
+                elif e.tp != b.tp:
+                    stopped += self._restart(e, b)
+                else:
+                    self._move(e, b.name)
+        for e in free:
+            if e not in self.spares:
+                stopped += self._stop(e)
+                sim.by_bucket[sim.key(e.bucket)].remove(e)
+                self.spares.append(e)
+        self.spare.set(None, sim.now)
+        self.spare.gpus = total - sum(b.tp * b.replicas for b in layout)
+        self.spare.set("rollout_idle", sim.now)
+        for tid in stopped:
+            sim.start_turn(tid)
+        for e in sim.engines.values():
+            if sim.serving(e):
+                sim.fill(e)
+                sim.wake(e)
+
+    def _move(self, e: Engine, bucket: str) -> None:
+        sim = self.sim
+        if e.bucket == bucket:
+            return
+        if e in sim.by_bucket.get(sim.key(e.bucket), []):
+            sim.by_bucket[sim.key(e.bucket)].remove(e)
+        e.bucket = bucket
+        sim.by_bucket.setdefault(sim.key(bucket), []).append(e)
+
+    def _stop(self, e: Engine) -> list[str]:
+        """The engine stops: its turns stop with their tokens, its GPU-time so far is booked."""
+        sim = self.sim
+        stopped = sim.training.evict(e)
+        e.close(sim.now)
+        book_engine(sim.ledger, e, restart=True)
+        return stopped
+
+    def _open(self, e: Engine, tp: int) -> None:
+        """The engine starts at `tp`: it loads the current weights at that TP first."""
+        sim = self.sim
+        e.tp = tp
+        e.kv_capacity = sim.cm.kv_capacity_tokens(tp)
+        e.stale = True
+        sim.draining.discard(e.engine_id)
+        e.open(sim.now)
+        e.load_weights(sim.now, sim.cm.engine_load_s(tp), sim.version)
+        self.restarts += 1
+
+    def _restart(self, e: Engine, b: BucketPlan) -> list[str]:
+        stopped = self._stop(e)
+        self._move(e, b.name)
+        self._open(e, b.tp)
+        return stopped
 
     def workload_stats(self, lengths: Sequence[float]) -> WorkloadStats:
         base = self.sim.sys.notes.get("profile")

@@ -23,7 +23,7 @@ from tools.sim.engine import Engine, Request
 from tools.sim.fleet import build_fleet, routing_key
 from tools.sim.hybrid import HybridWorkers
 from tools.sim.kv_migration import KvMigration
-from tools.sim.ledger import Ledger
+from tools.sim.ledger import Ledger, book_engine
 from tools.sim.replanning import Replanner
 from tools.sim.siblings import SiblingReach
 from tools.sim.state import (
@@ -374,11 +374,9 @@ class Simulator:
         for e in self.engines.values():
             if e.open_since is not None:
                 e.close(end)
-            busy = min(e.busy_s, e.opened_s)
-            sync = min(e.sync_s, busy)
-            self.ledger.add("rollout_sync", sync * e.tp)
-            self.ledger.add("rollout_busy", (busy - sync) * e.tp)
-            self.ledger.add("rollout_idle", (e.opened_s - busy) * e.tp)
+            book_engine(self.ledger, e)
+        if self.replanner is not None:
+            self.replanner.close(end)
         self.training.meter.set(None, end)
         self.hybrid.close(end)
         return {"end": end}

@@ -95,6 +95,9 @@ class SystemConfig:
     max_seqs: int = 128
     pool_policy: PoolPolicy | None = None
     replan: ReplanPolicy | None = None
+    relayout: bool = False
+    """Re-plans may also move engines between buckets and change a bucket's TP (the live
+    planner's `planner.relayout`; `choose_refit` with an engine pool)."""
     pooled_routing: bool = False
     """Route across all engines as one bucket (the no-C-MLFQ ablation)."""
     lend_tp: int = 0

@@ -242,6 +242,7 @@ def libra_system(
     drafter: str = "none",
     speculation: SpeculationPolicy | None = None,
     kv_migration: bool = False,
+    relayout: bool = False,
 ) -> SystemConfig:
     buckets = _copy(plan.buckets)
     router = libra_router(env, buckets, routing)
@@ -259,6 +260,7 @@ def libra_system(
         acceptance=AcceptanceModel(env.acceptance_scale),
         pool_policy=PoolPolicy(),
         replan=ReplanPolicy(interval_s=300.0, cooldown_s=120.0) if replan and len(buckets) > 1 else None,
+        relayout=relayout,
         pooled_routing=routing != "cmlfq",
         update_mode="recompute",
         lend_tp=lend_tp,
