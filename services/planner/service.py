@@ -59,7 +59,14 @@ class PlannerService:
     ):
         self.settings, self.cfg, self.bus, self.store = settings, cfg, bus, store
         self.worker_id = worker_id
-        self.assigner = StaticAssigner([b.name for b in cfg.rollout.buckets], cfg.bucket_engines)
+        self.assigner = StaticAssigner(
+            [b.name for b in cfg.rollout.buckets],
+            cfg.bucket_engines,
+            # vLLM's TP is fixed when it starts: it serves a bucket of that TP
+            {b.name: b.tensor_parallel for b in cfg.rollout.buckets}
+            if cfg.rollout.backend == "vllm"
+            else None,
+        )
         self.slots: dict[str, Slot] = {}
         self.version = 0
         self.dirty = False
@@ -277,6 +284,21 @@ class PlannerService:
         )
         if slot is None:
             return
+        spec = next((b for b in self.buckets if b.name == slot.bucket), None)
+        if (
+            self.assigner.tps is not None
+            and spec is not None
+            and spec.tensor_parallel != slot.tensor_parallel
+        ):
+            self.log.warning(
+                "engine_tp_mismatch",
+                worker_id=slot.worker_id,
+                engine_tp=slot.tensor_parallel,
+                bucket=slot.bucket,
+                bucket_tp=spec.tensor_parallel,
+                hint="no bucket has this engine's TP: start it with LIBRA_ROLLOUT_ENGINE_TENSOR_PARALLEL "
+                "set to a bucket's rollout.buckets[].tensor_parallel",
+            )
         self._lendable(slot)
         lease = await self.store.acquire(
             lease_resource(slot.role, slot.worker_id),

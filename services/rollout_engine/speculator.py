@@ -88,8 +88,8 @@ class RealisedRates:
         self.drafted: dict[int, deque[tuple[int, int, float]]] = {}
         """pooled size -> recent drafting steps (rows, emitted, seconds)."""
         self._held: dict[int, int] = {}
-        self.held_steps = 0
-        """Steps the evidence held drafting off (for the report)."""
+        self._plain_medians: dict[int, float] | None = None
+        """rows -> the median of its recent plain step times (None: to compute again)."""
 
     @staticmethod
     def size(rows: int) -> int:
@@ -105,13 +105,16 @@ class RealisedRates:
             )
         else:
             self.plain.setdefault(rows, deque(maxlen=self.window)).append(seconds)
+            self._plain_medians = None
 
     def gains(self, rows: int) -> list[float]:
         """The gains of the recent drafting steps pooled with `rows` whose row count has plain
         steps to compare with."""
-        plain = {
-            n: statistics.median(times) for n, times in self.plain.items() if len(times) >= self.min_plain
-        }
+        if self._plain_medians is None:  # asked every step; plain steps change it less often
+            self._plain_medians = {
+                n: statistics.median(times) for n, times in self.plain.items() if len(times) >= self.min_plain
+            }
+        plain = self._plain_medians
         return [
             emitted * plain[n] / (n * seconds)
             for n, emitted, seconds in self.drafted.get(self.size(rows), ())
@@ -131,10 +134,7 @@ class RealisedRates:
             self._held.pop(size, None)
             return True
         n = self._held[size] = self._held.get(size, 0) + 1
-        if n % self.explore_every == 0:
-            return True
-        self.held_steps += 1
-        return False
+        return n % self.explore_every == 0
 
 
 @dataclass
@@ -177,6 +177,8 @@ class SpecCounters:
     accepted: int = 0
     by_source: dict[str, list[int]] = field(default_factory=lambda: {s: [0, 0] for s in SOURCES})
     """source -> [drafted, accepted]."""
+    held_steps: int = 0
+    """Steps on which what drafting realised held it off (`RealisedRates`)."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -194,6 +196,7 @@ class SpecCounters:
             "spec_accepted": float(self.accepted),
             "spec_acceptance_rate": self.acceptance_rate,
             "spec_mean_accepted": self.mean_accepted,
+            "spec_held_steps": float(self.held_steps),
         }
 
 
@@ -216,6 +219,7 @@ class Speculator:
         (`SpeculationPolicy.padded_width`) and each draft cut to it."""
         self._lanes.clear()
         if self.policy.mode == "adaptive" and not self.realised.allows(len(rows)):
+            self.counters.held_steps += 1
             return {}
         found: list[tuple[Row, list[int], str]] = []
         for row in rows:

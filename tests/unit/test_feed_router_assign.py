@@ -42,6 +42,38 @@ def test_static_assigner_roles_and_buckets() -> None:
     assert a.assign("x", "mystery", "", slots) is None
 
 
+def test_engines_whose_tp_is_fixed_go_to_buckets_of_their_tp() -> None:
+    """vLLM engines (their TP set when they start) serve only buckets of their TP, the emptiest
+    first, a preferred bucket of another TP not taken; an engine of a TP no bucket has goes to the
+    nearest. Without TPs to match (emulated, hf), any bucket."""
+    a = StaticAssigner(
+        ["short", "mid", "long"], {"short": 2, "mid": 1, "long": 1}, {"short": 1, "mid": 1, "long": 4}
+    )
+    slots: dict[str, Slot] = {}
+    for wid, tp, pref in [
+        ("a", 4, ""),
+        ("b", 1, ""),
+        ("c", 1, "long"),
+        ("d", 1, ""),
+        ("e", 8, ""),
+        ("f", 2, ""),
+    ]:
+        s = a.assign(wid, "rollout-engine", pref, slots, tp=tp)
+        assert s is not None and s.tensor_parallel == tp
+        slots[wid] = s
+    assert {w: s.bucket for w, s in slots.items()} == {
+        "a": "long",
+        "b": "short",
+        "c": "mid",  # "long" is TP4: not for a TP1 engine
+        "d": "short",
+        "e": "long",  # TP8: the nearest is TP4
+        "f": "short",  # TP2: TP1 and TP4 equally near; the emptiest of those for its share
+    }
+    free = StaticAssigner(["short", "long"], tps=None)
+    s = free.assign("x", "rollout-engine", "long", {}, tp=1)
+    assert s is not None and s.bucket == "long"
+
+
 def test_feed_replaces_every_group_that_was_not_trained() -> None:
     feed = TaskFeed(arithmetic_tasks(5, 0), groups_per_step=2, max_staleness=0, total_steps=2)
     first = feed.take(trained_version=0)
