@@ -157,13 +157,17 @@ def refit_layout(
     cm: CostModel, stats: WorkloadStats, buckets: Sequence[BucketPlan], opts: SearchOptions, pool: EnginePool
 ) -> Refit:
     """Like `refit_thresholds`, but the engines too: every ordered choice of thresholds among
-    `REFIT_QUANTILES` with every split of the pool's engines between the buckets (each keeps one
-    at least) and, unless the pool's TPs are fixed, every TP per bucket from `opts.bucket_tps`
-    (not decreasing from the first bucket to the last, as the planner lays buckets out) within the
-    pool's GPUs. The lowest predicted rollout time wins; of equal ones, the one using most GPUs,
-    then the one moving fewest engines. The buckets keep their names. A bucket's time depends only on its own TP, engines
-    and thresholds, so each is computed once per (TP, thresholds, engines) and the splits are
-    searched over those."""
+    `REFIT_QUANTILES`, and, unless the pool's TPs are fixed, every TP per bucket from
+    `opts.bucket_tps` (not decreasing from the first bucket to the last, as the planner lays
+    buckets out), each with the split of the pool's engines between the buckets (each keeps one at
+    least, within the pool's engines and GPUs) that gives the lowest predicted rollout time. Of
+    equal times, the one using the most GPUs wins, then the one moving fewest engines. The buckets
+    keep their names.
+
+    A bucket's time depends only on its own TP, engines and thresholds, and the rollout time is the
+    slowest bucket's: for a time T each bucket needs the fewest engines that finish it within T, so
+    the lowest T whose needs fit the pool is found by bisection over the buckets' times
+    (`_fewest_engines`), and the engines left over then go where they use the most GPUs."""
     cur = rollout_time(cm, stats, buckets, opts)
     if len(buckets) < 2 or not stats.output_tokens:
         return Refit(cur, cur, None)
@@ -175,74 +179,102 @@ def refit_layout(
         tp_choices = [old_tps]
     else:
         menu = sorted({*opts.bucket_tps, *old_tps})
-        tp_choices = [c for c in itertools.combinations_with_replacement(menu, len(buckets))]
-    best: tuple[float, int, int] = (cur, 0, 0)
-    best_t = cur
-    chosen: list[BucketPlan] | None = None
+        tp_choices = list(itertools.combinations_with_replacement(menu, len(buckets)))
+    most = max(1, (sum(old) if pool.fixed_tp else pool.engines) - len(buckets) + 1)
+    best: tuple[float, int, int] | None = None
+    best_t, chosen = cur, None
+    rows: dict[tuple[int, float, float], list[float]] = {}
+
+    def row(tp: int, lo: float, hi: float) -> list[float]:
+        """A bucket's time with 0..most engines of `tp` for the lengths in (lo, hi]."""
+        if (tp, lo, hi) not in rows:
+            plans = (BucketPlan("", tp, r, hi) for r in range(1, most + 1))
+            rows[tp, lo, hi] = [math.inf] + [bucket_time(cm, stats, p, lo, opts) for p in plans]
+        return rows[tp, lo, hi]
+
     for tps in tp_choices:
-        splits = _replica_splits(tps, old, pool)
-        if not splits:
-            continue
-        most = max(max(s) for s in splits)
         for cut in itertools.combinations(qs, len(buckets) - 1):
             limits = (*cut, math.inf)
-            table, lo = [], -math.inf  # per bucket, its time with 1..most engines
-            for b, tp, hi in zip(buckets, tps, limits, strict=True):
-                plans = (BucketPlan(b.name, tp, r, hi) for r in range(1, most + 1))
-                table.append([0.0] + [bucket_time(cm, stats, p, lo, opts) for p in plans])
-                lo = hi
-            for split in splits:
-                t = max(table[i][r] for i, r in enumerate(split)) * opts.rollout_scale
-                if t >= cur * (1 - 1e-9):
-                    continue
-                moved = sum(
-                    r if tp != o_tp else abs(r - o)
-                    for r, o, tp, o_tp in zip(split, old, tps, old_tps, strict=True)
-                )
-                # of equal times, the one using the most GPUs (an engine idle is wasted), then
-                # the one moving fewest engines
-                key = (round(t, 6), -sum(tp * r for tp, r in zip(tps, split, strict=True)), moved)
-                if chosen is None or key < best:
-                    best, best_t = key, t
-                    chosen = [
-                        BucketPlan(b.name, tp, r, h)
-                        for b, tp, r, h in zip(buckets, tps, split, limits, strict=True)
-                    ]
+            table = [row(tp, lo, hi) for tp, lo, hi in zip(tps, (-math.inf, *cut), limits, strict=True)]
+            split = _fewest_engines(table, tps, old, pool)
+            if split is None:
+                continue
+            t = max(table[i][r] for i, r in enumerate(split)) * opts.rollout_scale
+            if t >= cur * (1 - 1e-9):
+                continue
+            moved = sum(
+                r if tp != o_tp else abs(r - o)
+                for r, o, tp, o_tp in zip(split, old, tps, old_tps, strict=True)
+            )
+            key = (round(t, 6), -sum(tp * r for tp, r in zip(tps, split, strict=True)), moved)
+            if best is None or key < best:
+                best, best_t = key, t
+                chosen = [
+                    BucketPlan(b.name, tp, r, h)
+                    for b, tp, r, h in zip(buckets, tps, split, limits, strict=True)
+                ]
     return Refit(cur, best_t, chosen)
 
 
-def _replica_splits(tps: Sequence[int], old: Sequence[int], pool: EnginePool) -> list[tuple[int, ...]]:
-    """Every engines-per-bucket the pool allows at these TPs, each bucket one at least (with fixed
-    TPs, `tps` are the buckets' own)."""
+def _fewest_engines(
+    table: Sequence[Sequence[float]], tps: Sequence[int], old: Sequence[int], pool: EnginePool
+) -> list[int] | None:
+    """Engines per bucket with the lowest slowest-bucket time the pool allows (`table[b][r]`: bucket
+    b's time with r engines), then the rest of the pool placed where it uses the most GPUs (a
+    bucket taking one more only if that keeps it within that time; with fixed TPs every engine
+    serves a bucket of its TP), each to the bucket furthest below its `old` engines. None: nothing
+    fits."""
+    classes: dict[int, list[int]] = {}
+    for i, tp in enumerate(tps):
+        classes.setdefault(tp, []).append(i)
+    have = {tp: sum(old[i] for i in idx) for tp, idx in classes.items()}
 
-    def parts(n: int, k: int) -> list[tuple[int, ...]]:  # k parts >= 1, summing to at most n
-        if k == 0:
-            return [()]
-        return [(r, *rest) for r in range(1, n - k + 2) for rest in parts(n - r, k - 1)]
+    def needs(limit: float) -> list[int] | None:
+        out = []
+        for row in table:
+            r = next((r for r in range(1, len(row)) if row[r] <= limit), None)
+            if r is None:
+                return None
+            out.append(r)
+        return out
 
-    if not pool.fixed_tp:
-        return [
-            s
-            for s in parts(pool.engines, len(tps))
-            if sum(t * r for t, r in zip(tps, s, strict=True)) <= pool.gpus
-        ]
-    # each TP's engines stay with the buckets of that TP, all of them serving
-    per_tp: dict[int, list[int]] = {}
-    for i, t in enumerate(tps):
-        per_tp.setdefault(t, []).append(i)
-    out: list[tuple[int, ...]] = [tuple(old)]
-    for idx in per_tp.values():
-        total = sum(old[i] for i in idx)
-        options = [p for p in parts(total, len(idx)) if sum(p) == total]
-        grown = []
-        for base in out:
-            for p in options:
-                s = list(base)
-                for i, r in zip(idx, p, strict=True):
-                    s[i] = r
-                grown.append(tuple(s))
-        out = grown
-    return sorted(set(out))
+    def fits(split: list[int]) -> bool:
+        if pool.fixed_tp:
+            return all(sum(split[i] for i in idx) <= have[tp] for tp, idx in classes.items())
+        return sum(split) <= pool.engines and sum(t * r for t, r in zip(tps, split, strict=True)) <= pool.gpus
+
+    times = sorted({x for row in table for x in row[1:] if not math.isinf(x)})
+    lo, hi, found = 0, len(times) - 1, None
+    while lo <= hi:  # the lowest time whose needs fit (needs shrink as the time grows)
+        mid = (lo + hi) // 2
+        cand = needs(times[mid])
+        if cand is not None and fits(cand):
+            found, hi = cand, mid - 1
+        else:
+            lo = mid + 1
+    if found is None:
+        return None
+    split = found
+    limit = max(table[i][r] for i, r in enumerate(split))
+
+    def room(i: int) -> bool:
+        return split[i] + 1 < len(table[i]) and table[i][split[i] + 1] <= limit
+
+    if pool.fixed_tp:
+        for tp, idx in classes.items():
+            for _ in range(have[tp] - sum(split[i] for i in idx)):  # every engine of the TP serves
+                split[max(idx, key=lambda i: (room(i), old[i] - split[i], -i))] += 1
+        return split
+    for tp in sorted(classes, reverse=True):  # the biggest engines first: the most GPUs used
+        while True:
+            open_ = [i for i in classes[tp] if room(i)]
+            if not open_:
+                break
+            pick = max(open_, key=lambda i: (old[i] - split[i], -i))
+            if not fits([r + (i == pick) for i, r in enumerate(split)]):
+                break
+            split[pick] += 1
+    return split
 
 
 def restart_s(cm: CostModel, old: Sequence[BucketPlan], new: Sequence[BucketPlan]) -> float:
