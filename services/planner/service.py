@@ -284,6 +284,16 @@ class PlannerService:
         )
         if slot is None:
             return
+        if (
+            self.cfg.planner.relayout
+            and known is not None
+            and slot.role == "rollout"
+            and known.role in ("rollout", SPARE_ROLE)
+            and (known.role == SPARE_ROLE or known.bucket in {b.name for b in self.buckets})
+        ):
+            # a restarted engine goes back where the current layout has it (its bucket, or spare
+            # with the GPUs it kept), not where the config's engines per bucket would put it
+            slot.role, slot.bucket, slot.tensor_parallel = known.role, known.bucket, known.tensor_parallel
         spec = next((b for b in self.buckets if b.name == slot.bucket), None)
         if (
             self.assigner.tps is not None

@@ -628,6 +628,29 @@ async def test_the_planner_relays_out_engines_when_the_lengths_drift_and_keeps_t
         assert moved and moved == {c.worker_id for c in changes}
         assert {w for w in after if after[w] != before[w]} <= moved
 
+        # an engine that restarts (the same id at a new address) goes back where the layout has
+        # it, spare or in its bucket, with a new lease: the GPUs stay what they were
+        spare = next(w for w, (r, _) in after.items() if r == SPARE_ROLE)
+        serving = next(w for w, (r, _) in after.items() if r == "rollout")
+        seen = len(plans)
+        for wid in (spare, serving):
+            await speak(
+                watcher,
+                subjects.WORKER_HELLO,
+                ev.WorkerHello(worker_id=wid, kind="rollout-engine", weight_sync_addr=f"restarted:{wid}"),
+            )
+        await _until(
+            "restarts",
+            lambda: (
+                len(plans) > seen
+                and {a.weight_sync_addr for a in plans[-1].assignments}
+                >= {f"restarted:{spare}", f"restarted:{serving}"}
+            ),
+        )
+        assert {a.worker_id: (a.role, a.bucket) for a in plans[-1].assignments} == after
+        assert gpus(plans[-1]) == 16
+        plan = plans[-1]
+
         # a restarted planner continues the layout, and finds nothing better in the same stats
         await bus.close()  # the planner's loop with it
         bus = await Bus.connect(nats_server.url, run_id, "planner", "planner")
