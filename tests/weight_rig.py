@@ -10,9 +10,9 @@ from services.common.membership import TRAINER_ROLE
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
 from services.common.tls import TlsFiles
+from services.generation.backends.hf import HFBackend
+from services.generation.engine import ContinuousEngine
 from services.learning.snapshot import Snapshot, snapshot
-from services.rollout_engine.backends.hf import HFBackend
-from services.rollout_engine.engine import ContinuousEngine
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 
 

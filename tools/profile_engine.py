@@ -50,7 +50,7 @@ def _timed_body(backend: Any, sink: list[float]) -> Callable[[], None]:
 def _steps(
     backend: Any, batch: int, width: int, prompt: list[int], rng: random.Random, steps: int
 ) -> list[float]:
-    from services.rollout_engine.backends.base import Join
+    from services.generation.backends.base import Join
 
     vocab = backend.vocab_size
     joins = [Join(slot, list(prompt), 1.0, None) for slot in range(batch)]
@@ -70,7 +70,7 @@ def profile(
     import torch
 
     from services.common.runconfig import ModelConfig
-    from services.rollout_engine.backends.hf import HFBackend
+    from services.generation.backends.hf import HFBackend
 
     backend = HFBackend(
         ModelConfig(source=model), torch_threads=max(1, min(8, torch.get_num_threads())), seed=0

@@ -61,7 +61,7 @@ def token_logprobs(
     token was sampled at). Computed in float32 as a fused cross-entropy, whose backward is markedly
     cheaper on CPU than gather + logsumexp over a 49k vocabulary. With `top_p` < 1 the distribution
     is the one the engines sample from: renormalised over the nucleus (the fewest most likely tokens
-    whose probability reaches top_p, as services/rollout_engine/sampling.py cuts it), so the trainer
+    whose probability reaches top_p, as services/generation/sampling.py cuts it), so the trainer
     and the engine score a token alike; a token outside this policy's nucleus (the policy moved
     since it was sampled) is scored as if the nucleus held it too, never -inf.
     """

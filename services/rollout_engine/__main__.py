@@ -10,7 +10,7 @@ if __name__ == "__main__":
         service_main(
             "rollout-engine",
             "services.rollout_engine.service",
-            "services.rollout_engine.config:EngineSettings",
+            "services.generation.config:EngineSettings",
             # Before any thread: bounds the engine's memory during weight pushes.
             before="services.rollout_engine.weight_sync:limit_malloc_arenas",
         )

@@ -47,7 +47,7 @@ from services.common.weights import (
     tensor_of,
     torch_dtype,
 )
-from services.rollout_engine.backends.base import Engine
+from services.generation.backends.base import Engine
 
 MAX_MESSAGE_BYTES = 64 << 20
 RELAY_QUEUE = 2

@@ -21,7 +21,7 @@ from services.common.localstack import Server
 from services.common.membership import lease_resource
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig, RunConfig
-from services.rollout_engine.config import EngineSettings
+from services.generation.config import EngineSettings
 from tests.service_process import pinned_job_env, service_process
 
 pytestmark = pytest.mark.integration

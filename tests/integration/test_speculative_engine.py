@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from services.common.runconfig import ModelConfig, SpeculativeConfig
-from services.rollout_engine.backends.base import Finished, GenRequest, Join
-from services.rollout_engine.backends.hf import HFBackend
-from services.rollout_engine.engine import ContinuousEngine
-from services.rollout_engine.speculator import Speculator
+from services.generation.backends.base import Finished, GenRequest, Join
+from services.generation.backends.hf import HFBackend
+from services.generation.engine import ContinuousEngine
+from services.generation.speculator import Speculator
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from services.common.runconfig import ModelConfig, RunConfig
-from services.rollout_engine.backends.base import GenRequest
-from services.rollout_engine.config import EngineSettings
+from services.generation.backends.base import GenRequest
+from services.generation.config import EngineSettings
 
 
 def _cuda() -> bool:
@@ -36,8 +36,8 @@ async def test_vllm_streams_by_the_logprob_contract_and_swaps_weights_under_load
     import torch
 
     from services.common.models import load_model
-    from services.rollout_engine.backends.vllm import VllmBackend
-    from services.rollout_engine.engine import engine_for
+    from services.generation.backends.vllm import VllmBackend
+    from services.generation.engine import engine_for
 
     run = RunConfig.model_validate(
         {"model": tiny_model.model_dump(), "rollout": {"backend": "vllm", "max_batch": 4}}

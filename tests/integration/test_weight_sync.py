@@ -18,10 +18,10 @@ from services.common.localstack import Server
 from services.common.membership import TRAINER_ROLE
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
+from services.generation.backends.base import GenRequest
+from services.generation.backends.hf import HFBackend
+from services.generation.engine import ContinuousEngine
 from services.learning.snapshot import Snapshot, snapshot
-from services.rollout_engine.backends.base import GenRequest
-from services.rollout_engine.backends.hf import HFBackend
-from services.rollout_engine.engine import ContinuousEngine
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 from services.trainer.weight_push import WeightPusher, encode_delta, encode_dense
 

@@ -14,13 +14,13 @@ from services.common.contracts import ev
 from services.common.cost_model import load_presets
 from services.common.errors import InvalidMessage
 from services.common.runconfig import EmulatedConfig, ModelConfig
-from services.rollout_engine.backends.base import EngineClosed, GenOutput, GenRequest, Join, StepBackend
-from services.rollout_engine.backends.emulated import EmulatedBackend
-from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.engine import ContinuousEngine
-from services.rollout_engine.sampling import left_pad, sample_next
-from services.rollout_engine.service import validate_turn
-from services.rollout_engine.stops import StopMatcher
+from services.generation.backends.base import EngineClosed, GenOutput, GenRequest, Join, StepBackend
+from services.generation.backends.emulated import EmulatedBackend
+from services.generation.config import EngineSettings
+from services.generation.engine import ContinuousEngine
+from services.generation.sampling import left_pad, sample_next
+from services.generation.serving import validate_turn
+from services.generation.stops import StopMatcher
 from services.scheduler.inflight import trajectory_seed
 
 
@@ -380,7 +380,7 @@ async def test_close_hands_back_queued_requests_and_wakes_waiters() -> None:
 
 @pytest.fixture(scope="module")
 def hf_backend(tiny_model: ModelConfig) -> Any:
-    from services.rollout_engine.backends.hf import HFBackend
+    from services.generation.backends.hf import HFBackend
 
     backend = HFBackend(tiny_model, torch_threads=2, seed=0)
     asyncio.run(backend.start())
@@ -507,7 +507,7 @@ async def test_hf_min_new_tokens_masks_eos_out_of_the_distribution(hf_backend: A
 async def test_hf_weight_swap_under_load_loses_no_request_and_names_each_tokens_version(
     tiny_model: ModelConfig,
 ) -> None:
-    from services.rollout_engine.backends.hf import HFBackend
+    from services.generation.backends.hf import HFBackend
 
     backend = HFBackend(tiny_model, torch_threads=2, seed=1)
     await backend.start()
@@ -547,3 +547,30 @@ def test_help_lists_settings_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "LIBRA_ROLLOUT_ENGINE_MAX_WAIT_FOR_WEIGHTS_S" in out.stdout and "LIBRA_CONFIG" in out.stdout
+
+
+async def test_an_hf_backend_over_a_given_model_serves_its_own_parameters_as_they_change(
+    hf_backend: Any, tiny_model: ModelConfig
+) -> None:
+    """The trainer's way to serve (`HFBackend(model=...)`): no weights of its own, the same tokens
+    as a backend that loaded the same weights, and a change to the owner's weights is served at once."""
+    import copy
+
+    from services.generation.backends.hf import HFBackend
+
+    model = copy.deepcopy(hf_backend.model)
+    shared = HFBackend(tiny_model, torch_threads=2, model=model)
+    await shared.start()
+    assert shared.shared and shared.model is model
+    assert all(
+        a.data_ptr() == b.data_ptr()
+        for a, b in zip(shared.weight_slots().values(), model.state_dict().values(), strict=True)
+    )
+    reqs = [GenRequest(list(range(100, 110)), 8, 1.0, seed=11), GenRequest([5, 6, 7], 6, 0.8, seed=12)]
+    loaded, served = await _generate(hf_backend, reqs), await _generate(shared, reqs)
+    assert [o.token_ids for o in served] == [o.token_ids for o in loaded]
+    with torch.no_grad():  # the owner trains a step: every logit moves
+        model.lm_head.weight.mul_(-1.0)
+    after = await _generate(shared, reqs)
+    assert [o.token_ids for o in after] != [o.token_ids for o in loaded]
+    assert [o.token_ids for o in await _generate(hf_backend, reqs)] == [o.token_ids for o in loaded]

@@ -6,8 +6,8 @@ import pytest
 
 from services.common.cost_model import load_presets
 from services.common.synthetic import Workload
+from services.generation.speculation import SpeculationPolicy
 from services.planner.search import BucketPlan, Plan
-from services.rollout_engine.speculation import SpeculationPolicy
 from tools.sim.cli import main
 from tools.sim.engine import Engine, Request
 from tools.sim.ledger import CATEGORIES

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from services.common.runconfig import SpeculativeConfig
-from services.rollout_engine.drafter import Draft, SuffixDrafter
-from services.rollout_engine.sampling import (
+from services.generation.drafter import Draft, SuffixDrafter
+from services.generation.sampling import (
     gumbel_noise,
     noise_key,
     sample_next,
     verify_draft,
     verify_drafts,
 )
-from services.rollout_engine.speculator import Row, Speculator
+from services.generation.speculator import Row, Speculator
 
 
 def test_a_sibling_continues_the_longest_match_and_beats_another_groups_rollout() -> None:

@@ -1,4 +1,4 @@
-"""The live engine's speculation glue (`services/rollout_engine/speculator.py`), pure logic: step
+"""The live engine's speculation glue (`services/generation/speculator.py`), pure logic: step
 times fitted robustly, acceptance estimated from what the verifier did, drafts cut to the room a
 row has left and to what pays at the engine's measured step times."""
 
@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.common.runconfig import RolloutConfig, SpeculativeConfig
-from services.rollout_engine.speculator import Acceptance, RealisedRates, Row, Speculator, StepTimes
+from services.generation.speculator import Acceptance, RealisedRates, Row, Speculator, StepTimes
 
 
 def test_step_times_are_flat_until_two_sizes_are_measured_and_ignore_a_stalled_step() -> None:
@@ -123,7 +123,7 @@ def test_speculation_needs_a_backend_that_generates() -> None:
 
 
 def test_vllm_gets_the_method_and_draft_length_or_nothing() -> None:
-    from services.rollout_engine.backends.vllm import vllm_speculative_config
+    from services.generation.backends.vllm import vllm_speculative_config
 
     assert vllm_speculative_config(SpeculativeConfig()) is None
     cfg = vllm_speculative_config(SpeculativeConfig(method="suffix", num_tokens=8))
@@ -133,7 +133,7 @@ def test_vllm_gets_the_method_and_draft_length_or_nothing() -> None:
 
 
 def test_padded_width_drafts_at_the_tail_and_not_where_padding_costs_the_whole_batch() -> None:
-    from services.rollout_engine.speculation import SpeculationPolicy
+    from services.generation.speculation import SpeculationPolicy
 
     policy = SpeculationPolicy(mode="adaptive", draft_tokens=6)
 

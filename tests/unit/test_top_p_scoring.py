@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from services.generation.sampling import sample_next
 from services.learning.grpo import token_logprobs
-from services.rollout_engine.sampling import sample_next
 
 
 def test_trainer_and_engine_agree_on_nucleus_logprobs() -> None:

@@ -35,8 +35,8 @@ async def main(port_file: Path, redis_url: str, run_id: str, seed: int) -> None:
 
     from services.common.ownership import OwnershipStore
     from services.common.runconfig import ModelConfig
-    from services.rollout_engine.backends.hf import HFBackend
-    from services.rollout_engine.engine import ContinuousEngine
+    from services.generation.backends.hf import HFBackend
+    from services.generation.engine import ContinuousEngine
     from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 
     torch.set_num_threads(1)

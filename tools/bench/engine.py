@@ -23,8 +23,8 @@ ROUNDS = 2
 
 
 async def _serve(backend: Any, static: bool) -> dict[str, float]:
-    from services.rollout_engine.backends.base import GenRequest
-    from services.rollout_engine.engine import ContinuousEngine
+    from services.generation.backends.base import GenRequest
+    from services.generation.engine import ContinuousEngine
 
     engine = ContinuousEngine(backend, MAX_BATCH, static_batches=static)
     engine.start()
@@ -55,7 +55,7 @@ async def _measure() -> dict[str, list[dict[str, float]]]:
     import torch
 
     from services.common.runconfig import ModelConfig
-    from services.rollout_engine.backends.hf import HFBackend
+    from services.generation.backends.hf import HFBackend
 
     backend = HFBackend(ModelConfig(source="tiny-random"), torch_threads=2, seed=0)
     await backend.start()

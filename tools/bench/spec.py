@@ -72,9 +72,9 @@ async def _scenario(
     seed, the same in every run, so both engines sample the very same tokens (appended to
     `outputs` as (prompt, seed, tokens)) and their times compare the same work."""
     from services.common.runconfig import SpeculativeConfig
-    from services.rollout_engine.backends.base import GenRequest
-    from services.rollout_engine.engine import ContinuousEngine
-    from services.rollout_engine.speculator import Speculator
+    from services.generation.backends.base import GenRequest
+    from services.generation.engine import ContinuousEngine
+    from services.generation.speculator import Speculator
 
     prompts, budget, stops = _tasks(backend)[task]
     spec = (
@@ -143,9 +143,9 @@ def _drafting(runs: list[dict[str, float]], key: str) -> dict[str, float]:
 
 async def _greedy_identical(backend: Any) -> bool:
     from services.common.runconfig import SpeculativeConfig
-    from services.rollout_engine.backends.base import GenRequest
-    from services.rollout_engine.engine import ContinuousEngine
-    from services.rollout_engine.speculator import Speculator
+    from services.generation.backends.base import GenRequest
+    from services.generation.engine import ContinuousEngine
+    from services.generation.speculator import Speculator
 
     outputs = []
     for spec in (None, Speculator(SpeculativeConfig(method="suffix", num_tokens=NUM_TOKENS, policy="fixed"))):
@@ -185,7 +185,7 @@ def _chi2_homogeneity(a: Counter[int], b: Counter[int]) -> tuple[float, int]:
 def _sampling_test(backend: Any) -> dict[str, Any]:
     import torch
 
-    from services.rollout_engine.sampling import verify_draft
+    from services.generation.sampling import verify_draft
 
     prompt = _tasks(backend)["free_text"][0][0]
     with torch.inference_mode():
@@ -216,7 +216,7 @@ def _tie_gap(backend: Any, prompt: list[int], seed: int, a: list[int], b: list[i
     first position where two samples of the same seed differ, from a forward of the context alone."""
     import torch
 
-    from services.rollout_engine.sampling import gumbel_noise, noise_key
+    from services.generation.sampling import gumbel_noise, noise_key
 
     n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     ctx = prompt + a[:n]
@@ -232,7 +232,7 @@ def _tie_gap(backend: Any, prompt: list[int], seed: int, a: list[int], b: list[i
 
 async def _measure() -> dict[str, Any]:
     from services.common.runconfig import ModelConfig
-    from services.rollout_engine.backends.hf import HFBackend
+    from services.generation.backends.hf import HFBackend
 
     backend = HFBackend(ModelConfig(source="smollm2"), torch_threads=2, seed=0)
     await backend.start()
@@ -355,7 +355,7 @@ def run() -> dict[str, Any]:
 
 async def _draft_yield() -> dict[str, Any]:
     from services.common.runconfig import ModelConfig
-    from services.rollout_engine.backends.hf import HFBackend
+    from services.generation.backends.hf import HFBackend
 
     backend = HFBackend(ModelConfig(source="smollm2"), torch_threads=2, seed=0)
     await backend.start()

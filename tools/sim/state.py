@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.synthetic import TrajectorySpec
+from services.generation.speculation import SpeculationPolicy
 from services.planner.hybrid_pool import PoolPolicy
 from services.planner.replan import ReplanPolicy
 from services.planner.search import BucketPlan
-from services.rollout_engine.speculation import SpeculationPolicy
 from tools.sim.drafting import AcceptanceModel
 
 ENGINE, TOOL, TRAIN_DONE, SYNC_DONE, FETCHED, TICK, MOVED = range(7)

@@ -16,6 +16,7 @@ from typing import Any
 
 from services.common.cost_model import CostModel
 from services.common.synthetic import Workload
+from services.generation.speculation import SpeculationPolicy
 from services.planner.hybrid_pool import PoolPolicy
 from services.planner.replan import ReplanPolicy
 from services.planner.search import (
@@ -27,7 +28,6 @@ from services.planner.search import (
     best_layout,
     train_time,
 )
-from services.rollout_engine.speculation import SpeculationPolicy
 from services.scheduler.cmlfq import CMLFQ, Bucket, CMLFQConfig
 from services.scheduler.routing import CMLFQRouter, StaticRouter
 from tools.sim.drafting import AcceptanceModel

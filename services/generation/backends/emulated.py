@@ -32,8 +32,8 @@ from typing import Any
 
 from services.common.cost_model import CostModel, load_presets
 from services.common.runconfig import EmulatedConfig, RunConfig
-from services.rollout_engine.backends.base import Join, StepBackend
-from services.rollout_engine.config import EngineSettings
+from services.generation.backends.base import Join, StepBackend
+from services.generation.config import EngineSettings
 
 VOCAB_SIZE = 49152
 EOS = 0

@@ -3,7 +3,7 @@
 Two shapes of backend:
 
 - A `StepBackend` (hf, emulated) is driven one decode iteration at a time by the engine's
-  continuous batcher (`services.rollout_engine.engine.ContinuousEngine`): between two iterations
+  continuous batcher (`services.generation.engine.ContinuousEngine`): between two iterations
   requests join and leave, and new weights land. It never runs two calls at once, so it needs no
   locking of its own.
 - A backend with its own iteration-level scheduler (vllm's AsyncLLM) implements the engine
@@ -39,7 +39,7 @@ class GenRequest:
     prompt_id: str = ""
     group_id: str = ""
     """The task prompt and GRPO group this sequence samples (what the engine's drafter indexes
-    its responses by, `services/rollout_engine/drafter.py`); empty when unknown."""
+    its responses by, `services/generation/drafter.py`); empty when unknown."""
     seed: int | None = None
     """Sampling seed: the `hf` backend samples the token at each position with noise keyed by the
     seed and the position (`sampling.noise_key`), so the same seed, context and weights give the

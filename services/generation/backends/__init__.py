@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from services.common.runconfig import RunConfig
-    from services.rollout_engine.backends.base import Backend
-    from services.rollout_engine.config import EngineSettings
+    from services.generation.backends.base import Backend
+    from services.generation.config import EngineSettings
 
 
 def create_backend(run: RunConfig, settings: EngineSettings) -> Backend:

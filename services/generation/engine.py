@@ -25,7 +25,7 @@ from typing import Any
 from services.common.logging import get_logger
 from services.common.runconfig import SpeculativeConfig
 from services.common.tasks import cancel_and_wait
-from services.rollout_engine.backends.base import (
+from services.generation.backends.base import (
     Backend,
     Engine,
     EngineClosed,
@@ -36,8 +36,8 @@ from services.rollout_engine.backends.base import (
     StepBackend,
     VersionGate,
 )
-from services.rollout_engine.speculator import Row, Speculator
-from services.rollout_engine.stops import StopMatcher
+from services.generation.speculator import Row, Speculator
+from services.generation.stops import StopMatcher
 
 
 def engine_for(backend: Backend, max_batch: int, speculative: SpeculativeConfig | None = None) -> Engine:

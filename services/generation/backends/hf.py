@@ -7,7 +7,7 @@ columns nobody uses any more), decodes one token for every running row, and pref
 join in a batch of their own whose cache is then padded and stacked onto the running one. The torch
 work runs in a worker thread so the event loop keeps serving NATS and gRPC meanwhile.
 
-With speculative decoding (`services/rollout_engine/speculator.py`) a step verifies the running
+With speculative decoding (`services/generation/speculator.py`) a step verifies the running
 rows' drafted tokens in the same forward: each row's last token and its draft enter as new columns
 (a row with a shorter draft is padded on the left of them, so every row still ends at the last
 column), the verifier keeps the accepted prefix and one more token (`sampling.verify_drafts`), and
@@ -34,9 +34,9 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from services.common.logging import get_logger
 from services.common.models import load_model, load_tokenizer
 from services.common.runconfig import ModelConfig, RunConfig
-from services.rollout_engine.backends.base import Join, StepBackend
-from services.rollout_engine.config import EngineSettings
-from services.rollout_engine.sampling import left_pad, noise_key, sample_next, verify_drafts
+from services.generation.backends.base import Join, StepBackend
+from services.generation.config import EngineSettings
+from services.generation.sampling import left_pad, noise_key, sample_next, verify_drafts
 
 COMPACT_MIN_COLUMNS = 32
 """Holes left by rejected drafts are squeezed out of the cache once they waste more columns than
@@ -188,13 +188,24 @@ class HFBackend(StepBackend):
     name = "hf"
     verifies_drafts = True
 
-    def __init__(self, model_cfg: ModelConfig, torch_threads: int, seed: int | None = None):
+    def __init__(
+        self, model_cfg: ModelConfig, torch_threads: int, seed: int | None = None, model: Any = None
+    ):
+        """`model`: serve this model object, its own parameters (no copy), on its device — the
+        trainer's learner model, whose weights are the version it trained last; else `start`
+        loads `model_cfg`'s onto the GPU if there is one."""
         self.model_cfg = model_cfg
         self.torch_threads = torch_threads
         self.seed = seed
-        self.model: Any = None
+        self.model: Any = model
+        self.shared = model is not None
+        """Whether it serves a model it did not load (its weights change only by their owner)."""
         self.tok: Any = None
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = (
+            next(model.parameters()).device
+            if model is not None
+            else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
         self.row_seeds = random.Random(seed)
         """Draws the sampling seed of a row whose request carries none (`GenRequest.seed`)."""
         self.batch = _Batch.empty(self.device)
@@ -209,10 +220,11 @@ class HFBackend(StepBackend):
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
     async def start(self) -> None:
-        torch.set_num_threads(self.torch_threads)
         self.tok = await asyncio.to_thread(load_tokenizer, self.model_cfg)
-        self.model = await asyncio.to_thread(load_model, self.model_cfg)
-        self.model.to(self.device).eval()
+        if not self.shared:  # a shared model's threads and mode are its owner's
+            torch.set_num_threads(self.torch_threads)
+            self.model = await asyncio.to_thread(load_model, self.model_cfg)
+            self.model.to(self.device).eval()
         self.eos = _eos_ids(self.model, self.tok)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.eos)
         self.log.info(
@@ -220,7 +232,8 @@ class HFBackend(StepBackend):
             source=self.model_cfg.source,
             params=sum(p.numel() for p in self.model.parameters()),
             device=str(self.device),
-            torch_threads=self.torch_threads,
+            torch_threads=torch.get_num_threads(),
+            shared=self.shared,
         )
 
     @property

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.common.runconfig import SpeculativeConfig
-from services.rollout_engine.drafter import SuffixDrafter
-from services.rollout_engine.speculation import SpeculationPolicy
+from services.generation.drafter import SuffixDrafter
+from services.generation.speculation import SpeculationPolicy
 
 SOURCES = ("group", "prompt", "self")
 LANES = SOURCES + tuple(f"{s}-short" for s in SOURCES)

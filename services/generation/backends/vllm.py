@@ -34,7 +34,7 @@ from typing import Any
 from services.common.logging import get_logger
 from services.common.models import resolve_model_dir
 from services.common.runconfig import RunConfig, SpeculativeConfig
-from services.rollout_engine.backends.base import (
+from services.generation.backends.base import (
     Backend,
     EngineClosed,
     Finished,
@@ -42,7 +42,7 @@ from services.rollout_engine.backends.base import (
     GenRequest,
     VersionGate,
 )
-from services.rollout_engine.config import EngineSettings
+from services.generation.config import EngineSettings
 
 
 def _load_weights_on_worker(worker: Any, items: list[tuple[str, Any]]) -> int:

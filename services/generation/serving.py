@@ -1,0 +1,383 @@
+"""Serving turns over NATS: what any process that answers `turn.request.<worker_id>` runs.
+
+`TurnServer` validates each turn request against the contract and the model, queues it on the
+continuous-batching engine, answers every accepted request with exactly one TurnResult (an error
+result included, so a scheduler never hangs on it), hands back what it holds when it is drained
+(running turns with the tokens they have so far), and reports its load. Where it serves (its
+bucket, its TP) and whether it may (its lease) are its owner's: the rollout-engine service
+(`services/rollout_engine/service.py`) today, which adds the weight-sync server, the plan and the
+hybrid training side around it.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from services.common import subjects
+from services.common.bus import Bus, Envelope
+from services.common.contracts import MAX_TEMPERATURE, ev
+from services.common.errors import LibraError, Unavailable, require
+from services.common.logging import get_logger
+from services.common.metrics import engine_metrics
+from services.common.runconfig import RunConfig
+from services.common.tracing import tracer
+from services.generation.backends.base import Backend, EngineClosed, Finished, GenRequest
+from services.generation.config import EngineSettings
+from services.generation.engine import engine_for
+from services.generation.speculator import counters as spec_counters
+
+ANSWERED_REPORTED = 128
+"""Answered requests a load report names (EngineLoad.answered_ids)."""
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+
+
+def validate_turn(req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int) -> GenRequest:
+    """Checks a turn request against the contract and the model; raises InvalidMessage if it breaks
+    either. Generation is clipped so context plus output fits the model's positions."""
+    require(bool(req.request_id), "request_id is empty")
+    require(bool(req.trajectory_id), "trajectory_id is empty")
+    ctx = list(req.context_token_ids)
+    require(len(ctx) > 0, "context_token_ids is empty")
+    require(
+        0 < req.max_new_tokens <= max_new_tokens_cap,
+        f"max_new_tokens must be in 1..{max_new_tokens_cap}, got {req.max_new_tokens}",
+    )
+    require(
+        math.isfinite(req.temperature) and 0.0 <= req.temperature <= MAX_TEMPERATURE,
+        f"temperature must be in 0..{MAX_TEMPERATURE}, got {req.temperature}",
+    )
+    vocab = backend.vocab_size
+    require(all(0 <= t < vocab for t in ctx), f"context token ids must be in 0..{vocab - 1}")
+    require(
+        len(ctx) < backend.max_positions,
+        f"context of {len(ctx)} tokens does not fit the model's {backend.max_positions} positions",
+    )
+    require(
+        len(req.stop) <= MAX_STOPS and all(len(s) <= MAX_STOP_CHARS for s in req.stop),
+        f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters",
+    )
+    require(math.isfinite(req.top_p) and 0.0 <= req.top_p <= 1.0, f"top_p must be in 0..1, got {req.top_p}")
+    budget = min(req.max_new_tokens, backend.max_positions - len(ctx))
+    require(req.min_new_tokens >= 0, f"min_new_tokens must be >= 0, got {req.min_new_tokens}")
+    return GenRequest(
+        ctx,
+        budget,
+        float(req.temperature),
+        list(req.stop),
+        int(req.priority),
+        min(req.min_new_tokens, budget),
+        float(req.top_p) if req.top_p > 0 else 1.0,  # unset (0): the full distribution
+        req.prompt_id,
+        req.group_id,
+        seed=int(req.sampling_seed) if req.HasField("sampling_seed") else None,
+    )
+
+
+def turn_result(
+    req: ev.TurnRequest, done: Finished, engine_id: str, context: int, queue_s: float
+) -> ev.TurnResult:
+    """What the engine answers for a turn it generated (the text decoded by the caller)."""
+    out = done.output
+    return ev.TurnResult(
+        request_id=req.request_id,
+        trajectory_id=req.trajectory_id,
+        turn_index=req.turn_index,
+        engine_id=engine_id,
+        token_ids=out.token_ids,
+        logprobs=out.logprobs,
+        policy_version=done.policy_version,
+        token_versions=out.token_versions,
+        temperature=float(req.temperature) if req.temperature > 0 else 1.0,
+        finish_reason=out.finish_reason,
+        context_tokens=context,
+        queue_s=queue_s,
+        generate_s=done.generate_s,
+        drafted_tokens=out.drafted,
+        accepted_tokens=out.accepted,
+    )
+
+
+class TurnServer(abc.ABC):
+    """Turn requests in, turn results and load reports out, for one worker id on one backend.
+    Its owner connects `bus`, then calls `open_turns` once the worker may serve, and
+    `close_turns` when it stops."""
+
+    bus: Bus
+
+    def __init__(
+        self, worker_id: str, settings: EngineSettings, run: RunConfig, backend: Backend, service: str
+    ):
+        self.worker_id = worker_id
+        self.settings = settings
+        self.service = service
+        """The service kind its metrics are published as."""
+        self.max_new_tokens_cap = max(settings.max_new_tokens_cap, run.task.max_new_tokens)
+        """A turn may ask for the job's whole output budget (task.max_new_tokens), at least: the
+        setting protects against more than the job asks for, not against the job itself."""
+        self.log = get_logger(component="service")
+        self.prom = engine_metrics()
+        self.backend = backend
+        self.engine = engine_for(backend, run.rollout.max_batch, run.rollout.speculative)
+        self.weight_sync_addr = ""
+        """Where its weights are pushed (load reports say so); empty if they are not pushed to it."""
+        self.held = 0
+        self.stopping = False
+        self._turns: set[asyncio.Task[None]] = set()
+        self._sub: Any = None
+        self.holding: set[str] = set()
+        self._serving: dict[str, tuple[asyncio.Task[None], ev.TurnRequest]] = {}
+        """Turns queued or running here, by request id: what a drain hands back."""
+        self.draining = False
+        self._awaiting_weights: set[str] = set()
+        """Turns it holds that wait for newer weights, or for its GPUs to switch to rollout (not in
+        the engine yet: none has a token)."""
+        self.last_seq = 0
+        """The highest TurnRequest.seq it has read (its load reports say so)."""
+        self.answered: deque[str] = deque(maxlen=ANSWERED_REPORTED)
+        """The requests it answered last (its load reports name them)."""
+        self._awake_at = 0.0
+        """Lent by the trainer, or restarted at another TP: turns start once its GPUs have switched
+        (monotonic)."""
+        self.served_any = False
+        """Whether it took a turn yet (a TP change before that costs nothing)."""
+
+    @property
+    @abc.abstractmethod
+    def bucket(self) -> str:
+        """The bucket it serves now (its load reports say so)."""
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The GPUs it spans (its load reports say so)."""
+        return 1
+
+    @abc.abstractmethod
+    def holds_lease(self) -> bool:
+        """Whether it still holds the lease it serves under (one that lost it may have been
+        replaced: it takes no turn)."""
+
+    async def open_turns(self) -> None:
+        """Serves `turn.request.<worker_id>` from now on and reports its load."""
+        self._sub = await self.bus.subscribe(
+            f"{subjects.TURN_REQUEST}.{self.worker_id}", ev.TurnRequest, self._on_turn
+        )
+        self.bus.spawn(self._load_loop())
+
+    async def close_turns(self, grace_s: float) -> None:
+        """Stops intake, finishes the running batch and hands queued requests back."""
+        self.stopping = True
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        await self.engine.close(timeout=grace_s / 3)
+        if self._turns:
+            await asyncio.wait(set(self._turns), timeout=grace_s / 4)
+
+    async def _drain(self) -> int:
+        """The planner took this engine out of rollout (maintenance, a move to another bucket or to
+        training): it refuses new turns and hands back every turn it holds, queued or running,
+        with `handed_back` at once, so the scheduler continues them elsewhere instead of waiting
+        for them. A running turn comes back with the tokens it generated so far (their logprobs
+        and versions), which the scheduler keeps: the turn goes on from there on another engine,
+        which re-prefills the context. A backend that schedules its own iterations (vllm) hands
+        its turns back without their tokens (the partial output is dropped)."""
+        if self.draining:
+            return 0
+        self.draining = True
+        held = list(self._serving.values())
+        hand_back = getattr(self.engine, "hand_back", None)
+        kept = await hand_back() if hand_back is not None else 0  # their tasks publish them
+        await asyncio.sleep(0)
+        for task, req in held:
+            if task.done() or (hand_back is not None and req.request_id not in self._awaiting_weights):
+                continue
+            task.cancel()  # waiting for weights, or a backend without hand_back: no tokens
+            await self._publish_error(req, "handed_back", f"{self.worker_id} is draining", None)
+        self.log.info("engine_drained", handed_back=len(held), with_tokens=kept)
+        return len(held)
+
+    async def _on_turn(self, req: ev.TurnRequest, env: Envelope) -> None:
+        """Validates and queues; generation runs in its own task so this subscription stays free."""
+        received = time.monotonic()
+        self.last_seq = max(self.last_seq, req.seq)
+        try:
+            if self.stopping:
+                raise Unavailable("shutdown")
+            if self.draining:
+                raise Unavailable("draining: this engine was taken out of rollout by the planner")
+            if not self.holds_lease():  # it may have been replaced: it does not act
+                raise Unavailable("lease_lost: this engine's lease was not renewed; it waits for a new one")
+            gen = validate_turn(req, self.backend, self.max_new_tokens_cap)
+        except LibraError as err:
+            if req.request_id:
+                await self._publish_error(req, err.code, str(err), env.context)
+            raise
+        self.served_any = True
+        task = asyncio.create_task(self._serve_turn(req, gen, env.context, received))
+        self._turns.add(task)
+        self.holding.add(req.request_id)
+        self._serving[req.request_id] = (task, req)
+        task.add_done_callback(self._turns.discard)
+        task.add_done_callback(lambda _: self.holding.discard(req.request_id))
+        task.add_done_callback(lambda _: self._serving.pop(req.request_id, None))
+
+    async def _serve_turn(
+        self, req: ev.TurnRequest, gen: GenRequest, parent: otel_context.Context, received: float
+    ) -> None:
+        log = self.log.bind(trajectory_id=req.trajectory_id, request_id=req.request_id)
+        with tracer().start_as_current_span("engine.generate", context=parent) as span:
+            span.set_attribute("libra.trajectory_id", req.trajectory_id)
+            span.set_attribute("libra.context_tokens", len(gen.prompt_ids))
+            ctx = otel_context.get_current()
+            try:
+                if self.draining:  # taken away before it started: nothing generated
+                    await self._publish_error(req, "handed_back", f"{self.worker_id} is draining", ctx)
+                    return
+                waking = self._awake_at - time.monotonic()
+                if waking > 0 or self.engine.version < req.min_policy_version:
+                    self.held += 1
+                    self._awaiting_weights.add(req.request_id)
+                    try:
+                        if waking > 0:
+                            await asyncio.sleep(waking)
+                        ok = await self.engine.wait_for_version(
+                            req.min_policy_version, self.settings.max_wait_for_weights_s
+                        )
+                    finally:
+                        self.held -= 1
+                        self._awaiting_weights.discard(req.request_id)
+                    if not ok:
+                        stale = (
+                            f"weights v{self.engine.version} < min_policy_version {req.min_policy_version}"
+                        )
+                        await self._publish_error(
+                            req, "unavailable", "shutdown" if self.stopping else stale, ctx
+                        )
+                        return
+                if self.draining:  # taken away while it waited for weights: nothing generated
+                    await self._publish_error(req, "handed_back", f"{self.worker_id} is draining", ctx)
+                    return
+                done = await self.engine.submit(gen)
+            except EngineClosed:
+                await self._publish_error(req, "unavailable", "shutdown", ctx)
+                return
+            except Exception as err:
+                log.exception("generate_failed")
+                span.set_status(trace.StatusCode.ERROR, str(err))
+                await self._publish_error(req, "internal", f"{type(err).__name__}: {err}", ctx)
+                return
+            out = done.output
+            queue_s = max(0.0, time.monotonic() - received - done.generate_s)
+            _span_ago("engine.queue", ctx, queue_s + done.generate_s, queue_s)
+            span.set_attribute("libra.policy_version", done.policy_version)
+            span.set_attribute("libra.new_tokens", len(out.token_ids))
+            if out.drafted:
+                span.set_attribute("libra.spec.drafted_tokens", out.drafted)
+                span.set_attribute("libra.spec.accepted_tokens", out.accepted)
+            result = turn_result(req, done, self.worker_id, len(gen.prompt_ids), queue_s)
+            result.text = self.backend.decode(out.token_ids)
+            if out.finish_reason == "handed_back":  # drained mid-turn: what it made so far
+                result.error.CopyFrom(
+                    ev.ErrorInfo(code="handed_back", message=f"{self.worker_id} is draining")
+                )
+            await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
+            self.answered.append(req.request_id)
+            self.prom.turns.labels(out.finish_reason or "unknown").inc()
+            self.prom.tokens.inc(len(out.token_ids))
+            if out.drafted:
+                self.prom.drafted.inc(out.drafted)
+                self.prom.accepted.inc(out.accepted)
+            log.debug("turn_done", tokens=len(out.token_ids), policy_version=done.policy_version)
+
+    async def _publish_error(
+        self, req: ev.TurnRequest, code: str, message: str, ctx: otel_context.Context | None
+    ) -> None:
+        result = ev.TurnResult(
+            request_id=req.request_id,
+            trajectory_id=req.trajectory_id,
+            turn_index=req.turn_index,
+            engine_id=self.worker_id,
+            policy_version=self.engine.version,
+            finish_reason="error",
+            context_tokens=len(req.context_token_ids),
+            error=ev.ErrorInfo(code=code, message=message[:500]),
+        )
+        with contextlib.suppress(Exception):
+            await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
+            self.answered.append(req.request_id)
+
+    def load_report(self, tokens_per_s: float) -> ev.EngineLoad:
+        load = ev.EngineLoad(
+            engine_id=self.worker_id,
+            bucket=self.bucket,
+            running=self.engine.running,
+            waiting=self.engine.waiting + self.held,
+            tokens_per_s=tokens_per_s,
+            weight_version=self.engine.version,
+            weight_sync_addr=self.weight_sync_addr,
+            request_ids=sorted(self.holding),
+            last_seq=self.last_seq,
+            answered_ids=list(self.answered),
+            tensor_parallel=self.tensor_parallel,
+            capacity_seqs=self.engine.max_batch,
+            free_kv_tokens=self.backend.free_kv_tokens(),
+            backend=self.backend.name,
+        )
+        if (c := spec_counters(self.engine)) is not None:
+            load.spec_verify_steps, load.spec_drafted_tokens, load.spec_accepted_tokens = (
+                c.verify_steps,
+                c.drafted,
+                c.accepted,
+            )
+        m = self.prom
+        m.running.set(load.running)
+        m.waiting.set(load.waiting)
+        m.tokens_per_s.set(tokens_per_s)
+        m.weight_version.set(load.weight_version)
+        m.free_kv_tokens.set(load.free_kv_tokens)
+        return load
+
+    async def _load_loop(self) -> None:
+        last_t, last_tokens = time.monotonic(), self.engine.tokens_generated
+        while True:
+            await asyncio.sleep(self.settings.load_report_interval_s)
+            now, tokens = time.monotonic(), self.engine.tokens_generated
+            rate = (tokens - last_tokens) / max(now - last_t, 1e-9)
+            last_t, last_tokens = now, tokens
+            with contextlib.suppress(Exception):
+                await self.bus.publish(subjects.ENGINE_LOAD, self.load_report(rate))
+                await self.bus.publish(subjects.METRICS, self.metrics(rate))
+
+    def metrics(self, tokens_per_s: float) -> ev.MetricSample:
+        """The load report plus what EngineLoad has no field for, above all whether it is emulated."""
+        values = {
+            "emulated": float(self.backend.emulated),
+            "running": float(self.engine.running),
+            "waiting": float(self.engine.waiting + self.held),
+            "tokens_per_s": tokens_per_s,
+            "tokens_total": float(self.engine.tokens_generated),
+            "weight_version": float(self.engine.version),
+            "rejected": float(self.bus.rejected),
+        }
+        if (c := spec_counters(self.engine)) is not None:
+            values.update(c.values())
+            self.prom.acceptance.set(c.acceptance_rate)
+        return ev.MetricSample(service=self.service, worker_id=self.worker_id, values=values)
+
+
+def _span_ago(name: str, ctx: otel_context.Context, began_s_ago: float, duration_s: float) -> None:
+    """Records a span that began `began_s_ago` seconds ago and lasted `duration_s` (measured on the
+    monotonic clock, placed on the wall clock the spans use)."""
+    now = time.time_ns()
+    start = now - int(began_s_ago * 1e9)
+    tracer().start_span(name, context=ctx, start_time=start).end(end_time=start + int(duration_s * 1e9))
