@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common.cost_model import CostModel
@@ -275,6 +275,52 @@ def _fewest_engines(
                 break
             split[pick] += 1
     return split
+
+
+def by_id(worker_id: str) -> tuple[str, int]:
+    """Orders worker ids by name, then number (rollout-engine-2 before rollout-engine-10)."""
+    head = worker_id.rstrip("0123456789")
+    tail = worker_id[len(head) :]
+    return head, int(tail) if tail else -1
+
+
+def assign_layout(
+    members: Mapping[str, Sequence[tuple[str, int]]],
+    spares: Sequence[tuple[str, int]],
+    layout: Sequence[BucketPlan],
+    gpus: int,
+    fixed_tp: bool = False,
+) -> dict[str, tuple[str, int]]:
+    """Where each engine goes when `layout` is applied: engine id -> (bucket, TP), a spare as
+    ("", the GPUs it keeps). `members`: each bucket's engines (id, TP) now; `spares`: the engines
+    serving nothing (id, GPUs kept); `gpus`: what they all stand for.
+
+    A bucket keeps its first engines (by `by_id`) and gives its surplus to the buckets, in the
+    layout's order, short of engines, spares first; with `fixed_tp` (real engines) an engine
+    only goes to a bucket of its own TP. Engines left over are spares and keep, between them, the
+    GPUs the layout leaves unused. Every engine is in the answer, in the order it is placed (each
+    bucket's kept engines, then the ones it is given; then the spares). The live planner and the
+    simulator's re-planner both apply this."""
+    free = sorted(spares, key=lambda e: by_id(e[0]))
+    kept: dict[str, list[tuple[str, int]]] = {}
+    for b in layout:
+        own = sorted(members.get(b.name, ()), key=lambda e: by_id(e[0]))
+        kept[b.name] = own[: b.replicas]
+        free += own[b.replicas :]
+    out: dict[str, tuple[str, int]] = {}
+    for b in layout:
+        placed = list(kept[b.name])
+        while len(placed) < b.replicas:
+            fits = [e for e in free if not fixed_tp or e[1] == b.tp]
+            if not fits:
+                break
+            free.remove(fits[0])
+            placed.append(fits[0])
+        out.update((e, (b.name, b.tp)) for e, _ in placed)
+    left = gpus - sum(tp for bucket, tp in out.values())  # what the placed engines do not use
+    for i, (e, _) in enumerate(free):
+        out[e] = ("", left // len(free) + (i < left % len(free)))
+    return out
 
 
 def restart_s(cm: CostModel, old: Sequence[BucketPlan], new: Sequence[BucketPlan]) -> float:

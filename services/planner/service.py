@@ -40,8 +40,7 @@ from services.planner.config import PlannerSettings
 from services.planner.elastic import LivePool
 from services.planner.history import PLANNER_ROLE, PlanHistory
 from services.planner.refit import LiveReplanner, RefitDecision
-from services.planner.replan import EnginePool
-from services.planner.search import BucketPlan
+from services.planner.replan import EnginePool, assign_layout
 
 MOVABLE_ROLES = ("rollout", "draining", "hybrid")
 """Roles an operator (or, next, the planner itself) may move an engine between: serving a bucket,
@@ -399,7 +398,8 @@ class PlannerService:
         for s in self.slots.values():
             if s.role == "rollout" and s.bucket in replicas:
                 replicas[s.bucket] += 1
-        decision = self.replanner.decide(time.monotonic(), self.buckets, replicas, self._engine_pool())
+        pool = self._engine_pool()
+        decision = self.replanner.decide(time.monotonic(), self.buckets, replicas, pool)
         if decision is None:
             return
         for b, limit in zip(self.buckets, decision.limits, strict=True):
@@ -415,7 +415,8 @@ class PlannerService:
             predicted_rollout_s=[round(decision.current_s, 1), round(decision.best_s, 1)],
         )
         if decision.layout is not None:
-            await self._relayout(decision)
+            assert pool is not None  # a layout is decided only over a pool
+            await self._relayout(decision, pool)
 
     def _engine_pool(self) -> EnginePool | None:
         """The engines a re-layout may move (`planner.relayout`): those serving a bucket and those a
@@ -429,48 +430,35 @@ class PlannerService:
         gpus = sum(tp[s.bucket] for s in serving) + sum(s.tensor_parallel for s in spares)
         return EnginePool(len(serving) + len(spares), gpus, fixed_tp=self.cfg.rollout.backend != "emulated")
 
-    async def _relayout(self, decision: RefitDecision) -> None:
-        """Moves engines to the decision's layout under one plan: a bucket with more engines than it
-        needs gives its last ones (by id) to one that needs more, or leaves them spare; spares are
-        taken first. With fixed TPs (real engines) an engine only goes to a bucket of its TP."""
+    async def _relayout(self, decision: RefitDecision, pool: EnginePool) -> None:
+        """Moves engines to the decision's layout under one plan (`assign_layout`: a bucket with
+        more engines than it needs gives its last ones to one that needs more, or leaves them
+        spare; spares are taken first; with fixed TPs an engine only goes to a bucket of its TP)."""
         assert decision.layout is not None
-        fixed = self.cfg.rollout.backend != "emulated"
         old_tp = {b.name: b.tensor_parallel for b in self.buckets}
-        pool = self._engine_pool()
-        assert pool is not None
-        want: dict[str, BucketPlan] = {b.name: b for b in decision.layout}
-        members = {
-            name: sorted(
-                (s for s in self.slots.values() if s.role == "rollout" and s.bucket == name),
-                key=lambda s: s.worker_id,
-            )
-            for name in want
-        }
-        free = sorted((s for s in self.slots.values() if s.role == SPARE_ROLE), key=lambda s: s.worker_id)
-        for name, slots in members.items():
-            keep = want[name].replicas
-            free += slots[keep:]
-            members[name] = slots[:keep]
-        moves: list[tuple[Slot, str, str]] = []
+        slots = {s.worker_id: s for s in self.slots.values() if s.role == "rollout" and s.bucket in old_tp}
+        spares = {s.worker_id: s for s in self.slots.values() if s.role == SPARE_ROLE}
+        members: dict[str, list[tuple[str, int]]] = {name: [] for name in old_tp}
+        for s in slots.values():
+            members[s.bucket].append((s.worker_id, old_tp[s.bucket]))
+        target = assign_layout(
+            members,
+            [(s.worker_id, s.tensor_parallel) for s in spares.values()],
+            decision.layout,
+            pool.gpus,
+            pool.fixed_tp,
+        )
         for spec in self.buckets:
-            plan = want[spec.name]
-            spec.tensor_parallel = plan.tp
-            while len(members[spec.name]) < plan.replicas:
-                fits = [s for s in free if not fixed or old_tp.get(s.bucket, s.tensor_parallel) == plan.tp]
-                if not fits:
-                    break
-                free.remove(fits[0])
-                members[spec.name].append(fits[0])
-                moves.append((fits[0], "rollout", spec.name))
-            for s in members[spec.name]:
-                if old_tp[spec.name] != plan.tp and not any(s is m for m, _, _ in moves):
-                    moves.append((s, "rollout", spec.name))  # the same bucket at another TP
-                s.tensor_parallel = plan.tp
-        left = pool.gpus - sum(b.tp * b.replicas for b in decision.layout)
-        for i, s in enumerate(free):  # the GPUs the layout does not use stay with the spares
-            s.tensor_parallel = left // len(free) + (i < left % len(free))
-            if s.role != SPARE_ROLE:
-                moves.append((s, SPARE_ROLE, ""))
+            spec.tensor_parallel = next(b.tp for b in decision.layout if b.name == spec.name)
+        moves: list[tuple[Slot, str, str]] = []
+        for worker_id, (bucket, tp) in target.items():
+            s = slots.get(worker_id) or spares[worker_id]
+            if not bucket:  # the GPUs the layout does not use stay with the spares
+                if s.role != SPARE_ROLE:
+                    moves.append((s, SPARE_ROLE, ""))
+            elif s.role == SPARE_ROLE or s.bucket != bucket or old_tp[s.bucket] != tp:
+                moves.append((s, "rollout", bucket))  # another bucket, or the same at another TP
+            s.tensor_parallel = tp
         if moves:
             layout = ",".join(f"{b.name}={b.replicas}xTP{b.tp}" for b in decision.layout)
             await self._apply_moves(moves, "relayout", f"replan:{decision.trigger}:relayout:{layout}")

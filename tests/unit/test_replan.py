@@ -10,6 +10,8 @@ from services.planner.replan import (
     EnginePool,
     ReplanPolicy,
     ReplanSignals,
+    assign_layout,
+    by_id,
     length_sample,
     refit_layout,
     refit_thresholds,
@@ -254,3 +256,54 @@ def test_relayout_leaves_the_layout_alone_when_nothing_beats_it() -> None:
     assert first.buckets is not None and first.gain > 0
     again = refit_layout(cm, stats, first.buckets, opts, pool)
     assert again.buckets is None and again.best_s == again.current_s
+
+
+def test_worker_ids_order_by_name_then_number() -> None:
+    ids = ["rollout-engine-10", "rollout-engine-2", "e11", "e3", "rollout-engine-1"]
+    assert sorted(ids, key=by_id) == [
+        "e3",
+        "e11",
+        "rollout-engine-1",
+        "rollout-engine-2",
+        "rollout-engine-10",
+    ]
+
+
+def test_assign_layout_keeps_each_buckets_first_engines_and_fills_from_spares_then_surplus() -> None:
+    """8 TP1 in a + 8 TP2 in b (24 GPUs) and one spare keeping 4 GPUs (28), to a=1xTP4, b=5xTP4:
+    a keeps its first engine by number (e2 before e10), b its first five; the spare goes to a
+    first, then a's surplus; the rest are spares with the 8 GPUs left over between them."""
+    a = [(f"e{i}", 1) for i in (10, 2, 3, 4, 5, 6, 7, 8)]
+    b = [(f"e{i}", 2) for i in range(11, 19)]
+    got = assign_layout(
+        {"a": a, "b": b}, [("e20", 4)], [BucketPlan("a", 4, 1, 500), BucketPlan("b", 4, 5, math.inf)], 28
+    )
+    assert {e: v for e, v in got.items() if v[0]} == {
+        "e2": ("a", 4),
+        **{f"e{i}": ("b", 4) for i in range(11, 16)},
+    }
+    assert list(got)[:2] == ["e2", "e11"]
+    spares = {e: v[1] for e, v in got.items() if not v[0]}
+    assert sorted(spares, key=by_id) == [
+        "e3",
+        "e4",
+        "e5",
+        "e6",
+        "e7",
+        "e8",
+        "e10",
+        "e16",
+        "e17",
+        "e18",
+        "e20",
+    ]
+    assert sum(spares.values()) == 28 - 24 and max(spares.values()) - min(spares.values()) <= 1
+    assert len(got) == 17
+
+
+def test_assign_layout_with_fixed_tps_gives_a_bucket_only_engines_of_its_tp() -> None:
+    """a (TP1) and c (TP2) want more engines; b (TP1) has surplus: only a gets them, c stays short."""
+    members = {"a": [("e1", 1)], "b": [("e2", 1), ("e3", 1), ("e4", 1)], "c": [("e5", 2)]}
+    layout = [BucketPlan("a", 1, 2, 500), BucketPlan("b", 1, 1, 1000), BucketPlan("c", 2, 3, math.inf)]
+    got = assign_layout(members, [], layout, 7, fixed_tp=True)
+    assert got == {"e1": ("a", 1), "e3": ("a", 1), "e2": ("b", 1), "e5": ("c", 2), "e4": ("", 7 - 5)}

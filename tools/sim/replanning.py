@@ -9,7 +9,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.common.synthetic import TrajectorySpec, Workload
-from services.planner.replan import EnginePool, ReplanPolicy, ReplanSignals, choose_refit, length_sample
+from services.planner.replan import (
+    EnginePool,
+    ReplanPolicy,
+    ReplanSignals,
+    assign_layout,
+    by_id,
+    choose_refit,
+    length_sample,
+)
 from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
 from tools.sim.engine import Engine
 from tools.sim.kernel import Kernel
@@ -88,7 +96,7 @@ class Replanner:
             for e in sim.engines.values()
             if e.bucket == bucket and e.engine_id not in other and e.engine_id not in spare
         ]
-        return sorted(out, key=lambda e: int(e.engine_id.lstrip("e")))
+        return sorted(out, key=lambda e: by_id(e.engine_id))
 
     def _pool(self) -> EnginePool:
         engines = [e for b in self.sim.sys.buckets for e in self._members(b.name)]
@@ -102,32 +110,29 @@ class Replanner:
         engines left over become spares, and the GPUs the layout does not use idle in `spare`."""
         sim = self.sim
         total = self._pool().gpus
-        members = {b.name: self._members(b.name) for b in layout}
-        free = list(self.spares)
+        engines = {e.engine_id: e for e in self.spares}
+        members: dict[str, list[tuple[str, int]]] = {}
         for b in layout:
-            free += members[b.name][b.replicas :]
-            members[b.name] = members[b.name][: b.replicas]
+            own = self._members(b.name)
+            engines.update((e.engine_id, e) for e in own)
+            members[b.name] = [(e.engine_id, e.tp) for e in own]
+        spares = [(e.engine_id, e.tp) for e in self.spares]
         stopped: list[str] = []
-        for b in layout:
-            for e in members[b.name]:
-                if e.tp != b.tp:
-                    stopped += self._restart(e, b)
-            while len(members[b.name]) < b.replicas and free:
-                e = free.pop(0)
-                members[b.name].append(e)
-                if e in self.spares:
-                    self.spares.remove(e)
-                    self._move(e, b.name)
-                    self._open(e, b.tp)
-                elif e.tp != b.tp:
-                    stopped += self._restart(e, b)
-                else:
-                    self._move(e, b.name)
-        for e in free:
-            if e not in self.spares:
-                stopped += self._stop(e)
-                sim.by_bucket[sim.key(e.bucket)].remove(e)
-                self.spares.append(e)
+        for engine_id, (bucket, tp) in assign_layout(members, spares, layout, total).items():
+            e = engines[engine_id]
+            if not bucket:
+                if e not in self.spares:
+                    stopped += self._stop(e)
+                    sim.by_bucket[sim.key(e.bucket)].remove(e)
+                    self.spares.append(e)
+            elif e in self.spares:
+                self.spares.remove(e)
+                self._move(e, bucket)
+                self._open(e, tp)
+            elif e.tp != tp:
+                stopped += self._restart(e, bucket, tp)
+            else:
+                self._move(e, bucket)
         self.spare.set(None, sim.now)
         self.spare.gpus = total - sum(b.tp * b.replicas for b in layout)
         self.spare.set("rollout_idle", sim.now)
@@ -166,10 +171,10 @@ class Replanner:
         e.load_weights(sim.now, sim.cm.engine_load_s(tp), sim.version)
         self.restarts += 1
 
-    def _restart(self, e: Engine, b: BucketPlan) -> list[str]:
+    def _restart(self, e: Engine, bucket: str, tp: int) -> list[str]:
         stopped = self._stop(e)
-        self._move(e, b.name)
-        self._open(e, b.tp)
+        self._move(e, bucket)
+        self._open(e, tp)
         return stopped
 
     def workload_stats(self, lengths: Sequence[float]) -> WorkloadStats:
