@@ -470,6 +470,8 @@ def lending_report(
         "policy": cfg.planner.lending.policy,
         "seconds_lent": round(last.seconds_lent, 3),
         "turns_moved": moved,
+        # the trainer's own engine (planner.lending.trainer_serves): turns it answered while lent
+        "turns_served_by_trainer": last.lent_turns_answered if cfg.planner.lending.trainer_serves else None,
     }
 
 

@@ -52,6 +52,23 @@ CTL_SPOKEN = (f"{_CTL}.heartbeat", f"{_CTL}.ack")
 spoken subjects (subjects.SPOKEN): `<subject>.<kind>.<worker_id>`."""
 
 
+TRAINER_ENGINE_SUFFIX = "-engine"
+"""The trainer's own engine (planner.lending.trainer_serves) is the worker `<trainer's id>-engine`."""
+TRAINER_ENGINE_SPEAKS = (
+    subjects.TURN_RESULT,
+    subjects.ENGINE_LOAD,
+    subjects.HYBRID_STATE,
+    subjects.WORKER_HELLO,
+    subjects.METRICS,
+)
+"""What the trainer's own engine says about itself: an engine's results, load, role-change steps
+(parked, with the turns it handed back), hello and metrics."""
+
+
+def trainer_engine_id(trainer_id: str) -> str:
+    return trainer_id + TRAINER_ENGINE_SUFFIX
+
+
 def kind_of(identity: str) -> str:
     """The service kind of an identity or worker id (rollout-engine-3 → rollout-engine)."""
     for kind in IDENTITIES:
@@ -189,6 +206,8 @@ def redis_acl(identity: Identity, password: str) -> str:
     if identity.kind != "cli":  # its own worker lease: exactly its id, or its kind's ids
         own = identity.name if identity.per_worker else f"{identity.kind}*"
         keys.append(f"~libra:*:lease:worker:{own}")
+        if identity.kind == "trainer" and identity.per_worker:  # and its own engine's
+            keys.append(f"~libra:*:lease:worker:{trainer_engine_id(identity.name)}")
     return " ".join(("user", identity.name, "on", f">{password}", "resetchannels", *keys, _REDIS_COMMANDS))
 
 
@@ -214,6 +233,9 @@ def publish_allowed(identity: Identity) -> list[str]:
     speaks = [*g.speaks, *_SPOKEN_BY_ALL] if kind != "cli" else []
     out = [f"{_RUN}.{s}" for s in g.publishes]
     out += [f"{_RUN}.{identity.speaking(s)}" for s in speaks]
+    if kind == "trainer" and identity.per_worker:  # its own engine (a kind's identity speaks as any)
+        engine = trainer_engine_id(identity.name)
+        out += [f"{_RUN}.{subjects.spoken(s, kind, engine)}" for s in TRAINER_ENGINE_SPEAKS]
     for durable in g.pulls:
         out += [
             f"{_JS}.CONSUMER.INFO.*.{durable}",
@@ -239,6 +261,9 @@ def subscribe_allowed(identity: Identity) -> list[str]:
     run = [f"{s}.>" if s in subjects.SPOKEN else s for s in _GRANTS[kind].subscribes]
     if kind == "rollout-engine":
         run.append(f"{subjects.TURN_REQUEST}.{identity.speaks_as}")
+    elif kind == "trainer":  # its own engine's turns (planner.lending.trainer_serves)
+        own = trainer_engine_id(identity.name) if identity.per_worker else "*"
+        run.append(f"{subjects.TURN_REQUEST}.{own}")
     ctl = (
         [f"{s}.>" for s in CTL_SPOKEN]
         if kind == "cli"

@@ -530,6 +530,12 @@ class LendingConfig(_Strict):
     than three switches away, and take the GPUs back one switch before it is forecast complete
     (`services/trainer/lend_policy.py`). `predictive` wins where batches come often or lent GPUs
     are a small share of rollout, and loses where they are most of it (docs/planner.md)."""
+    trainer_serves: bool = False
+    """The trainer process itself is the lent engine (`engines` must be 1): while lent it serves
+    turns with its learner's model — the weights it trained last, no copy — and before its next
+    step hands them back and trains (docs/planner.md). For the `hf` rollout backend with a torch
+    trainer on the same model, unsharded and without LoRA (a CPU stack); on GPUs the lent engines
+    are engine processes on the training GPUs (the sleep/wake path, not written yet)."""
 
 
 class LayoutConfig(_Strict):
@@ -659,6 +665,18 @@ class RunConfig(_Strict):
                 "(searching real engines' layouts from measured statistics is not written yet)"
             )
         lend = self.planner.lending
+        if lend.trainer_serves and (
+            lend.engines != 1
+            or self.rollout.backend != "hf"
+            or self.training.backend == "emulated"
+            or self.training.fsdp > 1
+            or self.training.lora is not None
+        ):
+            raise ValueError(
+                "planner.lending.trainer_serves: the trainer serves as one engine (lending.engines: 1) "
+                "with its own model, so it needs rollout.backend 'hf' and a torch trainer that is not "
+                "sharded (training.fsdp: 1) and has no LoRA adapter"
+            )
         if lend.bucket and lend.bucket not in names:
             raise ValueError(f"planner.lending.bucket {lend.bucket!r} is not a bucket; known: {names}")
         buckets = self.rollout.buckets
@@ -699,8 +717,10 @@ class RunConfig(_Strict):
 
     @property
     def engines_needed(self) -> int:
-        """Engines a job takes: the rollout engines and those standing for the training GPUs."""
-        return self.rollout.engines + self.planner.lending.engines
+        """Engine processes a job takes: the rollout engines and those standing for the training
+        GPUs (none where the trainer serves itself)."""
+        lend = self.planner.lending
+        return self.rollout.engines + (0 if lend.trainer_serves else lend.engines)
 
     @property
     def lending_bucket(self) -> str:

@@ -18,7 +18,7 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +159,23 @@ class ContinuousEngine(VersionGate):
         self._wake.set()
         await self._swapped(version, self.running)
         return True
+
+    async def adopt(self, version: int) -> None:
+        """Its backend serves a model whose owner changed the weights to `version` in place (the
+        trainer's own, `HFBackend(model=...)`): tokens from here on are that version's."""
+        async with self._step:
+            if version == self.version:
+                return
+            self.version, self.checksum = version, ""
+            self._reset = bool(self._running)
+        self._wake.set()
+        await self._swapped(version, self.running)
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """No iteration runs inside (the backend's model is its owner's meanwhile, e.g. to train)."""
+        async with self._step:
+            yield
 
     async def hand_back(self) -> int:
         """Ends every request it holds at once, between two iterations (the planner took the engine

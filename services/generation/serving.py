@@ -150,6 +150,8 @@ class TurnServer(abc.ABC):
         (monotonic)."""
         self.served_any = False
         """Whether it took a turn yet (a TP change before that costs nothing)."""
+        self.turns_answered = 0
+        """Turns it answered with what it generated (not refusals or errors)."""
 
     @property
     @abc.abstractmethod
@@ -292,6 +294,7 @@ class TurnServer(abc.ABC):
                 )
             await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
             self.answered.append(req.request_id)
+            self.turns_answered += 1
             self.prom.turns.labels(out.finish_reason or "unknown").inc()
             self.prom.tokens.inc(len(out.token_ids))
             if out.drafted:

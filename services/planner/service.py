@@ -21,6 +21,7 @@ from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
+from services.common.credentials import TRAINER_ENGINE_SUFFIX
 from services.common.errors import require
 from services.common.logging import get_logger
 from services.common.membership import (
@@ -273,14 +274,18 @@ class PlannerService:
             # the plan changes and the scheduler re-sends what the old process had in flight.
             self.slots.pop(hello.worker_id)
             self.log.info("worker_restarted", worker_id=hello.worker_id, addr=hello.weight_sync_addr)
-        slot = self.assigner.assign(
-            hello.worker_id,
-            hello.kind,
-            hello.preferred_bucket,
-            self.slots,
-            addr=hello.weight_sync_addr,
-            tp=hello.tensor_parallel or 1,
-        )
+        slot: Slot | None
+        if hello.trainer_engine:
+            slot = self._trainer_engine(hello)
+        else:
+            slot = self.assigner.assign(
+                hello.worker_id,
+                hello.kind,
+                hello.preferred_bucket,
+                self.slots,
+                addr=hello.weight_sync_addr,
+                tp=hello.tensor_parallel or 1,
+            )
         if slot is None:
             return
         if (
@@ -329,11 +334,26 @@ class PlannerService:
             token=lease.token,
         )
 
+    def _trainer_engine(self, hello: ev.WorkerHello) -> Slot:
+        """The trainer's own engine (planner.lending.trainer_serves): parked, at the lent TP in the
+        lending bucket, until the trainer lends it."""
+        lend = self.cfg.planner.lending
+        require(lend.trainer_serves, "a trainer's engine, but planner.lending.trainer_serves is off")
+        require(
+            hello.kind == "trainer" and hello.worker_id.endswith(TRAINER_ENGINE_SUFFIX),
+            f"a trainer's engine is kind 'trainer' named '<trainer>{TRAINER_ENGINE_SUFFIX}', "
+            f"not {hello.kind} {hello.worker_id!r}",
+        )
+        return Slot(
+            hello.worker_id, hello.kind, PARKED_ROLE, self.cfg.lending_bucket, "", lend.tensor_parallel
+        )
+
     def _lendable(self, slot: Slot) -> None:
         """Engines past `rollout.engines` stand for the training GPUs (planner.lending.engines of
-        them): parked, at the lent TP, until the trainer lends them."""
+        them): parked, at the lent TP, until the trainer lends them (unless the trainer is the
+        lent engine itself)."""
         lend = self.cfg.planner.lending
-        if slot.role != "rollout" or lend.engines == 0:
+        if slot.role != "rollout" or lend.engines == 0 or lend.trainer_serves:
             return
         roles = Counter(s.role for s in self.slots.values() if s.worker_id != slot.worker_id)
         if (

@@ -35,6 +35,7 @@ from services.trainer.hybrid_host import HybridHost
 from services.trainer.intake import Intake
 from services.trainer.leadership import Leadership
 from services.trainer.lending import Lender
+from services.trainer.serving import TrainerEngine
 from services.trainer.weight_push import WeightPusher
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class TrainerService:
         store: OwnershipStore,
         membership: Membership,
         pusher: WeightPusher,
+        own_engine: TrainerEngine | None = None,
     ):
         self.common = common
         self.settings = settings
@@ -102,6 +104,8 @@ class TrainerService:
             settings.lend_timeout_s,
         )
         self.intake.group_complete = self.lender.group_complete
+        self.own_engine = own_engine
+        """Its own engine, serving lent turns with the learner's model (planner.lending.trainer_serves)."""
 
     @property
     def version(self) -> int:
@@ -178,7 +182,8 @@ class TrainerService:
                 break
             await self.lender.reclaim()
             await self._step_boundary()  # hybrid workers join and leave between two steps
-            await self._step(groups, stop)
+            async with self.own_engine.training() if self.own_engine else contextlib.nullcontext():
+                await self._step(groups, stop)
         self._show_progress()
 
     async def _wait_for_batch(self) -> None:
@@ -320,6 +325,7 @@ class TrainerService:
             reclaims=self.lender.reclaims,
             early_reclaims=self.lender.early_reclaims,
             seconds_lent=self.lender.seconds_lent,
+            lent_turns_answered=self.own_engine.turns_answered if self.own_engine else 0,
         )
         await self.bus.publish(subjects.TRAIN_METRICS, self.last_metrics)
         m = trainer_metrics()
@@ -415,7 +421,12 @@ async def serve(
     membership = Membership(bus, store, ev.WorkerHello(worker_id=worker_id, kind="trainer"))
     await membership.start()
 
-    service = TrainerService(common, settings, run, learner, bus, store, membership, pusher)
+    own_engine = None
+    if run.planner.lending.trainer_serves:
+        own_engine = TrainerEngine(common, run, learner, store, worker_id)
+        stack.push_async_callback(own_engine.shutdown)
+        await own_engine.start()
+    service = TrainerService(common, settings, run, learner, bus, store, membership, pusher, own_engine)
     await service.open_consumer()
     log.info("trainer_ready", step=learner.state.step, policy_version=learner.state.version)
     await service.run_until(stop)

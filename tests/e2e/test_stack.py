@@ -403,6 +403,32 @@ def test_an_engine_drained_mid_run_hands_its_turns_back_and_the_job_loses_nothin
     assert report["all_engines_on_final_version"], "the serving engine has the final weights"
 
 
+def test_the_trainer_serves_lent_turns_with_its_own_model_and_trains_between(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """planner.lending.trainer_serves on the stack `libra up` starts (an identity per worker): the
+    trainer process is the lent engine. Parked at start, lent whenever it waits for its batch, it
+    answers turns with the learner's own model under its own worker id, and is parked before each
+    step; the job completes with nothing lost or trained twice, on one rollout engine besides."""
+    config = _config(
+        tmp_path,
+        rollout={"engines": 1},
+        training={"steps": 4},
+        planner={"lending": {"engines": 1, "trainer_serves": True, "policy": "always"}},
+    )
+    cfg = load_run_config(config)
+    report = _run(stack, config, f"job-lend-trainer-{RUN}", tmp_path)
+    assert report["status"] == "completed", report["reason"]
+    assert report["trajectories_lost"] == 0 and report["trajectories_trained_twice"] == 0
+    assert report["train_steps"] == cfg.training.steps
+    lending = report["lending"]
+    assert lending["lends"] >= 1 and lending["reclaims"] >= 1, lending
+    assert lending["turns_served_by_trainer"] >= 1, lending
+    moves = [(c["worker"], c["from"], c["to"]) for c in report["role_changes"] if "from" in c]
+    assert ("trainer-engine", "parked", "lent") in moves and ("trainer-engine", "lent", "parked") in moves
+    assert {w for w, _, _ in moves} == {"trainer-engine"}, moves  # no engine process was parked
+
+
 def test_an_engine_moved_into_training_computes_gradients_and_comes_back_to_rollout(
     stack: Stack, otlp: OtlpReceiver, tmp_path: Path
 ) -> None:

@@ -291,8 +291,14 @@ def test_lending_reports_the_trainers_counts_and_the_turns_its_engines_handed_ba
         "policy": "always",
         "seconds_lent": 30.0,
         "turns_moved": 4,
+        "turns_served_by_trainer": None,
     }
     assert lending_report(on, [], {"error": "no history"})["turns_moved"] is None
+    own = RunConfig.model_validate(
+        {"rollout": {"backend": "hf"}, "planner": {"lending": {"engines": 1, "trainer_serves": True}}}
+    )
+    steps.append(ev.TrainMetrics(step=3, lends=3, reclaims=3, lent_turns_answered=7))
+    assert lending_report(own, steps, changes)["turns_served_by_trainer"] == 7
 
 
 def test_lent_engines_serve_the_bucket_of_the_nearest_tp() -> None:
@@ -317,3 +323,27 @@ def test_lent_engines_serve_the_bucket_of_the_nearest_tp() -> None:
     assert cfg().engines_needed == 4
     with pytest.raises(ValidationError, match="planner.lending.bucket"):
         cfg(bucket="nowhere")
+
+
+def test_the_trainer_serves_only_as_one_hf_engine_on_its_own_unsharded_model() -> None:
+    from pydantic import ValidationError
+
+    from services.common.runconfig import RunConfig
+
+    def cfg(engines: int = 1, **sections: object) -> RunConfig:
+        data: dict[str, object] = {
+            "rollout": {"engines": 2, "backend": "hf"},
+            "planner": {"lending": {"engines": engines, "trainer_serves": True}},
+            **sections,
+        }
+        return RunConfig.model_validate(data)
+
+    assert cfg().engines_needed == 2  # the trainer is the lent engine: no process stands for it
+    for bad in (
+        {"engines": 2},
+        {"rollout": {"engines": 2, "backend": "emulated"}},
+        {"training": {"backend": "emulated"}},
+        {"training": {"fsdp": 2}},
+    ):
+        with pytest.raises(ValidationError, match="trainer_serves"):
+            cfg(**bad)  # type: ignore[arg-type]

@@ -43,3 +43,26 @@ def test_only_the_trainer_speaks_of_another_worker_and_only_to_refuse_its_join()
     engine = "libra.v1.r1." + subjects.spoken(subjects.HYBRID_STATE, "rollout-engine", "rollout-engine-1")
     with pytest.raises(ForgedSender):
         said_by(engine, ev.HybridState(worker_id="rollout-engine-0", state="refused"))
+
+
+def test_a_trainer_may_speak_for_its_own_engine_and_read_its_turns_but_no_other_engines() -> None:
+    """planner.lending.trainer_serves: the trainer `trainer-0` serves lent turns as the worker
+    `trainer-0-engine`, which its identity may speak for and take turn requests of; not for any
+    other trainer's engine, nor for a rollout engine."""
+    from services.common.credentials import Identity, publish_allowed, redis_acl, subscribe_allowed
+
+    me = Identity("trainer-0", per_worker=True)
+    pub, sub = set(publish_allowed(me)), set(subscribe_allowed(me))
+    run = "libra.v1.*."
+    for s in (subjects.TURN_RESULT, subjects.ENGINE_LOAD, subjects.HYBRID_STATE, subjects.WORKER_HELLO):
+        assert run + subjects.spoken(s, "trainer", "trainer-0-engine") in pub
+        assert run + subjects.spoken(s, "trainer", "trainer-1-engine") not in pub
+    assert not any(".rollout-engine." in p for p in pub)
+    assert run + f"{subjects.TURN_REQUEST}.trainer-0-engine" in sub
+    assert not any(
+        s.startswith(run + subjects.TURN_REQUEST) and not s.endswith("trainer-0-engine") for s in sub
+    )
+    acl = redis_acl(me, "pw").split()
+    assert "~libra:*:lease:worker:trainer-0-engine" in acl and "~libra:*:lease:worker:trainer-0" in acl
+    engine = Identity("rollout-engine-0", per_worker=True)
+    assert not any("trainer" in p for p in publish_allowed(engine))

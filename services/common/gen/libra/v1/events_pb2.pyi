@@ -251,18 +251,20 @@ class EngineLoad(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., weight_version: _Optional[int] = ..., weight_sync_addr: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., tensor_parallel: _Optional[int] = ..., capacity_seqs: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., spec_verify_steps: _Optional[int] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., last_seq: _Optional[int] = ..., answered_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "kind", "weight_sync_addr", "tensor_parallel", "preferred_bucket")
+    __slots__ = ("worker_id", "kind", "weight_sync_addr", "tensor_parallel", "preferred_bucket", "trainer_engine")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SYNC_ADDR_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ENGINE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     kind: str
     weight_sync_addr: str
     tensor_parallel: int
     preferred_bucket: str
-    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[str] = ..., weight_sync_addr: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., preferred_bucket: _Optional[str] = ...) -> None: ...
+    trainer_engine: bool
+    def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[str] = ..., weight_sync_addr: _Optional[str] = ..., tensor_parallel: _Optional[int] = ..., preferred_bucket: _Optional[str] = ..., trainer_engine: bool = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("worker_id", "role", "bucket", "fencing_token", "weight_sync_addr", "tensor_parallel")
@@ -474,7 +476,7 @@ class WeightsUpdated(_message.Message):
     def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., size_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., engines: _Optional[_Iterable[str]] = ..., train_step: _Optional[int] = ..., uploaded_bytes: _Optional[int] = ..., delta_bytes: _Optional[int] = ..., delta_engines: _Optional[int] = ..., dtype: _Optional[str] = ..., relayed_engines: _Optional[int] = ...) -> None: ...
 
 class TrainMetrics(_message.Message):
-    __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done", "data_parallel", "groups_ready", "entropy", "is_weight_mean", "is_weight_max", "is_truncated_fraction", "dual_clip_fraction", "logprob_mismatch", "mismatch_tokens", "lr", "grad_norm", "groups_filtered", "policy_versions", "stale_token_fraction", "ref_kl", "sampled_reward_mean", "sampled_reward_std", "sampled_trajectories", "groups_informative", "overlong_filtered", "lends", "reclaims", "seconds_lent", "early_reclaims")
+    __slots__ = ("step", "weight_version", "loss", "reward_mean", "reward_std", "trajectories", "tokens", "step_s", "kl", "clip_fraction", "push_s", "push_bytes", "done", "data_parallel", "groups_ready", "entropy", "is_weight_mean", "is_weight_max", "is_truncated_fraction", "dual_clip_fraction", "logprob_mismatch", "mismatch_tokens", "lr", "grad_norm", "groups_filtered", "policy_versions", "stale_token_fraction", "ref_kl", "sampled_reward_mean", "sampled_reward_std", "sampled_trajectories", "groups_informative", "overlong_filtered", "lends", "reclaims", "seconds_lent", "early_reclaims", "lent_turns_answered")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
@@ -512,6 +514,7 @@ class TrainMetrics(_message.Message):
     RECLAIMS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_LENT_FIELD_NUMBER: _ClassVar[int]
     EARLY_RECLAIMS_FIELD_NUMBER: _ClassVar[int]
+    LENT_TURNS_ANSWERED_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     loss: float
@@ -549,7 +552,8 @@ class TrainMetrics(_message.Message):
     reclaims: int
     seconds_lent: float
     early_reclaims: int
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: bool = ..., data_parallel: _Optional[int] = ..., groups_ready: _Optional[int] = ..., entropy: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ..., dual_clip_fraction: _Optional[float] = ..., logprob_mismatch: _Optional[float] = ..., mismatch_tokens: _Optional[int] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., groups_filtered: _Optional[int] = ..., policy_versions: _Optional[_Iterable[int]] = ..., stale_token_fraction: _Optional[float] = ..., ref_kl: _Optional[float] = ..., sampled_reward_mean: _Optional[float] = ..., sampled_reward_std: _Optional[float] = ..., sampled_trajectories: _Optional[int] = ..., groups_informative: _Optional[int] = ..., overlong_filtered: _Optional[int] = ..., lends: _Optional[int] = ..., reclaims: _Optional[int] = ..., seconds_lent: _Optional[float] = ..., early_reclaims: _Optional[int] = ...) -> None: ...
+    lent_turns_answered: int
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., loss: _Optional[float] = ..., reward_mean: _Optional[float] = ..., reward_std: _Optional[float] = ..., trajectories: _Optional[int] = ..., tokens: _Optional[int] = ..., step_s: _Optional[float] = ..., kl: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., push_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., done: bool = ..., data_parallel: _Optional[int] = ..., groups_ready: _Optional[int] = ..., entropy: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ..., dual_clip_fraction: _Optional[float] = ..., logprob_mismatch: _Optional[float] = ..., mismatch_tokens: _Optional[int] = ..., lr: _Optional[float] = ..., grad_norm: _Optional[float] = ..., groups_filtered: _Optional[int] = ..., policy_versions: _Optional[_Iterable[int]] = ..., stale_token_fraction: _Optional[float] = ..., ref_kl: _Optional[float] = ..., sampled_reward_mean: _Optional[float] = ..., sampled_reward_std: _Optional[float] = ..., sampled_trajectories: _Optional[int] = ..., groups_informative: _Optional[int] = ..., overlong_filtered: _Optional[int] = ..., lends: _Optional[int] = ..., reclaims: _Optional[int] = ..., seconds_lent: _Optional[float] = ..., early_reclaims: _Optional[int] = ..., lent_turns_answered: _Optional[int] = ...) -> None: ...
 
 class MetricSample(_message.Message):
     __slots__ = ("service", "worker_id", "values")
