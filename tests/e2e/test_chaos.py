@@ -248,50 +248,16 @@ def _lending_fault(victim: str) -> str:
     )
 
 
-@LONG
-def test_lending_loses_nothing_when_the_trainer_a_lent_or_reclaimed_engine_or_the_planner_dies(
-    tiny_model: Any, tmp_path: Path
-) -> None:
-    """The trainer lends its GPUs' engines (`planner.lending`) whenever it waits for a batch. While
-    an engine is lent: kill -9 the trainer (the restarted one takes back what is lent before its
-    first step), kill -9 the lent engine (its turns are re-sent; it comes back parked), kill -9 a
-    lent engine the moment the plan takes it back (in the middle of handing its turns back), kill
-    -9 the planner (a restarted planner continues the plan, lent roles included, and answers the
-    next reclaim). The job completes with every group trained once and nothing lost."""
+def _lend_with_faults(
+    config: Path, name: str, victims: tuple[str, ...], tmp_path: Path
+) -> tuple[dict[str, Any], int, dict[str, float], list[tuple[str, str, float]]]:
+    """Runs `config` on a fresh stack and kills each of `victims` in turn (LENDING_VICTIMS) while
+    an engine is lent: the report, the trained set's size, how long each took to come back, and
+    what went wrong with a fault, if anything did."""
     from services.common.bus import Bus, Envelope
     from services.common.contracts import ev
 
-    # emulated engines and training (the control plane is real): the workload's slow tools make
-    # every step wait for rollout, so the trainer lends its GPUs' two engines at every step
-    workload = Path(__file__).parent / "workloads" / "slow_tools.yaml"
-    data = {
-        "name": "lend-chaos",
-        "model": {"source": "tiny-random"},
-        "task": {"dataset": "synthetic", "workload": str(workload), "group_size": 2, "num_prompts": 10_000},
-        "rollout": {
-            "engines": 2,
-            "backend": "emulated",
-            "buckets": [
-                {"name": "short", "tensor_parallel": 1, "max_output_tokens": 20},
-                {"name": "long", "tensor_parallel": 2},
-            ],
-            "max_batch": 8,
-            "emulated": {"time_scale": 0.3},
-        },
-        "training": {
-            "backend": "emulated",
-            "steps": 14,
-            "groups_per_step": 2,
-            "checkpoint_dir": str(tmp_path / "ckpt" / "{run_id}"),
-        },
-        "job": {"feed_ack_wait_s": 6.0},
-        # at every wait (not only when the forecast says it pays): the faults need engines lent
-        "planner": {"replan": False, "lending": {"engines": 2, "tensor_parallel": 4, "policy": "always"}},
-    }
-    config = tmp_path / "lending.yaml"
-    config.write_text(yaml.safe_dump(data))
-    cfg = load_run_config(config)
-    run_id = f"lend-chaos-{int(time.time())}"
+    run_id = f"{name}-{int(time.time())}"
     stack = Stack(run_id, tmp_path / "logs", max_restarts=3)
     recovered: dict[str, float] = {}
     events: list[tuple[str, str, float]] = []
@@ -316,7 +282,7 @@ def test_lending_loses_nothing_when_the_trainer_a_lent_or_reclaimed_engine_or_th
                 found = await control.discover(bus.nc, 0.3)
                 return any(st.worker_id == worker and st.run_id == run_id for st in found)
 
-            for fault in LENDING_VICTIMS:
+            for fault in victims:
                 since = time.monotonic()
                 while not lent():  # the trainer waits for its batch: its engine serves rollout
                     if time.monotonic() - since > 120:
@@ -351,6 +317,50 @@ def test_lending_loses_nothing_when_the_trainer_a_lent_or_reclaimed_engine_or_th
     for fault, seconds in recovered.items():
         print(f"| {fault} | {seconds:.1f} s |")
     print(f"job {report['status']} in {report['wall_s']:.0f} s; lending {report['lending']}")
+    return report, trained, recovered, events
+
+
+@LONG
+def test_lending_loses_nothing_when_the_trainer_a_lent_or_reclaimed_engine_or_the_planner_dies(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """The trainer lends its GPUs' engines (`planner.lending`) whenever it waits for a batch. While
+    an engine is lent: kill -9 the trainer (the restarted one takes back what is lent before its
+    first step), kill -9 the lent engine (its turns are re-sent; it comes back parked), kill -9 a
+    lent engine the moment the plan takes it back (in the middle of handing its turns back), kill
+    -9 the planner (a restarted planner continues the plan, lent roles included, and answers the
+    next reclaim). The job completes with every group trained once and nothing lost."""
+    # emulated engines and training (the control plane is real): the workload's slow tools make
+    # every step wait for rollout, so the trainer lends its GPUs' two engines at every step
+    workload = Path(__file__).parent / "workloads" / "slow_tools.yaml"
+    data = {
+        "name": "lend-chaos",
+        "model": {"source": "tiny-random"},
+        "task": {"dataset": "synthetic", "workload": str(workload), "group_size": 2, "num_prompts": 10_000},
+        "rollout": {
+            "engines": 2,
+            "backend": "emulated",
+            "buckets": [
+                {"name": "short", "tensor_parallel": 1, "max_output_tokens": 20},
+                {"name": "long", "tensor_parallel": 2},
+            ],
+            "max_batch": 8,
+            "emulated": {"time_scale": 0.3},
+        },
+        "training": {
+            "backend": "emulated",
+            "steps": 14,
+            "groups_per_step": 2,
+            "checkpoint_dir": str(tmp_path / "ckpt" / "{run_id}"),
+        },
+        "job": {"feed_ack_wait_s": 6.0},
+        # at every wait (not only when the forecast says it pays): the faults need engines lent
+        "planner": {"replan": False, "lending": {"engines": 2, "tensor_parallel": 4, "policy": "always"}},
+    }
+    config = tmp_path / "lending.yaml"
+    config.write_text(yaml.safe_dump(data))
+    cfg = load_run_config(config)
+    report, trained, recovered, events = _lend_with_faults(config, "lend-chaos", LENDING_VICTIMS, tmp_path)
     assert set(recovered) == {_lending_fault(f) for f in LENDING_VICTIMS}, events
     assert report["status"] == "completed", report["reason"]
     assert report["train_steps"] == cfg.training.steps
@@ -363,3 +373,44 @@ def test_lending_loses_nothing_when_the_trainer_a_lent_or_reclaimed_engine_or_th
     assert report["lending"]["lends"] >= 1 and report["lending"]["reclaims"] >= 1, report["lending"]
     moves = [(c["from"], c["to"]) for c in report["role_changes"]]
     assert ("parked", "lent") in moves and ("lent", "parked") in moves
+
+
+@LONG
+def test_a_trainer_serving_lent_turns_loses_nothing_when_it_or_the_planner_dies(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """planner.lending.trainer_serves: the trainer process is the lent engine (the tiny model, the
+    hf backend, real training). While it serves lent turns: kill -9 the trainer (its engine dies
+    with it; the scheduler re-sends what it held; the restarted trainer comes back, its engine
+    parked again), then kill -9 the planner (the restarted one continues the plan, the trainer's
+    engine lent, and answers the next reclaim). The job completes with every group trained once
+    and nothing lost."""
+    data = {
+        "name": "lend-trainer-chaos",
+        "model": {"source": "tiny-random"},
+        "task": {"num_prompts": 10_000, "group_size": 2, "max_turns": 2, "max_new_tokens": 16},
+        "rollout": {"engines": 1, "max_batch": 8},
+        "training": {
+            "steps": 12,
+            "groups_per_step": 2,
+            "micro_batch": 4,
+            "torch_threads": 1,
+            "checkpoint_dir": str(tmp_path / "ckpt" / "{run_id}"),
+        },
+        "job": {"feed_ack_wait_s": 6.0},
+        "planner": {"replan": False, "lending": {"engines": 1, "trainer_serves": True, "policy": "always"}},
+    }
+    config = tmp_path / "lending.yaml"
+    config.write_text(yaml.safe_dump(data))
+    cfg = load_run_config(config)
+    victims = ("trainer", "planner")
+    report, trained, recovered, events = _lend_with_faults(config, "lend-trainer-chaos", victims, tmp_path)
+    assert set(recovered) == {_lending_fault(f) for f in victims}, events
+    assert report["status"] == "completed", report["reason"]
+    assert report["train_steps"] == cfg.training.steps
+    groups = cfg.training.steps * cfg.training.groups_per_step
+    assert report["group_outcomes"]["trained"] == groups
+    assert trained == groups * cfg.task.group_size
+    assert report["trajectories_trained_twice"] == 0
+    assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
+    assert report["lending"]["lends"] >= 1 and report["lending"]["turns_served_by_trainer"] >= 1
