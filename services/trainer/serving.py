@@ -14,7 +14,6 @@ step is done, whatever the plan says (a planner that does not answer must not st
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -49,7 +48,6 @@ class TrainerEngine(TurnServer):
         self.batcher: ContinuousEngine = self.engine
         self.common, self.run, self.store = common, run, store
         self.draining = True  # parked until the planner lends it
-        self.lent = asyncio.Event()
 
     @property
     def bucket(self) -> str:
@@ -95,10 +93,8 @@ class TrainerEngine(TurnServer):
                 self.learner.model.eval()
             await self.batcher.adopt(self.learner.state.version)
             self.draining = False
-            self.lent.set()
             self.log.info("trainer_engine_lent", bucket=a.bucket, policy_version=self.engine.version)
         elif (a is None or a.role != LENT_ROLE) and not self.draining:
-            self.lent.clear()
             start = time.monotonic()
             handed_back = await self._drain()
             self.log.info("trainer_engine_parked", handed_back=handed_back, answered=self.turns_answered)
@@ -120,7 +116,6 @@ class TrainerEngine(TurnServer):
         """The trainer's step: no turn is served meanwhile (any still held is handed back with its
         tokens) and the model is the learner's alone."""
         if not self.draining:
-            self.lent.clear()
             await self._drain()
         async with self.batcher.exclusive():
             yield
