@@ -6,7 +6,9 @@ standby forward) to the step the job has committed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,11 +36,15 @@ class Leadership:
         learner: Learner,
         hybrid: HybridHost,
         rolled_back: Callable[[], None],
+        model_owned: Callable[[], AbstractAsyncContextManager[None]] = contextlib.nullcontext,
     ):
         self.bus, self.store, self.membership = bus, store, membership
         self.learner, self.hybrid = learner, hybrid
         self.rolled_back = rolled_back
         """Called after a roll-back: what was derived from the dropped weights goes too."""
+        self.model_owned = model_owned
+        """Held while the learner's weights are restored: nothing else reads the model meanwhile
+        (the trainer's own engine, planner.lending.trainer_serves, hands its turns back first)."""
         self.log = get_logger(component="trainer")
         self.leader: bool | None = None
         """The lease was current at the last check (None: not checked yet)."""
@@ -117,7 +123,8 @@ class Leadership:
             return
         step, named = int(record.get("step", 0)), record.get("checkpoint", "")
         await self.hybrid.close()  # its members hold weights this trainer is about to drop
-        path = await asyncio.to_thread(self.learner.rollback, step, named)
+        async with self.model_owned():
+            path = await asyncio.to_thread(self.learner.rollback, step, named)
         self.rolled_back()
         self.log.warning(
             "rolled_back", step=self.learner.state.step, checkpoint=str(path or "initial weights")

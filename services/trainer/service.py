@@ -89,7 +89,13 @@ class TrainerService:
         )
         self.intake = Intake(common.run_id, run, settings, bus, store, learner)
         self.lead: Leadership = Leadership(
-            bus, store, membership, learner, self.hybrid, rolled_back=lambda: self.weights.forget()
+            bus,
+            store,
+            membership,
+            learner,
+            self.hybrid,
+            rolled_back=lambda: self.weights.forget(),
+            model_owned=own_engine.training if own_engine is not None else contextlib.nullcontext,
         )
         self.weights: WeightDistribution = WeightDistribution(
             run, bus, membership, learner, pusher, lambda: self.lead.leading, lambda: self.lead.token

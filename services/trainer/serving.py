@@ -48,6 +48,7 @@ class TrainerEngine(TurnServer):
         self.batcher: ContinuousEngine = self.engine
         self.common, self.run, self.store = common, run, store
         self.draining = True  # parked until the planner lends it
+        self._training = False
 
     @property
     def bucket(self) -> str:
@@ -113,12 +114,20 @@ class TrainerEngine(TurnServer):
 
     @contextlib.asynccontextmanager
     async def training(self) -> AsyncIterator[None]:
-        """The trainer's step: no turn is served meanwhile (any still held is handed back with its
-        tokens) and the model is the learner's alone."""
-        if not self.draining:
-            await self._drain()
-        async with self.batcher.exclusive():
+        """The trainer's step, or a roll-back of its weights: no turn is served meanwhile (any
+        still held is handed back with its tokens) and the model is the learner's alone. Re-entrant
+        (a step that rolls back holds it already)."""
+        if self._training:
             yield
+            return
+        self._training = True
+        try:
+            if not self.draining:
+                await self._drain()
+            async with self.batcher.exclusive():
+                yield
+        finally:
+            self._training = False
 
     async def shutdown(self, grace_s: float = 4.0) -> None:
         await self.close_turns(grace_s)

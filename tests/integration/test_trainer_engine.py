@@ -20,6 +20,9 @@ from services.common.runconfig import ModelConfig, RunConfig
 from services.learning.learner import Learner
 from services.planner.config import PlannerSettings
 from services.planner.service import PlannerService
+from services.trainer.config import TrainerSettings
+from services.trainer.hybrid_host import HybridHost
+from services.trainer.leadership import Leadership
 from services.trainer.serving import TrainerEngine
 
 pytestmark = pytest.mark.integration
@@ -43,7 +46,8 @@ async def test_the_trainer_serves_lent_turns_with_its_own_weights_and_trains_onl
     """Parked at start (turns refused), lent by the trainer's request (turns answered as
     `trainer-a-engine` with the learner's version), parked again with a long turn running (handed
     back with the tokens it has), then trained inside `training()`; lent again it serves the new
-    weights at once, with no push: the same seed and context now give other tokens, at the new version."""
+    weights at once, with no push: the same seed and context now give other tokens, at the new
+    version. A roll-back while lent parks it before the weights are restored."""
     cfg = RunConfig.model_validate(
         {
             "model": tiny_model.model_dump(),
@@ -119,12 +123,29 @@ async def test_the_trainer_serves_lent_turns_with_its_own_weights_and_trains_onl
             with torch.no_grad():
                 learner.model.lm_head.weight.mul_(-1.0)
             learner.state.version = 1
+            async with asyncio.timeout(5), own.training():  # a step that rolls back holds it already
+                pass
 
         await ask("lend")
         second = await answer(_turn("again", 8))
         assert second.policy_version == 1 and second.engine_id == "trainer-a-engine"
         assert second.token_ids != first.token_ids, "the same seed on the trainer's new weights"
         assert own.turns_answered == 3, list(own.answered)  # lent, long (its tokens so far), again
+
+        # the trainer lost and regained its lease while lent: its roll-back (here to the initial
+        # weights, no checkpoint) parks the engine first; lent again, it serves what it rolled back to
+        hybrid = HybridHost(
+            TrainerSettings(), tbus, store, trainer, lambda: learner.model, unsupported="test"
+        )
+        lead = Leadership(tbus, store, trainer, learner, hybrid, lambda: None, model_owned=own.training)
+        await lead.roll_back({"step": "0", "checkpoint": ""})
+        assert own.draining and learner.state.version == 0
+        refused = await answer(_turn("rolled-back", 8))
+        assert refused.error.code == "unavailable", refused.error
+        await ask("reclaim")
+        await ask("lend")
+        third = await answer(_turn("initial", 8))
+        assert third.policy_version == 0 and third.token_ids == first.token_ids
     finally:
         await own.shutdown()
         for b in (sched, tbus, pbus):
