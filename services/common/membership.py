@@ -102,6 +102,15 @@ class Membership:
             return False
         return True
 
+    async def release(self) -> None:
+        """Gives this worker's lease up as it stops, so the planner re-plans at once rather than
+        when the lease runs out (best effort: Redis away, it runs out)."""
+        a = self.assignment
+        if a is None:
+            return
+        with contextlib.suppress(Exception):
+            await self.store.release(Lease(lease_resource(a.role, a.worker_id), a.worker_id, a.fencing_token))
+
     def peers(self, *roles: str) -> list[ev.Assignment]:
         if self.plan is None:
             return []

@@ -24,9 +24,7 @@ from services.common.membership import (
     SERVING_ROLES,
     SPARE_ROLE,
     Membership,
-    lease_resource,
 )
-from services.common.ownership import Lease
 from services.common.runconfig import RunConfig
 from services.generation.backends import create_backend
 from services.generation.backends.emulated import EmulatedBackend
@@ -206,11 +204,8 @@ class RolloutEngineService(TurnServer):
         await self.close_turns(grace_s)
         if hasattr(self, "server"):
             await self.server.stop(grace=1.0)
-        if hasattr(self, "membership") and (a := self.membership.assignment) is not None:
-            with contextlib.suppress(Exception):
-                await self.store.release(
-                    Lease(lease_resource(a.role, a.worker_id), a.worker_id, a.fencing_token)
-                )
+        if hasattr(self, "membership"):
+            await self.membership.release()
         if hasattr(self, "bus"):
             await self.bus.close()
         if hasattr(self, "store"):

@@ -24,8 +24,8 @@ from services.common.bus import Bus
 from services.common.config import CommonSettings
 from services.common.contracts import ev
 from services.common.credentials import trainer_engine_id
-from services.common.membership import LENT_ROLE, Membership, lease_resource
-from services.common.ownership import Lease, OwnershipStore
+from services.common.membership import LENT_ROLE, Membership
+from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
 from services.generation.backends.hf import HFBackend
 from services.generation.config import EngineSettings
@@ -131,11 +131,8 @@ class TrainerEngine(TurnServer):
 
     async def shutdown(self, grace_s: float = 4.0) -> None:
         await self.close_turns(grace_s)
-        if hasattr(self, "membership") and (a := self.membership.assignment) is not None:
-            with contextlib.suppress(Exception):
-                await self.store.release(
-                    Lease(lease_resource(a.role, a.worker_id), a.worker_id, a.fencing_token)
-                )
+        if hasattr(self, "membership"):
+            await self.membership.release()
         if hasattr(self, "bus"):
             await self.bus.close()
         await self.backend.close()
