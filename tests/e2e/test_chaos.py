@@ -248,16 +248,17 @@ def _lending_fault(victim: str) -> str:
     )
 
 
-def _lend_with_faults(
-    config: Path, name: str, victims: tuple[str, ...], tmp_path: Path
-) -> tuple[dict[str, Any], int, dict[str, float], list[tuple[str, str, float]]]:
-    """Runs `config` on a fresh stack and kills each of `victims` in turn (LENDING_VICTIMS) while
-    an engine is lent: the report, the trained set's size, how long each took to come back, and
-    what went wrong with a fault, if anything did."""
+def _lend_with_faults(data: dict[str, Any], victims: tuple[str, ...], tmp_path: Path) -> dict[str, Any]:
+    """Runs the job `data` on a fresh stack and kills each of `victims` in turn (LENDING_VICTIMS)
+    while an engine is lent; each came back, and the job completed with every group trained once,
+    nothing lost, and the GPUs lent and taken back. Returns the job's report."""
     from services.common.bus import Bus, Envelope
     from services.common.contracts import ev
 
-    run_id = f"{name}-{int(time.time())}"
+    config = tmp_path / "lending.yaml"
+    config.write_text(yaml.safe_dump(data))
+    cfg = load_run_config(config)
+    run_id = f"{data['name']}-{int(time.time())}"
     stack = Stack(run_id, tmp_path / "logs", max_restarts=3)
     recovered: dict[str, float] = {}
     events: list[tuple[str, str, float]] = []
@@ -317,7 +318,16 @@ def _lend_with_faults(
     for fault, seconds in recovered.items():
         print(f"| {fault} | {seconds:.1f} s |")
     print(f"job {report['status']} in {report['wall_s']:.0f} s; lending {report['lending']}")
-    return report, trained, recovered, events
+    assert set(recovered) == {_lending_fault(f) for f in victims}, events
+    assert report["status"] == "completed", report["reason"]
+    assert report["train_steps"] == cfg.training.steps
+    groups = cfg.training.steps * cfg.training.groups_per_step
+    assert report["group_outcomes"]["trained"] == groups
+    assert trained == groups * cfg.task.group_size
+    assert report["trajectories_trained_twice"] == 0
+    assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
+    assert report["lending"]["lends"] >= 1 and report["lending"]["reclaims"] >= 1, report["lending"]
+    return report
 
 
 @LONG
@@ -357,20 +367,8 @@ def test_lending_loses_nothing_when_the_trainer_a_lent_or_reclaimed_engine_or_th
         # at every wait (not only when the forecast says it pays): the faults need engines lent
         "planner": {"replan": False, "lending": {"engines": 2, "tensor_parallel": 4, "policy": "always"}},
     }
-    config = tmp_path / "lending.yaml"
-    config.write_text(yaml.safe_dump(data))
-    cfg = load_run_config(config)
-    report, trained, recovered, events = _lend_with_faults(config, "lend-chaos", LENDING_VICTIMS, tmp_path)
-    assert set(recovered) == {_lending_fault(f) for f in LENDING_VICTIMS}, events
-    assert report["status"] == "completed", report["reason"]
-    assert report["train_steps"] == cfg.training.steps
-    groups = cfg.training.steps * cfg.training.groups_per_step
-    assert report["group_outcomes"]["trained"] == groups
-    assert trained == groups * cfg.task.group_size
-    assert report["trajectories_trained_twice"] == 0
-    assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
+    report = _lend_with_faults(data, LENDING_VICTIMS, tmp_path)
     # lent and taken back after the last restart too; every move is in the role history
-    assert report["lending"]["lends"] >= 1 and report["lending"]["reclaims"] >= 1, report["lending"]
     moves = [(c["from"], c["to"]) for c in report["role_changes"]]
     assert ("parked", "lent") in moves and ("lent", "parked") in moves
 
@@ -400,17 +398,5 @@ def test_a_trainer_serving_lent_turns_loses_nothing_when_it_or_the_planner_dies(
         "job": {"feed_ack_wait_s": 6.0},
         "planner": {"replan": False, "lending": {"engines": 1, "trainer_serves": True, "policy": "always"}},
     }
-    config = tmp_path / "lending.yaml"
-    config.write_text(yaml.safe_dump(data))
-    cfg = load_run_config(config)
-    victims = ("trainer", "planner")
-    report, trained, recovered, events = _lend_with_faults(config, "lend-trainer-chaos", victims, tmp_path)
-    assert set(recovered) == {_lending_fault(f) for f in victims}, events
-    assert report["status"] == "completed", report["reason"]
-    assert report["train_steps"] == cfg.training.steps
-    groups = cfg.training.steps * cfg.training.groups_per_step
-    assert report["group_outcomes"]["trained"] == groups
-    assert trained == groups * cfg.task.group_size
-    assert report["trajectories_trained_twice"] == 0
-    assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
-    assert report["lending"]["lends"] >= 1 and report["lending"]["turns_served_by_trainer"] >= 1
+    report = _lend_with_faults(data, ("trainer", "planner"), tmp_path)
+    assert report["lending"]["turns_served_by_trainer"] >= 1, report["lending"]
