@@ -59,8 +59,8 @@ def _build_tiny_random(out: Path, seed: int, tokenizer_dir: Path) -> None:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,  # head size 32: the smallest vLLM's CPU attention takes
+        num_key_value_heads=1,
         max_position_embeddings=2048,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -113,7 +113,7 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
     cache = Path(cfg.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     smol = cache / "smollm2-135m-instruct"
-    target = smol if cfg.source == "smollm2" else cache / f"tiny-random-llama-{cfg.seed}"
+    target = smol if cfg.source == "smollm2" else cache / f"tiny-random-llama-h32-{cfg.seed}"
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (smol / "config.json").is_file():
