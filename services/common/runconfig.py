@@ -242,8 +242,9 @@ class RolloutConfig(_Strict):
     engines: int = Field(2, ge=1, le=64)
     """Rollout-engine processes `libra up` starts."""
     backend: Literal["hf", "vllm", "emulated"] = "hf"
-    """`hf`: transformers on CPU/GPU with continuous batching; `vllm`: vLLM's AsyncLLM on GPU
-    nodes (the `gpu` extra); `emulated`: timings from the cost model, for control-plane tests."""
+    """`hf`: transformers on CPU/GPU with Libra's continuous batching; `vllm`: vLLM's AsyncLLM
+    (its CPU build in the default install, the `gpu` extra on GPU nodes); `emulated`: timings from
+    the cost model, for control-plane tests."""
     buckets: list[BucketConfig] = Field(default_factory=lambda: [BucketConfig(name="short")])
     """Rollout buckets, shortest first: C-MLFQ starts every trajectory in the first and moves it
     by its tool returns."""
@@ -255,8 +256,8 @@ class RolloutConfig(_Strict):
     emulated: EmulatedConfig = Field(default_factory=EmulatedConfig)
     """`emulated` backend only: what its engines pretend to be; each takes the TP of its bucket."""
     torch_threads: int = Field(1, ge=1, le=256)
-
-    """CPU threads of each `hf` engine's torch."""
+    """CPU threads of each engine on a CPU: the `hf` engine's torch, or the `vllm` engine's OpenMP
+    threads (unbound, so that engines, trainer and services share the cores)."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     """Speculative decoding against the tail of a rollout (`docs/engine.md`)."""
     sampling_seed: int = Field(0, ge=0, lt=2**63)

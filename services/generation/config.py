@@ -6,6 +6,8 @@ what is here is per process: where the weight-sync server listens and how this r
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -43,6 +45,17 @@ class EngineSettings(BaseSettings):
     assignment_timeout_s: float = Field(0.0, ge=0.0)
     """Give up when no plan assigns this worker within this time; 0 waits until stopped."""
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    """vllm backend: fraction of GPU memory vLLM may take for weights, activations and KV cache."""
+    """vllm backend on a GPU: fraction of GPU memory vLLM may take for weights, activations and KV
+    cache. On a CPU the KV cache is sized in bytes instead (`kv_cache_gib`): a share of host memory
+    would starve the other services on the machine."""
+    kv_cache_gib: float | None = Field(None, gt=0.0, le=4096.0)
+    """vllm backend on a CPU: host memory for vLLM's KV cache; unset sizes it for twice the job's
+    batch at its longest turn (rollout.max_batch x task.max_context_tokens + max_new_tokens)."""
+    vllm_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """vllm backend: the dtype it serves in. float32 keeps its logprobs within ~1e-4 of the float32
+    trainer's; bfloat16 is about 1.5x faster on this CPU and 2x on GPUs, at a larger mismatch."""
+    vllm_compile: bool = False
+    """vllm backend: let vLLM compile the model (torch.compile; CUDA graphs on GPUs). Faster decode,
+    about a minute more at start on 2 CPU cores; off runs eager."""
     seed: int | None = None
     """Sampling seed (hf, emulated); unset draws fresh randomness per process."""

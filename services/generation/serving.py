@@ -191,8 +191,8 @@ class TurnServer(abc.ABC):
         with `handed_back` at once, so the scheduler continues them elsewhere instead of waiting
         for them. A running turn comes back with the tokens it generated so far (their logprobs
         and versions), which the scheduler keeps: the turn goes on from there on another engine,
-        which re-prefills the context. A backend that schedules its own iterations (vllm) hands
-        its turns back without their tokens (the partial output is dropped)."""
+        which re-prefills the context (vllm too: it aborts them in vLLM and answers with what they
+        streamed)."""
         if self.draining:
             return 0
         self.draining = True
@@ -272,6 +272,10 @@ class TurnServer(abc.ABC):
                 done = await self.engine.submit(gen)
             except EngineClosed:
                 await self._publish_error(req, "unavailable", "shutdown", ctx)
+                return
+            except LibraError as err:  # the backend refused this request: the engine serves on
+                log.warning("turn_refused", code=err.code, error=str(err))
+                await self._publish_error(req, err.code, str(err), ctx)
                 return
             except Exception as err:
                 log.exception("generate_failed")

@@ -225,6 +225,14 @@ class AssemblingWriter(Writer):
             self.applied += 1
             await self.backend.load_tensors([(spec.name, tensor_of(whole, spec.dtype).view(*spec.shape))])
 
+    async def checksum(self) -> str | None:
+        """The sha256 of what the backend serves now, read back from its tensors where it can
+        (vllm: by the pushed names, out of its fused layout, once the reload is processed); else
+        of the records as received."""
+        served = getattr(self.backend, "served_checksum", None)
+        got = await served(self.specs) if served is not None else None
+        return got if got is not None else await super().checksum()
+
 
 class Relay:
     """Forwards one push, record by record as it arrives, to this engine's children in the relay

@@ -1,7 +1,7 @@
 """`libra run` as a user types it: overrides on the command line, output where asked, and the
-trained policy in Hugging Face format at the end (and again with `libra export`); the trainer
-shards the policy over two processes (FSDP on gloo), so its pushes, checkpoints and exports are
-the sharded path's."""
+trained policy in Hugging Face format at the end (and again with `libra export`); the rollouts run
+on vLLM (`rollout.backend: vllm`, its CPU build) and the trainer shards the policy over two
+processes (FSDP on gloo), so its pushes, checkpoints and exports are the sharded path's."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
     out = _libra(
         "run", "tiny", "--training.steps", "3", "task.max_turns=1", "--training.save_every=2",
         "--task.top_p", "0.9", "training.filter_zero_advantage=false", f"--model.cache_dir={cache}",
-        "--training.fsdp", "2",
+        "--training.fsdp", "2", "--rollout.backend", "vllm",
         "--output-dir", "out", "--run-id", RUN, cwd=project,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -52,13 +52,15 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
     assert (project / ".libra" / "data" / f"embedded-{RUN}").is_dir()  # the stack's state is the caller's
     report = json.loads((run / "report.json").read_text())
     assert report["train_steps"] == 3 and report["final_weight_version"] == 3
+    assert report["rollout_backend"] == "vllm" and report["all_engines_on_final_version"]
+    assert (report["trajectories_lost"], report["trajectories_trained_twice"]) == (0, 0)
     trainer_log = (run / "logs" / "trainer.log").read_text()
     assert trainer_log.count('"data_parallel": 2') == 3  # every step on both FSDP ranks
     sent = yaml.safe_load((run / "config.yaml").read_text())
     assert sent["training"]["steps"] == 3 and sent["task"]["max_turns"] == 1
-    # top_p reached the engines and the trainer alike: both score tokens under the nucleus, so on
-    # step 1 (same weights) they agree (scoring the full distribution gave log(1 / nucleus mass),
-    # about 0.1 here, before the trainer knew top_p)
+    # top_p reached vLLM and the trainer alike: both score tokens under the nucleus, so on step 1
+    # (same weights, float32) they agree (scoring the full distribution gave log(1 / nucleus
+    # mass), about 0.1 here, before the trainer knew top_p)
     assert sent["task"]["top_p"] == 0.9
     assert report["logprob_mismatch_per_step"][0] < 1e-3
     assert Path(report["checkpoint"]).parent == run / "checkpoints"

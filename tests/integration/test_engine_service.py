@@ -472,3 +472,67 @@ async def test_an_emulated_engine_given_another_tp_restarts_and_a_spare_serves_n
         await h.send(turn("back", engine_id=worker, max_new_tokens=5))
         res, _ = await h.result("back", timeout=30)
         assert not res.HasField("error") and res.token_ids, res.error
+
+
+async def test_a_vllm_engine_serves_hands_back_with_tokens_and_dies_with_its_process(
+    tmp_path: Path, nats_server: Server, redis_server: Server, run_id: str, tiny_model: ModelConfig
+) -> None:
+    """The engine service on real vLLM: turns answered by the contract, bad input refused while it
+    serves on, a drain hands back the running turns with their tokens, and `kill -9` of the
+    service leaves none of vLLM's processes behind."""
+    import psutil
+
+    worker = "engine-v1"
+    run = {
+        "model": {"source": "tiny-random", "cache_dir": tiny_model.cache_dir},
+        "rollout": {"backend": "vllm", "max_batch": 2},
+    }
+    env = pinned_job_env(
+        tmp_path, run, nats_server.url, redis_server.url, run_id, worker,
+        LIBRA_ROLLOUT_ENGINE_LOAD_REPORT_INTERVAL_S="0.2",
+    )  # fmt: skip
+    bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    h = Harness(bus, worker)
+    await h.start()
+    try:
+        with service_process("services.rollout_engine", env, tmp_path / "engine.log") as proc:
+            await h.assign(store)
+            await h.send(turn("ok", engine_id=worker, max_new_tokens=12, min_new_tokens=12))
+            res, _ = await h.result("ok", timeout=60)
+            assert not res.HasField("error"), res.error
+            assert len(res.token_ids) == len(res.logprobs) == len(res.token_versions) == 12
+            assert res.finish_reason == "length" and all(lp <= 0 for lp in res.logprobs)
+            assert h.loads[-1].backend == "vllm" and h.loads[-1].free_kv_tokens > 0
+
+            await h.send(turn("bad", engine_id=worker, temperature=float("nan")))
+            bad, _ = await h.result("bad")
+            assert (bad.finish_reason, bad.error.code) == ("error", "invalid")
+
+            held = await store.holder(lease_resource("rollout", worker))
+            assert held is not None
+            ids = [f"long-{i}" for i in range(3)]  # max_batch 2: two run, one waits
+            for rid in ids:
+                await h.send(turn(rid, engine_id=worker, max_new_tokens=600, min_new_tokens=600))
+            async with asyncio.timeout(30):
+                while h.loads[-1].running < 2:
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            a = ev.Assignment(worker_id=worker, role="draining", bucket="short", fencing_token=held.token)
+            plan = ev.Plan(plan_version=2, assignments=[a])
+            await bus.publish_durable(subjects.PLAN, plan, msg_id=f"{run_id}-plan-2")
+            back = [(await h.result(rid, timeout=20))[0] for rid in ids]
+            assert all(r.error.code == "handed_back" for r in back), back
+            running = [r for r in back if r.token_ids]
+            assert len(running) == 2, "the two running turns come back with what they generated"
+            assert all(0 < len(r.token_ids) < 600 and len(r.logprobs) == len(r.token_ids) for r in running)
+
+            vllm_procs = psutil.Process(proc.pid).children(recursive=True)
+            assert vllm_procs, "vLLM runs its engine core in processes of its own"
+            proc.kill()
+            proc.wait()
+            _, alive = psutil.wait_procs(vllm_procs, timeout=15)
+            assert not alive, f"vLLM processes outlived the engine: {[p.pid for p in alive]}"
+    finally:
+        await bus.close()
+        await store.close()

