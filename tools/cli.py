@@ -240,8 +240,8 @@ def _tls_files(args: argparse.Namespace) -> Any:
 def print_summary(report: dict[str, Any]) -> int:
     """The run's summary as `libra run` ends with it; exit code 0 only for a completed run with
     every serving engine on the final version."""
-    keys = ["status", "wall_s", "trajectories_completed", "trajectories_per_s", "train_steps"]
-    keys.append("final_weight_version")
+    keys = ["status", "rollout_backend", "wall_s", "trajectories_completed", "trajectories_per_s"]
+    keys += ["train_steps", "final_weight_version"]
     print("\n".join(f"{k:<24} {report.get(k)}" for k in keys))
     if report.get("reward"):
         print(f"{'reward':<24} {report['reward']}")

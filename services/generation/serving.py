@@ -379,6 +379,8 @@ class TurnServer(abc.ABC):
         if (c := spec_counters(self.engine)) is not None:
             values.update(c.values())
             self.prom.acceptance.set(c.acceptance_rate)
+        if (hit_rate := getattr(self.backend, "prefix_hit_rate", None)) is not None:
+            values["prefix_cache_hit_rate"] = float(hit_rate)  # vllm: prompt tokens found cached
         return ev.MetricSample(service=self.service, worker_id=self.worker_id, values=values)
 
 

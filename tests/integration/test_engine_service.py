@@ -498,12 +498,28 @@ async def test_a_vllm_engine_serves_hands_back_with_tokens_and_dies_with_its_pro
     try:
         with service_process("services.rollout_engine", env, tmp_path / "engine.log") as proc:
             await h.assign(store)
-            await h.send(turn("ok", engine_id=worker, max_new_tokens=12, min_new_tokens=12))
+            long_context = list(range(100, 400))  # more than one of vLLM's 128-token CPU blocks
+            await h.send(
+                turn(
+                    "ok",
+                    engine_id=worker,
+                    context_token_ids=long_context,
+                    max_new_tokens=12,
+                    min_new_tokens=12,
+                )
+            )
             res, _ = await h.result("ok", timeout=60)
             assert not res.HasField("error"), res.error
             assert len(res.token_ids) == len(res.logprobs) == len(res.token_versions) == 12
             assert res.finish_reason == "length" and all(lp <= 0 for lp in res.logprobs)
-            assert h.loads[-1].backend == "vllm" and h.loads[-1].free_kv_tokens > 0
+            async with asyncio.timeout(10):  # from vLLM's own scheduler stats, once it has stepped
+                while not (h.loads[-1].backend == "vllm" and h.loads[-1].free_kv_tokens > 0):
+                    await asyncio.sleep(0.05)
+            await h.send(turn("again", engine_id=worker, context_token_ids=long_context, max_new_tokens=4))
+            assert not (await h.result("again", timeout=60))[0].HasField("error")
+            async with asyncio.timeout(10):  # its second turn found the first one's blocks cached
+                while not any(m.values.get("prefix_cache_hit_rate", 0) > 0 for m in h.metrics):
+                    await asyncio.sleep(0.1)
 
             await h.send(turn("bad", engine_id=worker, temperature=float("nan")))
             bad, _ = await h.result("bad")

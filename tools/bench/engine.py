@@ -1,4 +1,5 @@
-"""Rollout engine: continuous batching vs static batching on a long-tailed request mix.
+"""Rollout engine: continuous batching vs static batching on a long-tailed request mix, then the
+`vllm` backend vs the `hf` engine on the same requests (`_engine_backends.py`).
 
 The same hf backend (the tiny random Llama, CPU) serves the same requests twice per round, once
 under the continuous batcher and once with admission only into an empty batch (static batching,
@@ -72,7 +73,10 @@ async def _measure() -> dict[str, list[dict[str, float]]]:
 
 
 def run() -> dict[str, Any]:
+    from tools.bench import _engine_backends
+
     measured = asyncio.run(_measure())
+    backends, backend_rows = _engine_backends.run()
 
     def mean(mode: str, key: str) -> float:
         return statistics.mean(r[key] for r in measured[mode])
@@ -82,10 +86,11 @@ def run() -> dict[str, Any]:
     short = mean("static", "short_mean_latency_s") / mean("continuous", "short_mean_latency_s")
     mix = f"{REQUESTS} requests, 1 in 4 of {LONG} tokens, else {SHORT}; batch {MAX_BATCH}; {ROUNDS} rounds"
     return {
-        "title": "Rollout engine: continuous vs static batching (hf backend, tiny random Llama, CPU)",
+        "title": "Rollout engine: continuous vs static batching (hf, tiny random Llama), vllm vs hf (CPU)",
         "command": "python -m tools.bench engine",
         "results": measured
-        | {"throughput_ratio": tput, "mean_latency_ratio": lat, "short_latency_ratio": short},
+        | {"throughput_ratio": tput, "mean_latency_ratio": lat, "short_latency_ratio": short}
+        | {"backends": backends, "vllm_over_hf_tokens_per_s": backends["vllm_over_hf_tokens_per_s"]},
         "rows": [
             [
                 "continuous tokens/s",
@@ -100,5 +105,6 @@ def run() -> dict[str, Any]:
             ["throughput: continuous / static", f"{tput:.2f}x", "same requests, same backend, same run"],
             ["mean request latency: static / continuous", f"{lat:.2f}x", ""],
             ["short-request latency: static / continuous", f"{short:.2f}x", "requests of 24 tokens"],
+            *backend_rows,
         ],
     }
