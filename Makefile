@@ -39,7 +39,7 @@ learn-hard: $(STAMP) ## The tool task with one worked example instead of two: he
 test: $(STAMP) ## Run unit, integration and e2e tests (real nats-server, redis-server, gRPC, tiny model)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-chaos: $(STAMP) ## Kill -9 each service in turn mid-job, also while lending (LIBRA_LONG_TESTS=1: the long scenarios too)
+chaos: $(STAMP) ## Kill -9 each service in turn mid-job, also while lending and on vLLM (LIBRA_LONG_TESTS=1: the long scenarios too)
 	LIBRA_LONG_TESTS=1 $(PY) -m pytest -q -s tests/e2e/test_chaos.py
 
 lint: $(STAMP) ## ruff format check, ruff check, mypy on services/ and tools/, the architecture contracts

@@ -400,3 +400,61 @@ def test_a_trainer_serving_lent_turns_loses_nothing_when_it_or_the_planner_dies(
     }
     report = _lend_with_faults(data, ("trainer", "planner"), tmp_path)
     assert report["lending"]["turns_served_by_trainer"] >= 1, report["lending"]
+
+
+@LONG
+def test_a_vllm_engine_killed_mid_job_comes_back_and_leaves_no_process_behind(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """kill -9 of an engine service on vLLM while it generates: its vLLM processes die with it,
+    the supervisor starts it again (vLLM loads anew), and the job completes with every group
+    trained once and nothing lost."""
+    import psutil
+
+    rollout = {"engines": 2, "max_batch": 8, "backend": "vllm"}
+    config, cfg = _chaos_config(tmp_path, "chaos-vllm", steps=8, rollout=rollout)
+    run_id = f"chaos-vllm-{int(time.time())}"
+    stack = Stack(run_id, tmp_path / "logs", max_restarts=2)
+    victim = "rollout-engine-0"
+    orphans: list[psutil.Process] = []
+    events: list[str] = []
+
+    async def kill_engine() -> None:
+        nc = await control.connect(stack.nats_url, "chaos", stack.nats_auth("cli"))
+        try:
+            while not _redis(stack).hget(committed_key(run_id), "step"):  # a step trained on it
+                await asyncio.sleep(0.2)
+            pid = stack.procs[victim].pid
+            vllm = psutil.Process(pid).children(recursive=True)
+            if not vllm:
+                events.append("no vLLM process under the engine")
+                return
+            os.kill(pid, signal.SIGKILL)
+            _, alive = psutil.wait_procs(vllm, timeout=15)
+            orphans.extend(alive)
+            killed = time.monotonic()
+            await asyncio.sleep(1.5)
+            while not any(
+                st.worker_id == victim and st.run_id == run_id for st in await control.discover(nc, 0.3)
+            ):
+                if time.monotonic() - killed > 180:
+                    events.append("never came back")
+                    return
+                await asyncio.sleep(0.5)
+            events.append("back")
+        finally:
+            await close_nats(nc)
+
+    try:
+        report = _job_with_faults(stack, config, run_id, kill_engine, timeout_s=900, join_s=200)
+        trained = _redis(stack).scard(trained_key(run_id))
+    finally:
+        stack.stop()
+    assert not orphans, f"vLLM processes outlived the killed engine: {[p.pid for p in orphans]}"
+    assert events == ["back"], events
+    assert report["status"] == "completed", report["reason"]
+    assert report["rollout_backend"] == "vllm" and report["restarts"].get(victim) == 1, report["restarts"]
+    assert report["all_engines_on_final_version"], report["engines"]
+    groups = cfg.training.steps * cfg.training.groups_per_step
+    assert trained == groups * cfg.task.group_size and report["trajectories_trained_twice"] == 0
+    assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
