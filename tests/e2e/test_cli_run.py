@@ -44,7 +44,7 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
     out = _libra(
         "run", "tiny", "--training.steps", "3", "task.max_turns=1", "--training.save_every=2",
         "--task.top_p", "0.9", "training.filter_zero_advantage=false", f"--model.cache_dir={cache}",
-        "--training.fsdp", "2", "--rollout.backend", "vllm",
+        "--training.fsdp", "2", "--rollout.backend", "vllm", "--rollout.engines", "1",
         "--output-dir", "out", "--run-id", RUN, cwd=project,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
