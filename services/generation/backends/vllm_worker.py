@@ -65,9 +65,6 @@ def _keep_cpu_weights() -> None:
     utils.dispatch_cpu_unquantized_gemm = keep
 
 
-_WIRE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
 class LibraWorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`): `self.model_runner` is vLLM's."""
 
@@ -82,8 +79,10 @@ class LibraWorkerExtension:
         import torch
         from vllm.config import set_current_vllm_config
 
+        from services.common.weights import torch_dtype
+
         tensors = [
-            (name, torch.frombuffer(bytearray(data), dtype=getattr(torch, _WIRE[dtype])).view(*shape))
+            (name, torch.frombuffer(bytearray(data), dtype=torch_dtype(dtype)).view(*shape))
             for name, dtype, shape, data in items
         ]
         with set_current_vllm_config(self.vllm_config):
@@ -116,13 +115,15 @@ class LibraWorkerExtension:
         view here (an architecture whose fused layout is not q/k/v- or gate/up-style)."""
         import torch
 
+        from services.common.weights import torch_dtype
+
         views = _hf_views(self.model_runner.get_model())
         h = hashlib.sha256()
         for name, shape, dtype in specs:
             view = views(name, shape)
             if view is None:
                 return None
-            wire = getattr(torch, _WIRE[dtype])
+            wire = torch_dtype(dtype)
             piece = view.detach().reshape(-1)
             if piece.dtype != wire:
                 piece = piece.to(wire)
