@@ -10,6 +10,7 @@ from services.common.membership import TRAINER_ROLE
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
 from services.common.tls import TlsFiles
+from services.common.weight_signing import HeaderVerifier
 from services.generation.backends.hf import HFBackend
 from services.generation.engine import ContinuousEngine
 from services.learning.snapshot import Snapshot, snapshot
@@ -26,6 +27,7 @@ async def weight_sync_rig(
     token: str | None = None,
     tls: TlsFiles | None = None,
     max_push_bytes: int = 1 << 30,
+    verifier: HeaderVerifier | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     backend = HFBackend(model, torch_threads=2, seed=0)
     await backend.start()
@@ -33,7 +35,7 @@ async def weight_sync_rig(
     engine.start()
     auth = redis_auth or {}
     store = OwnershipStore.from_url(redis_url, run_id, auth.get("password"), username=auth.get("username"))
-    servicer = WeightSyncServicer(engine, store, "engine-a", max_push_bytes=max_push_bytes)
+    servicer = WeightSyncServicer(engine, store, "engine-a", max_push_bytes=max_push_bytes, verifier=verifier)
     server, port = await start_server(servicer, "127.0.0.1", 0, token, tls)
     lease = await store.acquire(TRAINER_ROLE, "trainer-1", 30)
     assert lease is not None

@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from services.common.credentials import NatsAuth
 from services.common.ownership import OwnershipStore
 from services.common.tls import TlsFiles
+from services.common.weight_signing import HeaderSigner, HeaderVerifier
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -72,6 +73,11 @@ class CommonSettings(BaseSettings):
     weight_sync_token: SecretStr | None = None
     """Bearer token of the WeightSync gRPC service (distinct from the trainer's fencing token);
     engines refuse calls without it when set."""
+    weight_sync_signing_key: SecretStr | None = None
+    """A trainer's Ed25519 key that signs every weight push it sends (services/common/weight_signing.py)."""
+    weight_sync_trainers: str | None = None
+    """An engine's JSON map of trainer identities to their public keys: when set, it takes only
+    pushes one of them signed."""
 
     tls_ca_file: str | None = None
     """CA bundle that verifies NATS, Redis (rediss:// URLs) and WeightSync servers; set it to use TLS
@@ -145,6 +151,38 @@ class CommonSettings(BaseSettings):
 
     def grpc_token(self) -> str | None:
         return self.weight_sync_token.get_secret_value() if self.weight_sync_token else None
+
+    def weight_signer(self) -> HeaderSigner | None:
+        """What a trainer signs its pushes with; None only in a stack without WeightSync
+        credentials. Credentials without the key are an error (exit 2): every push would be refused."""
+        key = self.weight_sync_signing_key
+        if key is None:
+            if self.weight_sync_token is not None:
+                raise ConfigFileError(_OLD_CREDENTIALS.format(name="libra_weight_sync_signing_key"))
+            return None
+        try:
+            return HeaderSigner(key.get_secret_value())
+        except ValueError as err:
+            raise ConfigFileError(f"libra_weight_sync_signing_key: {err}") from None
+
+    def weight_verifier(self) -> HeaderVerifier | None:
+        """What an engine checks pushes with; None only in a stack without WeightSync credentials.
+        Credentials without the trainers' keys, or a bad key map, are an error (exit 2): such an
+        engine would take a push from anyone holding the bearer token."""
+        if not self.weight_sync_trainers:
+            if self.weight_sync_token is not None:
+                raise ConfigFileError(_OLD_CREDENTIALS.format(name="libra_weight_sync_trainers"))
+            return None
+        try:
+            return HeaderVerifier.from_json(self.weight_sync_trainers)
+        except ValueError as err:
+            raise ConfigFileError(f"libra_weight_sync_trainers: {err}") from None
+
+
+_OLD_CREDENTIALS = (
+    "LIBRA_SECRETS_DIR has a WeightSync token but no {name}: these credentials predate signed "
+    "weight pushes; run `libra credentials DIR` again (it keeps the other secrets) and restart"
+)
 
 
 def _is_kind(name: str, service: str) -> bool:

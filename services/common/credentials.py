@@ -30,6 +30,7 @@ from pathlib import Path
 
 from services.common import subjects
 from services.common.streams import SCHEDULER_FEED, TRAINER_FEED
+from services.common.weight_signing import new_signing_key, public_key, trainers_json
 
 SERVICES = ("planner", "scheduler", "rollout-engine", "trainer", "tool-sandbox")
 IDENTITIES = (*SERVICES, "cli")
@@ -379,9 +380,7 @@ def generate(
     creds = StackCredentials(root)
     wanted = [Identity(n, workers is not None and n != "cli") for n in names]
     complete = creds.nats_server_conf.exists() and all(
-        (creds.identity_dir(i.name) / f).exists()
-        for i in wanted
-        for f in ("libra_nats_password", "libra_redis_user")
+        (creds.identity_dir(i.name) / f).exists() for i in wanted for f in _files(i)
     )
     if not complete or creds.identities() != wanted:
         _write_all(creds, wanted)
@@ -398,6 +397,15 @@ def generate(
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _WEIGHT_SYNC_KINDS = ("rollout-engine", "trainer", "cli")
+SIGNING_KEY = "libra_weight_sync_signing_key"
+"""A trainer identity's private key: it signs every weight push (services/common/weight_signing.py)."""
+TRAINER_KEYS = "libra_weight_sync_trainers"
+"""An engine's map of the trainer identities' public keys: it takes only pushes they signed."""
+
+
+def _files(identity: Identity) -> tuple[str, ...]:
+    extra = {"trainer": (SIGNING_KEY,), "rollout-engine": (TRAINER_KEYS,)}.get(identity.kind, ())
+    return ("libra_nats_password", "libra_redis_user", *extra)
 
 
 def _write_all(creds: StackCredentials, identities: list[Identity]) -> None:
@@ -408,6 +416,10 @@ def _write_all(creds: StackCredentials, identities: list[Identity]) -> None:
         path = creds.identity_dir(identity) / name
         return path.read_text().strip() if path.exists() else secrets.token_urlsafe(24)
 
+    def kept_key(identity: str) -> str:
+        path = creds.identity_dir(identity) / SIGNING_KEY
+        return path.read_text().strip() if path.exists() else new_signing_key()
+
     token = next(
         (kept(i.name, "libra_weight_sync_token") for i in creds.identities() if i.kind in _WEIGHT_SYNC_KINDS),
         secrets.token_urlsafe(32),
@@ -416,6 +428,8 @@ def _write_all(creds: StackCredentials, identities: list[Identity]) -> None:
         if old not in identities:
             shutil.rmtree(creds.identity_dir(old.name), ignore_errors=True)
     passwords = {i: kept(i.name, "libra_nats_password") for i in identities}
+    signing = {i.name: kept_key(i.name) for i in identities if i.kind == "trainer"}
+    trainer_keys = trainers_json({name: public_key(key) for name, key in signing.items()})
     redis_passwords = {i: kept(i.name, "libra_redis_password") for i in identities}
     for identity in identities:
         d = creds.identity_dir(identity.name)
@@ -429,6 +443,10 @@ def _write_all(creds: StackCredentials, identities: list[Identity]) -> None:
             (d / "libra_identity_worker").unlink(missing_ok=True)
         if identity.kind in _WEIGHT_SYNC_KINDS:
             _write_secret(d / "libra_weight_sync_token", token)
+        if identity.name in signing:
+            _write_secret(d / SIGNING_KEY, signing[identity.name])
+        if identity.kind == "rollout-engine":
+            _write_secret(d / TRAINER_KEYS, trainer_keys)
     _write_secret(creds.nats_conf, nats_config(passwords))
     _write_secret(creds.nats_server_conf, NATS_SERVER_CONF)
     acl = [redis_acl(i, redis_passwords[i]) for i in identities]

@@ -65,6 +65,7 @@ class RolloutEngineService(TurnServer):
             relay_token=self.common.grpc_token(),
             relay_tls=self.common.tls(),
             record_timeout_s=self.settings.push_record_timeout_s,
+            verifier=self.common.weight_verifier(),
         )
         self.server, port = await start_server(
             self.servicer,

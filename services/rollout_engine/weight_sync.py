@@ -3,8 +3,9 @@ each record and applies it as it arrives, forwarding the stream to the engines b
 
 Everything that can be checked before a byte is written is checked first, and a push that fails
 there changes nothing: the bearer token (interceptor), the header (format, sizes, dtypes, a
-manifest that names this model's tensors with their shapes), the sender's fencing token (the live
-trainer lease, not below the highest seen), a version newer than the engine's, and for a sparse
+manifest that names this model's tensors with their shapes), the trainer's signature over it
+(services/common/weight_signing.py), the sender's fencing token (the live trainer lease, held by
+the signer, not below the highest seen), a version newer than the engine's, and for a sparse
 delta that the engine holds exactly its base (version and checksum). Generation then pauses and
 the records are applied one by one, each after its framing and crc32 check, so the engine holds at
 most one record beyond its own weights. At the end the engine recomputes the sha256 of what it
@@ -35,6 +36,7 @@ from services.common.membership import TRAINER_ROLE
 from services.common.ownership import OwnershipStore
 from services.common.tls import TlsFiles, grpc_channel
 from services.common.tracing import context_from_grpc, grpc_metadata, tracer
+from services.common.weight_signing import HeaderVerifier, SignatureError
 from services.common.weights import (
     FORMAT,
     ITEMSIZE,
@@ -321,10 +323,14 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
         relay_tls: TlsFiles | None = None,
         relay_timeout_s: float = 300.0,
         record_timeout_s: float = 30.0,
+        verifier: HeaderVerifier | None = None,
     ):
         """`keep_tensors=False` (emulated engines) checks every record and keeps none, so the
         engine never imports torch. `relay_token` and `relay_tls` are this engine's own
-        credentials for forwarding a push to its children."""
+        credentials for forwarding a push to its children. With a `verifier` (the trainers'
+        public keys) a push is taken only when a trainer signed its header and that trainer holds
+        the trainer lease with the header's fencing token; without one (a stack without
+        credentials) the header's sender is taken at its word."""
         self.engine = engine
         self.keep_tensors = keep_tensors
         self.max_push_bytes = max_push_bytes
@@ -332,6 +338,7 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
         self.engine_id = engine_id
         self.relay_token, self.relay_tls, self.relay_timeout_s = relay_token, relay_tls, relay_timeout_s
         self.record_timeout_s = record_timeout_s
+        self.verifier = verifier
         self.highest_token = 0
         self.log = get_logger(component="weight_sync")
 
@@ -400,7 +407,12 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
         self._check_header(header)
         if first.data or first.indices:
             raise PushRejected("malformed", "the header travels alone in the first message")
-        await self._check_token(header.fencing_token)
+        if self.verifier is not None:
+            try:
+                self.verifier.verify(header)
+            except SignatureError as err:
+                raise PushRejected("unauthorized", str(err)) from None
+        await self._check_token(header.fencing_token, header.sender_id)
         if header.version <= self.engine.version:
             raise PushRejected("stale_version", f"version {header.version} <= current {self.engine.version}")
         writer = self._writer(header)
@@ -464,7 +476,7 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
             raise RecordError(
                 "checksum_mismatch", "the weights after the push differ from the sender's (sha256)"
             )
-        await self._check_token(header.fencing_token)
+        await self._check_token(header.fencing_token, header.sender_id)
 
     @staticmethod
     def _write(writer: Writer, chunk: ws.WeightChunk, specs: Sequence[ws.TensorSpec]) -> asyncio.Future[None]:
@@ -515,11 +527,18 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
         except RecordError as err:
             raise PushRejected(err.code, str(err)) from None
 
-    async def _check_token(self, token: int) -> None:
+    async def _check_token(self, token: int, sender: str) -> None:
+        """The fencing token is the live trainer lease's, and (signed pushes) its holder signed:
+        tokens are no secret (every plan carries one), so they fence, never authenticate."""
         if token < self.highest_token:
             raise PushRejected("stale_token", f"fencing token {token} < highest seen {self.highest_token}")
-        if not await self.store.is_current(TRAINER_ROLE, token):
+        held = await self.store.holder(TRAINER_ROLE)
+        if held is None or held.token != token:
             raise PushRejected("stale_token", f"fencing token {token} is not the live trainer lease")
+        if self.verifier is not None and held.owner != sender:
+            raise PushRejected(
+                "unauthorized", f"{sender!r} signed, but the trainer lease is {held.owner!r}'s"
+            )
 
 
 async def start_server(

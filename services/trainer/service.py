@@ -418,6 +418,7 @@ async def serve(
         token=common.grpc_token(),
         tls=common.tls(),
         fanout=run.training.push_fanout,
+        signer=common.weight_signer(),
     )
     stack.push_async_callback(pusher.close)
     bus = await Bus.connect(

@@ -33,11 +33,20 @@ from services.common.grpc_auth import bearer_metadata
 from services.common.logging import get_logger
 from services.common.tls import TlsFiles, grpc_channel
 from services.common.tracing import grpc_metadata
+from services.common.weight_signing import HeaderSigner
 from services.common.weights import FORMAT, ITEMSIZE, subtree
 from services.learning.snapshot import Snapshot, raw_bytes
 
 # Codes after which another attempt cannot help: we lost the lease, or the engine refuses the push.
-_FINAL_CODES = {"stale_token", "stale_version", "malformed", "too_large", "unauthenticated", "base_mismatch"}
+_FINAL_CODES = {
+    "stale_token",
+    "stale_version",
+    "malformed",
+    "too_large",
+    "unauthenticated",
+    "unauthorized",
+    "base_mismatch",
+}
 
 PUSH_METHOD = "/libra.v1.WeightSync/PushWeights"
 _BITS = {4: torch.int32, 2: torch.int16}
@@ -293,8 +302,12 @@ class WeightPusher:
         token: str | None = None,
         tls: TlsFiles | None = None,
         fanout: int = 2,
+        signer: HeaderSigner | None = None,
     ):
+        """`signer` (the trainer identity's key) signs every header: engines given the trainers'
+        public keys take no push without it."""
         self.sender_id = sender_id
+        self.signer = signer
         self.tls = tls
         self._auth = bearer_metadata(token)
         self.chunk_bytes = chunk_bytes
@@ -311,6 +324,10 @@ class WeightPusher:
             ("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit),
         ]
+
+    def _header(self, enc: Encoded, token: int, relay: Sequence[ws.RelayNode]) -> ws.WeightHeader:
+        header = enc.header(token, self.sender_id, relay)
+        return self.signer.sign(header) if self.signer is not None else header
 
     def _channel(self, addr: str) -> grpc.aio.Channel:
         ch = self._channels.get(addr)
@@ -422,7 +439,7 @@ class WeightPusher:
         for attempt in range(1, self.retries + 2):
             try:
                 ack = await self._push_call(addr)(
-                    self._stream(enc.header(token, self.sender_id, relay or []), enc),
+                    self._stream(self._header(enc, token, relay or []), enc),
                     metadata=grpc_metadata() + self._auth,
                     timeout=self.timeout_s,
                 )

@@ -14,19 +14,30 @@ import grpc
 import nats
 import pytest
 import redis.asyncio as aioredis
+import torch
 from nats.js.api import ConsumerConfig, RePublish, StreamConfig
 
 from services.common import streams, subjects
 from services.common.bus import Bus, connect_nats
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev, ws, ws_grpc
-from services.common.credentials import IDENTITIES, NatsAuth, StackCredentials, generate, inbox_prefix
+from services.common.credentials import (
+    IDENTITIES,
+    SIGNING_KEY,
+    TRAINER_KEYS,
+    NatsAuth,
+    StackCredentials,
+    generate,
+    inbox_prefix,
+)
 from services.common.errors import CredentialsRefused
 from services.common.facts import read_facts
 from services.common.localstack import Server
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
 from services.common.streams import SCHEDULER_FEED, TRAINER_FEED
+from services.common.weight_signing import HeaderSigner, HeaderVerifier, new_signing_key
+from services.learning.snapshot import snapshot
 from services.trainer.weight_push import WeightPusher
 from tests.secured import secured_nats, secured_redis
 from tests.weight_rig import nudged_weights, weight_sync_rig
@@ -60,6 +71,9 @@ def test_secrets_are_private_and_per_identity(creds: StackCredentials) -> None:
             assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
         has_token = (d / "libra_weight_sync_token").exists()
         assert has_token == (identity in ("rollout-engine", "trainer", "cli")), identity
+        # only a trainer can sign a weight push; engines hold the public half
+        assert (d / SIGNING_KEY).exists() == (identity == "trainer"), identity
+        assert (d / TRAINER_KEYS).exists() == (identity == "rollout-engine"), identity
     passwords = {creds.nats_auth(i).password for i in IDENTITIES}
     assert len(passwords) == len(IDENTITIES)
     # a restarted stack keeps its credentials (and so its Redis data and streams)
@@ -408,6 +422,7 @@ async def engine_rig(
         run_id,
         redis_auth=creds.redis_auth("planner"),  # the rig leases the trainer role, as the planner does
         token=creds.weight_sync_token(),
+        verifier=HeaderVerifier.from_json(creds.read("rollout-engine", TRAINER_KEYS)),
     ) as rig:
         yield rig
 
@@ -429,11 +444,54 @@ async def test_weight_push_needs_the_bearer_token(
             await ws_grpc.WeightSyncStub(ch).GetVersion(ws.VersionRequest(), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-    pusher = WeightPusher("trainer-1", 1 << 20, token=creds.weight_sync_token())
+    pusher = WeightPusher("trainer-1", 1 << 20, token=creds.weight_sync_token(), signer=trainer_signer(creds))
     result = (await pusher.push(weights, fence, [addr]))[addr]
     await pusher.close()
     assert (result.in_sync, result.code) == (True, "ok"), result
     assert engine.version == 1
+
+
+def trainer_signer(creds: StackCredentials) -> HeaderSigner:
+    return HeaderSigner(creds.read("trainer", SIGNING_KEY))
+
+
+async def test_an_engine_cannot_push_weights_into_another_engine(
+    engine_rig: dict[str, Any], creds: StackCredentials
+) -> None:
+    """An engine holds the bearer token (it relays pushes) and can read the live fencing token (it
+    travels in every plan): neither makes it the trainer. All-zero weights at a huge version,
+    unsigned, signed with a key of its own, or in another sender's name, change nothing; the
+    trainer's next push still lands."""
+    engine, addr, fence = engine_rig["engine"], engine_rig["addr"], engine_rig["token"]
+    before = engine.checksum
+    zeros = snapshot(
+        {k: torch.zeros_like(v) for k, v in engine_rig["backend"].model.named_parameters()}, 1_000_000
+    )
+    attacks = [
+        ("trainer-1", None),  # unsigned, in the trainer's name
+        ("trainer-1", HeaderSigner(new_signing_key())),  # signed, with the engine's own key
+        ("rollout-engine", HeaderSigner(new_signing_key())),  # as itself
+    ]
+    for sender, signer in attacks:
+        pusher = WeightPusher(sender, 1 << 20, retries=0, token=creds.weight_sync_token(), signer=signer)
+        result = (await pusher.push(zeros, fence, [addr]))[addr]
+        await pusher.close()
+        assert (result.in_sync, result.code) == (False, "unauthorized"), (sender, result)
+        assert (engine.version, engine.checksum, engine.torn) == (0, before, False)
+    # a trainer's key, but not the trainer that holds the lease with this fencing token
+    pusher = WeightPusher(
+        "trainer-2", 1 << 20, retries=0, token=creds.weight_sync_token(), signer=trainer_signer(creds)
+    )
+    result = (await pusher.push(zeros, fence, [addr]))[addr]
+    await pusher.close()
+    assert (result.in_sync, result.code) == (False, "unauthorized"), result
+    assert engine.version == 0
+
+    weights = nudged_weights(engine_rig["backend"], 1)
+    pusher = WeightPusher("trainer-1", 1 << 20, token=creds.weight_sync_token(), signer=trainer_signer(creds))
+    result = (await pusher.push(weights, fence, [addr]))[addr]
+    await pusher.close()
+    assert (result.in_sync, engine.version, engine.checksum) == (True, 1, weights.checksum), result
 
 
 async def test_a_push_larger_than_the_bound_is_refused_before_buffering(

@@ -18,6 +18,7 @@ from services.common.localstack import Server
 from services.common.membership import TRAINER_ROLE
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
+from services.common.weight_signing import HeaderSigner, HeaderVerifier, new_signing_key, public_key
 from services.generation.backends.base import GenRequest
 from services.generation.backends.hf import HFBackend
 from services.generation.engine import ContinuousEngine
@@ -314,7 +315,9 @@ async def test_a_relay_tree_reaches_every_engine_with_one_upload(
 ) -> None:
     """Four engines, fan-out 1 (a chain): the trainer uploads the version once, every engine gets
     it, three of them through another engine; a dead engine in the chain costs its subtree a
-    direct push, nothing else."""
+    direct push, nothing else. Every engine checks the trainer's signature, relayed ones too."""
+    key = new_signing_key()
+    verifier = HeaderVerifier({"trainer-1": public_key(key)})
     servers, engines = [], []
     for i in range(4):
         b = backend if i == 0 else HFBackend(tiny_model, torch_threads=1, seed=i)
@@ -322,13 +325,14 @@ async def test_a_relay_tree_reaches_every_engine_with_one_upload(
             await b.start()
         eng = ContinuousEngine(b, max_batch=2)
         eng.start()
-        server, port = await start_server(WeightSyncServicer(eng, store, f"e{i}"), "127.0.0.1", 0)
+        servicer = WeightSyncServicer(eng, store, f"e{i}", verifier=verifier)
+        server, port = await start_server(servicer, "127.0.0.1", 0)
         servers.append((server, port))
         engines.append(eng)
     lease = await store.acquire(TRAINER_ROLE, "trainer-1", 30)
     assert lease is not None
     addrs = [f"127.0.0.1:{p}" for _, p in servers]
-    pusher = WeightPusher("trainer-1", CHUNK, retries=0, backoff_s=0.01, fanout=1)
+    pusher = WeightPusher("trainer-1", CHUNK, retries=0, backoff_s=0.01, fanout=1, signer=HeaderSigner(key))
     try:
         snap = snapshot(perturbed(backend, 9), 1)
         results = await pusher.push(snap, lease.token, addrs)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WeightHeader(_message.Message):
-    __slots__ = ("version", "total_bytes", "num_chunks", "checksum", "fencing_token", "sender_id", "format", "tensors", "base_version", "base_checksum", "relay")
+    __slots__ = ("version", "total_bytes", "num_chunks", "checksum", "fencing_token", "sender_id", "format", "tensors", "base_version", "base_checksum", "relay", "signature")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class WeightHeader(_message.Message):
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     version: int
     total_bytes: int
     num_chunks: int
@@ -30,7 +31,8 @@ class WeightHeader(_message.Message):
     base_version: int
     base_checksum: str
     relay: _containers.RepeatedCompositeFieldContainer[RelayNode]
-    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., checksum: _Optional[str] = ..., fencing_token: _Optional[int] = ..., sender_id: _Optional[str] = ..., format: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., base_checksum: _Optional[str] = ..., relay: _Optional[_Iterable[_Union[RelayNode, _Mapping]]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, version: _Optional[int] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., checksum: _Optional[str] = ..., fencing_token: _Optional[int] = ..., sender_id: _Optional[str] = ..., format: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., base_version: _Optional[int] = ..., base_checksum: _Optional[str] = ..., relay: _Optional[_Iterable[_Union[RelayNode, _Mapping]]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
