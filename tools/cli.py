@@ -270,6 +270,10 @@ def print_summary(report: dict[str, Any]) -> int:
         print(f"{'layout':<24} {layout['chosen']} ({layout['engines']} engines{over})")
     if failed := report.get("trajectories_failed_by_code"):
         print(f"{'trajectories_failed':<24} {failed}")
+    invalid = report.get("invalid_turn_results") or {}
+    if invalid.get("by_engine"):
+        out = f", quarantined {invalid['quarantined']}" if invalid.get("quarantined") else ""
+        print(f"{'invalid_turn_results':<24} {invalid['by_engine']}{out}")
     for e in report.get("engines") or []:
         print(f"engine {e['id']:<18} weight_version {e.get('weight_version')}")
     for warning in report.get("warnings") or []:

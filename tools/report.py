@@ -374,6 +374,10 @@ async def build_report(
         "role_changes": changes,
         "migrations": stats.migrations,
         "handed_back": {"turns": stats.turns_handed_back, "tokens_kept": stats.tokens_kept_on_hand_back},
+        "invalid_turn_results": {
+            "by_engine": dict(stats.invalid_results_by_engine),
+            "quarantined": list(stats.engines_quarantined),
+        },
         "lending": lending_report(cfg, trained, changes),
         "routing_policy": cfg.rollout.policy,
         "speculation": None

@@ -78,8 +78,11 @@ class MicroBatch:
         return MicroBatch(*(t.to(device, non_blocking=True) for t in fields))
 
 
-def validate(traj: ev.CompletedTrajectory, vocab_size: int | None = None) -> None:
-    """Raises InvalidMessage when a trajectory cannot be trained on as sent."""
+def validate(
+    traj: ev.CompletedTrajectory, vocab_size: int | None = None, newest_version: int | None = None
+) -> None:
+    """Raises InvalidMessage when a trajectory cannot be trained on as sent: also when its
+    tokens claim a policy version newer than `newest_version` (the trainer's own)."""
     require(bool(traj.trajectory_id), "trajectory_id is empty")
     require(bool(traj.group_id), "group_id is empty")
     require(traj.group_size >= 2, f"group_size must be >= 2, got {traj.group_size}")
@@ -100,6 +103,11 @@ def validate(traj: ev.CompletedTrajectory, vocab_size: int | None = None) -> Non
                 f"segment {i}: temperature {seg.temperature} is not in (0, {MAX_TEMPERATURE}]",
             )
             generated += len(seg.token_ids)
+            if newest_version is not None:
+                require(
+                    seg.policy_version <= newest_version,
+                    f"segment {i}: policy version {seg.policy_version} is newer than the trainer's {newest_version}",
+                )
         if vocab_size is not None:
             require(all(0 <= t < vocab_size for t in seg.token_ids), f"segment {i}: token id outside vocab")
         else:

@@ -27,6 +27,11 @@ class SchedulerSettings(BaseSettings):
 
     max_turn_retries: int = Field(2, ge=0)
     """Re-sends of one turn before the trajectory ends with finish=error."""
+    max_invalid_results: int = Field(3, ge=1)
+    """Invalid turn results in a row (tokens outside the vocabulary, bad logprobs, versions the
+    trainer never made, more tokens than asked) after which an engine is taken out of routing for
+    the rest of its lease, while another engine serves: a broken or compromised engine must not
+    keep failing turns."""
     tool_grace_s: float = Field(15.0, gt=0)
     """Extra seconds beyond the tool's own timeout before the scheduler records a timeout itself."""
     handback_wait_s: float = Field(5.0, gt=0)

@@ -82,14 +82,19 @@ class Dispatcher:
         self.where[traj_id] = bucket
         return bucket
 
-    def place(self, traj_id: str, now: float) -> str | None:
+    def place(self, traj_id: str, now: float, avoid: str | None = None) -> str | None:
         """An engine for the trajectory's next turn (its slot taken), or None: the turn waits in
-        its bucket's queue until `next_for` hands it a slot."""
+        its bucket's queue until `next_for` hands it a slot. `avoid` (an engine whose answer to
+        this turn was refused) is left out while any other engine could take it."""
         if traj_id in self.queued:
             return None
         self.decisions += 1
         bucket = self.where[traj_id]
         members = [e for e in self.engines.values() if e.bucket == bucket] or list(self.engines.values())
+        if avoid is not None and any(e.engine_id != avoid for e in self.engines.values()):
+            members = [e for e in members if e.engine_id != avoid] or [
+                e for e in self.engines.values() if e.engine_id != avoid
+            ]
         views = [EngineView(e.engine_id, e.in_flight, e.capacity) for e in members]
         engine_id = self.router.pick_engine(bucket, views, traj_id) if views else None
         if engine_id is None:

@@ -7,7 +7,7 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.common.bus import Bus, Envelope
@@ -55,8 +55,13 @@ class TrajectoryDriver:
         sandbox: SandboxClient,
         workload: WorkloadWindow,
         metrics: Any,
+        vocab_size: int | None = None,
+        newest_version: Callable[[int], Awaitable[int]] | None = None,
     ):
+        """`vocab_size` and `newest_version` (the newest weight version the trainer has made, asked
+        with the version a result claims) bound what an engine's turn result may say."""
         self.run_id, self.cfg, self.bus, self.prompter = common_run_id, cfg, bus, prompter
+        self.vocab_size, self.newest_version = vocab_size, newest_version
         self.dispatch, self.inflight, self.episode, self.completion = dispatch, inflight, episode, completion
         self.sandbox, self.workload, self.metrics = sandbox, workload, metrics
         self.log = get_logger(component="scheduler")
@@ -174,11 +179,17 @@ class TrajectoryDriver:
                 # a draining engine gave it back: not a failure, no retry spent; what it generated
                 # so far is kept, and the turn goes on from there
                 self.handed_back += 1
-                await self.inflight.send_turn(live, self._continued(live, live.pending_action, res))
+                await self.inflight.send_turn(live, await self._continued(live, live.pending_action, res))
                 return
             await self.inflight.retry_or_fail(live)
             return
         versions = list(res.token_versions) or [res.policy_version] * len(res.token_ids)
+        try:
+            await self._check_result(live, res, versions)
+        except ValueError as err:
+            await self.inflight.invalid_result(live, res.engine_id, str(err))
+            return
+        self.inflight.valid_result(res.engine_id)
         token_ids, logprobs, text = list(res.token_ids), list(res.logprobs), res.text
         if live.partial is not None:  # the turn began on an engine that handed it back
             part = live.partial
@@ -215,7 +226,26 @@ class TrajectoryDriver:
         )
         await self._execute(live, action)
 
-    def _continued(self, live: Live, action: Generate, res: ev.TurnResult) -> Generate:
+    async def _check_result(self, live: Live, res: ev.TurnResult, versions: list[int]) -> None:
+        """Raises ValueError for a result no engine serving this job's weights could have made:
+        ids outside the vocabulary, logprobs that are no log-probabilities, more tokens than the
+        turn asked for, or versions the trainer has not made. A push follows the trainer's commit,
+        but the scheduler may hear of the commit after the engine's first tokens at it: one
+        version beyond the newest known passes (the trainer checks exactly what it trains on)."""
+        budget = live.pending_action.max_new_tokens if live.pending_action is not None else None
+        check_turn(
+            list(res.token_ids),
+            list(res.logprobs),
+            versions,
+            res.temperature,
+            vocab_size=self.vocab_size,
+            max_tokens=budget,
+        )
+        claimed = max(versions, default=0)
+        if self.newest_version is not None and claimed > (newest := await self.newest_version(claimed)) + 1:
+            raise ValueError(f"policy version {claimed}: the trainer's newest is {newest}")
+
+    async def _continued(self, live: Live, action: Generate, res: ev.TurnResult) -> Generate:
         """The rest of a turn an engine handed back with `res.token_ids` generated: its context
         followed by them, the budget less them. Tokens that do not check out are dropped (the
         turn restarts from its own context)."""
@@ -223,11 +253,12 @@ class TrajectoryDriver:
             return action
         versions = list(res.token_versions) or [res.policy_version] * len(res.token_ids)
         try:
-            check_turn(list(res.token_ids), list(res.logprobs), versions, res.temperature)
+            await self._check_result(live, res, versions)
         except ValueError as err:
             self.log.warning(
                 "handed_back_tokens_malformed", trajectory_id=live.trajectory_id, reason=str(err)
             )
+            self.inflight.count_invalid(res.engine_id, str(err))
             return action
         if len(res.token_ids) >= action.max_new_tokens:
             return action  # cannot happen (the engine ends a turn at its budget): start it again

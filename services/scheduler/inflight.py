@@ -9,7 +9,7 @@ import hashlib
 import math
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -136,6 +136,14 @@ class InFlight:
         """Tool call id -> the trajectory that waits for it."""
         self.engine_tokens: dict[str, int] = {}
         """Each engine's fencing token in the current plan (a new one: it restarted)."""
+        self.invalid_results: Counter[str] = Counter()
+        """Engine id -> turn results it sent that failed the checks (services/scheduler/driver.py)."""
+        self._invalid_streak: Counter[str] = Counter()
+        """Engine id -> invalid results since its last valid one."""
+        self.quarantined: dict[str, int] = {}
+        """Engines out of routing for their invalid results -> the fencing token they had then."""
+        self._plan_engines: dict[str, ev.Assignment] = {}
+        self._plan_moved: Mapping[str, int] = {}
         self.decision_us: deque[float] = deque(maxlen=20_000)
         """Latency of the most recent routing decisions (the policy's own work, in microseconds)."""
 
@@ -211,15 +219,15 @@ class InFlight:
 
     # turns --------------------------------------------------------------------------------------
 
-    async def send_turn(self, live: Live, action: Generate) -> None:
-        """Places the turn: on an engine with a free slot the policy picks, else in its bucket's
-        queue until a slot frees (`drain`)."""
+    async def send_turn(self, live: Live, action: Generate, avoid: str | None = None) -> None:
+        """Places the turn: on an engine with a free slot the policy picks (not `avoid` while
+        another serves), else in its bucket's queue until a slot frees (`drain`)."""
         live.pending_action = action
         if not self.dispatch.engines:  # none serving: the watchdog sends it again in a second
             live.request_id = ""
             live.deadline = time.monotonic() + 1.0
             return
-        engine_id = self.decide(self.dispatch.place, live.trajectory_id, time.monotonic())
+        engine_id = self.decide(self.dispatch.place, live.trajectory_id, time.monotonic(), avoid)
         if engine_id is None:
             live.deadline = math.inf  # queued: waits for a slot, however long the tail ahead of it
             if live.queued_at is None:
@@ -263,13 +271,60 @@ class InFlight:
         self._forget_turn(live)
         return live
 
-    async def retry_or_fail(self, live: Live) -> None:
+    async def retry_or_fail(
+        self, live: Live, code: str = "engine_unavailable", avoid: str | None = None
+    ) -> None:
+        """Sends the turn again (to another engine than `avoid` where there is one), or, out of
+        retries, ends the trajectory with `code`."""
         live.retries += 1
         if live.retries > self.settings.max_turn_retries or live.pending_action is None:
             why = live.last_error or "no engine answered within the turn timeout"
-            await self.fail(live, "engine_unavailable", f"turn {live.traj.turns}: {why}")
+            await self.fail(live, code, f"turn {live.traj.turns}: {why}")
             return
-        await self.send_turn(live, live.pending_action)
+        await self.send_turn(live, live.pending_action, avoid=avoid)
+
+    def valid_result(self, engine_id: str) -> None:
+        self._invalid_streak.pop(engine_id, None)
+
+    def count_invalid(self, engine_id: str, reason: str) -> bool:
+        """Counts an invalid result from `engine_id`; True when it makes the engine one to
+        quarantine: `max_invalid_results` in a row, and another engine serves (the last one is
+        kept: its turns fail typed, `engine_invalid`, rather than wait for no engine)."""
+        self.invalid_results[engine_id] += 1
+        self._invalid_streak[engine_id] += 1
+        self.log.warning(
+            "turn_result_invalid",
+            engine_id=engine_id,
+            reason=reason[:300],
+            invalid_results=self.invalid_results[engine_id],
+        )
+        others = [w for w in self.dispatch.engines if w != engine_id]
+        return (
+            self._invalid_streak[engine_id] >= self.settings.max_invalid_results
+            and engine_id not in self.quarantined
+            and engine_id in self.engine_tokens
+            and bool(others)
+        )
+
+    async def invalid_result(self, live: Live, engine_id: str, reason: str) -> None:
+        """A turn result that failed the scheduler's checks: it touches nothing, the turn fails
+        (`engine_invalid`) and is retried on another engine; an engine that keeps sending such
+        results is taken out of routing for the rest of its lease."""
+        live.last_error = f"{engine_id}: invalid result: {reason}"
+        if self.count_invalid(engine_id, reason):
+            await self.quarantine(engine_id, reason)
+        await self.retry_or_fail(live, "engine_invalid", avoid=engine_id)
+
+    async def quarantine(self, engine_id: str, reason: str) -> None:
+        self.quarantined[engine_id] = self.engine_tokens[engine_id]
+        self.log.error(
+            "engine_quarantined",
+            engine_id=engine_id,
+            invalid_results=self.invalid_results[engine_id],
+            last_reason=reason[:300],
+            detail="no more turns go to it until it restarts under a new lease",
+        )
+        await self.set_engines(self._plan_engines, self._plan_moved)
 
     def _forget_turn(self, live: Live) -> None:
         """The turn in flight is over (answered, lost or timed out): its engine slot frees."""
@@ -365,6 +420,10 @@ class InFlight:
         One still in the plan under the same lease but out of rollout (`moved`: worker id ->
         fencing token of those drained, parked, in training) hands its turns back itself, running ones with the tokens they generated:
         those wait for that, and are re-sent if they are not back within `handback_wait_s`."""
+        plan_engines, current = (
+            current,
+            {wid: a for wid, a in current.items() if self.quarantined.get(wid) != a.fencing_token},
+        )
         gone = [
             wid
             for wid in self.dispatch.engines
@@ -372,6 +431,7 @@ class InFlight:
         ]
         moved = moved or {}
         handing_back = {wid for wid in gone if wid in moved and moved[wid] == self.engine_tokens.get(wid)}
+        self._plan_engines, self._plan_moved = plan_engines, moved
         self.dispatch.forget(gone)  # a restarted engine comes back with no turns in flight
         self.dispatch.set_engines({wid: a.bucket for wid, a in current.items()})
         self.engine_tokens = {wid: a.fencing_token for wid, a in current.items()}

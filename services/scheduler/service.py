@@ -51,7 +51,9 @@ class SchedulerService:
         bus: Bus,
         store: OwnershipStore,
         prompter: Prompter,
+        vocab_size: int | None = None,
     ):
+        """`vocab_size`: the model's; turn results with other token ids are refused."""
         self.common, self.settings, self.cfg = common, settings, cfg
         self.bus, self.store, self.prompter = bus, store, prompter
         self.log = get_logger(component="scheduler")
@@ -104,6 +106,8 @@ class SchedulerService:
             sandbox,
             self.workload,
             self.metrics,
+            vocab_size=vocab_size,
+            newest_version=self._newest_version,
         )
         self.membership = Membership(
             bus,
@@ -167,6 +171,8 @@ class SchedulerService:
             failures_by_code=dict(done.failure_codes),
             migrations=self.dispatch.migrations,
             turns_handed_back=self.driver.handed_back,
+            invalid_results_by_engine=dict(inflight.invalid_results),
+            engines_quarantined=sorted(inflight.quarantined),
             tokens_kept_on_hand_back=self.driver.tokens_kept,
             decisions=self.dispatch.decisions,
             decision_p50_us=inflight.decision_quantile(0.5),
@@ -280,6 +286,13 @@ class SchedulerService:
         """The version of the trainer's last committed step, as its facts say (0: none yet)."""
         facts = await read_facts(self.bus, subjects.FACTS_TRAINER, ev.TrainerFacts)
         return facts.version if facts is not None else 0
+
+    async def _newest_version(self, claimed: int) -> int:
+        """The newest version the trainer has made, read again from its facts when a turn result
+        claims a newer one (at most twice a second, however many such results come)."""
+        if claimed > self.trained_version + 1 and time.monotonic() - self._committed_checked > 0.5:
+            await self._check_committed()
+        return self.trained_version
 
     async def _check_committed(self) -> None:
         """The trainer's commit record is the floor of the trained version: a `weights.updated`
@@ -396,7 +409,7 @@ async def serve(
     stack.push_async_callback(bus.close)
     store = common.ownership_store()
     stack.push_async_callback(store.close)
-    svc = SchedulerService(common, settings, cfg, bus, store, prompter)
+    svc = SchedulerService(common, settings, cfg, bus, store, prompter, model_vocabulary(cfg))
     stack.push_async_callback(svc.close)
     await svc.start()
     get_logger().info("scheduler_ready", prompts=cfg.task.num_prompts, group_size=cfg.task.group_size)
@@ -406,3 +419,16 @@ async def serve(
     broken.cancel()
     if svc.broken.is_set() and not stop.is_set():
         raise UserCodeBroken(svc.completion.broken or "the job's own code fails on every call")
+
+
+def model_vocabulary(cfg: RunConfig) -> int:
+    """The token ids an engine of this job can sample: the model's vocabulary (its config's, which
+    may pad the tokenizer's), or the emulated engines' (`services/generation/backends/emulated.py`)."""
+    from services.common.models import vocabulary_size
+
+    vocab = vocabulary_size(cfg.model)
+    if cfg.rollout.backend == "emulated":
+        from services.generation.backends.emulated import VOCAB_SIZE
+
+        vocab = max(vocab, VOCAB_SIZE)
+    return vocab

@@ -40,21 +40,42 @@ class Segment:
     """Generated segments: the temperature their logprobs were computed at."""
 
 
+MAX_LOGPROB = 1e-4
+"""Largest logprob taken (a probability's log is <= 0; float rounding may overshoot a little)."""
+
+
 def check_turn(
-    token_ids: list[int], logprobs: list[float], versions: list[int], temperature: float = 1.0
+    token_ids: list[int],
+    logprobs: list[float],
+    versions: list[int],
+    temperature: float = 1.0,
+    *,
+    vocab_size: int | None = None,
+    max_tokens: int | None = None,
 ) -> None:
     """Raises ValueError unless there is one logprob and one version per token, versions never
-    going back (weights only move forward on an engine), and the logprobs' temperature is usable."""
+    going back (weights only move forward on an engine), the logprobs' temperature is usable,
+    every logprob finite and <= 0, every token id in the vocabulary and (where given) no more
+    tokens than the turn asked for. Versions newer than the trainer's are the caller's check."""
     if not (math.isfinite(temperature) and temperature > 0.0):
         raise ValueError(f"logprob temperature must be > 0, got {temperature}")
     if not len(token_ids) == len(logprobs) == len(versions):
         raise ValueError(
             f"{len(token_ids)} tokens, {len(logprobs)} logprobs and {len(versions)} versions differ in length"
         )
+    if max_tokens is not None and len(token_ids) > max_tokens:
+        raise ValueError(f"{len(token_ids)} tokens for a turn of at most {max_tokens}")
     if any(b < a for a, b in zip(versions, versions[1:], strict=False)):
         raise ValueError("token versions go back")
     if versions and versions[0] < 0:
         raise ValueError("negative token version")
+    bad = next((x for x in logprobs if not (math.isfinite(x) and x <= MAX_LOGPROB)), None)
+    if bad is not None:
+        raise ValueError(f"logprob {bad} is not a log-probability")
+    limit = vocab_size if vocab_size is not None else 1 << 31
+    wrong = next((t for t in token_ids if not 0 <= t < limit), None)
+    if wrong is not None:
+        raise ValueError(f"token id {wrong} is outside the vocabulary ({vocab_size})")
 
 
 def doomed_groups(trajs: list[Trajectory], trained_version: int, max_staleness: int) -> set[str]:

@@ -101,11 +101,16 @@ class Intake:
                 await self._drop_group(traj.group_id, "failed", f"{tid}: {traj.failure.message}", [raw])
                 continue
             try:
-                validate(traj, self.learner.vocab_size)
+                validate(traj, self.learner.vocab_size, self.version)
             except InvalidMessage as err:
                 self.counts["invalid"] += 1
                 await self.bus.report_error(raw.subject, err.code, f"trajectory {tid!r}: {err}")
-                await settle(raw.term())  # changes nothing else: a forged one must not cost a real group
+                if traj.group_id and traj.trajectory_id:
+                    # only the scheduler publishes trajectories: one it sent that cannot be trained
+                    # fails its group visibly (the feed replaces it), never leaving it waiting
+                    await self._drop_group(traj.group_id, "invalid", f"{tid}: {err}", [raw])
+                else:
+                    await settle(raw.term())
                 continue
             if known or tid in self.learner.state.trained_ids:
                 self.counts["duplicate"] += 1

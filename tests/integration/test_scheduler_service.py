@@ -24,6 +24,7 @@ from tests.service_process import pinned_job_env, service_process
 pytestmark = pytest.mark.integration
 
 ENGINE = "engine-s1"
+ENGINE2 = "engine-s2"
 CALL = "<calc>2+3</calc>"
 ANSWER = "The sum is <answer>5</answer>"
 
@@ -31,8 +32,8 @@ ANSWER = "The sum is <answer>5</answer>"
 class Harness:
     """Plays the engine and the sandbox for one scheduler process; `answer` decides each turn."""
 
-    def __init__(self, bus: Bus):
-        self.bus = bus
+    def __init__(self, bus: Bus, engine: str = ENGINE):
+        self.bus, self.engine = bus, engine
         self.requests: list[ev.TurnRequest] = []
         self.calls: list[ev.ToolCall] = []
         self.held: set[str] = set()
@@ -43,6 +44,8 @@ class Harness:
         self.last_seq = 0
         self.answered: list[str] = []
         """Requests it names as answered in its load reports."""
+        self.peer: Harness | None = None
+        """A second engine, where the test asked for one."""
 
     async def start(self) -> None:
         async def on_request(req: ev.TurnRequest, _: Envelope) -> None:
@@ -70,14 +73,15 @@ class Harness:
                 ),
             )
 
-        await self.bus.subscribe(f"{subjects.TURN_REQUEST}.{ENGINE}", ev.TurnRequest, on_request)
-        await self.bus.subscribe(subjects.TOOL_CALL, ev.ToolCall, on_call)
+        await self.bus.subscribe(f"{subjects.TURN_REQUEST}.{self.engine}", ev.TurnRequest, on_request)
+        if self.engine == ENGINE:  # it plays the sandbox too
+            await self.bus.subscribe(subjects.TOOL_CALL, ev.ToolCall, on_call)
         self.bus.spawn(self._report())
 
     async def _report(self) -> None:
         while True:
             load = ev.EngineLoad(
-                engine_id=ENGINE,
+                engine_id=self.engine,
                 bucket="short",
                 capacity_seqs=4,
                 request_ids=sorted(self.held),
@@ -87,13 +91,12 @@ class Harness:
             await self.bus.publish(subjects.ENGINE_LOAD, load)
             await asyncio.sleep(0.3)
 
-    @staticmethod
-    def result(req: ev.TurnRequest, text: str, **kw: Any) -> ev.TurnResult:
+    def result(self, req: ev.TurnRequest, text: str, **kw: Any) -> ev.TurnResult:
         tokens = [200 + i for i in range(4)]
         base: dict[str, Any] = dict(
             request_id=req.request_id,
             trajectory_id=req.trajectory_id,
-            engine_id=ENGINE,
+            engine_id=self.engine,
             token_ids=tokens,
             logprobs=[-0.5] * len(tokens),
             text=text,
@@ -127,8 +130,15 @@ class Harness:
 
 @pytest.fixture
 async def scheduler(
-    tmp_path: Path, nats_server: Server, redis_server: Server, run_id: str, tiny_model: ModelConfig
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    nats_server: Server,
+    redis_server: Server,
+    run_id: str,
+    tiny_model: ModelConfig,
 ) -> AsyncIterator[tuple[subprocess.Popen[bytes], Harness, Bus]]:
+    """One engine (ENGINE); with `indirect` parameter 2, a second one too (`harness.peer`)."""
+    engines = getattr(request, "param", 1)
     data = tmp_path / "tasks.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"What is 2+3? ({i})", "answer": "5"}) + "\n" for i in range(4))
@@ -161,9 +171,17 @@ async def scheduler(
     bus = await Bus.connect(nats_server.url, run_id, "rollout-engine", ENGINE)  # plays the engine
     harness = Harness(bus)
     await harness.start()
+    names = [ENGINE, ENGINE2][:engines]
+    if engines > 1:
+        peer_bus = await Bus.connect(nats_server.url, run_id, "rollout-engine", ENGINE2)
+        harness.peer = Harness(peer_bus, ENGINE2)
+        await harness.peer.start()
     plan = ev.Plan(
         plan_version=1,
-        assignments=[ev.Assignment(worker_id=ENGINE, role="rollout", bucket="short", fencing_token=1)],
+        assignments=[
+            ev.Assignment(worker_id=w, role="rollout", bucket="short", fencing_token=1 + i)
+            for i, w in enumerate(names)
+        ],
     )
     await bus.publish_durable(subjects.PLAN, plan, msg_id=f"{run_id}-plan-1")
     try:
@@ -171,6 +189,8 @@ async def scheduler(
             yield proc, harness, bus
     finally:
         await bus.close()
+        if harness.peer is not None:
+            await harness.peer.bus.close()
 
 
 async def stats(bus: Bus, completed: int) -> ev.SchedulerStats:
@@ -271,6 +291,44 @@ async def test_lost_and_malformed_turns_are_sent_again_and_bad_input_changes_not
     assert len({r.request_id for r in first_turns}) == 12
     s = await stats(bus, 4)
     assert s.trajectories_failed == 0 and s.turns == 8
+    assert proc.poll() is None
+
+
+@pytest.mark.parametrize("scheduler", [2], indirect=True)
+async def test_an_engine_answering_garbage_changes_no_trajectory_and_is_quarantined(scheduler: Any) -> None:
+    """A second engine answers every turn with something no engine serving this job's weights
+    could make: NaN or positive logprobs, token ids outside the vocabulary, a policy version the
+    trainer never made, more tokens than the turn asked for. Each fails its turn (`engine_invalid`)
+    and is retried on the honest engine; after three in a row the scheduler takes the engine out
+    of routing. Every trajectory completes with the honest engine's tokens only."""
+    proc, h, bus = scheduler
+    garbage = h.peer
+    assert garbage is not None
+
+    def lie(req: ev.TurnRequest) -> ev.TurnResult:
+        kind = len(garbage.requests) % 4
+        if kind == 0:
+            return garbage.result(req, CALL, logprobs=[float("nan"), -0.1, 0.5, -0.2])
+        if kind == 1:
+            return garbage.result(req, CALL, token_ids=[10**7, 1, 2, 3])
+        if kind == 2:
+            return garbage.result(req, CALL, policy_version=1_000_000)
+        n = req.max_new_tokens + 1
+        return garbage.result(req, CALL, token_ids=[200] * n, logprobs=[-0.1] * n)
+
+    garbage.answer = lie
+    done = await h.completed(bus, 4, timeout=90)
+    assert all(t.finish == "answer" and not t.HasField("failure") for t in done)
+    for t in done:
+        for seg in t.segments:
+            if seg.generated:
+                assert list(seg.token_ids) == [200, 201, 202, 203] and seg.policy_version == 0
+                assert all(lp == -0.5 for lp in seg.logprobs)
+    s = await stats(bus, 4)
+    assert s.invalid_results_by_engine[ENGINE2] == len(garbage.requests) >= 3
+    assert ENGINE not in s.invalid_results_by_engine
+    assert list(s.engines_quarantined) == [ENGINE2] and list(s.engines) == [ENGINE]
+    assert s.trajectories_failed == 0
     assert proc.poll() is None
 
 

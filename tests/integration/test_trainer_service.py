@@ -228,11 +228,16 @@ async def test_trainer_trains_once_pushes_and_resumes(
         await publish(t)
     await publish(first[0])  # a duplicate delivery of a trajectory id
     await bus.js.publish(bus.subject(subjects.TRAJ_COMPLETED), b"\xff\x00 not protobuf")
-    bad = ev.CompletedTrajectory()
-    bad.CopyFrom(first[1])
-    bad.trajectory_id = "bad-0"
-    bad.segments[1].logprobs.pop()
-    await publish(bad)
+    # trajectories the trainer cannot take fail their group visibly (the feed replaces it): one
+    # logprob short, or tokens at a version the trainer never made (an engine's claim)
+    for gid, seed in (("gb", 6), ("gv", 7)):
+        bad = make_group(model, gid, 2, seed=seed)[0]
+        bad.trajectory_id = f"bad-{gid}"
+        if gid == "gb":
+            bad.segments[1].logprobs.pop()
+        else:
+            bad.segments[1].policy_version = 1_000_000
+        await publish(bad)
     # a group one of whose trajectories the infrastructure ended: never trained, reported failed
     infra = make_group(model_for_failures, "gf", 2, seed=9)
     infra[1].failure.CopyFrom(ev.ErrorInfo(code="engine_unavailable", message="no engine answered"))
@@ -314,8 +319,11 @@ async def test_trainer_trains_once_pushes_and_resumes(
         wu = received["weights"][0]
         assert wu.version == 1 and wu.checksum == push.header.checksum and wu.engines == [f"127.0.0.1:{port}"]
 
-        await eventually(lambda: _true(len(received["outcomes"]) >= 4), what="four group outcomes")
+        await eventually(lambda: _true(len(received["outcomes"]) >= 6), what="six group outcomes")
         outcomes = {o.group_id: o for o in received["outcomes"]}
+        for gid, why in (("gb", "logprobs"), ("gv", "newer than the trainer's")):
+            assert (outcomes[gid].outcome, outcomes[gid].trajectories) == ("invalid", 1), outcomes[gid]
+            assert why in outcomes[gid].reason and not outcomes[gid].trained_ids
         assert outcomes["gf"].outcome == "failed" and "no engine answered" in outcomes["gf"].reason
         assert outcomes["gf"].trajectories == 2  # both members acked, neither trained
         assert (outcomes["g0"].outcome, outcomes["g0"].train_step) == ("trained", 1)
@@ -333,7 +341,7 @@ async def test_trainer_trains_once_pushes_and_resumes(
 
         await eventually(lambda: _true(len(received["errors"]) >= 2), what="two error events")
         assert {e.error.code for e in received["errors"]} >= {"malformed", "invalid"}
-        assert any("bad-0" in e.error.message for e in received["errors"])
+        assert any("bad-gb" in e.error.message for e in received["errors"])
 
         step_spans = [s for s in spans.get_finished_spans() if s.name == "train.step" and s.parent is None]
         assert len(step_spans) == 1 and len(step_spans[0].links) == 4

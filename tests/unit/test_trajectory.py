@@ -171,6 +171,22 @@ def test_generated_segments_carry_the_temperature_of_their_logprobs() -> None:
             check_turn([1], [-0.1], [0], bad)
 
 
+def test_a_turn_result_no_engine_could_make_is_refused() -> None:
+    check_turn([0, 99], [-0.1, 0.0], [1, 1], vocab_size=100, max_tokens=2)  # at the limits: fine
+    cases = [
+        (([1], [float("nan")], [0]), {}, "log-probability"),
+        (([1], [float("-inf")], [0]), {}, "log-probability"),
+        (([1], [0.5], [0]), {}, "log-probability"),
+        (([100], [-0.1], [0]), {"vocab_size": 100}, "vocabulary"),
+        (([-1], [-0.1], [0]), {}, "vocabulary"),
+        (([1, 2, 3], [-0.1] * 3, [0] * 3), {"max_tokens": 2}, "at most 2"),
+        (([1, 2], [-0.1] * 2, [2, 1]), {}, "go back"),
+    ]
+    for (ids, lps, versions), kw, why in cases:
+        with pytest.raises(ValueError, match=why):
+            check_turn(ids, lps, versions, **kw)
+
+
 def test_tool_calls_in_the_hermes_format() -> None:
     call = parse_action(
         'Let me see. <tool_call>{"name": "convert", "arguments": {"value": 2, "from": "h", "to": "s"}}'
