@@ -180,7 +180,26 @@ class Identity:
         return f"{base}.{self.kind}.{self.speaks_as}"
 
 
-_REDIS_COMMANDS = "-@all +@read +@write +@scripting +@connection +@transaction +select -@dangerous"
+_REDIS_COMMANDS = " ".join(
+    (
+        "-@all +@read +@write +@transaction -@dangerous",
+        # no scripting (a script can hold the server: services/common/ownership.py uses
+        # WATCH/MULTI), no listing of keys, no other database
+        "-@scripting -scan -randomkey -dbsize -select -move -copy",
+        # connecting, and nothing else of CLIENT (no TRACKING, no KILL, no LIST)
+        "+auth +hello +ping +echo +reset +client|setinfo +client|setname +client|getname +client|id",
+    )
+)
+"""What a service identity may run: reads and writes of its own keys and transactions."""
+REDIS_MAXMEMORY = "1gb"
+"""Redis's memory cap (`redis/redis.conf`): far above what a job keeps (leases, a commit record,
+the trained ids, the ledger), so an identity that floods its own keys fills Redis only this far."""
+REDIS_SERVER_LINES = (
+    f"maxmemory {REDIS_MAXMEMORY}",
+    # never evict: a lease, a fencing counter or a commit record must not vanish under memory
+    # pressure; writes that need memory fail (typed errors) while renewals and reads go on
+    "maxmemory-policy noeviction",
+)
 _REDIS_KEYS: dict[str, tuple[str, ...]] = {
     # `~` read and write, `%R~` read only; keys are libra:<run>:… (services/common/ownership.py);
     # every worker also renews (and releases) its own lease:worker:<worker_id> (redis_acl)
@@ -337,18 +356,26 @@ def _write_secret(path: Path, value: str) -> None:
         f.write(value)
 
 
+RESPONDERS = ("planner", "scheduler")
+"""The kinds that answer requests: the planner (role and lend requests), the scheduler (stats)."""
+
+
 def nats_config(passwords: dict[Identity, str]) -> str:
     """nats-server configuration: one user per identity with its publish and subscribe permissions."""
     users = []
     for identity, password in passwords.items():
-        perms = {
+        perms: dict[str, object] = {
             "publish": {"allow": publish_allowed(identity)},
             "subscribe": {"allow": subscribe_allowed(identity)},
+        }
+        if identity.kind in RESPONDERS:
             # a reply to a request this user received, once, within a minute; never another inbox.
             # (nats-server refuses such a reply when one connection holds two subscriptions that
             # match the request: every responder here subscribes to a request subject once.)
-            "allow_responses": {"max": 1, "expires": "1m"},
-        }
+            # Only for the kinds that answer requests: a JetStream publish fanned out to
+            # subscribers carries its publisher's ack inbox as the reply, which any subscriber
+            # allowed responses could answer with a forged ack.
+            perms["allow_responses"] = {"max": 1, "expires": "1m"}
         users.append({"user": identity.name, "password": password, "permissions": perms})
     # JSON is valid nats-server configuration syntax
     body = json.dumps({"users": users}, indent=2)
@@ -450,7 +477,8 @@ def _write_all(creds: StackCredentials, identities: list[Identity]) -> None:
     _write_secret(creds.nats_conf, nats_config(passwords))
     _write_secret(creds.nats_server_conf, NATS_SERVER_CONF)
     acl = [redis_acl(i, redis_passwords[i]) for i in identities]
-    _write_secret(creds.redis_conf, "\n".join(["user default off", *acl, REDIS_HEALTH_ACL]) + "\n")
+    lines = ["user default off", *acl, REDIS_HEALTH_ACL, *REDIS_SERVER_LINES]
+    _write_secret(creds.redis_conf, "\n".join(lines) + "\n")
     layout = {"per_worker": any(i.per_worker for i in identities), "identities": [i.name for i in identities]}
     _write_secret(creds.layout_file, json.dumps(layout))
 

@@ -2,62 +2,31 @@
 
 A lease is a hash {owner, token} with a TTL. Every successful acquire increments a per-resource
 counter, so tokens only grow: a receiver that sees a token lower than the current one knows the
-sender lost its lease (paused, partitioned) and refuses to act on its behalf. All state changes are
-single Lua scripts, so they are atomic on the server.
+sender lost its lease (paused, partitioned) and refuses to act on its behalf. Every state change is
+a check-and-set: the keys it depends on are WATCHed, read, and written in one MULTI/EXEC that
+Redis applies only if none of them changed meanwhile (else it is tried again). No Lua: service
+identities may not script Redis (services/common/credentials.py), so none can run a script that
+holds the server.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from services.common.tls import TlsFiles
 
-ACQUIRE = """
-local cur = redis.call('HGET', KEYS[1], 'owner')
-if cur and cur ~= ARGV[1] then return {0, tonumber(redis.call('HGET', KEYS[1], 'token'))} end
-local token = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'meta', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {1, token}
-"""
-
-RENEW = """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] and redis.call('HGET', KEYS[1], 'token') == ARGV[2] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return 1
-end
-return 0
-"""
-
-RELEASE = """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] and redis.call('HGET', KEYS[1], 'token') == ARGV[2] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"""
+T = TypeVar("T")
+WATCH_RETRIES = 64
+"""Attempts of one check-and-set before giving up (another client changed a watched key each time)."""
 
 
-FENCED_PUSH = """
-local held = redis.call('HGET', KEYS[1], 'token')
-if not held or tonumber(held) ~= tonumber(ARGV[1]) then return 0 end
-redis.call('RPUSH', KEYS[2], ARGV[2])
-return 1
-"""
-
-COMMIT = """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
-local n = tonumber(ARGV[2])
-local fields = {}
-for i = 3, 2 + 2 * n do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', KEYS[2], unpack(fields))
-local twice = 0
-for i = 3 + 2 * n, #ARGV do twice = twice + 1 - redis.call('SADD', KEYS[3], ARGV[i]) end
-if twice > 0 then redis.call('HINCRBY', KEYS[2], 'trained_twice', twice) end
-return 1
-"""
+class Contended(RuntimeError):
+    """A check-and-set lost the race to other clients WATCH_RETRIES times in a row."""
 
 
 def committed_key(run_id: str) -> str:
@@ -92,11 +61,6 @@ class OwnershipStore:
     def __init__(self, client: aioredis.Redis, run_id: str):
         self.r = client
         self.run_id = run_id
-        self._acquire = client.register_script(ACQUIRE)
-        self._renew = client.register_script(RENEW)
-        self._release = client.register_script(RELEASE)
-        self._commit = client.register_script(COMMIT)
-        self._fenced_push = client.register_script(FENCED_PUSH)
 
     @classmethod
     def from_url(
@@ -120,22 +84,59 @@ class OwnershipStore:
     def _fence(self, resource: str) -> str:
         return f"libra:{self.run_id}:fence:{resource}"
 
+    async def _check_and_set(self, keys: list[str], body: Callable[[Any], Awaitable[T]]) -> T:
+        """Runs `body(pipe)` with `keys` watched: it reads in immediate mode, then queues its
+        writes after `pipe.multi()` and executes them; a watched key changed in between aborts
+        the writes, and the whole is tried again."""
+        for _ in range(WATCH_RETRIES):
+            async with self.r.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(*keys)
+                    return await body(pipe)
+                except WatchError:
+                    continue
+        raise Contended(f"{keys}: changed by other clients {WATCH_RETRIES} times in a row")
+
     async def acquire(self, resource: str, owner: str, ttl_s: float, meta: str = "") -> Lease | None:
         """Takes (or re-takes) the lease; None if another owner holds it. Always issues a new token."""
-        ok, token = await self._acquire(
-            keys=[self._key(resource), self._fence(resource)], args=[owner, int(ttl_s * 1000), meta]
-        )
-        return Lease(resource, owner, int(token)) if ok else None
+        key, fence = self._key(resource), self._fence(resource)
+
+        async def take(pipe: Any) -> Lease | None:
+            cur = await pipe.hget(key, "owner")
+            if cur is not None and cur != owner:
+                return None
+            token = int(await pipe.get(fence) or 0) + 1
+            pipe.multi()
+            pipe.set(fence, token)
+            pipe.hset(key, mapping={"owner": owner, "token": token, "meta": meta})
+            pipe.pexpire(key, int(ttl_s * 1000))
+            await pipe.execute()
+            return Lease(resource, owner, token)
+
+        return await self._check_and_set([key, fence], take)
+
+    async def _if_held(self, lease: Lease, then: Callable[[Any], None]) -> bool:
+        """Queues `then(pipe)` and applies it only while `lease` (owner and token) is the live one."""
+        key = self._key(lease.resource)
+
+        async def check(pipe: Any) -> bool:
+            held = await pipe.hmget(key, ["owner", "token"])
+            if held != [lease.owner, str(lease.token)]:
+                return False
+            pipe.multi()
+            then(pipe)
+            await pipe.execute()
+            return True
+
+        return await self._check_and_set([key], check)
 
     async def renew(self, lease: Lease, ttl_s: float) -> bool:
-        return bool(
-            await self._renew(
-                keys=[self._key(lease.resource)], args=[lease.owner, lease.token, int(ttl_s * 1000)]
-            )
-        )
+        key = self._key(lease.resource)
+        return await self._if_held(lease, lambda pipe: pipe.pexpire(key, int(ttl_s * 1000)))
 
     async def release(self, lease: Lease) -> bool:
-        return bool(await self._release(keys=[self._key(lease.resource)], args=[lease.owner, lease.token]))
+        key = self._key(lease.resource)
+        return await self._if_held(lease, lambda pipe: pipe.delete(key))
 
     async def holder(self, resource: str) -> Lease | None:
         data = await self.r.hgetall(self._key(resource))
@@ -154,12 +155,27 @@ class OwnershipStore:
         """Writes the commit record and adds `trained` to the trained set, atomically, only while
         `token` still holds the lease on `resource`: a trainer that lost its lease commits nothing.
         Ids already in the set add to the record's `trained_twice` (the report's count of them)."""
-        args: list[str | int] = [token, len(record)]
-        for k, v in record.items():
-            args += [k, v]
-        args += sorted(trained)
-        keys = [self._key(resource), committed_key(self.run_id), trained_key(self.run_id)]
-        return bool(await self._commit(keys=keys, args=args))
+        lease_key, record_key, set_key = (
+            self._key(resource),
+            committed_key(self.run_id),
+            trained_key(self.run_id),
+        )
+        ids = sorted(trained)
+
+        async def commit(pipe: Any) -> bool:
+            if await pipe.hget(lease_key, "token") != str(token):
+                return False
+            twice = sum(map(bool, await pipe.smismember(set_key, ids))) if ids else 0
+            pipe.multi()
+            pipe.hset(record_key, mapping=record)
+            if ids:
+                pipe.sadd(set_key, *ids)
+            if twice:
+                pipe.hincrby(record_key, "trained_twice", twice)
+            await pipe.execute()
+            return True
+
+        return await self._check_and_set([lease_key, set_key], commit)
 
     async def fenced_record_plan(self, resource: str, token: int, entry: str) -> bool:
         """Appends a published plan's record to the run's plan history, only while `token` holds
@@ -169,7 +185,17 @@ class OwnershipStore:
 
     async def fenced_append(self, resource: str, token: int, key: str, entry: str) -> bool:
         """Appends `entry` to the list `key` only while `token` holds the lease on `resource`."""
-        return bool(await self._fenced_push(keys=[self._key(resource), key], args=[token, entry]))
+        lease_key = self._key(resource)
+
+        async def append(pipe: Any) -> bool:
+            if await pipe.hget(lease_key, "token") != str(token):
+                return False
+            pipe.multi()
+            pipe.rpush(key, entry)
+            await pipe.execute()
+            return True
+
+        return await self._check_and_set([lease_key], append)
 
     async def plans(self) -> list[str]:
         return [str(x) for x in await self.r.lrange(plans_key(self.run_id), 0, -1)]

@@ -500,6 +500,25 @@ class PlannerService:
             self.log.warning("standby_promoted", worker_id=slot.worker_id, fencing_token=lease.token)
             return
 
+    async def _publish_plan(self, plan: ev.Plan, attempts: int = 5) -> None:
+        """Publishes the plan to its stream and reads it back: the stream's last plan must be this
+        one. An ack proves little on its own (it comes to an inbox; a forged one would say
+        stored), so a plan not found is published again (the msg id keeps that from storing it
+        twice)."""
+        msg_id = f"plan-{plan.planner_epoch}-{plan.plan_version}"
+        for attempt in range(1, attempts + 1):
+            await self.bus.publish_durable(subjects.PLAN, plan, msg_id=msg_id)
+            stored = await self.bus.last_message(subjects.PLAN, "PLAN", ev.Plan)
+            if stored == plan:
+                return
+            self.log.warning(
+                "plan_not_stored",
+                plan_version=plan.plan_version,
+                stored_version=stored.plan_version if stored is not None else None,
+                attempt=attempt,
+            )
+        raise RuntimeError(f"plan {plan.plan_version} is not in the PLAN stream after {attempts} publishes")
+
     async def _publish(self) -> bool:
         """Records and publishes the plan; False (nothing published) without the planner lease."""
         assert self.lease is not None
@@ -547,9 +566,7 @@ class PlannerService:
         roles = Counter(a.role for a in plan.assignments)
         for role in {*ROLE_BY_KIND.values(), HYBRID_ROLE, LENT_ROLE, PARKED_ROLE, "standby"}:
             m.workers.labels(role).set(roles.get(role, 0))
-        await self.bus.publish_durable(
-            subjects.PLAN, plan, msg_id=f"plan-{plan.planner_epoch}-{plan.plan_version}"
-        )
+        await self._publish_plan(plan)
         self.dirty = False
         self.reason, self.gain = "membership", 0.0
         self.log.info(

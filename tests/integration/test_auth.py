@@ -63,6 +63,18 @@ def secure_redis(creds: StackCredentials, tmp_path_factory: pytest.TempPathFacto
         yield srv
 
 
+def test_redis_is_capped_and_never_evicts(creds: StackCredentials) -> None:
+    """A flood of an identity's own keys fills Redis only to its cap, and never evicts a lease or
+    a commit record to make room (writes that need memory fail instead)."""
+    conf = creds.redis_conf.read_text().splitlines()
+    assert "maxmemory 1gb" in conf and "maxmemory-policy noeviction" in conf
+    assert all(
+        "+@scripting" not in line and "-@scripting" in line
+        for line in conf
+        if line.startswith("user planner")
+    )
+
+
 def test_secrets_are_private_and_per_identity(creds: StackCredentials) -> None:
     assert stat.S_IMODE(os.stat(creds.root).st_mode) == 0o700
     for identity in IDENTITIES:
@@ -275,6 +287,36 @@ async def test_a_service_cannot_touch_what_it_does_not_own(
     await bus.close()
 
 
+@pytest.mark.parametrize("identity", ["rollout-engine", "tool-sandbox", "trainer"])
+async def test_a_subscriber_cannot_answer_the_planners_plan_publish(
+    provisioned: Bus, secure_nats: Server, creds: StackCredentials, run_id: str, identity: str
+) -> None:
+    """A plan reaches every subscriber with the planner's JetStream ack inbox as its reply
+    subject. A service that answers no requests may not publish there: its forged ack is refused
+    (a permissions violation), so the planner hears only the stream's own ack."""
+    planner = await Bus.connect(secure_nats.url, run_id, "planner", "planner", creds.nats_auth("planner"))
+    bus = await Bus.connect(secure_nats.url, run_id, identity, "probe", creds.nats_auth(identity))
+    errors: list[str] = []
+    bus.nc._error_cb = _collect(errors)
+    replies: list[str] = []
+
+    async def forge(msg: Any) -> None:
+        replies.append(msg.reply)
+        await bus.nc.publish(msg.reply, b'{"stream":"forged","seq":424242}')
+
+    await bus.nc.subscribe(bus.subject(subjects.PLAN), cb=forge)
+    await bus.nc.flush()
+    plan = ev.Plan(plan_version=7)
+    ack = await planner.js.publish(planner.subject(subjects.PLAN), plan.SerializeToString(), timeout=5)
+    await asyncio.sleep(0.5)
+    assert replies and replies[0].startswith(inbox_prefix("planner"))
+    assert ack.stream == subjects.stream_name(run_id, "PLAN") and ack.seq != 424242
+    assert any("permissions violation" in e for e in errors), errors
+    assert await planner.last_message(subjects.PLAN, "PLAN", ev.Plan) == plan
+    for b in (planner, bus):
+        await b.close()
+
+
 async def test_each_service_does_what_its_role_needs(
     provisioned: Bus, secure_nats: Server, creds: StackCredentials, run_id: str
 ) -> None:
@@ -369,7 +411,9 @@ async def test_each_identity_writes_only_its_own_redis_keys(
     secure_redis: Server, creds: StackCredentials, run_id: str, identity: str
 ) -> None:
     """Holding one identity's Redis user: every other owner's key is refused for writing (and left
-    as it was), and nothing server-wide (FLUSHALL, KEYS, CONFIG, ACL) is allowed; its own keys are."""
+    as it was), and nothing server-wide (FLUSHALL, KEYS, CONFIG, ACL) is allowed; nor is anything
+    that could hold the server or list what others keep: scripts (EVAL, SCRIPT, FUNCTION), SCAN,
+    RANDOMKEY, DBSIZE, another database, CLIENT TRACKING. Its own keys are."""
     admin: dict[str, aioredis.Redis] = {
         i: aioredis.from_url(secure_redis.url, decode_responses=True, **creds.redis_auth(i))
         for i in IDENTITIES
@@ -393,6 +437,19 @@ async def test_each_identity_writes_only_its_own_redis_keys(
         ("keys", me.keys("*")),
         ("config", me.config_set("requirepass", "")),
         ("acl", me.acl_setuser("default", enabled=True, nopass=True)),
+        ("eval", me.eval("return 1", 0)),
+        ("script", me.script_flush()),
+        (
+            "function_load",
+            me.function_load("#!lua name=x\nredis.register_function('f', function() return 1 end)"),
+        ),
+        ("function_flush", me.function_flush()),
+        ("scan", me.scan(0)),
+        ("randomkey", me.randomkey()),
+        ("dbsize", me.dbsize()),
+        ("select", me.execute_command("SELECT", 1)),
+        ("tracking", me.execute_command("CLIENT", "TRACKING", "ON", "BCAST")),
+        ("client_list", me.client_list()),
     ):
         with pytest.raises(Exception, match="(?i)permission"):
             await call
