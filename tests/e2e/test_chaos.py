@@ -17,12 +17,18 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
+import torch
 import yaml
 
 from services.common import control, subjects
-from services.common.bus import close_nats
+from services.common.bus import Bus, close_nats
+from services.common.contracts import ev
+from services.common.models import load_model
 from services.common.ownership import committed_key, trained_key
 from services.common.runconfig import RunConfig, load_run_config
+from services.learning.snapshot import snapshot
+from services.trainer.weight_push import WeightPusher
 from tools.runner import run_job
 from tools.stack import ROOT, Stack
 
@@ -48,11 +54,14 @@ def _job_with_faults(
     faults: Callable[[], Awaitable[None]],
     timeout_s: float,
     join_s: float,
+    modules: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Starts the stack, runs `faults` in a thread beside the job and returns the job's report;
-    the caller stops the stack (after reading what it needs from its Redis)."""
+    """Starts the stack (`modules`: workers that run another module than their service's),
+    runs `faults` in a thread beside the job and returns the job's report; the caller stops the
+    stack (after reading what it needs from its Redis)."""
     cfg = load_run_config(config)
     stack.start_infra(cfg.engines_needed)
+    stack._modules.update(modules or {})
     stack.start_services()
     t = threading.Thread(target=lambda: asyncio.run(faults()), daemon=True)
     t.start()
@@ -252,8 +261,7 @@ def _lend_with_faults(data: dict[str, Any], victims: tuple[str, ...], tmp_path: 
     """Runs the job `data` on a fresh stack and kills each of `victims` in turn (LENDING_VICTIMS)
     while an engine is lent; each came back, and the job completed with every group trained once,
     nothing lost, and the GPUs lent and taken back. Returns the job's report."""
-    from services.common.bus import Bus, Envelope
-    from services.common.contracts import ev
+    from services.common.bus import Envelope
 
     config = tmp_path / "lending.yaml"
     config.write_text(yaml.safe_dump(data))
@@ -400,6 +408,82 @@ def test_a_trainer_serving_lent_turns_loses_nothing_when_it_or_the_planner_dies(
     }
     report = _lend_with_faults(data, ("trainer", "planner"), tmp_path)
     assert report["lending"]["turns_served_by_trainer"] >= 1, report["lending"]
+
+
+def test_a_compromised_engine_cannot_hurt_the_job(tiny_model: Any, tmp_path: Path) -> None:
+    """rollout-engine-1 is compromised: it answers every turn with garbage (tests/e2e/rogue_engine.py)
+    and, with its own credentials, pushes all-zero weights at version 10^6 into rollout-engine-0
+    (the WeightSync token and the live fencing token are both within its reach) and tries to hold
+    Redis with an endless script. The push and the script are refused, its results are refused
+    and it is taken out of routing, and the job completes: every step trained, every engine on
+    the final version, nothing lost or trained twice, the refused results counted in the report."""
+    config, cfg = _chaos_config(tmp_path, "rogue", steps=4)
+    run_id = f"rogue-{int(time.time())}"
+    stack = Stack(run_id, tmp_path / "logs", max_restarts=0)
+    rogue = "rollout-engine-1"
+    outcomes: dict[str, Any] = {}
+
+    async def attacks() -> None:
+        me = stack.credentials
+        assert me is not None
+        bus = await Bus.connect(stack.nats_url, run_id, "rollout-engine", rogue, me.nats_auth(rogue))
+        r = aioredis.from_url(stack.redis_url, decode_responses=True, **me.redis_auth(rogue))
+        try:
+            await bus.bind_stream("PLAN")  # once the job's streams exist
+            while True:  # the job's plan, with the other engine's WeightSync address
+                plan = await bus.last_message(subjects.PLAN, "PLAN", ev.Plan)
+                addrs = {a.worker_id: a.weight_sync_addr for a in plan.assignments} if plan else {}
+                fence = await r.hget(f"libra:{run_id}:lease:role:trainer", "token")
+                if addrs.get("rollout-engine-0") and fence:
+                    break
+                await asyncio.sleep(0.3)
+            model = load_model(tiny_model)
+            zeros = snapshot({k: torch.zeros_like(v) for k, v in model.state_dict().items()}, 10**6)
+            for sender in ("trainer", rogue):
+                pusher = WeightPusher(
+                    sender, 1 << 20, retries=0, token=me.read(rogue, "libra_weight_sync_token")
+                )
+                result = (await pusher.push(zeros, int(fence), [addrs["rollout-engine-0"]]))[
+                    addrs["rollout-engine-0"]
+                ]
+                await pusher.close()
+                outcomes[f"push as {sender}"] = result.code
+            try:
+                await r.eval("while true do end", 0)
+                outcomes["eval"] = "ran"
+            except aioredis.ResponseError as err:
+                outcomes["eval"] = str(err)
+        finally:
+            await bus.close()
+            await r.aclose()
+
+    try:
+        report = _job_with_faults(
+            stack,
+            config,
+            run_id,
+            attacks,
+            timeout_s=600,
+            join_s=60,
+            modules={rogue: "tests.e2e.rogue_engine"},
+        )
+        trained = _redis(stack).scard(trained_key(run_id))
+    finally:
+        stack.stop()
+    assert outcomes == {
+        "push as trainer": "unauthorized",
+        f"push as {rogue}": "unauthorized",
+        "eval": outcomes["eval"],
+    }
+    assert "permission" in outcomes["eval"].lower(), outcomes
+    assert report["status"] == "completed", report["reason"]
+    assert report["train_steps"] == cfg.training.steps
+    assert report["all_engines_on_final_version"], report["engines"]
+    assert report["trajectories_lost"] == 0 and report["trajectories_trained_twice"] == 0
+    assert trained == cfg.training.steps * cfg.training.groups_per_step * cfg.task.group_size
+    invalid = report["invalid_turn_results"]
+    assert invalid["by_engine"].get(rogue, 0) >= 3 and "rollout-engine-0" not in invalid["by_engine"], invalid
+    assert invalid["quarantined"] == [rogue], invalid
 
 
 @LONG
