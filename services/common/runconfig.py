@@ -225,11 +225,12 @@ class EmulatedConfig(_Strict):
 
 class SpeculativeConfig(_Strict):
     method: Literal["off", "suffix", "ngram"] = "off"
-    """Speculative decoding (`hf` backend; passed to vLLM's speculative config on GPU nodes).
-    `suffix`: drafts from this engine's earlier responses to the same prompt (the GRPO group's
-    siblings first), else from the sequence's own context; `ngram`: only the sequence's own context
-    (prompt lookup); `off`: plain decoding. Lossless: the outputs are distributed exactly as without
-    it, and the logprobs are the target model's."""
+    """Speculative decoding (`hf`: Libra's drafter and verifier; `vllm`: vLLM's own drafters, its
+    `suffix` needing the arctic-inference package). `suffix`: drafts from this engine's earlier
+    responses to the same prompt (the GRPO group's siblings first), else from the sequence's own
+    context; `ngram`: only the sequence's own context (prompt lookup); `off`: plain decoding.
+    Lossless: the outputs are distributed exactly as without it, and the logprobs are the target
+    model's."""
     num_tokens: int = Field(4, ge=1, le=16)
     """Most drafted tokens a sequence verifies per step."""
     policy: Literal["adaptive", "fixed"] = "adaptive"

@@ -273,6 +273,10 @@ class Speculator:
 
 
 def counters(engine: object) -> SpecCounters | None:
-    """An engine's speculation counters (None: it does not speculate)."""
+    """An engine's speculation counters (None: it does not speculate): Libra's own speculator's
+    (`hf`), or those an engine keeps from its library's statistics (`vllm`: `spec_counters`)."""
     spec = getattr(engine, "speculator", None)
-    return spec.counters if isinstance(spec, Speculator) else None
+    if isinstance(spec, Speculator):
+        return spec.counters
+    kept = getattr(engine, "spec_counters", None)
+    return kept if isinstance(kept, SpecCounters) else None

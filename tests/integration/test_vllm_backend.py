@@ -23,6 +23,7 @@ from services.common.runconfig import ModelConfig, RunConfig
 from services.generation.backends.base import GenRequest
 from services.generation.backends.vllm import VllmBackend, VllmEngine
 from services.generation.config import EngineSettings
+from services.generation.speculator import counters as spec_counters
 from services.learning.snapshot import Snapshot, snapshot
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
 from services.trainer.weight_push import encode_dense
@@ -186,6 +187,42 @@ async def push(stub: Any, snap: Snapshot, token: int, checksum: str | None = Non
             yield r
 
     return await stub.PushWeights(gen(), timeout=60)
+
+
+async def test_ngram_speculation_maps_onto_vllms_drafter_and_changes_no_greedy_token(
+    vllm: tuple[VllmBackend, VllmEngine], tiny_model: ModelConfig
+) -> None:
+    """`rollout.speculative: ngram` runs vLLM's own prompt-lookup drafter: greedy output is token
+    for token the plain engine's (verification is lossless), and the engine's speculation counters
+    (its load reports' and metrics') count vLLM's drafted and accepted tokens."""
+    _, plain = vllm
+    looping = GenRequest(PROMPT * 3, 48, 0.0, min_new_tokens=48)  # a random model's greedy loop repeats
+    want = (await plain.submit(looping)).output
+    run = RunConfig.model_validate(
+        {
+            "model": tiny_model.model_dump(),
+            "rollout": {
+                "backend": "vllm",
+                "max_batch": 2,
+                "speculative": {"method": "ngram", "num_tokens": 4},
+            },
+        }
+    )
+    backend = VllmBackend(run, EngineSettings(seed=0))
+    await backend.start()
+    engine = backend.make_engine(2)
+    engine.start()
+    try:
+        got = (await engine.submit(looping)).output
+        counted = spec_counters(engine)
+    finally:
+        await engine.close(timeout=5)
+        await backend.close()
+    assert got.token_ids == want.token_ids
+    assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) <= 1e-3
+    assert counted is not None and counted.verify_steps > 0 and counted.drafted >= counted.accepted > 0, (
+        counted
+    )
 
 
 async def test_a_push_mid_generation_lands_in_vllm_as_the_trainer_sent_it(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -35,6 +36,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from services.common.config import ConfigFileError
 from services.common.errors import InvalidMessage
 from services.common.logging import get_logger
 from services.common.models import resolve_model_dir
@@ -49,6 +51,7 @@ from services.generation.backends.base import (
 )
 from services.generation.backends.vllm_worker import ENGINE_ENV
 from services.generation.config import EngineSettings
+from services.generation.speculator import SpecCounters
 
 WORKER_EXTENSION = "services.generation.backends.vllm_worker.LibraWorkerExtension"
 KV_HEADROOM = 2.0
@@ -102,6 +105,8 @@ class VllmBackend(Backend):
         self.prefix_queries = 0
         self.prefix_hits = 0
         """Prompt tokens looked up in vLLM's prefix cache, and found there (since start)."""
+        self.spec = SpecCounters() if run.rollout.speculative.method != "off" else None
+        """vLLM's own drafter's drafts, drafted and accepted tokens (since start), when on."""
         self.kv_tokens = 0
         self._loading = False
         """An in-place reload is open in the workers (a push is being loaded)."""
@@ -176,10 +181,23 @@ class VllmBackend(Backend):
                 if cache is not None:
                     backend.prefix_queries += int(cache.queries)
                     backend.prefix_hits += int(cache.hits)
+                spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+                if spec is not None and backend.spec is not None:
+                    backend.spec.verify_steps += int(spec.num_drafts)
+                    backend.spec.drafted += int(spec.num_draft_tokens)
+                    backend.spec.accepted += int(spec.num_accepted_tokens)
 
             def log_engine_initialized(self) -> None:
                 pass
 
+        if (
+            self.run.rollout.speculative.method == "suffix"
+            and importlib.util.find_spec("arctic_inference") is None
+        ):
+            raise ConfigFileError(
+                "rollout.speculative.method: suffix on the vllm backend is vLLM's suffix decoding, which "
+                "needs the arctic-inference package (not installed here); use method: ngram, or the hf backend"
+            )
         model_dir = await asyncio.to_thread(resolve_model_dir, self.run.model)
         # vLLM's processes inherit these: threads for a machine it shares, and death with this one
         os.environ[ENGINE_ENV] = "1"
@@ -288,6 +306,11 @@ class VllmEngine(VersionGate):
         self._active: set[str] = set()
         self._handed: set[str] = set()
         self.log = get_logger(component="vllm_engine")
+
+    @property
+    def spec_counters(self) -> SpecCounters | None:
+        """vLLM's own speculative decoding (`rollout.speculative`), as its statistics count it."""
+        return self.backend.spec
 
     @property
     def running(self) -> int:
