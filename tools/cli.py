@@ -275,7 +275,9 @@ def print_summary(report: dict[str, Any]) -> int:
         out = f", quarantined {invalid['quarantined']}" if invalid.get("quarantined") else ""
         print(f"{'invalid_turn_results':<24} {invalid['by_engine']}{out}")
     for e in report.get("engines") or []:
-        print(f"engine {e['id']:<18} weight_version {e.get('weight_version')}")
+        hits = e.get("prefix_cache_hit_rate")
+        cached = f", prefix cache hits {hits:.0%}" if hits is not None else ""
+        print(f"engine {e['id']:<18} weight_version {e.get('weight_version')}{cached}")
     for warning in report.get("warnings") or []:
         print(f"warning: {warning}", file=sys.stderr)
     if report["status"] != "completed":

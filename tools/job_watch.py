@@ -116,11 +116,18 @@ class JobObserver:
         self.stats: ev.SchedulerStats | None = None
         self.spec = SpecTotals()
         """Speculative decoding over the job's engines (their load reports' counters)."""
+        self.worker_values: dict[str, dict[str, float]] = {}
+        """Each of the job's workers' last metric sample (an engine's prefix-cache hit rate, ...)."""
 
     async def subscribe(self, bus: Bus) -> None:
         await bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, self._on_metrics)
         await bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self._on_weights)
         await bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_load)
+        await bus.subscribe(subjects.METRICS, ev.MetricSample, self._on_sample)
+
+    async def _on_sample(self, m: ev.MetricSample, _: Envelope) -> None:
+        if m.worker_id in self.targets:
+            self.worker_values[m.worker_id] = dict(m.values)
 
     async def on_heartbeat(self, raw: Any) -> None:
         """A worker's heartbeat, from that worker only (control.heard)."""

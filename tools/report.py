@@ -309,6 +309,11 @@ async def build_report(
     serving = serving_engines(plan)
     for e in engines:
         e["serving"] = serving is None or e["id"] in serving
+        values = watch.worker_values.get(e["id"], {})
+        if "tokens_total" in values:
+            e["tokens_generated"] = int(values["tokens_total"])
+        if "prefix_cache_hit_rate" in values:  # vllm: prompt tokens found in its prefix cache
+            e["prefix_cache_hit_rate"] = round(values["prefix_cache_hit_rate"], 4)
     stats = watch.stats or ev.SchedulerStats()
     report: dict[str, Any] = {
         "run_id": run_id,
