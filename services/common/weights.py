@@ -87,6 +87,23 @@ def check_record(chunk: ws.WeightChunk, specs: Sequence[ws.TensorSpec]) -> ws.Te
     return spec
 
 
+def record_indices(indices: bytes, index_bytes: int, offset: int) -> Any:
+    """A sparse record's flat element indices as an int64 tensor: 2-byte records carry the gaps
+    from `offset` (uint16, cumulated), 4- and 8-byte ones the indices themselves. The caller checks
+    them against its tensor's size."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer on read-only bytes
+        if index_bytes == 2:
+            gaps = torch.frombuffer(indices, dtype=torch.int16).to(torch.int64) & 0xFFFF
+            return offset + torch.cumsum(gaps, 0)
+        width = torch.int32 if index_bytes == 4 else torch.int64
+        return torch.frombuffer(indices, dtype=width).to(torch.int64)
+
+
 def state_checksum(buffers: Iterable[Any]) -> str:
     """sha256 over the tensors' raw bytes in order (anything exposing the buffer protocol)."""
     h = hashlib.sha256()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-import warnings
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -45,6 +44,7 @@ from services.common.weights import (
     check_specs,
     numel,
     payload_bytes,
+    record_indices,
     subtree,
     tensor_of,
     torch_dtype,
@@ -150,15 +150,7 @@ class InPlaceWriter(Writer):
             self.flat.append(slot.view(-1))
 
     def _indices(self, chunk: ws.WeightChunk, n: int) -> Any:
-        torch = self.torch
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if chunk.index_bytes == 2:
-                gaps = torch.frombuffer(chunk.indices, dtype=torch.int16).to(torch.int64) & 0xFFFF
-                idx = chunk.offset + torch.cumsum(gaps, 0)
-            else:
-                width = torch.int32 if chunk.index_bytes == 4 else torch.int64
-                idx = torch.frombuffer(chunk.indices, dtype=width).to(torch.int64)
+        idx = record_indices(chunk.indices, chunk.index_bytes, chunk.offset)
         if int(idx.min()) < 0 or int(idx.max()) >= n:
             raise RecordError("malformed", f"record {chunk.index}: sparse indices outside the tensor")
         return idx
@@ -233,6 +225,40 @@ class AssemblingWriter(Writer):
         of the records as received."""
         served = getattr(self.backend, "served_checksum", None)
         got = await served(self.specs) if served is not None else None
+        return got if got is not None else await super().checksum()
+
+
+class RemoteInPlaceWriter(Writer):
+    """For a backend whose tensors live in another process and can be written there in place
+    (vllm, one GPU or CPU, whose worker maps Hugging Face names onto its fused layout): each
+    record, dense or sparse, is sent to the backend as it arrives and written into the served
+    tensors, so sparse deltas cost only their changed elements on the wire and in the engine."""
+
+    def __init__(self, specs: Sequence[ws.TensorSpec], delta: bool, backend: Any):
+        super().__init__(specs, delta)
+        self.backend = backend
+
+    async def write(self, chunk: ws.WeightChunk, spec: ws.TensorSpec) -> None:
+        self._follow(chunk)
+        record = (
+            spec.name,
+            list(spec.shape),
+            spec.dtype,
+            chunk.offset,
+            chunk.count,
+            chunk.indices,
+            chunk.index_bytes,
+            chunk.data,
+        )
+        try:
+            await self.backend.write_records([record])
+        except ValueError as err:
+            raise RecordError("malformed", f"record {chunk.index}: {err}") from None
+        self.applied += 1
+
+    async def checksum(self) -> str | None:
+        """The sha256 of what the backend serves now, read back by the pushed names."""
+        got = await self.backend.served_checksum(self.specs)
         return got if got is not None else await super().checksum()
 
 
@@ -347,9 +373,14 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
         slots = getattr(backend, "weight_slots", None)
         return slots() if callable(slots) else None
 
+    def _in_place(self) -> Any:
+        """The backend, where it writes records into tensors it serves from another process."""
+        backend = getattr(self.engine, "backend", None)
+        return backend if getattr(backend, "in_place_deltas", False) else None
+
     @property
     def accepts_deltas(self) -> bool:
-        return not self.keep_tensors or self._slots() is not None
+        return not self.keep_tensors or self._slots() is not None or self._in_place() is not None
 
     async def GetVersion(self, request: ws.VersionRequest, context: Any) -> ws.VersionInfo:
         return ws.VersionInfo(
@@ -415,7 +446,7 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
         await self._check_token(header.fencing_token, header.sender_id)
         if header.version <= self.engine.version:
             raise PushRejected("stale_version", f"version {header.version} <= current {self.engine.version}")
-        writer = self._writer(header)
+        writer = await self._writer(header)
         span.set_attribute("libra.policy_version", header.version)
         span.set_attribute("libra.delta_from", header.base_version)
         relay = (
@@ -490,7 +521,7 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
 
         return asyncio.ensure_future(inline())
 
-    def _writer(self, header: ws.WeightHeader) -> Writer:
+    async def _writer(self, header: ws.WeightHeader) -> Writer:
         delta = header.base_version != 0
         holds = (self.engine.version, self.engine.checksum)
         if delta and (self.engine.torn or (header.base_version, header.base_checksum.lower()) != holds):
@@ -505,6 +536,13 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
             slots = self._slots()
             if slots is not None:
                 return InPlaceWriter(header.tensors, delta, slots)
+            remote = self._in_place()
+            if delta and remote is not None:  # full pushes go through the library's own loader
+                if not await remote.resolves(header.tensors):
+                    raise PushRejected(
+                        "base_mismatch", "a tensor of the delta has no place here: push it full"
+                    )
+                return RemoteInPlaceWriter(header.tensors, delta, remote)
             return AssemblingWriter(header.tensors, delta, getattr(self.engine, "backend", None))
         except RecordError as err:
             raise PushRejected(err.code, str(err)) from None

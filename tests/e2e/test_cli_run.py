@@ -53,6 +53,7 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
     report = json.loads((run / "report.json").read_text())
     assert report["train_steps"] == 3 and report["final_weight_version"] == 3
     assert report["rollout_backend"] == "vllm" and report["all_engines_on_final_version"]
+    assert any(w["delta_engines"] for w in report["weight_push"]), "vLLM takes deltas after the first push"
     (engine,) = report["engines"]  # what it generated, and how much of its prompts vLLM found cached
     assert engine["tokens_generated"] > 0 and 0.0 <= engine["prefix_cache_hit_rate"] <= 1.0, engine
     assert (report["trajectories_lost"], report["trajectories_trained_twice"]) == (0, 0)

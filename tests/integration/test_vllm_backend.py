@@ -26,7 +26,7 @@ from services.generation.config import EngineSettings
 from services.generation.speculator import counters as spec_counters
 from services.learning.snapshot import Snapshot, snapshot
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
-from services.trainer.weight_push import encode_dense
+from services.trainer.weight_push import encode_delta, encode_dense
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -180,7 +180,10 @@ async def push(stub: Any, snap: Snapshot, token: int, checksum: str | None = Non
     header = enc.header(token, "trainer-1")
     if checksum is not None:
         header.checksum = checksum
+    return await push_encoded(stub, enc, header)
 
+
+async def push_encoded(stub: Any, enc: Any, header: ws.WeightHeader) -> ws.PushAck:
     async def gen() -> AsyncIterator[ws.WeightChunk]:
         yield ws.WeightChunk(header=header)
         for r in enc.records:
@@ -276,6 +279,27 @@ async def test_a_push_mid_generation_lands_in_vllm_as_the_trainer_sent_it(
         assert repaired.accepted, repaired.message
         info = await stub.GetVersion(ws.VersionRequest())
         assert (info.version, info.checksum, info.torn) == (base + 2, bad.checksum, False)
+        assert len((await engine.submit(GenRequest(PROMPT, 4, 1.0))).output.token_ids) > 0
+
+        # a sparse delta: a few elements of every tensor, written in place into vLLM's fused
+        # layout (q/k/v, gate/up), checked against what it then serves
+        assert info.accepts_deltas
+        moved = {
+            n: t.clone().view(*shape) for n, shape, t in zip(bad.names, bad.shapes, bad.tensors, strict=True)
+        }
+        g = torch.Generator().manual_seed(9)
+        for v in moved.values():
+            flat = v.view(-1)
+            idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=g)
+            flat[idx] += 0.5
+        nxt = snapshot(moved, base + 3)
+        enc = encode_delta(bad, nxt, 256 << 10)
+        assert enc.sparse_tensors > 0 and enc.total_bytes < nxt.nbytes // 10
+        ack = await push_encoded(stub, enc, enc.header(lease.token, "trainer-1"))
+        assert ack.accepted, ack.message
+        info = await stub.GetVersion(ws.VersionRequest())
+        assert (info.version, info.checksum, info.torn) == (base + 3, nxt.checksum, False)
+        assert await backend.served_checksum(nxt.specs()) == nxt.checksum, "vLLM serves the delta's result"
         assert len((await engine.submit(GenRequest(PROMPT, 4, 1.0))).output.token_ids) > 0
     finally:
         await channel.close()

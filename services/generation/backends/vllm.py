@@ -256,6 +256,31 @@ class VllmBackend(Backend):
         ]
         await self.llm.collective_rpc("libra_load_weights", args=(raw,))
 
+    @property
+    def in_place_deltas(self) -> bool:
+        """Push records can be written into the served tensors (one worker holds them all)."""
+        return self.settings.tensor_parallel == 1
+
+    async def resolves(self, specs: Sequence[Any]) -> bool:
+        """Every tensor of a push's manifest has a place in the served model records can write."""
+        found = await self.llm.collective_rpc(
+            "libra_resolves", args=([(s.name, list(s.shape)) for s in specs],)
+        )
+        return bool(found) and all(found)
+
+    async def write_records(
+        self, records: list[tuple[str, list[int], str, int, int, bytes, int, bytes]]
+    ) -> None:
+        """Push records written in place, while generation is paused (`apply_update`); ValueError
+        for one that does not fit. `finish_load` makes the kernels serve them."""
+        self._loading = True
+        try:
+            await self.llm.collective_rpc("libra_write_records", args=(records,))
+        except Exception as err:
+            if "has no place" in str(err) or "outside" in str(err) or "past the end" in str(err):
+                raise ValueError(str(err).splitlines()[-1][:300]) from None
+            raise
+
     async def finish_load(self) -> None:
         """Re-packs what `load_tensors` loaded for the kernels (CPU); vLLM serves it after."""
         if self._loading:

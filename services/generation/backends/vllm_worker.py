@@ -109,6 +109,41 @@ class LibraWorkerExtension:
             ):
                 utils.dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
+    def libra_resolves(self, specs: list[tuple[str, list[int]]]) -> bool:
+        """True when every named tensor has a place in this model that records can write into."""
+        views = _hf_views(self.model_runner.get_model())
+        return all((v := views(name, shape)) is not None and v.is_contiguous() for name, shape in specs)
+
+    def libra_write_records(
+        self, records: list[tuple[str, list[int], str, int, int, bytes, int, bytes]]
+    ) -> int:
+        """Writes push records into the served tensors in place, by Hugging Face name (the rows of
+        a fused tensor where vLLM fuses): (name, shape, wire dtype, offset, count, sparse indices,
+        index bytes, values). A dense record fills `count` elements from `offset`; a sparse one
+        the elements its indices list. Raises ValueError for a record that does not fit."""
+        import torch
+
+        from services.common.weights import record_indices, torch_dtype
+
+        views = _hf_views(self.model_runner.get_model())
+        for name, shape, dtype, offset, count, indices, index_bytes, data in records:
+            view = views(name, shape)
+            if view is None or not view.is_contiguous():
+                raise ValueError(f"{name} {shape} has no place in this model")
+            flat = view.view(-1)
+            values = torch.frombuffer(bytearray(data), dtype=torch_dtype(dtype))
+            with torch.no_grad():
+                if indices:
+                    idx = record_indices(indices, index_bytes, offset)
+                    if idx.numel() != count or int(idx.min()) < 0 or int(idx.max()) >= flat.numel():
+                        raise ValueError(f"sparse indices outside {name}")
+                    flat[idx] = values.to(flat.dtype)
+                else:
+                    if offset < 0 or offset + count > flat.numel():
+                        raise ValueError(f"elements past the end of {name}")
+                    flat[offset : offset + count].copy_(values)
+        return len(records)
+
     def libra_served_checksum(self, specs: list[tuple[str, list[int], str]]) -> str | None:
         """sha256 of the served tensors named by `specs` (name, shape, wire dtype), in order, each
         converted to its wire dtype, as the trainer hashes what it pushes. None when a name has no
