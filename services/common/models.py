@@ -100,6 +100,36 @@ def _from_hf_cache(repo_id: str) -> Path:
     )
 
 
+def check_model_available(cfg: ModelConfig, field: str = "model") -> None:
+    """Exits (code 2, naming `field`) unless the model can be had on this machine without a
+    download: a Hugging Face id in the local cache, a directory with a config.json, or a built-in
+    model already built or buildable here (SmolLM2's GGUF package installed)."""
+    from services.common.config import ConfigFileError
+
+    if "/" in cfg.source:
+        try:
+            _from_hf_cache(cfg.source)
+        except SystemExit as err:
+            raise ConfigFileError(f"invalid configuration: {field}.source: {err}") from None
+        return
+    if cfg.source == "path":
+        if cfg.path is None or not (Path(cfg.path) / "config.json").is_file():
+            raise ConfigFileError(
+                f"invalid configuration: {field}.path {cfg.path} is not a Hugging Face model directory (no config.json)"
+            )
+        return
+    cache = Path(cfg.cache_dir)
+    built = cache / (
+        "smollm2-135m-instruct" if cfg.source == "smollm2" else f"tiny-random-llama-h32-{cfg.seed}"
+    )
+    if (built / "config.json").is_file():
+        return
+    try:
+        smollm2_gguf_dir()  # both are built from SmolLM2 (its tokenizer at least)
+    except SystemExit as err:
+        raise ConfigFileError(f"invalid configuration: {field}.source {cfg.source!r}: {err}") from None
+
+
 def resolve_model_dir(cfg: ModelConfig) -> Path:
     """Returns a directory that `from_pretrained` loads offline, building it on first use."""
     if "/" in cfg.source:  # a Hugging Face id

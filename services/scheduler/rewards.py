@@ -221,10 +221,11 @@ def reward_trajectory(
     }
 
 
-async def check_reward(task: TaskConfig, sample: dict[str, Any] | None = None) -> None:
+async def check_reward(task: TaskConfig, sample: dict[str, Any] | None = None, answer: Any = None) -> None:
     """Loads the configured reward once, as the scheduler will, and calls it on `sample` (the
-    dataset's first row) with a plausible response, as the scheduler calls it; raises
-    PluginLoadError if it cannot be loaded or that call fails (a wrong signature, say)."""
+    dataset's first row) with a plausible response (its reference `answer`, read under the
+    dataset's `answer_key`), as the scheduler calls it; raises PluginLoadError if it cannot be
+    loaded or that call fails (a wrong signature, say)."""
     ref = reward_ref(task)
     if ref is None or ref in BUILTIN or ref == "code_tests":
         return
@@ -233,7 +234,7 @@ async def check_reward(task: TaskConfig, sample: dict[str, Any] | None = None) -
         await pool.start()
         if sample is None:
             return
-        response = str(sample.get("answer", ""))
+        response = str(answer if answer is not None else sample.get("answer", ""))
         trajectory = reward_trajectory([response], [], [], "answer", str(sample.get("prompt_id", "")))
         result = await pool.score(response=response, sample=sample, trajectory=trajectory)
         if isinstance(result, PluginFailure):

@@ -850,3 +850,15 @@ def test_an_engine_killed_while_joining_training_costs_one_attempt_and_the_job_g
     assert "hybrid_group_failed" in trainer_log, "the trainer gave up on the generation"
     into = report["role_changes"][0]
     assert (into["worker"], into["to"], into["seconds"]) == ("rollout-engine-0", "hybrid", None), into
+
+
+def test_a_job_needing_more_engines_than_the_stack_runs_fails_at_once(stack: Stack, tmp_path: Path) -> None:
+    """`--rollout.engines 3` on a 2-engine stack: a failed report naming both numbers, at once
+    (not after the services' wait), and the stack stays idle for the next job."""
+    config = _config(tmp_path, rollout={"engines": 3})
+    started = time.monotonic()
+    report = _run(stack, config, f"job-too-big-{RUN}", tmp_path)
+    assert report["status"] == "failed", report
+    assert "needs 3 rollout engine(s)" in report["reason"] and "runs 2" in report["reason"], report["reason"]
+    assert "--rollout.engines 2" in report["reason"]
+    assert time.monotonic() - started < 60  # not the 120 s wait for services that never come

@@ -170,6 +170,61 @@ def test_a_bad_dataset_or_reward_stops_libra_run_and_config_check(
     assert not (ROOT / "runs" / "never").exists()
 
 
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (
+            "model: {source: Qwen/NotCachedHere-0.5B}\n",
+            "model.source: model.source 'Qwen/NotCachedHere-0.5B': not in the local Hugging Face cache",
+        ),
+        (
+            "model: {source: path, path: /no/such/model}\n",
+            "model.path /no/such/model is not a Hugging Face model directory",
+        ),
+        ("model: {source: tiny-random}\nrollout: {backend: vllm}\n", "rollout.backend: vllm needs vLLM"),
+    ],
+)
+def test_what_run_would_hit_fails_at_config_check_and_before_a_stack_starts(
+    config: str, expected: str, tmp_path: Path
+) -> None:
+    """A model this machine cannot have without a download, or a rollout backend that is not
+    installed (vLLM hidden from the interpreter here), stop `config check` and `libra run` with
+    exit code 2 and the field named, before anything starts."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None  # as if not installed\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(config)
+    env = {"PYTHONPATH": f"{hide}{os.pathsep}{ROOT}", "HF_HUB_CACHE": str(tmp_path / "hf")}
+    for args in (["config", "check", str(bad)], ["run", str(bad), "--run-id", "never"]):
+        out = _run(["-m", "tools.cli", *args], env, cwd=ROOT)
+        assert out.returncode == 2, (args, out.stderr)
+        assert expected in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert "nats" not in out.stdout + out.stderr  # no stack was started
+    assert not (ROOT / "runs" / "never").exists()
+
+
+def test_the_reward_precheck_gives_the_reward_the_answer_under_answer_key(tmp_path: Path) -> None:
+    """With `answer_key: gold`, the pre-check calls the reward with the row's gold answer as the
+    plausible response (not an empty one), as the scheduler would score a right answer."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "2+3?", "gold": 5}\n')
+    (tmp_path / "gold_reward.py").write_text(
+        "def score(response, sample, trajectory):\n"
+        "    if float(response) != sample['gold']:\n"
+        "        raise ValueError(f'got {response!r}')\n"
+        "    return 1.0\n"
+    )
+    cfg = tmp_path / "gold.yaml"
+    cfg.write_text(
+        "model: {source: tiny-random}\n"
+        f"task:\n  dataset: {{path: {data}, answer_key: gold}}\n  reward: 'gold_reward:score'\n"
+        f"  plugin_paths: [{tmp_path}]\n"
+    )
+    out = _run(["-m", "tools.cli", "config", "check", str(cfg)], {}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+
+
 def test_config_check_accepts_the_shipped_custom_example() -> None:
     out = _run(["-m", "tools.cli", "config", "check", "configs/custom_example.yaml"], {}, cwd=ROOT)
     assert out.returncode == 0, out.stderr
