@@ -366,7 +366,20 @@ def cmd_config_list(_: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    print(config_path(args.name).read_text(), end="")
+    """The config as written (comments and all), or, with overrides or `--resolved`, every field
+    as `libra run` would use it."""
+    if not (args.resolved or args.overrides):
+        print(config_path(args.name).read_text(), end="")
+        return 0
+    import yaml
+
+    from services.common.runconfig import RunConfig
+
+    path, cfg = _load(args.name, args.overrides)
+    assert isinstance(cfg, RunConfig)
+    with_ = f" with {' '.join(args.overrides)}" if args.overrides else ""
+    print(f"# {path}{with_}, resolved (every field, defaults included)")
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
 
@@ -433,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
 def parse(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """The command line as `libra` reads it: config overrides (`--a.b v`) into `args.overrides`."""
     args, extra = p.parse_known_args(argv)
-    if args.fn in (cmd_run, cmd_config_check, cmd_config_plan):
+    if args.fn in (cmd_run, cmd_config_check, cmd_config_plan, cmd_config_show):
         try:
             args.overrides = config_overrides(extra)
         except ValueError as e:
@@ -592,8 +605,13 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", help="write the chosen layout's run config here (YAML)")
     plan.set_defaults(fn=cmd_config_plan)
     config_sub.add_parser("list", help="the configs shipped with Libra").set_defaults(fn=cmd_config_list)
-    show = config_sub.add_parser("show", help="print a shipped config (a starting point for your own)")
-    show.add_argument("name", help="e.g. tiny, gpu.yaml")
+    show = config_sub.add_parser(
+        "show",
+        help="print a config (a shipped one by name: a starting point for your own); with overrides "
+        "or --resolved, every field as `libra run` would use it",
+    )
+    show.add_argument("name", help="e.g. tiny, gpu.yaml, or a file; overrides after it as for `libra run`")
+    show.add_argument("--resolved", action="store_true", help="every field, defaults included")
     show.set_defaults(fn=cmd_config_show)
     sub.add_parser("sim", help="discrete-event simulator (see `libra sim --help`)")
     sub.add_parser("sandbox", help="run one tool call in the sandbox (see `libra sandbox --help`)")

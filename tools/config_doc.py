@@ -25,10 +25,11 @@ the field you probably meant), and `libra config check FILE` validates one (read
 and loading its reward, environment and tools, and checking that the machine has the model
 without a download and the rollout backend's library) without starting anything. Examples: `configs/`.
 
-Any field can be overridden on the command line after the config, for `libra run` and `libra
-config check` alike: `--training.lr 1e-6`, `--task.max_turns=4` or `rollout.engines=3` (values are
-YAML: `--task.tools '[calculator, python]'`). The job runs with the result, which `libra run`
-writes to `runs/<run-id>/config.yaml`.
+Any field can be overridden on the command line after the config, for `libra run`, `libra
+config check` and `libra config show` alike: `--training.lr 1e-6`, `--task.max_turns=4` or
+`rollout.engines=3` (values are YAML: `--task.tools '[calculator, python]'`); a number addresses an
+item of a list (`--rollout.buckets.0.engines 2`). The job runs with the result, which `libra run`
+writes to `runs/<run-id>/config.yaml` and `libra config show FILE [overrides]` prints.
 """
 
 

@@ -809,7 +809,8 @@ def parse_run_config(
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> None:
     """Sets `a.b.c=VALUE` overrides in a config's raw data, in place; VALUE is YAML (`3`, `1e-6`,
-    `true`, `[calculator, python]`, `{path: x.jsonl}`, `null`)."""
+    `true`, `[calculator, python]`, `{path: x.jsonl}`, `null`). A number addresses an item of a
+    list (`rollout.buckets.0.engines=1`); a list the config does not set is its default's copy."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         parts = key.split(".")
@@ -819,11 +820,39 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> None:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as err:
             raise ConfigFileError(f"override {item!r}: the value is not valid YAML ({err})") from None
-        node = data
+        node: Any = data
         for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                where = ".".join(parts[: i + 1])
-                raise ConfigFileError(f"override {item!r}: {where} is {child!r}, not a section")
+            where = ".".join(parts[: i + 1])
+            if isinstance(node, list):
+                child = node[_list_index(item, parts[:i], part, node)]
+            else:
+                if part not in node:
+                    node[part] = _default_list(item, parts[: i + 1]) if parts[i + 1].isdigit() else {}
+                child = node[part]
+            wants_list = parts[i + 1].isdigit()
+            if not isinstance(child, list if wants_list else dict):
+                kind = "a list" if wants_list else "a section"
+                raise ConfigFileError(f"override {item!r}: {where} is {child!r}, not {kind}")
             node = child
-        node[parts[-1]] = value
+        if isinstance(node, list):
+            node[_list_index(item, parts[:-1], parts[-1], node)] = value
+        else:
+            node[parts[-1]] = value
+
+
+def _list_index(item: str, parent: Sequence[str], part: str, items: list[Any]) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigFileError(
+            f"override {item!r}: {'.'.join(parent)} has {len(items)} item(s), numbered from 0; got {part!r}"
+        )
+    return int(part)
+
+
+def _default_list(item: str, path: Sequence[str]) -> list[Any]:
+    """The default value of the list at `path` (raw data, as a config would write it)."""
+    node: Any = RunConfig().model_dump(mode="json")
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, list):
+        raise ConfigFileError(f"override {item!r}: {'.'.join(path)} is not a list")
+    return node

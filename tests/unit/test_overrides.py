@@ -49,6 +49,25 @@ def test_a_bad_override_names_the_field_and_what_was_meant(override: str, messag
     assert message in err.value.message and f"with {override}" in err.value.message
 
 
+def test_an_override_addresses_an_item_of_a_list() -> None:
+    """`rollout.buckets.0.engines=2`: the config's list, or its default's copy where it sets none."""
+    two = "rollout: {engines: 3, buckets: [{name: a, max_output_tokens: 64}, {name: b}]}"
+    cfg = parse_run_config(two, "x", ["rollout.buckets.1.engines=2", "rollout.buckets.0.engines=1"])
+    assert [(b.name, b.engines) for b in cfg.rollout.buckets] == [("a", 1), ("b", 2)]
+    cfg = load_run_config(TINY, ["rollout.buckets.0.engines=2", "rollout.buckets.0.max_context_tokens=1024"])
+    assert [(b.name, b.engines, b.max_context_tokens) for b in cfg.rollout.buckets] == [("short", 2, 1024)]
+    cfg = load_run_config(TINY, ["task.tools=[calculator, python]", "task.tools.1=calculator"])
+    assert cfg.task.tools == ["calculator", "calculator"]
+    for bad, message in (
+        ("rollout.buckets.3.engines=1", "rollout.buckets has 1 item(s), numbered from 0; got '3'"),
+        ("rollout.buckets.x.engines=1", "rollout.buckets: Input should be a valid list"),
+        ("training.lr.0=1", "training.lr is 0.0001, not a list"),
+    ):
+        with pytest.raises(ConfigFileError) as err:
+            load_run_config(TINY, [bad])
+        assert message in err.value.message, err.value.message
+
+
 def test_an_override_into_a_value_or_without_a_value_is_a_clear_error() -> None:
     with pytest.raises(ConfigFileError) as err:
         load_run_config(TINY, ["model.source.x=1"])
@@ -128,3 +147,16 @@ def test_relative_paths_in_a_config_file_are_the_files_and_overrides_are_the_she
     over = load_run_config(cfg, ["task.dataset.path=mine.jsonl"])
     assert over.task.dataset.path == "mine.jsonl"  # type: ignore[union-attr]
     assert with_local_paths(over, tmp_path).task.dataset.path == str(elsewhere / "mine.jsonl")  # type: ignore[union-attr]
+
+
+def test_config_show_prints_the_resolved_config_with_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.cli import main
+
+    assert main(["config", "show", "tiny", "--training.lr", "1e-6", "--rollout.buckets.0.engines", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# ") and "resolved" in out.splitlines()[0]
+    data = yaml.safe_load(out)
+    assert data["training"]["lr"] == 1e-6 and data["training"]["steps"] == 2  # the file's, overridden
+    assert data["rollout"]["buckets"][0]["engines"] == 2 and "policy" in data["rollout"]  # defaults too
+    assert main(["config", "show", "tiny"]) == 0
+    assert capsys.readouterr().out == (ROOT / "configs" / "tiny.yaml").read_text()  # as written
