@@ -4,6 +4,7 @@ sandbox, bench."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -421,6 +422,16 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`libra`: a closed pipe (`libra trace | head`) ends the command quietly, as for any tool."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):  # the interpreter's own flush at exit must not fail too
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sim"]:
         from tools.sim.cli import main as sim_main

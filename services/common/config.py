@@ -217,6 +217,40 @@ class SettingsError(ConfigFileError):
         super().__init__("\n".join(lines))
 
 
+SYNONYMS = {
+    # what verl, TRL, OpenRLHF and friends call Libra's fields (the hint applies where the field exists)
+    "learning_rate": "lr",
+    "actor_lr": "lr",
+    "max_steps": "steps",
+    "total_training_steps": "steps",
+    "num_steps": "steps",
+    "num_generations": "group_size",
+    "n_samples_per_prompt": "group_size",
+    "rollout_n": "group_size",
+    "n": "group_size",
+    "max_completion_length": "max_new_tokens",
+    "max_response_length": "max_new_tokens",
+    "max_tokens": "max_new_tokens",
+    "max_prompt_length": "max_context_tokens",
+    "beta": "kl_coef",
+    "kl_loss_coef": "kl_coef",
+    "init_kl_coef": "kl_coef",
+    "clip_ratio": "clip_eps",
+    "epsilon": "clip_eps",
+    "eps_clip": "clip_eps",
+    "per_device_train_batch_size": "micro_batch",
+    "ppo_micro_batch_size": "micro_batch",
+    "micro_batch_size": "micro_batch",
+    "num_rollout_workers": "engines",
+    "num_engines": "engines",
+    "tp": "tensor_parallel",
+    "tensor_parallel_size": "tensor_parallel",
+    "model_name_or_path": "source",
+    "model_name": "source",
+}
+"""Field names users bring from other RL frameworks -> Libra's, for the did-you-mean hint."""
+
+
 def did_you_mean(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
     """` — did you mean 'lr'?` for an unknown field at `loc`, with the fields of its section."""
     for part in loc[:-1]:
@@ -228,7 +262,8 @@ def did_you_mean(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
             return ""
         model = inner[0]
     known = list(model.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    synonym = SYNONYMS.get(str(loc[-1]))
+    close = [synonym] if synonym in known else difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return f" — {hint}known: {', '.join(known)}"
 

@@ -41,6 +41,11 @@ def test_what_is_not_an_override_is_refused(bad: list[str]) -> None:
         ("trainig.lr=1", "did you mean 'training'?"),
         ("rollout.buckets=[{name: a, tp: 2}]", "rollout.buckets.0.tp: Extra inputs are not permitted"),
         ("task.max_turns=0", "task.max_turns: Input should be greater than or equal to 1"),
+        # what other RL frameworks call the field
+        ("training.learning_rate=1e-6", "did you mean 'lr'?"),
+        ("task.num_generations=8", "did you mean 'group_size'?"),
+        ("task.max_completion_length=64", "did you mean 'max_new_tokens'?"),
+        ("training.beta=0.01", "did you mean 'kl_coef'?"),
     ],
 )
 def test_a_bad_override_names_the_field_and_what_was_meant(override: str, message: str) -> None:
