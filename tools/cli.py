@@ -291,10 +291,13 @@ def print_summary(report: dict[str, Any]) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Reprints a finished run's summary from its report.json."""
-    path = Path(args.runs_dir) / args.run / "report.json"
-    if not path.is_file():
-        print(f"no report at {path}", file=sys.stderr)
+    from tools.report import find_run
+
+    run_dir, looked = find_run(args.run, args.runs_dir)
+    if run_dir is None:
+        print(f"no report for run {args.run!r}: looked in {', '.join(map(str, looked))}", file=sys.stderr)
         return 2
+    path = run_dir / "report.json"
     report = json.loads(path.read_text())
     report.setdefault("report_path", str(path))
     return print_summary(report)
@@ -304,11 +307,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Writes a run's trained policy in Hugging Face format (default: runs/<run>/final)."""
     from services.common.runconfig import load_run_config
     from tools.export import ExportError, export_policy
+    from tools.report import find_run
 
-    run_dir = Path(args.runs_dir) / args.run
+    found, looked = find_run(args.run, args.runs_dir)
+    run_dir = found or looked[0]
     report_path, config_path = run_dir / "report.json", run_dir / "config.yaml"
-    if not report_path.is_file() or not config_path.is_file():
-        print(f"no run at {run_dir} (it needs report.json and config.yaml)", file=sys.stderr)
+    if found is None or not config_path.is_file():
+        where = ", ".join(map(str, looked))
+        print(
+            f"no run {args.run!r} (it needs report.json and config.yaml): looked in {where}", file=sys.stderr
+        )
         return 2
     report = json.loads(report_path.read_text())
     cfg = load_run_config(config_path)
@@ -470,7 +478,8 @@ def parse(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
 OUTPUT_DIR = ("--output-dir", "--runs-dir")
 """The one flag every command that reads or writes runs/<run-id>/ takes (the second is its old name)."""
 OUTPUT_DIR_HELP = (
-    "the directory holding runs/<run-id>/, as given to `libra run --output-dir` (default: ./runs)"
+    "the directory holding runs/<run-id>/, as given to `libra run --output-dir` (default: where the "
+    "last `libra run` started here wrote, then ./runs)"
 )
 
 
@@ -586,13 +595,13 @@ def parser() -> argparse.ArgumentParser:
     creds.set_defaults(fn=cmd_credentials)
     rep = sub.add_parser("report", help="reprint a run's summary from runs/<run>/report.json")
     rep.add_argument("run", nargs="?", default="latest", help="run id (default: the last run)")
-    rep.add_argument(*OUTPUT_DIR, dest="runs_dir", default="runs", help=OUTPUT_DIR_HELP)
+    rep.add_argument(*OUTPUT_DIR, dest="runs_dir", default=None, help=OUTPUT_DIR_HELP)
     rep.set_defaults(fn=cmd_report)
     exp = sub.add_parser(
         "export", help="write a run's trained policy in Hugging Face format (model and tokenizer)"
     )
     exp.add_argument("run", nargs="?", default="latest", help="run id (default: the last run)")
-    exp.add_argument(*OUTPUT_DIR, dest="runs_dir", default="runs", help=OUTPUT_DIR_HELP)
+    exp.add_argument(*OUTPUT_DIR, dest="runs_dir", default=None, help=OUTPUT_DIR_HELP)
     exp.add_argument("--out", help="directory to write (default: runs/<run>/final)")
     exp.add_argument("--checkpoint", help="a trainer checkpoint (default: the run's committed one)")
     exp.set_defaults(fn=cmd_export)

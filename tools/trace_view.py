@@ -166,14 +166,19 @@ def main(argv: list[str] | None = None) -> int:
         "--output-dir",
         "--runs-dir",
         dest="runs_dir",
-        default="runs",
-        help="the directory holding runs/<run-id>/, as given to `libra run --output-dir` (default: ./runs)",
+        default=None,
+        help="the directory holding runs/<run-id>/, as given to `libra run --output-dir` (default: "
+        "where the last `libra run` started here wrote, then ./runs)",
     )
     args = p.parse_args(argv)
-    trace_dir = Path(args.runs_dir) / args.run / "traces"
-    if not trace_dir.is_dir():
-        print(f"no traces in {trace_dir} (runs started by `libra run` write them there)")
+    from tools.report import find_run
+
+    run_dir, looked = find_run(args.run, args.runs_dir, needs="traces")
+    if run_dir is None:
+        where = ", ".join(str(d / "traces") for d in looked)
+        print(f"no traces for run {args.run!r} in {where} (runs started by `libra run` write them there)")
         return 2
+    trace_dir = run_dir / "traces"
     rows = read_spans(trace_dir)
     if args.trajectory_id is None:
         print(slowest(rows))

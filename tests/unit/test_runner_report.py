@@ -1,6 +1,8 @@
 """The job report counts each train step once, however the trainer announced the end, and lists
 what each role change cost."""
 
+from pathlib import Path
+
 import pytest
 
 from services.common.contracts import ev
@@ -166,7 +168,7 @@ def test_the_report_says_what_its_reward_measures() -> None:
     assert reward_definition(TaskConfig(dataset="synthetic", workload="r2e_gym")).startswith("synthetic")
 
 
-def test_libra_report_reprints_a_runs_summary(tmp_path, capsys) -> None:
+def test_libra_report_reprints_a_runs_summary(tmp_path, capsys, monkeypatch) -> None:
     import json
 
     from tools.cli import main
@@ -203,6 +205,17 @@ def test_libra_report_reprints_a_runs_summary(tmp_path, capsys) -> None:
     # the flag `libra run` writes with is the one every reader takes (the old name still works)
     assert main(["report", "r1", "--output-dir", str(tmp_path)]) == 1
     capsys.readouterr()
+    # without the flag: where the last `libra run` started in this directory wrote, then ./runs
+    from tools.report import remember_runs_dir
+
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["report", "r1"]) == 2
+    assert f"looked in {Path('runs') / 'r1'}" in capsys.readouterr().err
+    remember_runs_dir(tmp_path)
+    assert main(["report", "r1"]) == 1  # found: it timed out
+    assert f"report: {run / 'report.json'}" in capsys.readouterr().out
     with pytest.raises(SystemExit) as version:
         main(["--version"])
     assert version.value.code == 0 and capsys.readouterr().out.startswith("libra ")
