@@ -291,7 +291,7 @@ def print_summary(report: dict[str, Any]) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Reprints a finished run's summary from its report.json."""
-    from tools.report import find_run
+    from tools.run_dirs import find_run
 
     run_dir, looked = find_run(args.run, args.runs_dir)
     if run_dir is None:
@@ -307,7 +307,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Writes a run's trained policy in Hugging Face format (default: runs/<run>/final)."""
     from services.common.runconfig import load_run_config
     from tools.export import ExportError, export_policy
-    from tools.report import find_run
+    from tools.run_dirs import find_run
 
     found, looked = find_run(args.run, args.runs_dir)
     run_dir = found or looked[0]
@@ -453,6 +453,10 @@ def _main(argv: list[str] | None = None) -> int:
         from tools.trace_view import main as trace_main
 
         return trace_main(argv[1:])
+    if argv[:1] == ["samples"]:
+        from tools.samples import main as samples_main
+
+        return samples_main(argv[1:])
     if argv[:1] == ["sandbox"]:
         from services.tool_sandbox.cli import main as sandbox_main
 
@@ -639,6 +643,11 @@ def parser() -> argparse.ArgumentParser:
         "trace",
         help="`libra trace [TRAJECTORY_ID] [--run RUN]`: a trajectory's waterfall from the run's span files "
         "(no id: the slowest trajectories)",
+    )
+    sub.add_parser(
+        "samples",
+        help="`libra samples [RUN] [--step N] [--worst|--best]`: a run's trajectories as text (prompt, "
+        "turns, tool calls and what came back, reward, advantage), from runs/<run>/samples.jsonl",
     )
     sub.add_parser(
         "bench",

@@ -17,6 +17,7 @@ from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from tools.loggers import StepLoggers
 from tools.run_plots import write_run_plots
+from tools.samples import SampleStore
 
 PLOT_REFRESH_S = 60.0  # plots of a running job are redrawn this often
 MAX_TIMELINE = 200_000  # samples kept per series (about two days at one a second)
@@ -116,6 +117,8 @@ class JobObserver:
         self.stats: ev.SchedulerStats | None = None
         self.spec = SpecTotals()
         """Speculative decoding over the job's engines (their load reports' counters)."""
+        self.sample_store = SampleStore()
+        """The job's trajectories as text and its groups' outcomes, for runs/<id>/samples.jsonl."""
         self.worker_values: dict[str, dict[str, float]] = {}
         """Each of the job's workers' last metric sample (an engine's prefix-cache hit rate, ...)."""
 
@@ -124,6 +127,14 @@ class JobObserver:
         await bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self._on_weights)
         await bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_load)
         await bus.subscribe(subjects.METRICS, ev.MetricSample, self._on_sample)
+        await bus.subscribe(subjects.TRAJ_SAMPLE, ev.TrajectorySample, self._on_traj_sample)
+        await bus.subscribe(subjects.GROUP_OUTCOME, ev.GroupOutcome, self._on_outcome)
+
+    async def _on_traj_sample(self, s: ev.TrajectorySample, _: Envelope) -> None:
+        self.sample_store.add(s)
+
+    async def _on_outcome(self, o: ev.GroupOutcome, _: Envelope) -> None:
+        self.sample_store.outcome(o)
 
     async def _on_sample(self, m: ev.MetricSample, _: Envelope) -> None:
         if m.worker_id in self.targets:

@@ -96,6 +96,15 @@ class TensorBoardLogger:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
+    def samples(self, rows: list[dict[str, Any]], path: Path) -> None:
+        """One text entry per sample, under `samples/step_<n>` (TensorBoard's Text tab)."""
+        from tools.samples import render
+
+        for i, row in enumerate(rows):
+            text = "    " + render(row).replace("\n", "\n    ")  # indented: shown as preformatted
+            self.writer.add_text(f"samples/step_{row.get('step') or 0}", text, global_step=i)
+        self.writer.flush()
+
     def close(self, status: str) -> None:
         self.writer.add_text("status", status)
         self.writer.close()
@@ -140,6 +149,9 @@ class MlflowLogger:
         metrics = [Metric(k.replace("/", "."), v, now, step) for k, v in values.items()]
         self.client.log_batch(self.run.info.run_id, metrics=metrics)
 
+    def samples(self, rows: list[dict[str, Any]], path: Path) -> None:
+        self.client.log_artifact(self.run.info.run_id, str(path))
+
     def close(self, status: str) -> None:
         self.client.set_terminated(self.run.info.run_id, "FINISHED" if status == "completed" else "FAILED")
 
@@ -170,6 +182,26 @@ class WandbLogger:
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
+
+    def samples(self, rows: list[dict[str, Any]], path: Path) -> None:
+        """A `samples` table: one row per sample, its transcript as readable text."""
+        import wandb
+
+        from tools.samples import render
+
+        columns: list[str | int] = [
+            "step",
+            "group_id",
+            "trajectory_id",
+            "reward",
+            "advantage",
+            "outcome",
+            "transcript",
+        ]
+        table = wandb.Table(columns=columns)
+        for row in rows:
+            table.add_data(*(row.get(str(c)) for c in columns[:-1]), render(row))
+        self.run.log({"samples": table})
 
     def close(self, status: str) -> None:
         self.run.finish(exit_code=0 if status == "completed" else 1)
@@ -217,6 +249,11 @@ class StepLoggers:
                 return
             self.logged.add(m.step)
             self._each(lambda lg: lg.log(m.step, step_values(m)))
+
+    def samples(self, rows: list[dict[str, Any]], path: Path) -> None:
+        """The job's rollout samples (runs/<id>/samples.jsonl), to each logger that takes them."""
+        with self.lock:
+            self._each(lambda lg: lg.samples(rows, path) if hasattr(lg, "samples") else None)
 
     def close(self, status: str) -> None:
         with self.lock:

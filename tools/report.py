@@ -22,6 +22,7 @@ from services.common.membership import LENT_ROLE, PARKED_ROLE, SERVING_ROLES, SP
 from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
 from tools.job_watch import JobObserver, speculation_report
 from tools.learning_plot import write_reward_plot
+from tools.run_dirs import remember_runs_dir
 from tools.run_plots import write_run_plots
 from tools.sim.stats import t95
 
@@ -444,39 +445,6 @@ def write_report(report: dict[str, Any], runs_dir: Path) -> Path:
     latest.symlink_to(out.name)
     remember_runs_dir(runs_dir)
     return path
-
-
-def _last_runs_file() -> Path:
-    from tools.stack import state_dir
-
-    return state_dir() / "last_runs_dir"
-
-
-def remember_runs_dir(runs_dir: Path) -> None:
-    """Notes where the last run's directory went (`libra run --output-dir`), so that `libra
-    report`, `export` and `trace` started in the same directory find it without the flag."""
-    with contextlib.suppress(OSError):
-        _last_runs_file().parent.mkdir(parents=True, exist_ok=True)
-        _last_runs_file().write_text(str(runs_dir.resolve()) + "\n")
-
-
-def find_run(run: str, runs_dir: str | None, needs: str = "report.json") -> tuple[Path | None, list[Path]]:
-    """The directory of run `run` (`latest`: the last one) holding `needs`, and where it looked:
-    under `runs_dir` when given, else the last run's output directory, then ./runs."""
-    if runs_dir is not None:
-        candidates = [Path(runs_dir)]
-    else:
-        candidates = []
-        with contextlib.suppress(OSError):
-            candidates.append(Path(_last_runs_file().read_text().strip()))
-        candidates.append(Path("runs"))
-    looked: list[Path] = []
-    for d in dict.fromkeys(candidates):
-        where = d / run
-        looked.append(where)
-        if (where / needs).exists():
-            return where, looked
-    return None, looked
 
 
 def export_final(cfg: RunConfig, report: dict[str, Any], out_dir: Path) -> str:

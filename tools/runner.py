@@ -216,6 +216,8 @@ class JobDriver:
                 rejoined=self.rejoined,
                 silences=self.silences,
             )
+            if self.out_dir is not None:
+                report["samples"] = self._write_samples(self.out_dir)
             dead = sorted(set(self.stack.dead()) & set(self.targets))  # a trainer a standby replaced
             alive = [t for t in self.targets if t not in dead]
             if submitted:
@@ -231,6 +233,24 @@ class JobDriver:
             await self.bus.close()
             await close_nats(self.nc)
         return report
+
+    def _write_samples(self, out_dir: Path) -> dict[str, Any]:
+        """runs/<id>/samples.jsonl (`libra samples`), and the loggers' copy of it."""
+        from tools.samples import select, write
+
+        store = self.watch.sample_store
+        rows = select(store, self.cfg)
+        path = out_dir / "samples.jsonl"
+        written = write(path, rows)
+        if rows and self.loggers.active:
+            self.loggers.samples(rows, path)
+        return {
+            "path": str(path),
+            "trajectories": written,
+            "groups": len({r["group_id"] for r in rows}),
+            "heard": len(store.held),
+            "not_kept": store.dropped,
+        }
 
     def _fail_if_dead(self) -> None:
         dead = self.stack.dead()

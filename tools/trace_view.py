@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "where the last `libra run` started here wrote, then ./runs)",
     )
     args = p.parse_args(argv)
-    from tools.report import find_run
+    from tools.run_dirs import find_run
 
     run_dir, looked = find_run(args.run, args.runs_dir, needs="traces")
     if run_dir is None:

@@ -110,6 +110,7 @@ _GRANTS: dict[str, Grants] = {
             f"{subjects.TURN_REQUEST}.*",
             subjects.TOOL_CALL,
             subjects.TRAJ_COMPLETED,
+            subjects.TRAJ_SAMPLE,
             subjects.WORKLOAD_STATS,
             subjects.FACTS_SCHEDULER,
         ),

@@ -468,6 +468,11 @@ class JobConfig(_Strict):
     """Experiment loggers that get every train step's metrics from `libra run` (off by default;
     `pip install 'libra[loggers]'`): `tensorboard` writes runs/<id>/tensorboard, `mlflow` and
     `wandb` one run per job (docs/observability.md)."""
+    samples_per_step: int = Field(2, ge=0, le=1000)
+    """Groups of each train step whose trajectories' text (prompt, turns, tool calls with their
+    arguments, status and what came back, reward, advantage) go to runs/<id>/samples.jsonl
+    (`libra samples`), besides every group of the first and last steps and up to this many
+    groups that were not trained (failed, invalid, stale); 0: only the first and last steps."""
     experiment: str | None = None
     """The MLflow experiment and W&B project (default: the config's `name`)."""
     wandb_mode: Literal["online", "offline"] = "online"

@@ -7,6 +7,7 @@ TURN_RESULT = "turn.result"  # .<kind>.<worker_id> (spoken, below)
 TOOL_CALL = "tool.call"
 TOOL_RETURN = "tool.return"
 TRAJ_COMPLETED = "traj.completed"
+TRAJ_SAMPLE = "traj.sample"  # a completed trajectory's text, for the job's samples
 GROUP_OUTCOME = "group.outcome"
 ENGINE_LOAD = "engine.load"
 WORKER_HELLO = "worker.hello"  # .<kind>.<worker_id>

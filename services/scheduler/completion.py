@@ -3,6 +3,7 @@ durably for the trainer (an evaluation trajectory joins its round instead), and 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from services.scheduler.ledger import Ledger, durably
 from services.scheduler.plugins import PluginFailure
 from services.scheduler.rewards import Scorer, overlong_penalty, reward_trajectory
 from services.scheduler.trajectory import Finish
+from services.scheduler.transcript import cut, prompt_of
 from services.scheduler.user_code import BrokenUserCode
 from services.scheduler.workload import WorkloadWindow
 
@@ -141,6 +143,33 @@ class Completion:
         await durably(self.ledger.published(traj.trajectory_id, live.failure is not None), self.log)
         live.span.end()
         self._count(live, fin, latency)
+        await self._sample(live, msg)
+
+    async def _sample(self, live: Live, msg: ev.CompletedTrajectory) -> None:
+        """The trajectory's text for the job's samples: best effort (core NATS), never at the cost
+        of the trajectory."""
+        traj = live.traj
+        head = {
+            "prompt": prompt_of(traj.task.messages, traj.task.question),
+            "answer": cut(str(traj.task.answer)) if traj.task.answer is not None else None,
+            "reward": msg.reward,
+            "finish": msg.finish,
+            "failure": f"{msg.failure.code}: {msg.failure.message}"
+            if msg.HasField("failure") and msg.failure.code
+            else None,
+            "turns": msg.num_turns,
+            "policy_versions": [msg.min_policy_version, msg.max_policy_version],
+            "truncated": msg.truncated,
+            "latency_s": round(msg.latency_s, 3),
+        }
+        sample = ev.TrajectorySample(
+            trajectory_id=msg.trajectory_id,
+            group_id=msg.group_id,
+            prompt_id=msg.prompt_id,
+            transcript_json=live.transcript.to_json(head),
+        )
+        with contextlib.suppress(Exception):
+            await self.bus.publish(subjects.TRAJ_SAMPLE, sample)
 
     def _overlong_penalty(self, live: Live) -> float:
         """task.overlong.soft_penalty's share of a trained trajectory's reward (never on a failed one)."""

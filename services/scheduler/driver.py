@@ -10,6 +10,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from opentelemetry import trace
+
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from services.common.errors import require
@@ -208,6 +210,7 @@ class TrajectoryDriver:
         self.metrics.turns.inc()
         self.workload.turn(time.monotonic(), len(token_ids), res.context_tokens, traj_id)
         eos = res.finish_reason == "stop" and bool(token_ids) and token_ids[-1] == self.prompter.eos_id
+        live.transcript.assistant(text, len(token_ids), versions, res.finish_reason)
         step = await self.episode.step(live, text)
         if not self.inflight.holds(live):
             return  # aborted meanwhile
@@ -278,6 +281,7 @@ class TrajectoryDriver:
         successful tool return (a chance to demote or migrate the trajectory)."""
         traj = live.traj
         live.replies.append(action.text)
+        live.transcript.environment(action.text)
         obs = self.prompter.observation_ids(action.text, traj.ended_with_eos)
         self._route_after_observation(live, ToolSignal("environment", size_class(len(obs)), "success"), obs)
         await self._execute(live, traj.on_reply(obs))
@@ -293,6 +297,11 @@ class TrajectoryDriver:
             live.pending_tool = action
             live.sent_at, live.step_span = time.monotonic(), None
             why = f"tool {action.request.tool!r} is not enabled; available: {', '.join(allowed)}"
+            tracer().start_span(
+                "tool.rejected",
+                context=trace.set_span_in_context(live.span),
+                attributes={"libra.tool": action.request.tool or "unknown", "libra.reason": why},
+            ).end()
             signal = ToolSignal(action.request.tool or "unknown", "small", map_sandbox_status("rejected"))
             await self._tool_returned(live, "rejected", json.dumps({"stderr": why}), signal)
             return
@@ -313,6 +322,8 @@ class TrajectoryDriver:
         )
 
     async def _tool_returned(self, live: Live, status: str, payload: str, signal: ToolSignal) -> None:
+        pending = live.pending_tool
+        live.transcript.tool(signal.tool, pending.request.args if pending else {}, status, payload)
         self.tool_statuses[status] += 1
         self.metrics.tool_calls.labels(status if status in KNOWN_TOOL_STATUSES else "other").inc()
         now = time.monotonic()

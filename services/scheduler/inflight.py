@@ -25,6 +25,7 @@ from services.common.tracing import tracer
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.dispatch import Dispatcher
 from services.scheduler.trajectory import CallTool, Generate, Trajectory
+from services.scheduler.transcript import Transcript
 
 T = TypeVar("T")
 
@@ -81,6 +82,8 @@ class Live:
     partial: PartialTurn | None = None
     """What its turn generated before an engine handed it back (drained): the turn goes on from
     there on another engine, and these tokens open its result."""
+    transcript: Transcript = field(default_factory=Transcript)
+    """Its text as it happened, for the job's samples (services/scheduler/transcript.py)."""
 
     @property
     def trajectory_id(self) -> str:

@@ -353,6 +353,24 @@ def test_trajectories_move_between_buckets_after_tool_returns_and_keep_their_ver
     assert sorted(buckets) == ["long", "short"] and all(len(e) == 1 for e in buckets.values()), buckets
     assert report["migrations"] >= cfg.trajectories_per_step, "trajectories moved to the long bucket"
     assert report["tool_calls"].get("ok", 0) > 0, report["tool_calls"]
+    # the run's samples: every group of its first and last steps, as text, tool calls included
+    samples = [json.loads(line) for line in Path(report["samples"]["path"]).read_text().splitlines()]
+    assert report["samples"]["trajectories"] == len(samples) >= 2 * cfg.trajectories_per_step
+    assert {s["step"] for s in samples} >= {1, cfg.training.steps} and all(
+        s["outcome"] == "trained" for s in samples
+    )
+    calls = [e for s in samples for e in s["events"] if e["role"] == "tool"]
+    assert calls and all(e["tool"] and isinstance(e["args"], dict) and e["status"] for e in calls), calls[:3]
+    assert all(s["advantage"] is not None and len(s["events"]) == 5 for s in samples)  # 3 turns, 2 calls
+    # and nothing secret: no credential of any of the stack's identities appears in them
+    assert stack.credentials is not None
+    text = Path(report["samples"]["path"]).read_text()
+    secrets = [
+        f.read_text().strip()
+        for f in stack.credentials.root.rglob("libra_*")
+        if f.is_file() and not f.name.endswith(("_user", "_worker"))
+    ]
+    assert secrets and not [x for x in secrets if len(x) >= 16 and x in text]
     assert completed, "no completed trajectory seen on the bus"
     for traj in completed:
         assert traj.num_turns == 3 and traj.finish == "answer", (traj.num_turns, traj.finish)

@@ -3,9 +3,11 @@ and an MLflow file store, read back with their own readers; a logger that fails 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -39,10 +41,16 @@ def test_each_step_reaches_tensorboard_and_mlflow_once(tmp_path: Path) -> None:
     assert [lg.name for lg in loggers.active] == ["tensorboard", "mlflow"]
     for step in (1, 2, 2, 3, 0):  # a repeated step (a re-published message) and step 0 are skipped
         loggers.step(_metrics(step))
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [_sample_row()]
+    (out / "samples.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    loggers.samples(rows, out / "samples.jsonl")
     loggers.close("completed")
 
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
+    texts = acc.Tensors("samples/step_1/text_summary")  # the rollout samples, readable
+    assert texts and b"[tool calculator" in texts[0].tensor_proto.string_val[0]
     rewards = [(e.step, e.value) for e in acc.Scalars("train/reward_mean")]
     assert rewards == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert "train/entropy" not in acc.Tags()["scalars"]  # NaN: no value rather than a fake one
@@ -54,6 +62,27 @@ def test_each_step_reaches_tensorboard_and_mlflow_once(tmp_path: Path) -> None:
     history = client.get_metric_history(run.info.run_id, "train.reward_mean")
     assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert run.data.params["training.steps"] == "2" and run.data.params["model.source"] == "tiny-random"
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["samples.jsonl"]
+
+
+def _sample_row() -> dict[str, Any]:
+    return {
+        "step": 1,
+        "group_id": "g0",
+        "trajectory_id": "g0-0",
+        "reward": 1.0,
+        "advantage": 1.0,
+        "outcome": "trained",
+        "events": [
+            {
+                "role": "tool",
+                "tool": "calculator",
+                "args": {"expression": "2+3"},
+                "status": "ok",
+                "returned": "5",
+            }
+        ],
+    }
 
 
 def test_a_failing_logger_is_dropped_and_the_others_go_on(

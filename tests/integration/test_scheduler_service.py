@@ -137,8 +137,10 @@ async def scheduler(
     run_id: str,
     tiny_model: ModelConfig,
 ) -> AsyncIterator[tuple[subprocess.Popen[bytes], Harness, Bus]]:
-    """One engine (ENGINE); with `indirect` parameter 2, a second one too (`harness.peer`)."""
-    engines = getattr(request, "param", 1)
+    """One engine (ENGINE); an `indirect` parameter may ask for a second one (`{"engines": 2}`:
+    `harness.peer`) and add task settings (`{"task": {...}}`)."""
+    param = getattr(request, "param", {})
+    engines = param.get("engines", 1)
     data = tmp_path / "tasks.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"What is 2+3? ({i})", "answer": "5"}) + "\n" for i in range(4))
@@ -152,6 +154,7 @@ async def scheduler(
             "max_turns": 3,
             # 8 generated tokens of 12, 4 past the buffer's start: -0.5 x 4 / 8
             "overlong": {"max_tokens": 12, "soft_penalty": {"length": 8, "factor": 0.5}},
+            **param.get("task", {}),
         },
         "rollout": {"engines": 1},
         "training": {"steps": 2, "groups_per_step": 1, "max_staleness": 1},
@@ -294,7 +297,7 @@ async def test_lost_and_malformed_turns_are_sent_again_and_bad_input_changes_not
     assert proc.poll() is None
 
 
-@pytest.mark.parametrize("scheduler", [2], indirect=True)
+@pytest.mark.parametrize("scheduler", [{"engines": 2}], indirect=True)
 async def test_an_engine_answering_garbage_changes_no_trajectory_and_is_quarantined(scheduler: Any) -> None:
     """A second engine answers every turn with something no engine serving this job's weights
     could make: NaN or positive logprobs, token ids outside the vocabulary, a policy version the
@@ -329,6 +332,34 @@ async def test_an_engine_answering_garbage_changes_no_trajectory_and_is_quaranti
     assert ENGINE not in s.invalid_results_by_engine
     assert list(s.engines_quarantined) == [ENGINE2] and list(s.engines) == [ENGINE]
     assert s.trajectories_failed == 0
+    assert proc.poll() is None
+
+
+@pytest.mark.parametrize("scheduler", [{"task": {"tools": ["python"]}}], indirect=True)
+async def test_a_rejected_tool_call_is_in_the_samples_with_its_reason(scheduler: Any) -> None:
+    """The model calls the calculator, which this task does not enable: the call never reaches a
+    sandbox, and the trajectory's sample (what `libra run` writes to samples.jsonl) shows the
+    call, its arguments, `rejected` and why."""
+    proc, h, bus = scheduler
+    samples: list[ev.TrajectorySample] = []
+
+    async def on_sample(s: ev.TrajectorySample, _: Envelope) -> None:
+        samples.append(s)
+
+    await bus.subscribe(subjects.TRAJ_SAMPLE, ev.TrajectorySample, on_sample)
+    done = await h.completed(bus, 4, timeout=90)
+    assert len(done) == 4 and not h.calls, "no call reached the sandbox"
+    async with asyncio.timeout(10):
+        while len(samples) < 4:
+            await asyncio.sleep(0.1)
+    body = json.loads(samples[0].transcript_json)
+    assert body["prompt"][-1]["content"].startswith("What is 2+3?") and body["answer"] == "5"
+    roles = [e["role"] for e in body["events"]]
+    assert roles[:3] == ["assistant", "tool", "assistant"], roles
+    call = body["events"][1]
+    assert (call["tool"], call["status"]) == ("calculator", "rejected") and call["args"], call
+    assert "'calculator' is not enabled; available: python" in call["returned"], call
+    assert body["events"][0]["text"] == CALL and isinstance(body["reward"], float)
     assert proc.poll() is None
 
 

@@ -206,7 +206,7 @@ def test_libra_report_reprints_a_runs_summary(tmp_path, capsys, monkeypatch) -> 
     assert main(["report", "r1", "--output-dir", str(tmp_path)]) == 1
     capsys.readouterr()
     # without the flag: where the last `libra run` started in this directory wrote, then ./runs
-    from tools.report import remember_runs_dir
+    from tools.run_dirs import remember_runs_dir
 
     here = tmp_path / "elsewhere"
     here.mkdir()

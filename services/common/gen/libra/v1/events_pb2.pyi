@@ -140,6 +140,18 @@ class Segment(_message.Message):
     temperature: float
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., generated: bool = ..., policy_version: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
 
+class TrajectorySample(_message.Message):
+    __slots__ = ("trajectory_id", "group_id", "prompt_id", "transcript_json")
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_JSON_FIELD_NUMBER: _ClassVar[int]
+    trajectory_id: str
+    group_id: str
+    prompt_id: str
+    transcript_json: str
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., transcript_json: _Optional[str] = ...) -> None: ...
+
 class CompletedTrajectory(_message.Message):
     __slots__ = ("trajectory_id", "group_id", "sample_index", "group_size", "prompt_id", "segments", "reward", "num_turns", "min_policy_version", "max_policy_version", "tool_statuses", "finish", "latency_s", "final_text", "failure", "breakdown", "truncated", "overlong_penalty", "completed_at")
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
