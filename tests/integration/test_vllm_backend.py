@@ -192,8 +192,33 @@ async def push_encoded(stub: Any, enc: Any, header: ws.WeightHeader) -> ws.PushA
     return await stub.PushWeights(gen(), timeout=60)
 
 
+@pytest.fixture(scope="module")
+async def vllm_spec(tiny_model: ModelConfig) -> AsyncIterator[VllmEngine]:
+    """A second engine: vLLM's ngram speculation on, four sequences of up to 1,024 tokens."""
+    run = RunConfig.model_validate(
+        {
+            "model": tiny_model.model_dump(),
+            "task": {"max_context_tokens": 1024, "max_new_tokens": 48},
+            "rollout": {
+                "backend": "vllm",
+                "max_batch": 4,
+                "speculative": {"method": "ngram", "num_tokens": 4},
+            },
+        }
+    )
+    backend = VllmBackend(run, EngineSettings(seed=0))
+    await backend.start()
+    engine = backend.make_engine(4)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.close(timeout=5)
+        await backend.close()
+
+
 async def test_ngram_speculation_maps_onto_vllms_drafter_and_changes_no_greedy_token(
-    vllm: tuple[VllmBackend, VllmEngine], tiny_model: ModelConfig
+    vllm: tuple[VllmBackend, VllmEngine], vllm_spec: VllmEngine
 ) -> None:
     """`rollout.speculative: ngram` runs vLLM's own prompt-lookup drafter: greedy output is token
     for token the plain engine's (verification is lossless), and the engine's speculation counters
@@ -201,31 +226,29 @@ async def test_ngram_speculation_maps_onto_vllms_drafter_and_changes_no_greedy_t
     _, plain = vllm
     looping = GenRequest(PROMPT * 3, 48, 0.0, min_new_tokens=48)  # a random model's greedy loop repeats
     want = (await plain.submit(looping)).output
-    run = RunConfig.model_validate(
-        {
-            "model": tiny_model.model_dump(),
-            "rollout": {
-                "backend": "vllm",
-                "max_batch": 2,
-                "speculative": {"method": "ngram", "num_tokens": 4},
-            },
-        }
-    )
-    backend = VllmBackend(run, EngineSettings(seed=0))
-    await backend.start()
-    engine = backend.make_engine(2)
-    engine.start()
-    try:
-        got = (await engine.submit(looping)).output
-        counted = spec_counters(engine)
-    finally:
-        await engine.close(timeout=5)
-        await backend.close()
+    got = (await vllm_spec.submit(looping)).output
+    counted = spec_counters(vllm_spec)
     assert got.token_ids == want.token_ids
     assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) <= 1e-3
     assert counted is not None and counted.verify_steps > 0 and counted.drafted >= counted.accepted > 0, (
         counted
     )
+
+
+async def test_seeded_prompts_longer_than_a_step_do_not_kill_the_cpu_engine(vllm_spec: VllmEngine) -> None:
+    """Four seeded 900-token prompts at once: more than one CPU step's 2,048 tokens. Split over
+    steps, vLLM would rewind the seeded generator of a partly prefilled one, which a CPU generator
+    cannot do (the engine core died: "CPU Generator does not use offset"); each is prefilled
+    whole, and all complete."""
+    reqs = [
+        GenRequest([1000 + (7 * i + j) % 30000 for j in range(900)], 4, 1.0, min_new_tokens=4, seed=i)
+        for i in range(4)
+    ]
+    done = await asyncio.gather(*(vllm_spec.submit(r) for r in reqs))
+    assert [len(d.output.token_ids) for d in done] == [4, 4, 4, 4]
+    assert (
+        len((await vllm_spec.submit(GenRequest(PROMPT, 4, 1.0, seed=9))).output.token_ids) == 4
+    )  # serving on
 
 
 async def test_a_push_mid_generation_lands_in_vllm_as_the_trainer_sent_it(

@@ -58,6 +58,8 @@ KV_HEADROOM = 2.0
 """KV cache sized for twice the batch at full context: room for the prefix cache to keep finished
 turns of trajectories that come back."""
 MIN_KV_BYTES = 64 << 20
+CPU_STEP_TOKENS = 2048
+"""Tokens one engine step takes at most on a CPU (vLLM's CPU default), or the longest context."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -143,6 +145,12 @@ class VllmBackend(Backend):
             extra["kv_cache_memory_bytes"] = (
                 int(s.kv_cache_gib * (1 << 30)) if s.kv_cache_gib else max(MIN_KV_BYTES, int(need))
             )
+            # vLLM rewinds a seeded request's generator after a step that prefilled only part of
+            # its prompt, and a CPU generator cannot rewind ("CPU Generator does not use offset":
+            # the engine core dies). Every turn here is seeded, so prompts are never split on CPU:
+            # each is prefilled in one step (the step budget holds the longest).
+            extra["enable_chunked_prefill"] = False
+            extra["max_num_batched_tokens"] = max(CPU_STEP_TOKENS, length)
         else:
             extra["gpu_memory_utilization"] = s.gpu_memory_utilization
         return AsyncEngineArgs(
