@@ -262,9 +262,19 @@ def print_summary(report: dict[str, Any]) -> int:
                 on = f"{r['completed']}/{r.get('trajectories')} samples of {r['prompts']} held-out prompts"
             passes = "".join(f", pass@{k} {v}" for k, v in (r.get("pass_at_k") or {}).items() if n > 1)
             print(f"{'eval v' + str(r['version']):<24} {r['reward_mean']}{ci} on {on}{passes}{lost}")
-    print(f"{'policy_versions_per_step':<24} {report['policy_versions_per_step']}")
-    print(f"{'logprob_mismatch':<24} {report['logprob_mismatch_per_step']}")
+    versions = [v if v else "–" for v in report.get("policy_versions_per_step") or []]
+    print(f"{'policy_versions_per_step':<24} {', '.join(map(str, versions)) or '–'}")
+    mismatch = report.get("logprob_mismatch_per_step") or []
+    shown = ", ".join("–" if m is None else f"{m:.1e}" for m in mismatch) or "–"
+    why = (
+        " (–: no token of that step's batch was sampled at the trainer's weights)" if None in mismatch else ""
+    )
+    print(f"{'logprob_mismatch':<24} {shown}{why}")
     print(f"{'tool_calls':<24} {report.get('tool_calls')}")
+    if (samples := report.get("samples")) and samples.get("trajectories"):
+        print(
+            f"{'samples':<24} {samples['trajectories']} trajectories in {samples['path']} (`libra samples`)"
+        )
     if layout := report.get("layout"):
         gain = layout.get("predicted_gain")
         over = f", predicted {gain:+.1%} over the config's" if gain is not None else ""

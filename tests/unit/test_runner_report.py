@@ -198,6 +198,17 @@ def test_libra_report_reprints_a_runs_summary(tmp_path, capsys, monkeypatch) -> 
     assert "reward                   expressions: 1 for the right number" in out
     assert "reward_first3            0.625 (95% CI 0.2 .. 1.0, 8 trajectories)" in out
     assert "trajectories_failed      {'reward_error': 1}" in out and f"report: {run / 'report.json'}" in out
+    assert (
+        "policy_versions_per_step [0], [0, 1]" in out and "logprob_mismatch         1.0e-06, 2.0e-06\n" in out
+    )
+    report["logprob_mismatch_per_step"] = [1e-6, None]  # no token at the trainer's weights in step 2
+    report["policy_versions_per_step"] = [[0], []]
+    (run / "report.json").write_text(json.dumps(report))
+    assert main(["report", "r1", "--runs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("logprob_mismatch")]
+    assert line.startswith("logprob_mismatch         1.0e-06, – (–: no token") and "None" not in line
+    assert "policy_versions_per_step [0], –" in out
     report["status"] = "timed_out"
     (run / "report.json").write_text(json.dumps(report))
     assert main(["report", "r1", "--runs-dir", str(tmp_path)]) == 1
