@@ -324,9 +324,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     report_path, config_path = run_dir / "report.json", run_dir / "config.yaml"
     if found is None or not config_path.is_file():
         where = ", ".join(map(str, looked))
-        print(
-            f"no run {args.run!r} (it needs report.json and config.yaml): looked in {where}", file=sys.stderr
-        )
+        print(f"no run at {where} (a run there needs report.json and config.yaml)", file=sys.stderr)
         return 2
     report = json.loads(report_path.read_text())
     cfg = load_run_config(config_path)
@@ -463,6 +461,10 @@ def _main(argv: list[str] | None = None) -> int:
         from tools.trace_view import main as trace_main
 
         return trace_main(argv[1:])
+    if argv[:1] == ["calibrate"]:
+        from tools.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     if argv[:1] == ["samples"]:
         from tools.samples import main as samples_main
 
@@ -653,6 +655,11 @@ def parser() -> argparse.ArgumentParser:
         "trace",
         help="`libra trace [TRAJECTORY_ID] [--run RUN]`: a trajectory's waterfall from the run's span files "
         "(no id: the slowest trajectories)",
+    )
+    sub.add_parser(
+        "calibrate",
+        help="`libra calibrate --backend vllm|hf [--model M] [--out PROFILE]`: measure the engine on this "
+        "machine and fit the simulator's cost model to it (`libra sim --profile PROFILE`)",
     )
     sub.add_parser(
         "samples",

@@ -315,6 +315,18 @@ def _read_presets(kind: str) -> dict[str, Any]:
     return data
 
 
+def load_profile(path: str | Path) -> CostModel:
+    """The cost model of a profile `libra calibrate` wrote: the machine and model it measured,
+    with the constants fitted to its measurements (tools/calibrate.py)."""
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict) or data.get("libra_profile") != 1:
+        raise ValueError(f"{path}: not a profile written by `libra calibrate`")
+    known = {f.name for f in fields(Calibration)}
+    calib = Calibration(**{k: v for k, v in (data.get("calibration") or {}).items() if k in known})
+    return CostModel(GPUSpec.from_dict(data["gpu"]), ModelSpec.from_dict(data["model"]), calib)
+
+
 def load_presets(gpu: str, model: str) -> CostModel:
     """The cost model of a named GPU and model from `presets/` (hardware.yaml, models.yaml)."""
     gpus, models = _read_presets("hardware"), _read_presets("models")

@@ -26,6 +26,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="A800", help="hardware preset for --workload (A800, H100, H200)")
     p.add_argument("--model", default="qwen3-14b", help="model preset for --workload")
     p.add_argument(
+        "--profile",
+        help="a `libra calibrate` profile: the machine and model it measured, with its fitted constants, "
+        "instead of the --gpu and --model presets",
+    )
+    p.add_argument(
         "--systems",
         help=f"comma-separated subset of: {','.join(SYSTEMS)} ({', '.join(f'{a}={b}' for a, b in ALIASES.items())})",
     )
@@ -110,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.acceptance_scale < 0:
                 raise ValueError("--acceptance-scale must be at least 0")
             scenario = dataclasses.replace(scenario, acceptance_scale=args.acceptance_scale)
+        if args.profile:
+            scenario = dataclasses.replace(scenario, profile=args.profile)
         if args.calib:
             scenario = dataclasses.replace(scenario, calibration=tuple(parse_calib(c) for c in args.calib))
         names = resolve([s.strip() for s in args.systems.split(",")] if args.systems else scenario.systems)

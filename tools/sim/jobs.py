@@ -12,7 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.cost_model import load_presets
+from services.common.cost_model import load_presets, load_profile
 from services.common.synthetic import Workload
 from services.planner.search import Plan
 from tools.sim.runner import run_system
@@ -52,6 +52,9 @@ class Scenario:
     """Multiplier on every drafter's extra accepted tokens per step (sensitivity)."""
     calibration: tuple[tuple[str, Any], ...] = ()
     """Cost-model constants overridden for this run (`Calibration` field, value): sensitivity."""
+    profile: str | None = None
+    """A `libra calibrate` profile: its measured machine and model replace the `gpu` and `model`
+    presets, its fitted constants the assumed ones."""
 
 
 SCENARIOS = {
@@ -89,7 +92,9 @@ class Runner:
 
     def __init__(self, scenario: Scenario, workload: Workload | None, jobs: int = 1) -> None:
         self.scenario = scenario
-        self.cm = load_presets(scenario.gpu, scenario.model)
+        self.cm = (
+            load_profile(scenario.profile) if scenario.profile else load_presets(scenario.gpu, scenario.model)
+        )
         wl = workload or Workload.load(scenario.workload)
         over = {"prompts_per_step": scenario.prompts_per_step} if scenario.prompts_per_step else {}
         self.workload = wl.with_overrides(self.cm.model.max_context, **over)
