@@ -38,7 +38,7 @@ import yaml
 
 from services.common.cost_model import Calibration, CostModel, GPUSpec, ModelSpec
 
-REPEATS = 2
+REPEATS = 3
 FULL: dict[str, Any] = {"batches": (1, 4, 16), "contexts": (64, 512), "new": 24, "prefill": (64, 256, 1024)}
 QUICK: dict[str, Any] = {"batches": (1, 4), "contexts": (32, 128), "new": 8, "prefill": (32, 128, 256)}
 LOAD_FRACTIONS = (0.25, 0.5, 1.0)
@@ -98,8 +98,11 @@ async def measure(backend: Any, engine: Any, grid: dict[str, Any], say: Any) -> 
     rng = random.Random(0)
     longest = max(1, backend.max_positions - grid["new"] - 2)
     out: list[Sample] = []
-    await _timed(engine, [GenRequest(_prompt(rng, 16), 4, 1.0, min_new_tokens=4, seed=0)])  # warm-up
     n = grid["new"]
+    for b in (1, max(grid["batches"])):  # warm-up: first calls allocate, kernels get picked
+        await _timed(
+            engine, [GenRequest(_prompt(rng, 32), n, 1.0, min_new_tokens=n, seed=i) for i in range(b)]
+        )
     for b in grid["batches"]:
         for c in grid["contexts"]:
             c = min(c, longest)
