@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.config import ConfigFileError
+from tools.run_dirs import add_output_dir
 from tools.stack import Stack, pid_alive, read_stack_file, stack_file
 
 if TYPE_CHECKING:
@@ -493,10 +494,6 @@ def parse(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
 
 OUTPUT_DIR = ("--output-dir", "--runs-dir")
 """The one flag every command that reads or writes runs/<run-id>/ takes (the second is its old name)."""
-OUTPUT_DIR_HELP = (
-    "the directory holding runs/<run-id>/, as given to `libra run --output-dir` (default: where the "
-    "last `libra run` started here wrote, then ./runs)"
-)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -611,13 +608,13 @@ def parser() -> argparse.ArgumentParser:
     creds.set_defaults(fn=cmd_credentials)
     rep = sub.add_parser("report", help="reprint a run's summary from runs/<run>/report.json")
     rep.add_argument("run", nargs="?", default="latest", help="run id (default: the last run)")
-    rep.add_argument(*OUTPUT_DIR, dest="runs_dir", default=None, help=OUTPUT_DIR_HELP)
+    add_output_dir(rep)
     rep.set_defaults(fn=cmd_report)
     exp = sub.add_parser(
         "export", help="write a run's trained policy in Hugging Face format (model and tokenizer)"
     )
     exp.add_argument("run", nargs="?", default="latest", help="run id (default: the last run)")
-    exp.add_argument(*OUTPUT_DIR, dest="runs_dir", default=None, help=OUTPUT_DIR_HELP)
+    add_output_dir(exp)
     exp.add_argument("--out", help="directory to write (default: runs/<run>/final)")
     exp.add_argument("--checkpoint", help="a trainer checkpoint (default: the run's committed one)")
     exp.set_defaults(fn=cmd_export)

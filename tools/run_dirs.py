@@ -4,8 +4,19 @@ the flag, then fall back to ./runs."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from pathlib import Path
+
+OUTPUT_DIR_HELP = (
+    "the directory holding runs/<run-id>/, as given to `libra run --output-dir` (default: where the "
+    "last `libra run` started here wrote, then ./runs)"
+)
+
+
+def add_output_dir(p: argparse.ArgumentParser) -> None:
+    """The flag every command that reads runs/<run-id>/ takes (`--runs-dir`, its old name, too)."""
+    p.add_argument("--output-dir", "--runs-dir", dest="runs_dir", default=None, help=OUTPUT_DIR_HELP)
 
 
 def _last_runs_file() -> Path:

@@ -149,7 +149,7 @@ def render(row: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tools.run_dirs import find_run
+    from tools.run_dirs import add_output_dir, find_run
 
     p = argparse.ArgumentParser(
         prog="libra samples", description=__doc__.split("\n\n")[0] if __doc__ else None
@@ -160,14 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     order.add_argument("--worst", action="store_true", help="lowest reward first (failed ones first of all)")
     order.add_argument("--best", action="store_true", help="highest reward first")
     p.add_argument("-n", type=int, default=10, help="how many to print (default 10)")
-    p.add_argument(
-        "--output-dir",
-        "--runs-dir",
-        dest="runs_dir",
-        default=None,
-        help="the directory holding runs/<run-id>/, as given to `libra run --output-dir` (default: "
-        "where the last `libra run` started here wrote, then ./runs)",
-    )
+    add_output_dir(p)
     args = p.parse_args(argv)
     run_dir, looked = find_run(args.run, args.runs_dir, needs="samples.jsonl")
     if run_dir is None:

@@ -159,19 +159,13 @@ def slowest(rows: list[SpanRow], n: int = 10) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tools.run_dirs import add_output_dir, find_run
+
     p = argparse.ArgumentParser(prog="libra trace", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("trajectory_id", nargs="?", help="omitted: list the run's slowest trajectories")
     p.add_argument("--run", default="latest", help="run id under --output-dir (default: the last run)")
-    p.add_argument(
-        "--output-dir",
-        "--runs-dir",
-        dest="runs_dir",
-        default=None,
-        help="the directory holding runs/<run-id>/, as given to `libra run --output-dir` (default: "
-        "where the last `libra run` started here wrote, then ./runs)",
-    )
+    add_output_dir(p)
     args = p.parse_args(argv)
-    from tools.run_dirs import find_run
 
     run_dir, looked = find_run(args.run, args.runs_dir, needs="traces")
     if run_dir is None:

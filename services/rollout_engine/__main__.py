@@ -5,13 +5,16 @@ import sys
 
 from services.common.cli import service_main
 
-if __name__ == "__main__":
-    sys.exit(
-        service_main(
-            "rollout-engine",
-            "services.rollout_engine.service",
-            "services.generation.config:EngineSettings",
-            # Before any thread: bounds the engine's memory during weight pushes.
-            before="services.rollout_engine.weight_sync:limit_malloc_arenas",
-        )
+
+def main() -> int:
+    return service_main(
+        "rollout-engine",
+        "services.rollout_engine.service",
+        "services.generation.config:EngineSettings",
+        # Before any thread: bounds the engine's memory during weight pushes.
+        before="services.rollout_engine.weight_sync:limit_malloc_arenas",
     )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

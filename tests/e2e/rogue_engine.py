@@ -7,9 +7,9 @@ import math
 import sys
 from typing import Any
 
-from services.common.cli import service_main
 from services.common.contracts import ev
 from services.generation import serving
+from services.rollout_engine.__main__ import main as engine_main
 
 _honest = serving.turn_result
 _sent = [0]
@@ -32,11 +32,4 @@ def _garbage(*args: Any, **kwargs: Any) -> ev.TurnResult:
 serving.turn_result = _garbage
 
 if __name__ == "__main__":
-    sys.exit(
-        service_main(
-            "rollout-engine",
-            "services.rollout_engine.service",
-            "services.generation.config:EngineSettings",
-            before="services.rollout_engine.weight_sync:limit_malloc_arenas",
-        )
-    )
+    sys.exit(engine_main())
