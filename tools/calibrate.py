@@ -7,7 +7,13 @@ What it measures, each the fastest of `REPEATS` rounds, one engine alone on the 
   over N - 1 is one decode iteration of batch B at context ~C (B and C over a grid);
 - prefill: one request of P new tokens making one token (P over a range);
 - the prefix cache: the longest prefill prompt again (vLLM finds it cached; `hf` has no cache);
-- weight loads: a quarter, half and all of the model's tensors loaded into the serving engine.
+- weight loads: a quarter, half and all of the model's tensors loaded into the serving engine;
+- with `--trainer`, the trainer's real GRPO step (`services/learning/step.py`: AdamW, bf16 autocast
+  on CUDA) on S sequences of L tokens each, over a grid of both.
+
+`--model random:NAME` measures a model of a real shape with random weights, built on the machine
+from `services/common/presets/model_configs/NAME.json` (or `random:CONFIG.json`), on the GPU when
+there is one: no download, so a GPU node calibrates a 4B-parameter shape in minutes.
 
 What it fits, in the cost model's own formulas (`services/common/cost_model.py`):
 - decode: `decode_overhead_s + max(bytes read / mem_bw, FLOPs / flops)`: the achieved memory
@@ -15,7 +21,13 @@ What it fits, in the cost model's own formulas (`services/common/cost_model.py`)
   error (the profile's `gpu.mem_bw` and `gpu.flops` are the achieved values: `mem_efficiency` and
   `prefill_mfu` are 1);
 - prefill: the same FLOP/s prices it; what it misses stays as the `prefill` multiplier;
-- weight loads: `bytes / net_bw + sync_fixed_s`, least squares.
+- weight loads: `bytes / net_bw + sync_fixed_s`, least squares;
+- training: `train_mfu`, the share of the same FLOP/s a training step achieves, counting the FLOPs
+  the step really does (forward and backward, no recomputation: the trainer does not checkpoint
+  activations; one more forward for the proximal logprobs with several mini-batches).
+On a GPU whose preset is known (`presets/hardware.yaml`) the profile also gives every fitted rate
+as an efficiency against the preset's peak (`efficiency`), the form the presets' assumptions take,
+which `libra sim --efficiencies PROFILE` applies to another scenario's hardware.
 The profile keeps every raw measurement, the fitted constants and each fit's relative error.
 """
 
@@ -41,13 +53,23 @@ from services.common.cost_model import Calibration, CostModel, GPUSpec, ModelSpe
 REPEATS = 3
 FULL: dict[str, Any] = {"batches": (1, 4, 16), "contexts": (64, 512), "new": 24, "prefill": (64, 256, 1024)}
 QUICK: dict[str, Any] = {"batches": (1, 4), "contexts": (32, 128), "new": 8, "prefill": (32, 128, 256)}
+GPU: dict[str, Any] = {
+    "batches": (1, 8, 32, 64),
+    "contexts": (512, 2048),
+    "new": 32,
+    "prefill": (256, 1024, 4096),
+}
+TRAIN_FULL: dict[str, Any] = {"sequences": (2, 4), "lengths": (64, 128), "micro_batch": 2}
+TRAIN_QUICK: dict[str, Any] = {"sequences": (2,), "lengths": (32, 64), "micro_batch": 2}
+TRAIN_GPU: dict[str, Any] = {"sequences": (8, 16), "lengths": (512, 2048), "micro_batch": 2}
+MODEL_CONFIGS = Path(__file__).resolve().parent.parent / "services" / "common" / "presets" / "model_configs"
 LOAD_FRACTIONS = (0.25, 0.5, 1.0)
 
 
 @dataclass(frozen=True)
 class Sample:
     kind: str
-    """decode | prefill | prefix_hit | weights"""
+    """decode | prefill | prefix_hit | weights | train (batch: sequences, context: their length)"""
     seconds: float
     batch: int = 1
     context: int = 0
@@ -55,12 +77,12 @@ class Sample:
     bytes: int = 0
 
 
-def model_spec(model_dir: Path, dtype_bytes: int) -> ModelSpec:
-    """The served model's shape, from its config.json and its safetensors headers (no weights read)."""
+def model_spec(model_dir: Path, dtype_bytes: int, params: int = 0) -> ModelSpec:
+    """The served model's shape, from its config.json and its safetensors headers (no weights read),
+    or `params` where the model was built in memory."""
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
-    params = 0
-    for f in sorted(model_dir.glob("*.safetensors")):
+    for f in sorted(model_dir.glob("*.safetensors")) if not params else ():
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             header = json.loads(fh.read(n))
@@ -79,6 +101,38 @@ def model_spec(model_dir: Path, dtype_bytes: int) -> ModelSpec:
         bytes_per_param=dtype_bytes,
         max_context=int(cfg.get("max_position_embeddings") or 0),
     )
+
+
+def random_config(name: str) -> tuple[str, dict[str, Any]]:
+    """The shape `random:NAME` names: a preset under `presets/model_configs/`, or a config.json path."""
+    path = Path(name) if name.endswith(".json") else MODEL_CONFIGS / f"{name}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(f.stem for f in MODEL_CONFIGS.glob("*.json")))
+        raise SystemExit(
+            f"--model random:{name}: no such config (known: {known}, or a path to a config.json)"
+        )
+    cfg = json.loads(path.read_text())
+    return path.stem, {k: v for k, v in cfg.items() if not k.startswith("_")}
+
+
+def random_model(config: dict[str, Any], tokenizer_dir: Path, out: Path, dtype: str, device: str) -> Any:
+    """A model of `config`'s shape with random weights, built on `device` in `dtype` (never on
+    disk: `out` gets its config.json and the tokenizer, which the engine's start-up reads)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(f, out / f.name)
+    cfg = transformers.AutoConfig.for_model(**config)
+    cfg.save_pretrained(out)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    return model
 
 
 async def _timed(engine: Any, reqs: list[Any]) -> float:
@@ -173,15 +227,123 @@ async def _load_weights(backend: Any, fraction: float) -> tuple[int, float]:
     return size, time.perf_counter() - start
 
 
+def measure_training(model: Any, grid: dict[str, Any], device: str, say: Any) -> list[Sample]:
+    """The trainer's GRPO step (`services/learning/step.py`) on `model` with a fresh AdamW, for each
+    number of sequences and length in `grid` (the fastest of `REPEATS`, after one warm-up)."""
+    import torch
+
+    from services.common.runconfig import RunConfig
+    from services.learning.data import Sample as Trajectory
+    from services.learning.recipe import optimizer_for, step_settings
+    from services.learning.step import train_step
+
+    run = RunConfig.model_validate(
+        {"training": {"micro_batch": grid["micro_batch"], "device": device, "precision": "auto"}}
+    )
+    model.train()
+    optimizer = optimizer_for(run, model)
+    settings = step_settings(run, 0, 0, None, torch.device(device))
+    rng = random.Random(1)
+    vocab = int(model.config.vocab_size)
+
+    def batch(n: int, length: int) -> list[Trajectory]:
+        prompt = length // 4
+        return [
+            Trajectory(
+                trajectory_id=f"t{i}",
+                group_id=f"g{i // 2}",
+                reward=float(i % 2),  # every group informative: no sequence is dropped
+                input_ids=[rng.randrange(vocab) for _ in range(length)],
+                loss_mask=[False] * prompt + [True] * (length - prompt),
+                behaviour_logprobs=[0.0] * prompt + [-2.0] * (length - prompt),
+            )
+            for i in range(n)
+        ]
+
+    def timed(n: int, length: int) -> float:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        train_step(model, optimizer, batch(n, length), settings)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    out: list[Sample] = []
+    timed(min(grid["sequences"]), min(grid["lengths"]))  # warm-up: optimizer state, kernels
+    for n in grid["sequences"]:
+        for length in grid["lengths"]:
+            t = min(timed(n, length) for _ in range(REPEATS))
+            out.append(Sample("train", t, batch=n, context=length, tokens=n * length))
+            say(f"train {n:>3} sequences of {length:>5} tokens: {t:.3f} s/step")
+    return out
+
+
+KERNEL_TOKENS = (1, 16, 64, 256, 1024, 4096)
+
+
+def measure_kernels(model: Any, say: Any) -> list[Sample]:
+    """Every projection of `model` (its `Linear` layers, the head included) applied to T tokens,
+    captured once in a CUDA graph and replayed: the weight-read bandwidth (T = 1) and matmul rate
+    (T = 4096) this GPU achieves with no launch gaps, for T in `KERNEL_TOKENS`."""
+    import torch
+
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    params = sum(w.numel() for w in weights)
+    out: list[Sample] = []
+    for t in KERNEL_TOKENS:
+        xs = {w.shape[1]: torch.randn(t, w.shape[1], device=w.device, dtype=w.dtype) for w in weights}
+
+        def project(xs: dict[int, Any] = xs) -> None:
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require
+            project()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            project()
+        times = []
+        for _ in range(REPEATS + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000 / 5)
+        del graph
+        out.append(Sample("kernels", min(times), batch=t, tokens=t, bytes=nbytes))
+        say(
+            f"projections of {t:>5} tokens: {min(times) * 1000:.2f} ms "
+            f"({nbytes / min(times) / 1e12:.2f} TB/s, {2 * params * t / min(times) / 1e12:.0f} TFLOP/s)"
+        )
+    return out
+
+
+def _shape(m: ModelSpec) -> CostModel:
+    """The cost model's FLOP and byte counts of `m` (its rates play no part)."""
+    return CostModel(GPUSpec(name="counts", flops=1.0, mem_bw=1.0, mem_bytes=1.0), m)
+
+
+def _train_flops(m: ModelSpec, s: Sample) -> float:
+    """FLOPs of the trainer's step (one mini-batch): forward and backward (three forwards' worth),
+    causal attention, no recomputation (the trainer does not checkpoint activations)."""
+    return _shape(m).train_flops(s.tokens, s.context, passes=3)
+
+
 def _decode_terms(m: ModelSpec, s: Sample) -> tuple[float, float]:
     """(bytes read, FLOPs) of one decode iteration, as `CostModel.verify_step_s` counts them."""
-    kv = s.batch * s.context * m.kv_bytes_per_token
-    flops = 2 * m.active_params * s.batch + 4 * m.layers * m.hidden * s.batch * s.context
-    return m.weight_bytes + kv, flops
+    cm = _shape(m)
+    return cm.decode_bytes(s.batch, s.context), cm.forward_flops(s.batch, s.context)
 
 
 def _prefill_flops(m: ModelSpec, tokens: int) -> float:
-    return 2 * m.active_params * tokens + 4 * m.layers * m.hidden * tokens * (tokens / 2)
+    return _shape(m).forward_flops(tokens, tokens / 2)
 
 
 def _rel_rms(pred: list[float], got: list[float]) -> float:
@@ -190,29 +352,61 @@ def _rel_rms(pred: list[float], got: list[float]) -> float:
     )
 
 
-def fit(samples: list[Sample], model: ModelSpec, name: str, mem_bytes: float) -> dict[str, Any]:
-    """The cost model's constants fitted to `samples` (see the module doc), with their errors."""
+def _line(got: list[float], x: list[float]) -> tuple[float, float]:
+    """(a, k) of `got ~ a + x / k` with a >= 0, least squares in relative error."""
+    w = [1 / g**2 for g in got]
+    sw, sx = sum(w), sum(wi * xi for wi, xi in zip(w, x, strict=True))
+    sy = sum(wi * g for wi, g in zip(w, got, strict=True))
+    sxx = sum(wi * xi * xi for wi, xi in zip(w, x, strict=True))
+    sxy = sum(wi * xi * g for wi, xi, g in zip(w, x, got, strict=True))
+    det = sw * sxx - sx * sx
+    if det > 0:
+        a, b = (sxx * sy - sx * sxy) / det, (sw * sxy - sx * sy) / det
+        if a >= 0 and b > 0:
+            return a, 1 / b
+    return 0.0, sxx / sxy if sxy else 1.0  # through the origin
+
+
+def fit(
+    samples: list[Sample], model: ModelSpec, name: str, mem_bytes: float, preset: GPUSpec | None = None
+) -> dict[str, Any]:
+    """The cost model's constants fitted to `samples` (see the module doc), with their errors;
+    with `preset`, the machine's GPU as the presets know it, also as efficiencies against its peak."""
     dec = [s for s in samples if s.kind == "decode"]
     terms = [_decode_terms(model, s) for s in dec]
     got = [s.seconds for s in dec]
-    best: tuple[float, float, float, float] | None = None
-    for i in range(121):  # bandwidth 1e8 .. 1e14 B/s, FLOP/s 1e8 .. 1e15, log grid
-        a = 10 ** -(8 + 6 * i / 120)
-        for j in range(141):
-            f = 10 ** -(8 + 7 * j / 140)
-            base = [max(mb * a, fl * f) for mb, fl in terms]
-            over = max(0.0, sorted(g - b for g, b in zip(got, base, strict=True))[len(got) // 2])
-            err = _rel_rms([over + b for b in base], got)
-            if best is None or err < best[0]:
-                best = (err, a, f, over)
-    assert best is not None, "no decode samples"
-    _, a, f, over = best
+    kern = sorted((s for s in samples if s.kind == "kernels"), key=lambda s: s.tokens)
+    if kern:  # graph-captured projections: the rates the GPU achieves, free of launch overheads
+        a = kern[0].seconds / kern[0].bytes
+        f = kern[-1].seconds / (2 * kern[-1].bytes / model.bytes_per_param * kern[-1].tokens)
+        over = max(
+            0.0,
+            sorted(g - max(mb * a, fl * f) for g, (mb, fl) in zip(got, terms, strict=True))[len(got) // 2],
+        )
+    else:
+        best: tuple[float, float, float, float] | None = None
+        for i in range(121):  # bandwidth 1e8 .. 1e14 B/s, FLOP/s 1e8 .. 1e15, log grid
+            a = 10 ** -(8 + 6 * i / 120)
+            for j in range(141):
+                f = 10 ** -(8 + 7 * j / 140)
+                base = [max(mb * a, fl * f) for mb, fl in terms]
+                over = max(0.0, sorted(g - b for g, b in zip(got, base, strict=True))[len(got) // 2])
+                err = _rel_rms([over + b for b in base], got)
+                if best is None or err < best[0]:
+                    best = (err, a, f, over)
+        assert best is not None, "no decode samples"
+        _, a, f, over = best
     gpu = GPUSpec(name=name, flops=1 / f, mem_bw=1 / a, mem_bytes=mem_bytes, gpus_per_node=1)
+    # a prefill measured alone is one engine iteration: its overhead, then the prompt's FLOPs
     pre = [s for s in samples if s.kind == "prefill"]
     raw = [_prefill_flops(model, s.tokens) * f for s in pre]
-    mult = sum(s.seconds / r for s, r in zip(pre, raw, strict=True)) / len(pre) if pre else 1.0
-    pre_err_raw = _rel_rms(raw, [s.seconds for s in pre])
-    pre_err = _rel_rms([r * mult for r in raw], [s.seconds for s in pre])
+    got_pre = [s.seconds for s in pre]
+    den = sum((r / g) ** 2 for r, g in zip(raw, got_pre, strict=True))
+    mult = (  # least squares of over + mult * raw, in relative error
+        max(0.0, sum(r * (g - over) / g**2 for r, g in zip(raw, got_pre, strict=True)) / den) if den else 1.0
+    )
+    pre_err_raw = _rel_rms([over + r for r in raw], [s.seconds for s in pre])
+    pre_err = _rel_rms([over + r * mult for r in raw], [s.seconds for s in pre])
     wts = [s for s in samples if s.kind == "weights"]
     xs, ys = [float(s.bytes) for s in wts], [s.seconds for s in wts]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -221,13 +415,22 @@ def fit(samples: list[Sample], model: ModelSpec, name: str, mem_bytes: float) ->
         max(1e-15, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var) if var else my / mx
     )
     fixed = max(0.0, my - slope * mx)
+    train = [s for s in samples if s.kind == "train"]
+    # a step = a fixed part (optimizer, per-micro-batch launches: amortised in a large job's steps,
+    # which the cost model prices by FLOPs alone) + its FLOPs at the marginal MFU
+    tflops = [_train_flops(model, s) * f for s in train]
+    step_fixed, train_mfu = (
+        _line([s.seconds for s in train], tflops) if train else (0.0, Calibration().train_mfu)
+    )
     calib = Calibration(
         mem_efficiency=1.0,
         prefill_mfu=1.0,
+        train_mfu=train_mfu,
         tp_decode_efficiency=1.0,
         decode_overhead_s=over,
         prefill=mult,
         sync_fixed_s=fixed,
+        activation_recompute=not train,  # measured: the trainer's own steps, no recomputation
     )
     gpu = GPUSpec(**{**asdict(gpu), "net_bw": 1 / slope})
     check = CostModel(gpu, model, calib)
@@ -236,12 +439,51 @@ def fit(samples: list[Sample], model: ModelSpec, name: str, mem_bytes: float) ->
         "prefill_rel_rms_before_multiplier": round(pre_err_raw, 4),
         "prefill_rel_rms": round(pre_err, 4),
         "weights_rel_rms": round(_rel_rms([x * slope + fixed for x in xs], ys), 4) if wts else None,
+        "train_step_fixed_s": round(step_fixed, 4) if train else None,
+        "train_rel_rms": (
+            round(_rel_rms([step_fixed + t / train_mfu for t in tflops], [s.seconds for s in train]), 4)
+            if train
+            else None
+        ),
     }
-    return {"gpu": asdict(gpu), "model": asdict(model), "calibration": asdict(calib), "fit_error": errors}
+    out = {"gpu": asdict(gpu), "model": asdict(model), "calibration": asdict(calib), "fit_error": errors}
+    if preset is not None:  # the same fit, in the presets' terms: rates as shares of the peak
+        out["efficiency"] = {
+            "preset": preset.name,
+            "mem_efficiency": round(gpu.mem_bw / preset.mem_bw, 4),
+            "prefill_mfu": round(gpu.flops / preset.flops, 4),
+            "train_mfu": round(gpu.flops * train_mfu / preset.flops, 4) if train else None,
+            "decode_overhead_s": round(over, 6),
+            "prefill": round(mult, 4),
+        }
+    return out
 
 
 def _say(text: str) -> None:
     print(f"  {text}", file=sys.stderr, flush=True)
+
+
+def _device(want: str) -> str:
+    import torch
+
+    if want == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA GPU (a CPU build of torch?)")
+    return want
+
+
+def _gpu_preset(device: str) -> GPUSpec | None:
+    """The preset of the GPU this machine has (by its name: `H100`, `H200`, `A800`…), if any."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    from services.common.cost_model import gpu_preset, preset_names
+
+    words = torch.cuda.get_device_name().upper().replace("-", " ").split()
+    known = [key for key in preset_names()[0] if key.upper() in words]
+    return gpu_preset(known[0]) if known else None
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -249,13 +491,30 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     from services.common.runconfig import ModelConfig, RunConfig
     from services.generation.engine import engine_for
 
-    grid = QUICK if args.quick else FULL
-    model = (
-        ModelConfig(source=args.model)
-        if "/" not in args.model and args.model in ("smollm2", "tiny-random")
-        else ModelConfig(source="path", path=args.model)
-    )
-    model_dir = await asyncio.to_thread(resolve_model_dir, model)
+    device = _device(args.device)
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    grid = QUICK if args.quick else GPU if device == "cuda" else FULL
+    built: Any = None
+    if args.model.startswith("random:"):
+        if args.backend != "hf":
+            raise SystemExit("--model random:… is built in memory: it needs --backend hf")
+        shape, config = random_config(args.model.removeprefix("random:"))
+        tokenizer = args.tokenizer or await asyncio.to_thread(
+            resolve_model_dir, ModelConfig(source="smollm2")
+        )
+        model_dir = Path(args.workdir) / f"random-{shape}"
+        built = await asyncio.to_thread(random_model, config, Path(tokenizer), model_dir, dtype, device)
+        model = ModelConfig(source="path", path=str(model_dir))
+        _say(
+            f"built {shape} with random weights: {sum(p.numel() for p in built.parameters()) / 1e9:.2f}B parameters on {device}"
+        )
+    else:
+        model = (
+            ModelConfig(source=args.model)
+            if "/" not in args.model and args.model in ("smollm2", "tiny-random")
+            else ModelConfig(source="path", path=args.model)
+        )
+        model_dir = await asyncio.to_thread(resolve_model_dir, model)
     batch = max(grid["batches"])
     longest = max(max(grid["contexts"]), max(grid["prefill"])) + grid["new"] + 8
     if args.backend == "vllm":
@@ -269,11 +528,17 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 "rollout": {"backend": "vllm", "max_batch": batch, "torch_threads": args.threads},
             }
         )
-        backend: Any = VllmBackend(run, EngineSettings(seed=0, vllm_dtype="float32"))
+        backend: Any = VllmBackend(run, EngineSettings(seed=0, vllm_dtype=dtype))
     else:
         from services.generation.backends.hf import HFBackend
 
-        backend = HFBackend(model, torch_threads=args.threads, seed=0)
+        if built is None and dtype != "float32":
+            raise SystemExit(
+                "--dtype: the hf engine serves a model directory in float32 (random:… takes any)"
+            )
+        if built is not None:
+            built.eval()
+        backend = HFBackend(model, torch_threads=args.threads, seed=0, model=built)
     await backend.start()
     engine = engine_for(backend, batch)
     engine.start()
@@ -282,27 +547,91 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await engine.close(timeout=5)
         await backend.close()
-    spec = model_spec(model_dir, 4)
+    if device == "cuda" and built is not None:
+        try:
+            samples += await asyncio.to_thread(measure_kernels, built, _say)
+        except RuntimeError as err:  # the engine's timings stand without them
+            _say(f"graph-captured projections failed, rates fitted from the engine alone: {err}")
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)  # the raw timings, whatever the fit does
+    (Path(args.workdir) / "samples.json").write_text(json.dumps([asdict(s) for s in samples]))
+    params = sum(p.numel() for p in built.parameters()) if built is not None else 0
+    spec = model_spec(model_dir, 2 if dtype == "bfloat16" else 4, params)
+    if args.trainer:
+        if built is not None:  # the trainer keeps float32 weights (bf16 autocast on CUDA)
+            built.float()
+            trained = built
+        else:
+            from services.common.models import load_model
+
+            trained = (await asyncio.to_thread(load_model, model)).to(device)
+        tgrid = TRAIN_QUICK if args.quick else TRAIN_GPU if device == "cuda" else TRAIN_FULL
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()  # the engine's KV cache
+        samples += await asyncio.to_thread(measure_training, trained, tgrid, device, _say)
+        (Path(args.workdir) / "samples.json").write_text(json.dumps([asdict(s) for s in samples]))
     kv_tokens = getattr(backend, "kv_tokens", 0) or batch * longest
     mem_bytes = (spec.weight_bytes + kv_tokens * spec.kv_bytes_per_token) / 0.9  # reserved_fraction 0.1
-    name = f"{platform.machine()}-{os.cpu_count()}cpu-{args.backend}"
-    fitted = fit(samples, spec, name, mem_bytes)
+    preset = _gpu_preset(device)
+    name = (
+        f"{preset.name}-{args.backend}"
+        if preset is not None
+        else f"{platform.machine()}-{os.cpu_count()}cpu-{args.backend}"
+    )
+    if preset is not None:
+        mem_bytes = preset.mem_bytes
+    fitted = fit(samples, spec, name, mem_bytes, preset)
     return {
         "libra_profile": 1,
         "measured": {
             "backend": args.backend,
             "model": args.model,
-            "dtype": "float32",
+            "dtype": dtype,
+            "device": device if device != "cuda" else f"cuda ({_cuda_name()})",
             "threads": args.threads,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
             "date": time.strftime("%Y-%m-%d"),
             "command": "libra calibrate "
             + " ".join(sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:]),
             "quick": bool(args.quick),
+            "trainer": bool(args.trainer),
         },
         **fitted,
         "samples": [asdict(s) for s in samples],
     }
+
+
+def _cuda_name() -> str:
+    import torch
+
+    return str(torch.cuda.get_device_name())
+
+
+def _refit(path: Path, out: Path) -> int:
+    """The current fit on a profile's recorded timings: its measurements and machine are kept."""
+    from services.common.cost_model import gpu_preset
+
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict) or data.get("libra_profile") != 1:
+        raise SystemExit(f"libra calibrate --refit: {path} is not a profile written by `libra calibrate`")
+    preset = gpu_preset(data["efficiency"]["preset"]) if data.get("efficiency") else None
+    gpu = data["gpu"]
+    fitted = fit(
+        [Sample(**s) for s in data["samples"]],
+        ModelSpec.from_dict(data["model"]),
+        gpu["name"],
+        gpu["mem_bytes"],
+        preset,
+    )
+    data = (
+        {k: v for k, v in data.items() if k not in ("samples", "efficiency")}
+        | fitted
+        | {"samples": data["samples"]}
+    )
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    print(f"{out}: refitted; fit errors {fitted['fit_error']}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,22 +639,46 @@ def main(argv: list[str] | None = None) -> int:
         prog="libra calibrate", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
     p.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
-    p.add_argument("--model", default="smollm2", help="smollm2, tiny-random or a model directory")
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2, tiny-random, a model directory, or random:NAME (a shape under "
+        "presets/model_configs/, random weights built here; hf only)",
+    )
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="hf engine and trainer")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        help="served weights (default: bfloat16 on CUDA, else float32)",
+    )
+    p.add_argument("--trainer", action="store_true", help="also measure the trainer's step and fit train_mfu")
+    p.add_argument("--tokenizer", type=Path, help="random:… models: the tokenizer (default: SmolLM2's)")
+    p.add_argument("--workdir", default=".libra/calibrate", help="random:… models: where their config goes")
     p.add_argument("--threads", type=int, default=2, help="engine threads (default 2)")
     p.add_argument("--out", type=Path, help="profile YAML (default: profile-<backend>-<model>.yaml)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (seconds on a tiny model)")
+    p.add_argument(
+        "--refit",
+        type=Path,
+        metavar="PROFILE",
+        help="fit a profile's raw timings again, measuring nothing (into --out, else in place)",
+    )
     args = p.parse_args(argv)
+    if args.refit is not None:
+        return _refit(args.refit, args.out or args.refit)
     started = time.monotonic()
     print(
         f"calibrating the {args.backend} engine on {args.model} ({'quick' if args.quick else 'full'} grid)…",
         file=sys.stderr,
     )
     profile = asyncio.run(_run(args))
-    out = args.out or Path(f"profile-{args.backend}-{Path(args.model).name}.yaml")
+    out = args.out or Path(f"profile-{args.backend}-{Path(args.model.replace(':', '-')).name}.yaml")
     out.write_text(yaml.safe_dump(profile, sort_keys=False))
     err = profile["fit_error"]
+    train = f", training {err['train_rel_rms']:.0%}" if err.get("train_rel_rms") is not None else ""
     print(
         f"{out}: decode fit within {err['decode_rel_rms']:.0%} (rel. RMS), prefill {err['prefill_rel_rms']:.0%}, "
-        f"weights {err['weights_rel_rms']:.0%}; {time.monotonic() - started:.0f} s. Use it: libra sim --profile {out}"
+        f"weights {err['weights_rel_rms']:.0%}{train}; {time.monotonic() - started:.0f} s. "
+        f"Use it: libra sim --profile {out}"
     )
     return 0

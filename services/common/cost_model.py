@@ -159,12 +159,22 @@ class CostModel:
         per_layer = 2 * (self.gpu.allreduce_latency_s + msg / self.gpu.nvlink_bw)
         return self.model.layers * per_layer
 
+    def decode_bytes(self, batch: int, avg_context: float) -> float:
+        """What one decode iteration reads: the weights and the batch's KV cache, once."""
+        return self.model.weight_bytes + batch * avg_context * self.model.kv_bytes_per_token
+
+    def forward_flops(self, tokens: float, context: float) -> float:
+        """A forward pass over `tokens` query tokens, each attending to `context` tokens on average."""
+        return (
+            2 * self.model.active_params * tokens
+            + 4 * self.model.layers * self.model.hidden * tokens * context
+        )
+
     def _decode_read_s(self, batch: int, avg_context: float, tp: int) -> float:
         """Reading the weights and the batch's KV cache once, at the achieved share of HBM bandwidth."""
         c = self.calib
-        kv = batch * avg_context * self.model.kv_bytes_per_token
         eff = c.mem_efficiency * c.tp_decode_efficiency ** math.log2(tp)
-        return (self.model.weight_bytes + kv) / (tp * self.gpu.mem_bw * eff)
+        return self.decode_bytes(batch, avg_context) / (tp * self.gpu.mem_bw * eff)
 
     def decode_step_s(self, batch: int, avg_context: float, tp: int) -> float:
         """One continuous-batching decode iteration for `batch` sequences of `avg_context` tokens."""
@@ -179,8 +189,7 @@ class CostModel:
         c = self.calib
         q = max(batch, query_tokens)
         mem = self._decode_read_s(batch, avg_context, tp)
-        flops = 2 * self.model.active_params * q + 4 * self.model.layers * self.model.hidden * q * avg_context
-        compute = flops / (tp * self.gpu.flops * c.prefill_mfu)
+        compute = self.forward_flops(q, avg_context) / (tp * self.gpu.flops * c.prefill_mfu)
         return c.decode * (max(mem, compute) + self._allreduce_s(tp, q)) + c.decode_overhead_s
 
     def verify_cost(self, batch: int, avg_context: float, tp: int) -> Callable[[int], float]:
@@ -188,9 +197,7 @@ class CostModel:
         does not depend on them computed once (the speculation policy prices many draft lengths)."""
         c = self.calib
         mem = self._decode_read_s(batch, avg_context, tp)
-        per_q = (2 * self.model.active_params + 4 * self.model.layers * self.model.hidden * avg_context) / (
-            tp * self.gpu.flops * c.prefill_mfu
-        )
+        per_q = self.forward_flops(1, avg_context) / (tp * self.gpu.flops * c.prefill_mfu)
         ar_fixed = self._allreduce_s(tp, 0)  # the all-reduce is linear in the tokens it carries
         ar_per_q = self._allreduce_s(tp, 1) - ar_fixed
         d, over = c.decode, c.decode_overhead_s
@@ -206,8 +213,7 @@ class CostModel:
         if tokens <= 0:
             return 0.0
         c = self.calib
-        attn = 4 * self.model.layers * self.model.hidden * tokens * (context_before + tokens / 2)
-        flops = 2 * self.model.active_params * tokens + attn
+        flops = self.forward_flops(tokens, context_before + tokens / 2)  # causal: half the new tokens
         return c.prefill * flops / (tp * self.gpu.flops * c.prefill_mfu) + self._allreduce_s(tp, 1)
 
     def kv_capacity_tokens(self, tp: int) -> int:
@@ -223,10 +229,12 @@ class CostModel:
         need = max(1, math.ceil(max_seq / self.calib.train_tokens_per_gpu))
         return max(tp, 1 << (need - 1).bit_length())
 
-    def train_flops(self, tokens: float, avg_seq: float) -> float:
+    def train_flops(self, tokens: float, avg_seq: float, passes: int | None = None) -> float:
         """Forward + backward (two forwards' worth) + one forward for old log-probs (GRPO) + one
-        recomputed forward when activations are checkpointed, with causal attention."""
-        passes = 4 + (1 if self.calib.activation_recompute else 0)
+        recomputed forward when activations are checkpointed, with causal attention; or `passes`
+        forwards' worth (a trainer measured doing fewer)."""
+        if passes is None:
+            passes = 4 + (1 if self.calib.activation_recompute else 0)
         per_token = 2 * passes * (self.model.active_params + self.model.layers * self.model.hidden * avg_seq)
         return per_token * tokens
 
@@ -309,6 +317,15 @@ def preset_names() -> tuple[list[str], list[str]]:
     return list(_read_presets("hardware")), list(_read_presets("models"))
 
 
+def gpu_preset(name: str) -> GPUSpec:
+    """A GPU of `presets/hardware.yaml` by its key (`H200`) or its full name (`H200-141GB-SXM`)."""
+    gpus = _read_presets("hardware")
+    for key, spec in gpus.items():
+        if name in (key, spec.get("name")):
+            return GPUSpec.from_dict(spec)
+    raise KeyError(f"unknown GPU preset {name!r}; known: {', '.join(gpus)}")
+
+
 def _read_presets(kind: str) -> dict[str, Any]:
     with open(PRESET_DIR / f"{kind}.yaml") as f:
         data: dict[str, Any] = yaml.safe_load(f)
@@ -325,6 +342,24 @@ def load_profile(path: str | Path) -> CostModel:
     known = {f.name for f in fields(Calibration)}
     calib = Calibration(**{k: v for k, v in (data.get("calibration") or {}).items() if k in known})
     return CostModel(GPUSpec.from_dict(data["gpu"]), ModelSpec.from_dict(data["model"]), calib)
+
+
+TRANSFERABLE = ("mem_efficiency", "prefill_mfu", "train_mfu")
+"""A profile's efficiencies that hold on other hardware of its kind: the shares of the peak its
+kernels achieved. The decode overhead is its engine's (an eager `hf` engine's is not vLLM's)."""
+
+
+def profile_efficiencies(path: str | Path) -> dict[str, float]:
+    """The efficiencies a GPU profile measured against its preset's peak (`TRANSFERABLE`), to apply
+    to another scenario's hardware (`libra sim --efficiencies`)."""
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict) or data.get("libra_profile") != 1:
+        raise ValueError(f"{path}: not a profile written by `libra calibrate`")
+    eff = data.get("efficiency")
+    if not eff:
+        raise ValueError(f"{path}: measured on no known GPU preset, so it has no efficiencies against a peak")
+    return {k: float(eff[k]) for k in TRANSFERABLE if eff.get(k) is not None}
 
 
 def load_presets(gpu: str, model: str) -> CostModel:

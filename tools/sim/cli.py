@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.common.cost_model import Calibration
+from services.common.cost_model import Calibration, profile_efficiencies
 from services.common.synthetic import Workload
 from tools.sim.jobs import SCENARIOS, Runner, Scenario, default_jobs
 from tools.sim.scenarios import resolve, run, sweep_size
@@ -29,6 +29,12 @@ def _parser() -> argparse.ArgumentParser:
         "--profile",
         help="a `libra calibrate` profile: the machine and model it measured, with its fitted constants, "
         "instead of the --gpu and --model presets",
+    )
+    p.add_argument(
+        "--efficiencies",
+        metavar="PROFILE",
+        help="a GPU profile's measured efficiencies (mem_efficiency, prefill_mfu, train_mfu) on the "
+        "scenario's own hardware and model, in place of the assumed ones (--calib still overrides)",
     )
     p.add_argument(
         "--systems",
@@ -117,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             scenario = dataclasses.replace(scenario, acceptance_scale=args.acceptance_scale)
         if args.profile:
             scenario = dataclasses.replace(scenario, profile=args.profile)
-        if args.calib:
-            scenario = dataclasses.replace(scenario, calibration=tuple(parse_calib(c) for c in args.calib))
+        measured = list(profile_efficiencies(args.efficiencies).items()) if args.efficiencies else []
+        if args.calib or measured:
+            pairs = dict(measured) | dict(parse_calib(c) for c in args.calib)
+            scenario = dataclasses.replace(scenario, calibration=tuple(pairs.items()))
         names = resolve([s.strip() for s in args.systems.split(",")] if args.systems else scenario.systems)
         seeds = args.seeds or scenario.seeds
         from tqdm import tqdm
