@@ -195,11 +195,15 @@ _REDIS_COMMANDS = " ".join(
 REDIS_MAXMEMORY = "1gb"
 """Redis's memory cap (`redis/redis.conf`): far above what a job keeps (leases, a commit record,
 the trained ids, the ledger), so an identity that floods its own keys fills Redis only this far."""
+REDIS_MAX_VALUE = "1mb"
 REDIS_SERVER_LINES = (
     f"maxmemory {REDIS_MAXMEMORY}",
     # never evict: a lease, a fencing counter or a commit record must not vanish under memory
     # pressure; writes that need memory fail (typed errors) while renewals and reads go on
     "maxmemory-policy noeviction",
+    # one value (any bulk argument) is at most 1 MB, Redis's smallest bound: Libra's largest, a
+    # plan of a 1,024-engine stack, is ~100 kB; an identity cannot park 64 MB under its own key
+    f"proto-max-bulk-len {REDIS_MAX_VALUE}",
 )
 _REDIS_KEYS: dict[str, tuple[str, ...]] = {
     # `~` read and write, `%R~` read only; keys are libra:<run>:… (services/common/ownership.py);

@@ -68,11 +68,28 @@ def test_redis_is_capped_and_never_evicts(creds: StackCredentials) -> None:
     a commit record to make room (writes that need memory fail instead)."""
     conf = creds.redis_conf.read_text().splitlines()
     assert "maxmemory 1gb" in conf and "maxmemory-policy noeviction" in conf
+    assert "proto-max-bulk-len 1mb" in conf
     assert all(
         "+@scripting" not in line and "-@scripting" in line
         for line in conf
         if line.startswith("user planner")
     )
+
+
+async def test_no_identity_parks_a_large_value_even_under_its_own_key(
+    secure_redis: Server, creds: StackCredentials, run_id: str
+) -> None:
+    """A value over 1 MB is refused whoever writes it and wherever (the server bounds every bulk
+    argument and drops the sender's connection); the key keeps its value, others are served."""
+    me = aioredis.from_url(secure_redis.url, **creds.redis_auth("rollout-engine"))
+    own = f"libra:{run_id}:lease:worker:rollout-engine-0"
+    await me.set(own, b"x" * 1000)  # its own key: allowed
+    with pytest.raises(Exception, match="(?i)bulk|protocol|connection"):
+        await me.set(own, b"x" * (2 << 20))
+    other = aioredis.from_url(secure_redis.url, **creds.redis_auth("planner"))
+    assert await other.get(own) == b"x" * 1000
+    for r in (me, other):
+        await r.aclose()
 
 
 def test_secrets_are_private_and_per_identity(creds: StackCredentials) -> None:
@@ -147,6 +164,10 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("rollout-engine", subjects.LEND_REQUEST, ev.LendRequest(want="lend")),
         ("scheduler", subjects.LEND_REQUEST, ev.LendRequest(want="reclaim")),
         ("cli", subjects.LEND_REQUEST, ev.LendRequest(want="lend")),
+        # rollout text reaches the job's samples file from the scheduler alone
+        ("rollout-engine", subjects.TRAJ_SAMPLE, ev.TrajectorySample(trajectory_id="forged")),
+        ("tool-sandbox", subjects.TRAJ_SAMPLE, ev.TrajectorySample(trajectory_id="forged")),
+        ("trainer", subjects.TRAJ_SAMPLE, ev.TrajectorySample(trajectory_id="forged")),
     ]
     for identity, suffix, msg in forgeries:
         await buses[identity].publish(suffix, msg)
@@ -163,6 +184,7 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("scheduler", subjects.FACTS_SCHEDULER, ev.SchedulerFacts(published=1)),
         ("planner", subjects.FACTS_PLANNER, ev.PlannerFacts(plans_total=1)),
         ("trainer", subjects.LEND_REQUEST, ev.LendRequest(want="lend")),
+        ("scheduler", subjects.TRAJ_SAMPLE, ev.TrajectorySample(trajectory_id="real")),
     ]
     for identity, suffix, msg in owned:
         await buses[identity].publish(suffix, msg)
