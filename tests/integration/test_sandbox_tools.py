@@ -192,6 +192,17 @@ def test_cli_prints_the_outcome_as_json(tmp_path: Path) -> None:
         cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
     assert calc.returncode == 0 and json.loads(calc.stdout)["payload"] == "42"
+    plugin = ["--plugin", str(REPO / "examples" / "custom" / "unit_tool.py")]  # a plugin, tried alone
+    conv = subprocess.run(
+        [*cmd[:-1], "convert", *plugin, "--args", '{"value": 2, "from": "h", "to": "s"}'],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert conv.returncode == 0, conv.stderr
+    assert json.loads(json.loads(conv.stdout)["payload"])["stdout"] == "7200\n"
+    bad = subprocess.run(
+        [*cmd, "--plugin", str(tmp_path / "none.py")], cwd=REPO, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "none.py" in bad.stderr
 
 
 async def test_a_tool_plugin_runs_in_the_sandbox(tmp_path: Path) -> None:
