@@ -60,13 +60,12 @@ def write_reward_plot(report: dict[str, Any], out_dir: Path) -> Path | None:
         f"{report.get('run_id', '')}\nreward by step (trajectories of successive policies)", fontsize=10
     )
     top.legend(fontsize=8, loc="best")
-    if stats.get("entropy"):
-        bottom.plot(
-            steps,
-            [e if e is not None else float("nan") for e in stats["entropy"]],
-            "o-",
-            color="tab:purple",
-            label="entropy (nats/token)",
+    entropy = [e if e is not None else float("nan") for e in stats.get("entropy") or []]
+    if any(e == e for e in entropy):  # some step measured it (NaN != NaN)
+        bottom.plot(steps[: len(entropy)], entropy, "o-", color="tab:purple", label="entropy (nats/token)")
+    else:  # an empty panel reads as a broken plot: say why it is empty
+        bottom.text(
+            0.5, 0.5, "no step measured entropy", ha="center", va="center", transform=bottom.transAxes
         )
     from matplotlib.ticker import MaxNLocator
 

@@ -77,6 +77,8 @@ def _throughput(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
         bottom.set_xlabel("train step")
         bottom.set_ylabel("seconds")
         bottom.legend(fontsize=8, loc="upper right")  # "best" searches every point: slow on long runs
+    else:
+        bottom.text(0.5, 0.5, "no step committed yet", ha="center", va="center", transform=bottom.transAxes)
     return _save(plt, fig, out / "throughput.png")
 
 
@@ -120,6 +122,7 @@ def _engines(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
     top.set_title(f"{title}: engine utilisation")
     top.legend(fontsize=8, loc="upper right")
     bottom.set_ylabel("tokens / s")
+    bottom.set_ylim(bottom=0)  # from zero: a steady rate must not read as a swing of 127.84-127.92
     bottom.set_xlabel("seconds since the job started")
     return _save(plt, fig, out / "engines.png")
 

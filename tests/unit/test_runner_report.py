@@ -155,6 +155,9 @@ def test_a_report_with_steps_gets_a_reward_plot(tmp_path) -> None:
     path = write_reward_plot(report, tmp_path)
     assert path is not None and path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
     assert write_reward_plot({"reward_mean_per_step": []}, tmp_path / "none") is None
+    short = {"reward_mean_per_step": [0.2], "training_stats": {"entropy": [None]}}  # one step
+    (tmp_path / "short").mkdir()
+    assert write_reward_plot(short, tmp_path / "short") is not None  # says in the panel why it is empty
 
 
 def test_the_report_says_what_its_reward_measures() -> None:
@@ -263,6 +266,10 @@ def test_a_timeline_gets_throughput_tool_and_engine_plots(tmp_path) -> None:
     assert sorted(p.name for p in paths) == ["engines.png", "throughput.png", "tools.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 10_000 for p in paths)
     assert write_run_plots({"samples": [], "engines": [], "steps": []}, "r", tmp_path / "none") == []
+    early = write_run_plots(
+        {"samples": samples[:5], "engines": engines, "steps": []}, "r", tmp_path / "early"
+    )
+    assert "throughput.png" in {p.name for p in early}  # before the first step: rollout alone
 
 
 def test_speculation_totals_survive_an_engine_restart_and_split_by_step() -> None:
