@@ -180,6 +180,9 @@ class Membership:
             except Exception as err:  # Redis down: keep trying, the lease may still be live
                 self.log.warning("lease_renew_failed", error=str(err))
                 continue
+            took = time.monotonic() - renewed_at
+            if took > self.lease_ttl_s / 4:  # Redis answered, late: say so before a lease is at risk
+                self.log.warning("redis_slow", renewal_s=round(took, 2), lease_ttl_s=self.lease_ttl_s)
             if ok:
                 self._valid_until = renewed_at + self.lease_ttl_s
             elif self.assignment is not None and self.assignment.fencing_token == a.fencing_token:

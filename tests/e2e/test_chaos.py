@@ -1,5 +1,6 @@
 """Chaos, small: kill -9 each service in turn in the middle of a job on a stack that restarts what
-dies, freeze an engine and the trainer past their lease, kill -9 nats-server and Redis. Each comes
+dies, freeze an engine and the trainer past their lease, freeze Redis for less than a lease, kill
+-9 nats-server and Redis. Each comes
 back, the services resume from their durable state (the trainer's checkpoint, the scheduler's
 ledger, JetStream, Redis' append-only file), and the job completes with every step's groups
 trained exactly once and no trajectory lost."""
@@ -41,6 +42,7 @@ LONG = pytest.mark.skipif(
 VICTIMS = ["rollout-engine-0", "tool-sandbox", "trainer", "planner", "scheduler"]
 PAUSED = {"rollout-engine-1": 20.0, "trainer": 15.0}  # SIGSTOP for longer than the 10 s lease
 INFRA = ["nats", "redis"]
+REDIS_FROZEN_S = 6.0
 
 
 def _redis(stack: Stack) -> redis.Redis:
@@ -144,6 +146,18 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
                 os.kill(stack.procs[victim].pid, signal.SIGCONT)
                 if not await two_more_steps(f"SIGSTOP {victim} {pause:.0f} s", before, time.monotonic()):
                     return
+            # a Redis that stops answering (a client holding it busy, a frozen VM) for less than
+            # a lease: every service waits on it, then carries on
+            await asyncio.sleep(3.0)
+            before = committed_steps()
+            assert stack.redis is not None
+            os.kill(stack.redis.proc.pid, signal.SIGSTOP)
+            await asyncio.sleep(REDIS_FROZEN_S)
+            os.kill(stack.redis.proc.pid, signal.SIGCONT)
+            if not await two_more_steps(
+                f"SIGSTOP redis-server {REDIS_FROZEN_S:.0f} s", before, time.monotonic()
+            ):
+                return
             for infra in INFRA:  # the supervisor starts it again on its port, data and credentials
                 await asyncio.sleep(3.0)
                 before = committed_steps()
@@ -176,8 +190,13 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
         {f"kill -9 {v}" for v in VICTIMS}
         | {f"SIGSTOP {v} {p:.0f} s" for v, p in PAUSED.items()}
         | {f"kill -9 {i}-server" for i in INFRA}
+        | {f"SIGSTOP redis-server {REDIS_FROZEN_S:.0f} s"}
     )
     assert set(recovered) == faults, events  # every fault happened while the job ran, and it moved on
+    said = [
+        f.name for f in (tmp_path / "logs").glob("*.log") if "redis_slow" in f.read_text(errors="replace")
+    ]
+    assert said, "no service said that Redis answered late"  # the frozen Redis was noticed
     assert report["status"] == "completed", report["reason"]
     assert report["train_steps"] == cfg.training.steps
     assert report["all_engines_on_final_version"], report["engines"]
