@@ -26,6 +26,11 @@ class BrokenUserCode:
     """Of the last `window` trajectories that ended: '' (worked) or the user-code failure code."""
     last: dict[str, str] = field(default_factory=dict)
     """Failure code -> its latest message."""
+    ended_total: int = 0
+    failed_total: int = 0
+    """Since the job started: trajectories that ended (infrastructure failures aside), and of them
+    those that failed in the job's own code (the report counts every failure; this message says
+    which ones it means)."""
 
     def ended(self, failure_code: str = "", message: str = "") -> str | None:
         """A trajectory ended (`failure_code` empty: it completed). Returns why the job's own code
@@ -33,6 +38,8 @@ class BrokenUserCode:
         if failure_code and not failure_code.startswith(USER_CODE_PREFIXES):
             return None  # the infrastructure's failure says nothing about the job's code
         self.recent.append(failure_code)
+        self.ended_total += 1
+        self.failed_total += bool(failure_code)
         if len(self.recent) > self.window:
             self.recent.popleft()
         if failure_code:
@@ -43,5 +50,6 @@ class BrokenUserCode:
         code, n = failed.most_common(1)[0]
         return (
             f"{sum(failed.values())} of the last {self.window} trajectories failed in the job's own "
-            f"code ({n} with {code}); the latest: {self.last[code]}"
+            f"code ({n} with {code}; {self.failed_total} of {self.ended_total} since the job started, "
+            f"not counting the infrastructure's failures); the latest: {self.last[code]}"
         )

@@ -166,6 +166,7 @@ def test_a_reward_failing_on_nearly_every_call_is_called_broken_and_one_failing_
     assert broken.ended("reward_error", "TypeError: x") is None  # 2 of the last 3: too few yet
     why = broken.ended("reward_error", "TypeError: y")
     assert why is not None and "3 of the last 4" in why and "reward_error" in why and "TypeError: y" in why
+    assert "3 of 4 since the job started" in why  # the stale one is the infrastructure's
     moody = BrokenUserCode(window=4, share=0.75)
     for _ in range(10):  # fails half the time: unlucky, not broken
         assert moody.ended("reward_error", "e") is None
