@@ -115,6 +115,45 @@ Fail = Callable[[Live, str, str], Awaitable[None]]
 """Ends a trajectory the infrastructure could not carry (live, code, message)."""
 
 
+class Outstanding:
+    """The turns sent to engines and not yet answered: request id -> trajectory id, and the same by
+    engine, kept together (a report from one of 1,024 engines must not scan every turn)."""
+
+    def __init__(self) -> None:
+        self._traj: dict[str, tuple[str, str]] = {}
+        self._by_engine: dict[str, dict[str, str]] = {}
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._traj
+
+    def __len__(self) -> int:
+        return len(self._traj)
+
+    def get(self, request_id: str) -> str | None:
+        found = self._traj.get(request_id)
+        return found[0] if found is not None else None
+
+    def add(self, request_id: str, traj_id: str, engine_id: str) -> None:
+        self.pop(request_id)
+        self._traj[request_id] = (traj_id, engine_id)
+        self._by_engine.setdefault(engine_id, {})[request_id] = traj_id
+
+    def pop(self, request_id: str, default: str | None = None) -> str | None:
+        found = self._traj.pop(request_id, None)
+        if found is None:
+            return default
+        traj_id, engine_id = found
+        turns = self._by_engine[engine_id]
+        del turns[request_id]
+        if not turns:
+            del self._by_engine[engine_id]
+        return traj_id
+
+    def on(self, engine_id: str) -> dict[str, str]:
+        """`engine_id`'s turns: request id -> trajectory id (a view: copy it to change the map)."""
+        return self._by_engine.get(engine_id, {})
+
+
 class InFlight:
     def __init__(
         self,
@@ -131,8 +170,9 @@ class InFlight:
         self.log = get_logger(component="scheduler")
         self.bucket_level = {b.name: i for i, b in enumerate(cfg.rollout.buckets)}
         self._live: dict[str, Live] = {}
-        self._by_request: dict[str, str] = {}
-        """Engine request id -> the trajectory whose turn it is (absent: answered, lost, given up)."""
+        self._by_request = Outstanding()
+        """Engine request id -> the trajectory whose turn it is (absent: answered, lost, given up),
+        indexed by engine too: an engine's load report looks at its own turns only."""
         self._sent_to: dict[str, int] = {}
         """Engine id -> turns sent to it so far (the last TurnRequest.seq)."""
         self._by_call: dict[str, str] = {}
@@ -345,7 +385,7 @@ class InFlight:
         live.seq = self._sent_to[engine_id] = self._sent_to.get(engine_id, 0) + 1
         live.answered_at = 0.0
         live.deadline = time.monotonic() + self.settings.turn_timeout(action.max_new_tokens)
-        self._by_request[live.request_id] = traj.trajectory_id
+        self._by_request.add(live.request_id, traj.trajectory_id, engine_id)
         ctx = trace.set_span_in_context(live.span)
         live.step_span = tracer().start_span(
             "turn.generate",
@@ -478,9 +518,10 @@ class InFlight:
         held = set(load.request_ids)
         answered = set(load.answered_ids)
         now = time.monotonic()
-        for live in list(self._live.values()):
-            if live.engine_id != load.engine_id or live.request_id not in self._by_request:
-                continue
+        for request_id, traj_id in list(self._by_request.on(load.engine_id).items()):
+            live = self._live.get(traj_id)
+            if live is None or live.request_id != request_id or request_id not in self._by_request:
+                continue  # (a turn re-sent or ended while an earlier one was handled)
             unread = load.last_seq < live.seq
             if live.request_id in held or unread or now - live.sent_at < self.settings.lost_turn_grace_s:
                 live.missing = 0
