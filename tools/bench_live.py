@@ -120,7 +120,12 @@ def live_config(
             ],
             "policy": policy,
             "max_batch": ns.max_batch,
-            "emulated": {"gpu": ns.gpu, "model": ns.model, "time_scale": ns.time_scale},
+            "emulated": {
+                "gpu": ns.gpu,
+                "model": ns.model,
+                "time_scale": ns.time_scale,
+                **({"profile": str(ns.profile.resolve())} if ns.profile else {}),
+            },
         },
         "training": {
             "backend": "emulated",
@@ -322,6 +327,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="H100")
     p.add_argument("--model", default="qwen3-14b")
     p.add_argument(
+        "--profile",
+        type=Path,
+        help="a `libra calibrate` profile: engines, training and the simulator's prediction all price "
+        "what it measured instead of --gpu and --model",
+    )
+    p.add_argument(
         "--max-engines", type=int, default=24, help=f"most engine processes {PLANNED}'s layout may need"
     )
     p.add_argument(
@@ -431,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         "emulated": True,
         "note": "engines and training are EMULATED (cost-model timings); the control plane is real",
         "time_scale": ns.time_scale,
-        "settings": {k: v for k, v in vars(ns).items() if k != "out"} | {"out": str(out)},
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(ns).items() if k != "out"}
+        | {"out": str(out)},
         "targets": TARGETS,
         "policies": results,
         "lending_gain": gain,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from services.common.cost_model import load_presets
 from services.common.runconfig import RunConfig
 
 
@@ -16,7 +15,7 @@ def switch_s(cfg: RunConfig) -> float:
     if cfg.rollout.backend != "emulated" or cfg.planner.lending.engines == 0:
         return 0.0
     e = cfg.rollout.emulated
-    cm = load_presets(e.gpu, e.model)
+    cm = e.costs()
     switch = cm.colocated_switch_s(cfg.training.emulated_gpus, cfg.planner.lending.tensor_parallel)
     return switch * cfg.rollout.emulated.time_scale
 

@@ -7,12 +7,15 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.common.config import ConfigFileError, SettingsError
+
+if TYPE_CHECKING:
+    from services.common.cost_model import CostModel
 
 
 class _Strict(BaseModel):
@@ -210,6 +213,10 @@ class EmulatedConfig(_Strict):
     time_scale: float = Field(1.0, gt=0.0, le=1000.0)
     """Wall seconds per emulated second, for emulated engines and the synthetic task's tool
     latencies alike (0.1 runs ten times faster than the hardware it pretends to be)."""
+    profile: str | None = None
+    """A `libra calibrate` profile (YAML): the machine and model it measured, with the constants
+    fitted to it, instead of the `gpu` and `model` presets (relative: to the config file's
+    directory)."""
 
     @model_validator(mode="after")
     def _known(self) -> EmulatedConfig:
@@ -220,7 +227,20 @@ class EmulatedConfig(_Strict):
             raise ValueError(f"unknown GPU preset {self.gpu!r}; known: {', '.join(gpus)}")
         if self.model not in models:
             raise ValueError(f"unknown model preset {self.model!r}; known: {', '.join(models)}")
+        if self.profile is not None:
+            self.costs()  # a missing or foreign file is this field's error, not a service's later
         return self
+
+    def costs(self) -> CostModel:
+        """The cost model it names: the profile's, else the presets'."""
+        from services.common.cost_model import load_presets, load_profile
+
+        if self.profile is None:
+            return load_presets(self.gpu, self.model)
+        try:
+            return load_profile(self.profile)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"profile {self.profile}: {err}") from None
 
 
 class SpeculativeConfig(_Strict):
@@ -588,8 +608,9 @@ class PlannerConfig(_Strict):
     real engines keep their TP and move only between buckets of it. Scored, like the thresholds,
     by the cost model's analytical rollout time."""
     cost_model: EmulatedConfig | None = None
-    """GPU and model presets the planner predicts with; default `rollout.emulated`'s (for real
-    engines, name your hardware and model here)."""
+    """GPU and model presets the planner predicts with, or a `libra calibrate` profile of your
+    machine (`cost_model: {profile: FILE}`); default `rollout.emulated`'s (for real engines, name
+    your hardware and model here)."""
     hybrid: HybridPoolConfig = Field(default_factory=HybridPoolConfig)
     """The elastic hybrid pool: engines the planner may lend to training and take back."""
     lending: LendingConfig = Field(default_factory=LendingConfig)
@@ -753,6 +774,8 @@ FILE_PATHS = (
     ("training", "reference_model", "path"),
     ("training", "reference_model", "cache_dir"),
     ("eval", "dataset", "path"),
+    ("rollout", "emulated", "profile"),
+    ("planner", "cost_model", "profile"),
 )
 """The fields that name files or directories: relative ones a config file sets are the file's."""
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from services.common.cost_model import load_presets
 from services.common.models import check_reference, load_model, load_tokenizer
 from services.common.runconfig import RunConfig
 from services.learning import checkpoint
@@ -177,7 +176,7 @@ class Learner:
         """EMULATED: waits what the cost model says the step takes on the emulated GPUs (their
         compute at the real model-parallel degree plus the gradient all-reduce) and changes no weight."""
         t, e = self.run.training, self.run.rollout.emulated
-        cm = load_presets(e.gpu, e.model)
+        cm = e.costs()
         lengths = [len(s.input_ids) for s in samples] or [0]
         tokens = sum(lengths)
         seconds = cm.train_step_s(tokens, tokens / len(lengths), t.emulated_gpus, t.emulated_tp, max(lengths))

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.contracts import ev
-from services.common.cost_model import CostModel, load_presets
+from services.common.cost_model import CostModel
 from services.common.runconfig import RunConfig
 from services.planner.replan import EnginePool, ReplanPolicy, ReplanSignals, choose_refit, length_sample
 from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
@@ -44,7 +44,7 @@ class LiveReplanner:
         self.cfg = cfg
         p = cfg.planner
         preset = p.cost_model or cfg.rollout.emulated
-        self.cm: CostModel = load_presets(preset.gpu, preset.model)
+        self.cm: CostModel = preset.costs()
         self.enabled = p.replan and cfg.rollout.policy == "cmlfq" and len(cfg.rollout.buckets) > 1
         self.policy = ReplanPolicy(interval_s=p.interval_s, cooldown_s=p.cooldown_s, min_gain=p.min_gain)
         self.stats: ev.WorkloadStats | None = None

@@ -184,3 +184,25 @@ def test_random_models_are_named_shapes_or_config_files(tmp_path: Path) -> None:
     assert random_config(str(tmp_path / "mine.json")) == ("mine", {"model_type": "llama", "hidden_size": 64})
     with pytest.raises(SystemExit, match="qwen3-0.6b, qwen3-4b"):
         random_config("qwen9")
+
+
+def test_emulated_engines_and_the_planner_price_a_profile_a_config_names(tmp_path: Path) -> None:
+    from services.common.config import ConfigFileError
+    from services.common.runconfig import load_run_config
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "mine.yaml").write_text((PROFILES / "h200-hf-qwen3-4b.yaml").read_text())
+    config = tmp_path / "cfg" / "run.yaml"  # relative to the config file, run from anywhere
+    config.write_text(
+        "rollout: {backend: emulated, emulated: {profile: mine.yaml}}\n"
+        "planner: {cost_model: {profile: mine.yaml}}\n"
+    )
+    cfg = load_run_config(config)
+    want = load_profile(tmp_path / "cfg" / "mine.yaml")
+    for e in (cfg.rollout.emulated, cfg.planner.cost_model):
+        assert e is not None and e.costs().gpu == want.gpu and e.costs().model == want.model
+    assert load_run_config(None).rollout.emulated.costs().gpu.name.startswith("H100")  # presets
+    config.write_text("rollout: {emulated: {profile: nowhere.yaml}}\n")
+    with pytest.raises(ConfigFileError) as err:
+        load_run_config(config)
+    assert "rollout.emulated" in err.value.message and "nowhere.yaml" in err.value.message

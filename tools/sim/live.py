@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.common.cost_model import CostModel, load_presets
+from services.common.cost_model import CostModel
 from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
 from services.planner.replan import ReplanPolicy
@@ -23,7 +23,7 @@ from tools.sim.state import SystemConfig
 
 def cost_model(cfg: RunConfig) -> CostModel:
     e = cfg.rollout.emulated
-    return load_presets(e.gpu, e.model)
+    return e.costs()
 
 
 def bucket_plans(cfg: RunConfig) -> list[BucketPlan]:

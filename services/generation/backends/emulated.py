@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.cost_model import CostModel, load_presets
+from services.common.cost_model import CostModel
 from services.common.runconfig import EmulatedConfig, RunConfig
 from services.generation.backends.base import Join, StepBackend
 from services.generation.config import EngineSettings
@@ -58,7 +58,7 @@ class EmulatedBackend(StepBackend):
     def __init__(self, settings: EngineSettings, emulated: EmulatedConfig | None = None):
         self.settings = settings
         self.config = emulated or EmulatedConfig()
-        self.cm: CostModel = load_presets(self.config.gpu, self.config.model)
+        self.cm: CostModel = self.config.costs()
         self.set_tensor_parallel(settings.tensor_parallel)
         self.rng = random.Random(settings.seed)
         self.rows: dict[int, _Row] = {}
