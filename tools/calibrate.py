@@ -40,6 +40,7 @@ import math
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -170,9 +171,15 @@ async def measure(backend: Any, engine: Any, grid: dict[str, Any], say: Any) -> 
                 many = await _timed(
                     engine, [GenRequest(p, n, 1.0, min_new_tokens=n, seed=i) for i, p in enumerate(prompts)]
                 )
-                steps.append(max(1e-6, (many - one) / (n - 1)))
-            out.append(Sample("decode", min(steps), batch=b, context=c + n // 2))
-            say(f"decode batch {b:>3} context {c:>5}: {min(steps) * 1000:.1f} ms/iteration")
+                steps.append((many - one) / (n - 1))
+            # the median: one round's prefill can outlast the next's (a difference of two runs is
+            # noisy when their iterations are few); a non-positive one measured nothing
+            step = statistics.median(steps)
+            if step <= 0:
+                say(f"decode batch {b:>3} context {c:>5}: not measurable (noise above {n} iterations)")
+                continue
+            out.append(Sample("decode", step, batch=b, context=c + n // 2))
+            say(f"decode batch {b:>3} context {c:>5}: {step * 1000:.1f} ms/iteration")
     for p in grid["prefill"]:
         p = min(p, longest)
         t = min(
@@ -372,7 +379,8 @@ def fit(
 ) -> dict[str, Any]:
     """The cost model's constants fitted to `samples` (see the module doc), with their errors;
     with `preset`, the machine's GPU as the presets know it, also as efficiencies against its peak."""
-    dec = [s for s in samples if s.kind == "decode"]
+    # (a profile of an earlier version may hold decode timings clipped at 1 us: they measured nothing)
+    dec = [s for s in samples if s.kind == "decode" and s.seconds > 1e-6]
     terms = [_decode_terms(model, s) for s in dec]
     got = [s.seconds for s in dec]
     kern = sorted((s for s in samples if s.kind == "kernels"), key=lambda s: s.tokens)

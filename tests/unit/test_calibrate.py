@@ -182,7 +182,7 @@ def test_random_models_are_named_shapes_or_config_files(tmp_path: Path) -> None:
     assert name == "qwen3-4b" and cfg["hidden_size"] == 2560 and not any(k.startswith("_") for k in cfg)
     (tmp_path / "mine.json").write_text('{"model_type": "llama", "hidden_size": 64}')
     assert random_config(str(tmp_path / "mine.json")) == ("mine", {"model_type": "llama", "hidden_size": 64})
-    with pytest.raises(SystemExit, match="qwen3-0.6b, qwen3-4b"):
+    with pytest.raises(SystemExit, match="qwen3-0.6b, qwen3-14b, qwen3-4b"):
         random_config("qwen9")
 
 
