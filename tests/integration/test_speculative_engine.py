@@ -96,11 +96,9 @@ async def test_seeded_sampling_emits_the_same_tokens_with_and_without_speculatio
         for i, r in enumerate(requests(backend))
     ]
     plain = await generate(backend, None, reqs)
-    again = await generate(backend, None, reqs)
     spec = Speculator(SpeculativeConfig(method="suffix", num_tokens=6, policy="fixed"))
     fast = await generate(backend, spec, reqs)
-    assert [a.output.token_ids for a in plain] == [a.output.token_ids for a in again]
-    for a, b in zip(plain, fast, strict=True):
+    for a, b in zip(plain, fast, strict=True):  # (so seeded sampling is reproducible, too)
         assert b.output.token_ids == a.output.token_ids
         assert max(abs(x - y) for x, y in zip(a.output.logprobs, b.output.logprobs, strict=True)) < 1e-3
     assert spec.counters.accepted > 0
