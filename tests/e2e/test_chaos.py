@@ -40,7 +40,7 @@ LONG = pytest.mark.skipif(
 )
 
 VICTIMS = ["rollout-engine-0", "tool-sandbox", "trainer", "planner", "scheduler"]
-PAUSED = {"rollout-engine-1": 20.0, "trainer": 15.0}  # SIGSTOP for longer than the 10 s lease
+PAUSED = {"rollout-engine-1": 14.0, "trainer": 14.0}  # SIGSTOP for longer than the 10 s lease
 INFRA = ["nats", "redis"]
 REDIS_FROZEN_S = 6.0
 
@@ -128,7 +128,7 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
             while not await all_running():
                 await asyncio.sleep(0.2)
             for victim in VICTIMS:
-                await asyncio.sleep(3.0)
+                await asyncio.sleep(2.0)
                 os.kill(stack.procs[victim].pid, signal.SIGKILL)
                 killed = time.monotonic()
                 await asyncio.sleep(1.5)  # until it has stopped answering as a job member
@@ -139,7 +139,7 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
                     await asyncio.sleep(0.2)
                 recovered[f"kill -9 {victim}"] = time.monotonic() - killed
             for victim, pause in PAUSED.items():  # hung, not dead: the lease expires, work moves on
-                await asyncio.sleep(3.0)
+                await asyncio.sleep(2.0)
                 before = committed_steps()
                 os.kill(stack.procs[victim].pid, signal.SIGSTOP)
                 await asyncio.sleep(pause)
@@ -148,7 +148,7 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
                     return
             # a Redis that stops answering (a client holding it busy, a frozen VM) for less than
             # a lease: every service waits on it, then carries on
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(2.0)
             before = committed_steps()
             assert stack.redis is not None
             os.kill(stack.redis.proc.pid, signal.SIGSTOP)
@@ -159,7 +159,7 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
             ):
                 return
             for infra in INFRA:  # the supervisor starts it again on its port, data and credentials
-                await asyncio.sleep(3.0)
+                await asyncio.sleep(2.0)
                 before = committed_steps()
                 server = getattr(stack, infra)
                 assert server is not None
