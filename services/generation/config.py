@@ -50,7 +50,8 @@ class EngineSettings(BaseSettings):
     would starve the other services on the machine."""
     kv_cache_gib: float | None = Field(None, gt=0.0, le=4096.0)
     """vllm backend on a CPU: host memory for vLLM's KV cache; unset sizes it for twice the job's
-    batch at its longest turn (rollout.max_batch x task.max_context_tokens + max_new_tokens)."""
+    batch at its longest turn (rollout.max_batch x task.max_context_tokens + max_new_tokens), within
+    its part of half the host's memory (the job's rollout.engines share it)."""
     vllm_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """vllm backend: the dtype it serves in. float32 keeps its logprobs within ~1e-4 of the float32
     trainer's; bfloat16 is about 1.5x faster on this CPU and 2x on GPUs, at a larger mismatch."""

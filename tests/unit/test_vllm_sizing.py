@@ -1,5 +1,5 @@
-"""How the vllm backend sizes vLLM for a machine it shares: KV cache in bytes from the run config
-(not a share of host memory), the longest turn as its model length."""
+"""How the vllm backend sizes vLLM for a machine it shares: KV cache in bytes from the run config,
+within the engine's part of the host's memory, the longest turn as its model length."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import json
 from pathlib import Path
 
 from services.common.runconfig import RunConfig
-from services.generation.backends.vllm import MIN_KV_BYTES, VllmBackend, kv_bytes_per_token, max_model_len
+from services.generation.backends.vllm import (
+    MIN_KV_BYTES,
+    VllmBackend,
+    cpu_kv_bytes,
+    kv_bytes_per_token,
+    max_model_len,
+)
 from services.generation.config import EngineSettings
 
 SMOLLM2 = {  # SmolLM2-135M's config.json, the fields the sizing reads
@@ -63,3 +69,17 @@ def test_on_a_cpu_the_kv_cache_is_sized_in_bytes_for_twice_the_batch_at_its_long
     assert small.kv_cache_memory_bytes == MIN_KV_BYTES
     fixed = VllmBackend(_run(), EngineSettings(kv_cache_gib=0.5, vllm_compile=True)).engine_args(model)
     assert fixed.kv_cache_memory_bytes == 1 << 29 and not fixed.enforce_eager
+
+
+def test_the_jobs_engines_take_at_most_half_the_hosts_memory_for_kv_together(tmp_path: Path) -> None:
+    """Two engines of a job with 8k contexts and a batch of 16 need 11.25 GiB of KV each: on a
+    24 GiB host each gets a quarter of it, not enough to get the second one killed for memory."""
+    gib = 1 << 30
+    need = 2 * 16 * 8192 * kv_bytes_per_token(_model(tmp_path), "float32")
+    assert need == 11.25 * gib
+    host = (24 * gib, 22 * gib)
+    assert cpu_kv_bytes(need, 2, host) == 6 * gib  # a quarter of the host
+    assert cpu_kv_bytes(need, 1, host) == 11.25 * gib  # one engine: all it needs, within half
+    assert cpu_kv_bytes(need, 2, (24 * gib, 4 * gib)) == int(0.8 * 4 * gib)  # what is free now
+    assert cpu_kv_bytes(need, 1000, host) == MIN_KV_BYTES
+    assert cpu_kv_bytes(1 << 20, 2, host) == MIN_KV_BYTES  # a tiny model still gets the minimum

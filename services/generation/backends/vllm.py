@@ -18,7 +18,8 @@ install), `vllm` on GPU nodes. What it adds on top of vLLM:
   is then checked against what vLLM serves: the sha256 of its tensors, read back by the trainer's
   names, must equal the trainer's.
 - Sizing for a shared machine: on CPU, vLLM's KV cache gets the bytes the run config's batch and
-  context need (`kv_cache_memory_bytes`, not a share of host memory), its OpenMP threads are
+  context need (`kv_cache_memory_bytes`), within the engine's part of half the host's memory (all
+  of the job's engines on one host; `cpu_kv_bytes`), its OpenMP threads are
   `rollout.torch_threads`, unbound; its processes die with the engine's (`vllm_worker.follow_parent`).
 - Load reports read vLLM's scheduler stats (running, waiting, KV usage, prefix-cache hits).
 """
@@ -58,6 +59,10 @@ KV_HEADROOM = 2.0
 """KV cache sized for twice the batch at full context: room for the prefix cache to keep finished
 turns of trajectories that come back."""
 MIN_KV_BYTES = 64 << 20
+HOST_KV_SHARE = 0.5
+"""On a CPU, the most of the host's memory the job's engines take for KV caches together: the
+trainer (weights, gradients, optimizer state), the services and the engines' own weights share
+the rest. Each engine takes its part (`rollout.engines` of them, all assumed on this host)."""
 CPU_STEP_TOKENS = 2048
 """Tokens one engine step takes at most on a CPU (vLLM's CPU default), or the longest context."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -142,9 +147,20 @@ class VllmBackend(Backend):
                 * length
                 * kv_bytes_per_token(model_dir, s.vllm_dtype)
             )
-            extra["kv_cache_memory_bytes"] = (
-                int(s.kv_cache_gib * (1 << 30)) if s.kv_cache_gib else max(MIN_KV_BYTES, int(need))
-            )
+            if s.kv_cache_gib:
+                extra["kv_cache_memory_bytes"] = int(s.kv_cache_gib * (1 << 30))
+            else:
+                extra["kv_cache_memory_bytes"] = cpu_kv_bytes(need, self.run.rollout.engines, host_memory())
+                if extra["kv_cache_memory_bytes"] < need:
+                    self.log.warning(
+                        "kv_cache_capped",
+                        kv_cache_gib=round(extra["kv_cache_memory_bytes"] / (1 << 30), 2),
+                        batch_at_full_context_gib=round(need / (1 << 30), 2),
+                        engines=self.run.rollout.engines,
+                        why=f"the job's engines take at most {HOST_KV_SHARE:.0%} of this host's memory "
+                        "together; vLLM preempts and recomputes when its cache is full "
+                        "(engine.kv_cache_gib sets it)",
+                    )
             # vLLM rewinds a seeded request's generator after a step that prefilled only part of
             # its prompt, and a CPU generator cannot rewind ("CPU Generator does not use offset":
             # the engine core dies). Every turn here is seeded, so prompts are never split on CPU:
@@ -315,6 +331,26 @@ class VllmBackend(Backend):
         if self.llm is not None:
             llm, self.llm = self.llm, None
             await asyncio.to_thread(llm.shutdown)
+
+
+def host_memory() -> tuple[int, int]:
+    """This host's total and available memory in bytes (/proc/meminfo; Linux, as vLLM's CPU build)."""
+    fields = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemTotal", "MemAvailable"):
+            fields[key] = int(rest.split()[0]) * 1024
+    return fields["MemTotal"], fields.get("MemAvailable", fields["MemTotal"])
+
+
+def cpu_kv_bytes(need: float, engines: int, memory: tuple[int, int]) -> int:
+    """An engine's KV cache on a CPU: what the job's batch needs, within its part of the host's
+    memory (`HOST_KV_SHARE` of the total over the job's engines, and no more than 80 % of what is
+    available now), never below `MIN_KV_BYTES`. Unbounded, two engines of a job with 8k contexts
+    asked for 11 GiB each of a 24 GiB machine and the second was killed for memory."""
+    total, available = memory
+    part = min(HOST_KV_SHARE * total / max(1, engines), 0.8 * available)
+    return int(max(MIN_KV_BYTES, min(need, part)))
 
 
 def on_cpu() -> bool:
