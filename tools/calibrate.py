@@ -8,6 +8,7 @@ What it measures, each the fastest of `REPEATS` rounds, one engine alone on the 
 - prefill: one request of P new tokens making one token (P over a range);
 - the prefix cache: the longest prefill prompt again (vLLM finds it cached; `hf` has no cache);
 - weight loads: a quarter, half and all of the model's tensors loaded into the serving engine;
+- a push that changes nothing (vLLM): generation paused, the served weights checksummed, resumed;
 - with `--trainer`, the trainer's real GRPO step (`services/learning/step.py`: AdamW, bf16 autocast
   on CUDA) on S sequences of L tokens each, over a grid of both.
 
@@ -21,7 +22,8 @@ What it fits, in the cost model's own formulas (`services/common/cost_model.py`)
   error (the profile's `gpu.mem_bw` and `gpu.flops` are the achieved values: `mem_efficiency` and
   `prefill_mfu` are 1);
 - prefill: the same FLOP/s prices it; what it misses stays as the `prefill` multiplier;
-- weight loads: `bytes / net_bw + sync_fixed_s`, least squares;
+- weight loads: `bytes / net_bw + sync_fixed_s`, least squares, with the empty push's median
+  added to `sync_fixed_s` (every push pays it; an empty delta pays nothing else);
 - training: `train_mfu`, the share of the same FLOP/s a training step achieves, counting the FLOPs
   the step really does (forward and backward, no recomputation: the trainer does not checkpoint
   activations; one more forward for the proximal logprobs with several mini-batches).
@@ -65,12 +67,14 @@ TRAIN_QUICK: dict[str, Any] = {"sequences": (2,), "lengths": (32, 64), "micro_ba
 TRAIN_GPU: dict[str, Any] = {"sequences": (8, 16), "lengths": (512, 2048), "micro_batch": 2}
 MODEL_CONFIGS = Path(__file__).resolve().parent.parent / "services" / "common" / "presets" / "model_configs"
 LOAD_FRACTIONS = (0.25, 0.5, 1.0)
+PUSH_REPEATS = 3
 
 
 @dataclass(frozen=True)
 class Sample:
     kind: str
-    """decode | prefill | prefix_hit | weights | train (batch: sequences, context: their length)"""
+    """decode | prefill | prefix_hit | weights | push | train (batch: sequences, context: their
+    length)"""
     seconds: float
     batch: int = 1
     context: int = 0
@@ -200,7 +204,41 @@ async def measure(backend: Any, engine: Any, grid: dict[str, Any], say: Any) -> 
         nbytes, t = await _load_weights(backend, frac)
         out.append(Sample("weights", t, bytes=nbytes))
         say(f"weights: {nbytes / 2**20:.0f} MiB loaded in {t:.2f} s")
+    if callable(getattr(backend, "served_checksum", None)):
+        for _ in range(PUSH_REPEATS):
+            t = await _empty_push(backend)
+            out.append(Sample("push", t))
+        say(f"a push that changes nothing: {statistics.median(s.seconds for s in out[-PUSH_REPEATS:]):.2f} s")
     return out
+
+
+async def _empty_push(backend: Any) -> float:
+    """What any push costs the engine beyond its bytes, as a delta push that changes nothing runs
+    it (services/rollout_engine/weight_sync.py): generation paused with the running requests kept,
+    the reload finished, the served weights read back and checksummed by the pushed tensors'
+    names, generation resumed."""
+    from services.common.models import load_model
+
+    model = await asyncio.to_thread(load_model, backend.run.model)
+    specs = [_Spec(n, list(t.shape), "float32") for n, t in model.named_parameters()]
+    del model
+    start = time.perf_counter()
+    await backend.llm.pause_generation(mode="keep", clear_cache=True)
+    try:
+        await backend.finish_load()
+        await backend.served_checksum(specs)
+    finally:
+        await backend.llm.resume_generation()
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """A pushed tensor as the served-checksum reads it back (a manifest entry's fields)."""
+
+    name: str
+    shape: list[int]
+    dtype: str
 
 
 async def _load_weights(backend: Any, fraction: float) -> tuple[int, float]:
@@ -423,6 +461,10 @@ def fit(
         max(1e-15, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var) if var else my / mx
     )
     fixed = max(0.0, my - slope * mx)
+    # every push also pauses, checksums what is served and resumes, whatever its bytes: an empty
+    # delta (an emulated trainer's, or a step that moved no weight) costs that alone
+    pushes = sorted(s.seconds for s in samples if s.kind == "push")
+    push_fixed = statistics.median(pushes) if pushes else 0.0
     train = [s for s in samples if s.kind == "train"]
     # a step = a fixed part (optimizer, per-micro-batch launches: amortised in a large job's steps,
     # which the cost model prices by FLOPs alone) + its FLOPs at the marginal MFU
@@ -437,7 +479,7 @@ def fit(
         tp_decode_efficiency=1.0,
         decode_overhead_s=over,
         prefill=mult,
-        sync_fixed_s=fixed,
+        sync_fixed_s=fixed + push_fixed,
         activation_recompute=not train,  # measured: the trainer's own steps, no recomputation
     )
     gpu = GPUSpec(**{**asdict(gpu), "net_bw": 1 / slope})
@@ -447,6 +489,7 @@ def fit(
         "prefill_rel_rms_before_multiplier": round(pre_err_raw, 4),
         "prefill_rel_rms": round(pre_err, 4),
         "weights_rel_rms": round(_rel_rms([x * slope + fixed for x in xs], ys), 4) if wts else None,
+        "push_fixed_s": round(push_fixed, 4) if pushes else None,
         "train_step_fixed_s": round(step_fixed, 4) if train else None,
         "train_rel_rms": (
             round(_rel_rms([step_fixed + t / train_mfu for t in tflops], [s.seconds for s in train]), 4)

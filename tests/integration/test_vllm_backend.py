@@ -162,6 +162,21 @@ async def test_bad_requests_are_refused_with_a_typed_error_and_it_serves_on(
     assert len(ok.output.token_ids) > 0
 
 
+async def test_calibrates_empty_push_pauses_checksums_and_resumes_without_losing_a_request(
+    vllm: tuple[VllmBackend, VllmEngine],
+) -> None:
+    """`libra calibrate` times what every push costs beyond its bytes as an empty push: it pauses
+    generation with the running requests kept, reads the served weights back, and resumes."""
+    from tools.calibrate import _empty_push
+
+    backend, engine = vllm
+    running = asyncio.create_task(engine.submit(GenRequest(PROMPT, 64, 1.0, min_new_tokens=64)))
+    while engine.tokens_generated == 0:
+        await asyncio.sleep(0.05)
+    assert await _empty_push(backend) > 0
+    assert len((await running).output.token_ids) == 64, "the running request went on after the pause"
+
+
 @pytest.fixture
 def store(redis_server: Server, run_id: str) -> Iterator[OwnershipStore]:
     yield OwnershipStore.from_url(redis_server.url, run_id)

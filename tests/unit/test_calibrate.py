@@ -75,6 +75,18 @@ def test_the_fit_recovers_the_constants_that_made_the_timings() -> None:
     assert fitted.prefill_s(512, 0, 1) == pytest.approx(truth.prefill_s(512, 0, 1), rel=0.05)
 
 
+def test_an_empty_pushs_cost_is_added_to_every_pushs_fixed_part() -> None:
+    """A push pauses the engine, checksums what it serves and resumes whatever its bytes: the
+    median of the empty pushes measured joins the loads' own fixed part."""
+    truth = _truth()
+    pushes = [Sample("push", s) for s in (0.4, 0.5, 2.0)]  # one slow outlier: the median holds
+    got = fit(_samples(truth) + pushes, MODEL, "cpu", 8e9)
+    assert got["fit_error"]["push_fixed_s"] == pytest.approx(0.5)
+    assert got["calibration"]["sync_fixed_s"] == pytest.approx(0.05 + 0.5, rel=1e-6)
+    assert got["gpu"]["net_bw"] == pytest.approx(3e9, rel=1e-6)  # the bytes' price is unchanged
+    assert fit(_samples(truth), MODEL, "cpu", 8e9)["fit_error"]["push_fixed_s"] is None
+
+
 def test_a_profile_loads_as_the_cost_model_it_fitted(tmp_path: Path) -> None:
     got = fit(_samples(_truth()), MODEL, "cpu", 8e9)
     path = tmp_path / "p.yaml"

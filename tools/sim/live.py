@@ -61,7 +61,16 @@ def system_for(cfg: RunConfig, steps: int | None = None) -> SystemConfig:
         lend_policy=cfg.planner.lending.policy,
         replan=replan_policy(cfg),
         relayout=cfg.planner.relayout,
+        push_share=push_share(cfg),
     )
+
+
+def push_share(cfg: RunConfig) -> float:
+    """What a push after an engine's first carries live: nothing from an emulated trainer (it
+    changes no weight) to real engines, which take deltas; emulated engines stall for a whole
+    load whatever the trainer (services/generation/backends/emulated.py)."""
+    real_engines = cfg.rollout.backend in ("vllm", "hf")
+    return 0.0 if real_engines and cfg.training.backend == "emulated" else 1.0
 
 
 def replan_policy(cfg: RunConfig) -> ReplanPolicy | None:

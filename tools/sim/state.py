@@ -111,6 +111,11 @@ class SystemConfig:
     feed does (`steps * groups_per_step`): the last steps then wait for the groups already out
     instead of the first of extra ones to finish. None: no end in sight (a long run's steady
     state, the default for comparing systems)."""
+    push_share: float = 1.0
+    """Share of the weights a push carries to an engine that already holds a version (its first
+    push is always whole): 1 when training changes every weight; 0 for an emulated trainer, which
+    changes none, beside real engines that take deltas (the live `vllm` and `hf` engines receive an
+    empty delta and pay the push's fixed cost only)."""
     update_mode: str = "recompute"
     """How engines take new weights: 'recompute' interrupts running turns, loads, and re-prefills
     their context under the new weights (AReaL's interruptible generation); 'drain' stops starting

@@ -219,7 +219,8 @@ class Training:
             else:
                 sim.load_weights(e)
             sim.wake(e)
-        sim.push(sim.now + sim.cm.weight_sync_s(cross_node=True), SYNC_DONE, "async")
+        share = sim.sys.push_share if sim.version > 1 else 1.0  # the first push is whole
+        sim.push(sim.now + sim.cm.weight_sync_s(cross_node=True, share=share), SYNC_DONE, "async")
 
     def abort_hopeless(self) -> None:
         """Cancel in-flight groups that are already older than the staleness bound: they could never
