@@ -9,15 +9,22 @@ per policy, measured and predicted trajectories/s and p50/p99 trajectory latency
 the relative errors; and the scheduler's control-plane cost (decisions/s, decision latency,
 NATS messages/s).
 
-Everything is EMULATED: engines time their iterations with the cost model and the trainer its
-steps; only the control plane (bus, scheduler, sandbox, weight sync, fencing) is real. Measured
-times are converted to emulated seconds (wall / time_scale), the simulator's unit.
+By default everything is EMULATED: engines time their iterations with the cost model and the
+trainer its steps; only the control plane (bus, scheduler, sandbox, weight sync, fencing) is real.
+Measured times are converted to emulated seconds (wall / time_scale), the simulator's unit.
+
+With `--backend vllm --profile PROFILE` the engines are real vLLM engines serving the model the
+profile was measured on (`libra calibrate --backend vllm`), in real time (time_scale 1), and the
+simulator predicts them from the same profile: the fidelity of the calibrated simulator against
+real engines. Training stays emulated (priced from the profile), unless `--trainer torch`: the
+real trainer, whose steps the simulator prices from the profile's training fit.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import threading
@@ -81,6 +88,7 @@ def live_config(
     (lending its GPUs to rollout while it waits for its batch under the `lend` policy, if any),
     the buckets fixed, or re-planned live (`relayout` not None: thresholds, and with True the
     engines' layout)."""
+    real = ns.backend != "emulated"
     short_limit = ns.short_bucket_tokens or _median_output(workload)
     planner: dict[str, Any] = {"replan": False}  # the simulated configuration keeps its buckets too
     if relayout is not None:
@@ -98,22 +106,26 @@ def live_config(
             "tensor_parallel": ns.lend_tp,
             "policy": lend,
         }
+    context = workload.max_context if workload.max_context < 1 << 62 else 40960
+    if real:  # the engines' model: the one the profile measured, within its window
+        context = min(context, _profiled(ns)["model"]["max_context"])
     return {
         "name": f"bench-live-{policy}" + (f"-lend-{lend}" if lend else ""),
-        "model": {"source": "tiny-random"},
+        "model": {"source": _profiled(ns)["measured"]["model"] if real else "tiny-random"},
         "task": {
             "dataset": "synthetic",
             "workload": str(Path(ns.workload).resolve()) if Path(ns.workload).is_file() else ns.workload,
             "num_prompts": 10_000,
             "seed": ns.seed,
             "group_size": ns.group_size,
-            "max_new_tokens": 32768,
-            "max_context_tokens": workload.max_context if workload.max_context < 1 << 62 else 40960,
+            # a real engine sizes its KV cache and longest sequence by these: no more than asked
+            "max_new_tokens": min(workload.max_new, context) if real else 32768,
+            "max_context_tokens": context,
             "tool_timeout_s": 300,
         },
         "rollout": {
             "engines": ns.engines,
-            "backend": "emulated",
+            "backend": ns.backend,
             "buckets": [
                 {"name": "short", "tensor_parallel": 1, "max_output_tokens": short_limit},
                 {"name": "long", "tensor_parallel": ns.long_tp},
@@ -128,18 +140,63 @@ def live_config(
             },
         },
         "training": {
-            "backend": "emulated",
+            "backend": ns.trainer,
             "steps": ns.steps,
             "groups_per_step": ns.groups_per_step,
             "max_staleness": ns.staleness,
-            "emulated_gpus": ns.train_gpus,
-            "emulated_tp": ns.train_tp,
-            "micro_batch": 64,
+            # a real trainer is one device here: the simulator prices its steps on one
+            "emulated_gpus": ns.train_gpus if ns.trainer == "emulated" else 1,
+            "emulated_tp": ns.train_tp if ns.trainer == "emulated" else 1,
+            "micro_batch": 64 if ns.trainer == "emulated" else 4,
             "torch_threads": 1,
         },
         "job": {"stall_timeout_s": 600},
         "planner": planner,
     }
+
+
+@functools.cache
+def _read_profile(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict) or "measured" not in data or "model" not in data:
+        raise ValueError(f"{path}: not a `libra calibrate` profile (no measured/model sections)")
+    return data
+
+
+def _profiled(ns: argparse.Namespace) -> dict[str, Any]:
+    """The profile the real engines were measured in: their model source and its window."""
+    return _read_profile(ns.profile.resolve())
+
+
+def settle(ns: argparse.Namespace) -> None:
+    """Defaults that depend on the backend, and what real engines cannot do: they run in real time
+    (time_scale 1), on one device each (TP1), serving the model their profile measured."""
+    real = ns.backend != "emulated"
+    if ns.engines is None:
+        ns.engines = 2 if real else 16
+    if ns.time_scale is None:
+        ns.time_scale = 1.0 if real else 0.12
+    if ns.long_tp is None:
+        ns.long_tp = 1 if real else 2
+    if not real:
+        if ns.trainer != "emulated":
+            raise ValueError("--trainer torch needs real engines (--backend vllm|hf)")
+        return
+    if ns.profile is None:
+        raise ValueError(
+            f"--backend {ns.backend} needs --profile: the engines' own `libra calibrate --backend "
+            f"{ns.backend}` profile, which the simulator predicts them from"
+        )
+    measured = _profiled(ns)["measured"]
+    if measured.get("backend") != ns.backend:
+        raise ValueError(
+            f"{ns.profile} measured the {measured.get('backend')!r} engine, not {ns.backend!r}: "
+            f"calibrate the engine you run (libra calibrate --backend {ns.backend})"
+        )
+    if ns.time_scale != 1.0:
+        raise ValueError("real engines run in real time: --time-scale must be 1")
+    if ns.long_tp != 1:
+        raise ValueError("real engines here run on one device each: --long-tp must be 1")
 
 
 def _median_output(workload: Workload) -> int:
@@ -300,6 +357,14 @@ def gain_over_libra(results: dict[str, Any], name: str = "libra_lend", over: str
     }
 
 
+def _note(ns: argparse.Namespace) -> str:
+    """What in the run was real and what EMULATED (cost-model timings)."""
+    engines = "EMULATED engines" if ns.backend == "emulated" else f"real {ns.backend} engines"
+    training = "EMULATED training" if ns.trainer == "emulated" else "the real torch trainer"
+    profile = f", predicted from the profile {ns.profile}" if ns.profile else ""
+    return f"{engines} and {training}{profile}; the control plane is real"
+
+
 def _fmt(breakdown: dict[str, float]) -> str:
     return ", ".join(f"{k.removesuffix('_s')} {v:.0f}" for k, v in breakdown.items())
 
@@ -311,15 +376,31 @@ def _error(m: float, p: float) -> float | None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="libra bench live", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="r2e_gym", help="simulator workload (name or YAML path)")
-    p.add_argument("--engines", type=int, default=16, help="emulated rollout engines (default 16)")
+    p.add_argument(
+        "--backend",
+        choices=("emulated", "vllm", "hf"),
+        default="emulated",
+        help="rollout engines: emulated (cost-model timings, default) or real ones (needs --profile)",
+    )
+    p.add_argument(
+        "--trainer",
+        choices=("emulated", "torch"),
+        default="emulated",
+        help="training: emulated (priced from the cost model, default) or the real torch trainer",
+    )
+    p.add_argument("--engines", type=int, help="rollout engines (default 16 emulated, 2 real)")
     p.add_argument("--out", required=True, type=Path, help="directory for live.json, configs and logs")
-    p.add_argument("--time-scale", type=float, default=0.12, help="wall seconds per emulated second")
+    p.add_argument(
+        "--time-scale", type=float, help="wall seconds per emulated second (default 0.12; real engines: 1)"
+    )
     p.add_argument("--steps", type=int, default=6, help="train steps (throughput: steps 2 to N-1)")
     p.add_argument("--groups-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--staleness", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--long-tp", type=int, default=2, help="TP of the long bucket (the short one is TP1)")
+    p.add_argument(
+        "--long-tp", type=int, help="TP of the long bucket (the short one is TP1; default 2, real engines 1)"
+    )
     p.add_argument("--short-bucket-tokens", type=int, help="C-MLFQ threshold (default: median output)")
     p.add_argument("--train-gpus", type=int, default=8)
     p.add_argument("--train-tp", type=int, default=2)
@@ -357,8 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
     try:
+        settle(ns)
         workload = Workload.load(ns.workload)
-    except ValueError as err:
+    except (ValueError, OSError, yaml.YAMLError) as err:
         p.error(str(err))
     out: Path = ns.out
     out.mkdir(parents=True, exist_ok=True)
@@ -402,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             watch = Watch()
             watcher = _watch(stack, run_id, watch)
             print(
-                f"bench live: {name} ({cfg.rollout.policy}) on {cfg.engines_needed} emulated engines …",
+                f"bench live: {name} ({cfg.rollout.policy}) on {cfg.engines_needed} {ns.backend} engines, "
+                f"{ns.trainer} training …",
                 flush=True,
             )
             report = run_job(
@@ -439,8 +522,10 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "workload": ns.workload,
         "engines": ns.engines,
-        "emulated": True,
-        "note": "engines and training are EMULATED (cost-model timings); the control plane is real",
+        "backend": ns.backend,
+        "trainer": ns.trainer,
+        "emulated": ns.backend == "emulated" or ns.trainer == "emulated",
+        "note": _note(ns),
         "time_scale": ns.time_scale,
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(ns).items() if k != "out"}
         | {"out": str(out)},

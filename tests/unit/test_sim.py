@@ -550,7 +550,8 @@ def test_predictive_lending_keeps_the_gpus_where_a_batch_is_never_far_off_and_re
         ns = argparse.Namespace(
             workload=workload, engines=16, time_scale=0.25, steps=8, groups_per_step=32, group_size=4,
             staleness=1, max_batch=16, long_tp=2, short_bucket_tokens=None, train_gpus=32, train_tp=2,
-            lend_tp=4, gpu="H100", model="qwen3-14b", profile=None, seed=0,
+            lend_tp=4, gpu="H100", model="qwen3-14b", profile=None, seed=0, backend="emulated",
+            trainer="emulated",
         )  # fmt: skip
         wl = Workload.load(workload)
         return predicted(RunConfig.model_validate(live_config(ns, wl, "cmlfq", lend=policy)), wl, 1)[

