@@ -27,10 +27,10 @@ venv: $(STAMP) ## Create .venv and install Libra (CPU-only) with dev tools
 proto: $(STAMP) ## Regenerate Python code from proto/ into services/common/gen
 	$(PY) -m tools.gen_proto
 
-run: $(STAMP) ## Run the default agentic RL job on an embedded local stack (writes runs/latest/report.json)
+run: $(STAMP) ## Run the default agentic RL job on an embedded local stack: hf engines, about 5 min on 2 cores (runs/latest/report.json)
 	$(LIBRA) run $(CONFIG)
 
-learn: $(STAMP) ## A job whose reward visibly rises: SmolLM2-135M on the tool task, 19 min on 2 cores (configs/learn.yaml)
+learn: $(STAMP) ## A job whose reward visibly rises: SmolLM2-135M on the tool task, hf engines, 19 min on 2 cores (configs/learn.yaml)
 	$(LIBRA) run configs/learn.yaml
 
 learn-hard: $(STAMP) ## The tool task with one worked example instead of two: held-out 0.075 -> 1.0, 28 min on 2 cores (configs/learn-hard.yaml)
