@@ -485,6 +485,9 @@ async def test_a_vllm_engine_serves_hands_back_with_tokens_and_dies_with_its_pro
     worker = "engine-v1"
     run = {
         "model": {"source": "tiny-random", "cache_dir": tiny_model.cache_dir},
+        # room for turns long enough that none ends before the drain reaches it (600-token turns
+        # of the tiny model once finished within the 1.6 s a quiet CI machine took to drain)
+        "task": {"max_context_tokens": 2000},
         "rollout": {"backend": "vllm", "max_batch": 2},
     }
     env = pinned_job_env(
@@ -529,7 +532,7 @@ async def test_a_vllm_engine_serves_hands_back_with_tokens_and_dies_with_its_pro
             assert held is not None
             ids = [f"long-{i}" for i in range(3)]  # max_batch 2: two run, one waits
             for rid in ids:
-                await h.send(turn(rid, engine_id=worker, max_new_tokens=600, min_new_tokens=600))
+                await h.send(turn(rid, engine_id=worker, max_new_tokens=1900, min_new_tokens=1900))
             async with asyncio.timeout(30):
                 while h.loads[-1].running < 2:
                     await asyncio.sleep(0.05)
@@ -541,7 +544,7 @@ async def test_a_vllm_engine_serves_hands_back_with_tokens_and_dies_with_its_pro
             assert all(r.error.code == "handed_back" for r in back), back
             running = [r for r in back if r.token_ids]
             assert len(running) == 2, "the two running turns come back with what they generated"
-            assert all(0 < len(r.token_ids) < 600 and len(r.logprobs) == len(r.token_ids) for r in running)
+            assert all(0 < len(r.token_ids) < 1900 and len(r.logprobs) == len(r.token_ids) for r in running)
 
             vllm_procs = psutil.Process(proc.pid).children(recursive=True)
             assert vllm_procs, "vLLM runs its engine core in processes of its own"
