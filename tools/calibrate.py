@@ -200,60 +200,61 @@ async def measure(backend: Any, engine: Any, grid: dict[str, Any], say: Any) -> 
     again = await _timed(engine, [GenRequest(same, 1, 1.0, min_new_tokens=1, seed=3)])
     out.append(Sample("prefix_hit", again, tokens=p, context=round(first * 1e6)))
     say(f"prefix cache: {p} tokens {first * 1000:.1f} ms, again {again * 1000:.1f} ms")
+    tensors, in_place = await _tensors(backend)
     for frac in LOAD_FRACTIONS:
-        nbytes, t = await _load_weights(backend, frac)
+        nbytes, t = await _load_weights(backend, tensors, in_place, frac)
         out.append(Sample("weights", t, bytes=nbytes))
         say(f"weights: {nbytes / 2**20:.0f} MiB loaded in {t:.2f} s")
     if callable(getattr(backend, "served_checksum", None)):
+        specs = push_specs(tensors)
         for _ in range(PUSH_REPEATS):
-            t = await _empty_push(backend)
+            t = await _empty_push(backend, specs)
             out.append(Sample("push", t))
         say(f"a push that changes nothing: {statistics.median(s.seconds for s in out[-PUSH_REPEATS:]):.2f} s")
     return out
 
 
-async def _empty_push(backend: Any) -> float:
+async def _empty_push(backend: Any, specs: list[Any]) -> float:
     """What any push costs the engine beyond its bytes, as a delta push that changes nothing runs
     it (services/rollout_engine/weight_sync.py): generation paused with the running requests kept,
     the reload finished, the served weights read back and checksummed by the pushed tensors'
-    names, generation resumed."""
-    from services.common.models import load_model
-
-    model = await asyncio.to_thread(load_model, backend.run.model)
-    specs = [_Spec(n, list(t.shape), "float32") for n, t in model.named_parameters()]
-    del model
+    names (`specs`), generation resumed."""
     start = time.perf_counter()
-    await backend.llm.pause_generation(mode="keep", clear_cache=True)
+    await backend.pause()
     try:
         await backend.finish_load()
         await backend.served_checksum(specs)
     finally:
-        await backend.llm.resume_generation()
+        await backend.resume()
     return time.perf_counter() - start
 
 
-@dataclass(frozen=True)
-class _Spec:
-    """A pushed tensor as the served-checksum reads it back (a manifest entry's fields)."""
+def push_specs(tensors: list[tuple[str, Any]]) -> list[Any]:
+    """A push's manifest entries of `tensors`, as the served checksum reads them back."""
+    from services.common.contracts import ws
 
-    name: str
-    shape: list[int]
-    dtype: str
+    return [ws.TensorSpec(name=n, dtype="float32", shape=list(t.shape)) for n, t in tensors]
 
 
-async def _load_weights(backend: Any, fraction: float) -> tuple[int, float]:
-    """Loads the first `fraction` of the model's tensors (by bytes) into the serving engine, as a
-    push does, with their current values (nothing changes); returns (bytes, seconds)."""
+async def _tensors(backend: Any) -> tuple[list[tuple[str, Any]], bool]:
+    """The tensors a push writes, and whether in place: the hf engine's own (InPlaceWriter copies
+    records into them), or the model's, whole, for vLLM's loader (as AssemblingWriter hands them)."""
+    slots = backend.weight_slots()
+    if slots is not None:
+        return list(slots.items()), True
+    from services.common.models import load_model
+
+    model = await asyncio.to_thread(load_model, backend.run.model)
+    return [(k, v.detach()) for k, v in model.named_parameters()], False
+
+
+async def _load_weights(
+    backend: Any, tensors: list[tuple[str, Any]], in_place: bool, fraction: float
+) -> tuple[int, float]:
+    """Loads the first `fraction` of `tensors` (by bytes) into the serving engine, as a push does,
+    with their current values (nothing changes); returns (bytes, seconds)."""
     import torch
 
-    slots = backend.weight_slots() if callable(getattr(backend, "weight_slots", None)) else None
-    if slots is not None:  # hf: in place, as InPlaceWriter copies records
-        tensors = list(slots.items())
-    else:  # vllm: whole tensors through its loader, as AssemblingWriter hands them over
-        from services.common.models import load_model
-
-        model = await asyncio.to_thread(load_model, backend.run.model)
-        tensors = [(k, v.detach()) for k, v in model.named_parameters()]
     total = sum(t.numel() * t.element_size() for _, t in tensors)
     chosen, size = [], 0
     for name, t in tensors:
@@ -262,7 +263,7 @@ async def _load_weights(backend: Any, fraction: float) -> tuple[int, float]:
         chosen.append((name, t))
         size += t.numel() * t.element_size()
     start = time.perf_counter()
-    if slots is not None:
+    if in_place:
         with torch.no_grad():
             for _, t in chosen:
                 t.copy_(t.clone())
@@ -463,7 +464,7 @@ def fit(
     fixed = max(0.0, my - slope * mx)
     # every push also pauses, checksums what is served and resumes, whatever its bytes: an empty
     # delta (an emulated trainer's, or a step that moved no weight) costs that alone
-    pushes = sorted(s.seconds for s in samples if s.kind == "push")
+    pushes = [s.seconds for s in samples if s.kind == "push"]
     push_fixed = statistics.median(pushes) if pushes else 0.0
     train = [s for s in samples if s.kind == "train"]
     # a step = a fixed part (optimizer, per-micro-batch launches: amortised in a large job's steps,
@@ -661,28 +662,32 @@ def _cuda_name() -> str:
 
 def _refit(path: Path, out: Path) -> int:
     """The current fit on a profile's recorded timings: its measurements and machine are kept."""
-    from services.common.cost_model import gpu_preset
-
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict) or data.get("libra_profile") != 1:
         raise SystemExit(f"libra calibrate --refit: {path} is not a profile written by `libra calibrate`")
+    data = refitted(data, data["samples"])
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    print(f"{out}: refitted; fit errors {data['fit_error']}")
+    return 0
+
+
+def refitted(data: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Profile `data` fitted to `samples` (its own, or others in their place): its machine, model
+    and what it says of its measurement are kept."""
+    from services.common.cost_model import gpu_preset
+
     preset = gpu_preset(data["efficiency"]["preset"]) if data.get("efficiency") else None
     gpu = data["gpu"]
     fitted = fit(
-        [Sample(**s) for s in data["samples"]],
+        [Sample(**s) for s in samples],
         ModelSpec.from_dict(data["model"]),
         gpu["name"],
         gpu["mem_bytes"],
         preset,
     )
-    data = (
-        {k: v for k, v in data.items() if k not in ("samples", "efficiency")}
-        | fitted
-        | {"samples": data["samples"]}
+    return (
+        {k: v for k, v in data.items() if k not in ("samples", "efficiency")} | fitted | {"samples": samples}
     )
-    out.write_text(yaml.safe_dump(data, sort_keys=False))
-    print(f"{out}: refitted; fit errors {fitted['fit_error']}")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ what is here is per process: where the weight-sync server listens and how this r
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -58,5 +59,9 @@ class EngineSettings(BaseSettings):
     vllm_compile: bool = False
     """vllm backend: let vLLM compile the model (torch.compile; CUDA graphs on GPUs). Faster decode,
     about a minute more at start on 2 CPU cores; off runs eager."""
+    iteration_log: Path | None = None
+    """vllm backend: a directory where the engine appends one JSON line per iteration (its batch,
+    decode context, prefill tokens and time; `services/generation/iteration_log.py`), which `libra
+    bench live` sets against the cost model. Unset records nothing."""
     seed: int | None = None
     """Sampling seed (hf, emulated); unset draws fresh randomness per process."""

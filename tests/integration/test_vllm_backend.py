@@ -23,6 +23,7 @@ from services.common.runconfig import ModelConfig, RunConfig
 from services.generation.backends.base import GenRequest
 from services.generation.backends.vllm import VllmBackend, VllmEngine
 from services.generation.config import EngineSettings
+from services.generation.iteration_log import read as read_iterations
 from services.generation.speculator import counters as spec_counters
 from services.learning.snapshot import Snapshot, snapshot
 from services.rollout_engine.weight_sync import WeightSyncServicer, start_server
@@ -34,11 +35,13 @@ PROMPT = list(range(100, 124))
 
 
 @pytest.fixture(scope="module")
-async def vllm(tiny_model: ModelConfig) -> AsyncIterator[tuple[VllmBackend, VllmEngine]]:
+async def vllm(
+    tiny_model: ModelConfig, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[tuple[VllmBackend, VllmEngine]]:
     run = RunConfig.model_validate(
         {"model": tiny_model.model_dump(), "rollout": {"backend": "vllm", "max_batch": 2}}
     )
-    backend = VllmBackend(run, EngineSettings(seed=0))
+    backend = VllmBackend(run, EngineSettings(seed=0, iteration_log=tmp_path_factory.mktemp("iterations")))
     await backend.start()
     engine = backend.make_engine(2)
     engine.start()
@@ -101,6 +104,34 @@ async def test_logprobs_match_the_trainers_and_sampling_follows_the_request(
     ids = stopped.output.token_ids
     assert stopped.output.finish_reason == "stop" and backend.decode(ids).endswith(stop)
     assert len(ids) < 24 and ids == sampled[: len(ids)], "the same tokens, up to the stop string"
+
+
+async def test_the_iteration_log_holds_each_iteration_as_vllm_ran_it(
+    vllm: tuple[VllmBackend, VllmEngine],
+) -> None:
+    """Two fresh prompts prefilled together, then decoded together: one line per iteration with
+    the batch, the prompt tokens and the decoding sequences' context (`engine.iteration_log`)."""
+    backend, engine = vllm
+    log = backend.iterations
+    assert log is not None
+    settled = -1
+    while engine.running or log.count != settled:  # an earlier test's last iterations come in
+        settled = log.count
+        await asyncio.sleep(0.3)
+    log.flush()
+    seen = len(read_iterations(log.path.parent))
+    prompts = [list(range(3000 + 40 * i, 3030 + 40 * i)) for i in range(2)]  # no prefix-cache hit
+    await asyncio.gather(
+        *(engine.submit(GenRequest(p, 16, 1.0, min_new_tokens=16, seed=i)) for i, p in enumerate(prompts))
+    )
+    log.flush()
+    its = read_iterations(log.path.parent)[seen:]
+    assert sum(it.prefill_tokens for it in its) == 60, its
+    # each sequence's first token comes with its prefill, the other 15 from decode iterations
+    assert sum(it.decode_tokens for it in its) == sum(it.decode for it in its) == 30, its
+    assert all(it.model_s > 0 and 0 <= it.context <= 30 + 16 for it in its), its
+    assert max(it.context for it in its) > 30, "the decoding sequences' context grows past the prompt"
+    assert all(it.dt is None or it.dt > 0 for it in its) and any(it.dt for it in its), its
 
 
 async def test_a_full_batch_admits_the_lower_priority_value_first(
@@ -167,13 +198,15 @@ async def test_calibrates_empty_push_pauses_checksums_and_resumes_without_losing
 ) -> None:
     """`libra calibrate` times what every push costs beyond its bytes as an empty push: it pauses
     generation with the running requests kept, reads the served weights back, and resumes."""
-    from tools.calibrate import _empty_push
+    from tools.calibrate import _empty_push, _tensors, push_specs
 
     backend, engine = vllm
+    tensors, in_place = await _tensors(backend)
+    assert not in_place, "vLLM loads whole tensors through its own loader"
     running = asyncio.create_task(engine.submit(GenRequest(PROMPT, 64, 1.0, min_new_tokens=64)))
     while engine.tokens_generated == 0:
         await asyncio.sleep(0.05)
-    assert await _empty_push(backend) > 0
+    assert await _empty_push(backend, push_specs(tensors)) > 0
     assert len((await running).output.token_ids) == 64, "the running request went on after the pause"
 
 

@@ -22,6 +22,8 @@ install), `vllm` on GPU nodes. What it adds on top of vLLM:
   of the job's engines on one host; `cpu_kv_bytes`), its OpenMP threads are
   `rollout.torch_threads`, unbound; its processes die with the engine's (`vllm_worker.follow_parent`).
 - Load reports read vLLM's scheduler stats (running, waiting, KV usage, prefix-cache hits).
+- With `engine.iteration_log`, every iteration vLLM runs (its batch, the decoding sequences' mean
+  context, the prompt tokens prefilled with them, its time) is appended to a JSON-lines file.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import contextlib
 import importlib.util
 import itertools
 import json
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -52,6 +55,7 @@ from services.generation.backends.base import (
 )
 from services.generation.backends.vllm_worker import ENGINE_ENV
 from services.generation.config import EngineSettings
+from services.generation.iteration_log import IterationLog
 from services.generation.speculator import SpecCounters
 
 WORKER_EXTENSION = "services.generation.backends.vllm_worker.LibraWorkerExtension"
@@ -115,6 +119,11 @@ class VllmBackend(Backend):
         self.spec = SpecCounters() if run.rollout.speculative.method != "off" else None
         """vLLM's own drafter's drafts, drafted and accepted tokens (since start), when on."""
         self.kv_tokens = 0
+        self.contexts: dict[str, int] = {}
+        """Context (prompt and tokens so far) of each request that has begun decoding."""
+        self.iterations = (
+            IterationLog(settings.iteration_log, "vllm") if settings.iteration_log is not None else None
+        )
         self._loading = False
         """An in-place reload is open in the workers (a push is being loaded)."""
         self._max_len = 0
@@ -181,6 +190,7 @@ class VllmBackend(Backend):
             scheduling_policy="priority",
             enable_log_requests=False,
             disable_log_stats=False,
+            enable_logging_iteration_details=self.iterations is not None,
             enforce_eager=not s.vllm_compile,
             worker_extension_cls=WORKER_EXTENSION,
             speculative_config=vllm_speculative_config(self.run.rollout.speculative),
@@ -201,6 +211,9 @@ class VllmBackend(Backend):
                 if scheduler_stats is None:
                     return
                 backend.stats = scheduler_stats
+                details = getattr(scheduler_stats, "iteration_details", None)
+                if backend.iterations is not None and details is not None and not details.is_dummy:
+                    backend.record_iteration(details, scheduler_stats)
                 cache = scheduler_stats.prefix_cache_stats
                 if cache is not None:
                     backend.prefix_queries += int(cache.queries)
@@ -229,6 +242,8 @@ class VllmBackend(Backend):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             os.environ["OMP_NUM_THREADS"] = str(self.run.rollout.torch_threads)
         args = self.engine_args(model_dir)
+        if self.iterations is not None:  # vLLM's own stats logger would print every iteration
+            logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
         started = time.monotonic()
         self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[_Stats])
         self.tok = self.llm.tokenizer
@@ -254,13 +269,25 @@ class VllmBackend(Backend):
             return -1
         return int(self.kv_tokens * (1.0 - float(self.stats.kv_cache_usage)))
 
-    async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
+    async def pause(self) -> None:
+        """Generation stops with the running requests kept and the prefix cache cleared (they
+        re-prefill when it resumes)."""
         await self.llm.pause_generation(mode="keep", clear_cache=True)
+        if self.iterations is not None:
+            self.iterations.gap()
+
+    async def resume(self) -> None:
+        if self.iterations is not None:  # the pause is no iteration's cost
+            self.iterations.gap()
+        await self.llm.resume_generation()
+
+    async def swap_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        await self.pause()
         try:
             await self.load_tensors(list(state_dict.items()))
             await self.finish_load()
         finally:
-            await self.llm.resume_generation()
+            await self.resume()
 
     async def load_tensors(self, items: list[tuple[str, Any]]) -> None:
         """Whole tensors as a push assembles them, while generation is paused (`apply_update`);
@@ -327,7 +354,24 @@ class VllmBackend(Backend):
     def make_engine(self, max_batch: int) -> VllmEngine:
         return VllmEngine(self, max_batch)
 
+    def record_iteration(self, details: Any, stats: Any) -> None:
+        """One iteration vLLM ran (its `SchedulerIterationDetails`), into the iteration log."""
+        assert self.iterations is not None
+        ctx = self.contexts
+        self.iterations.add(
+            model_s=float(details.elapsed_ms) / 1000,
+            decode=int(details.num_generation_requests),
+            decode_tokens=int(details.num_generation_tokens),
+            context=sum(ctx.values()) / len(ctx) if ctx else 0.0,
+            prefill=int(details.num_ctx_requests),
+            prefill_tokens=int(details.num_ctx_tokens),
+            running=int(stats.num_running_reqs),
+            waiting=int(stats.num_waiting_reqs),
+        )
+
     async def close(self) -> None:
+        if self.iterations is not None:
+            self.iterations.close()
         if self.llm is not None:
             llm, self.llm = self.llm, None
             await asyncio.to_thread(llm.shutdown)
@@ -408,6 +452,7 @@ class VllmEngine(VersionGate):
             raise
         finally:
             self.in_flight -= 1
+            self.backend.contexts.pop(request_id, None)
             self._active.discard(request_id)
             self._handed.discard(request_id)
 
@@ -449,6 +494,8 @@ class VllmEngine(VersionGate):
                         ids.append(token)
                         lps.append(float(step[token].logprob))
                         versions.append(self._sampling_version)
+                    if ids:
+                        self.backend.contexts[request_id] = len(req.prompt_ids) + len(ids)
                     if out.finished:
                         finish = c.finish_reason
         except (ValueError, VLLMClientError) as err:  # vLLM refused the input (too long, bad tokens)
@@ -496,11 +543,11 @@ class VllmEngine(VersionGate):
             if version <= self.version:
                 return False
             if not self.torn:
-                await self.backend.llm.pause_generation(mode="keep", clear_cache=True)
-            await self._write_or_tear(version, consume, dirty, self.backend.llm.resume_generation)
+                await self.backend.pause()
+            await self._write_or_tear(version, consume, dirty, self.backend.resume)
             self.version, self.checksum, self._sampling_version = version, checksum, version
             self._torn = False
-            await self.backend.llm.resume_generation()
+            await self.backend.resume()
         await self._swapped(version, self.running)
         return True
 
