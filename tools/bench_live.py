@@ -333,6 +333,41 @@ def predicted(cfg: RunConfig, workload: Workload, seeds: int) -> dict[str, Any]:
     }
 
 
+def _against_iterations(
+    ns: argparse.Namespace,
+    name: str,
+    cfg: RunConfig,
+    workload: Workload,
+    directory: Path,
+    span: tuple[float, float],
+) -> dict[str, Any]:
+    """The job's engine iterations against the profile's price of them (tools/engine_iterations.py),
+    and the simulator's prediction again from the profile with the host sharing fitted to them."""
+    from services.common.cost_model import load_profile
+    from services.generation.iteration_log import read_engines
+    from tools.engine_iterations import beside, compare, window, with_sharing
+
+    engines = read_engines(directory) if directory.is_dir() else {}
+    its = sorted((it for xs in engines.values() for it in window(xs, *span)), key=lambda it: it.t)
+    if not its:
+        return {"iterations": None, "predicted_live_fit": None}
+    cm = load_profile(ns.profile)
+    shared = beside(engines, cm, *span)
+    out: dict[str, Any] = {"iterations": compare(its, cm) | {"host": shared}}
+    sharing = shared["host_sharing_fitted"]
+    if sharing is None:
+        out["predicted_live_fit"] = None
+        return out
+    path = ns.out / f"profile-live-{name}.yaml"
+    fitted = with_sharing(_profiled(ns), sharing, f"libra bench live: {ns.workload}, {name} ({ns.out})")
+    path.write_text(yaml.safe_dump(fitted, sort_keys=False))
+    data = cfg.model_dump(mode="json")
+    data["rollout"]["emulated"]["profile"] = str(path.resolve())
+    print(f"bench live: simulating {name} with the host sharing fitted live, {sharing:.2f} …", flush=True)
+    pred = predicted(RunConfig.model_validate(data), workload, ns.sim_seeds)
+    return out | {"predicted_live_fit": pred, "profile_live_fit": str(path)}
+
+
 def gain_over_libra(results: dict[str, Any], name: str = "libra_lend", over: str = "libra") -> dict[str, Any]:
     """A policy's throughput over libra's (lending, a searched layout) or `over`'s, measured and
     predicted (the same seed; and the mean of the per-seed ratios with its 95 % CI), and how far
@@ -466,14 +501,12 @@ def main(argv: list[str] | None = None) -> int:
             print(summary(layouts[name]), flush=True)
             configs[name] = (path, cfg)  # the layout the job will run: the stack's size, the prediction
 
-    stack = Stack(
-        f"bench-live-{int(time.time())}",
-        out / "logs",
-        extra_env={
-            "LIBRA_SCHEDULER_STATS_INTERVAL_S": "2",
-            "LIBRA_ROLLOUT_ENGINE_MAX_NEW_TOKENS_CAP": "32768",
-        },
-    )
+    env = {"LIBRA_SCHEDULER_STATS_INTERVAL_S": "2", "LIBRA_ROLLOUT_ENGINE_MAX_NEW_TOKENS_CAP": "32768"}
+    iteration_dir = out / "iterations"
+    if ns.backend == "vllm":  # every iteration the engines run, to set against the cost model
+        env["LIBRA_ROLLOUT_ENGINE_ITERATION_LOG"] = str(iteration_dir.resolve())
+    stack = Stack(f"bench-live-{int(time.time())}", out / "logs", extra_env=env)
+    windows: dict[str, tuple[float, float]] = {}
     results: dict[str, Any] = {}
     stack.start_infra(max(cfg.engines_needed for _, cfg in configs.values()))
     try:
@@ -488,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ns.trainer} training …",
                 flush=True,
             )
+            started = time.time()
             report = run_job(
                 path,
                 searched.get(name, cfg),
@@ -496,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress=True,
                 stack=stack,
             )
+            windows[name] = (started, time.time())
             if name in layouts and report.get("layout", {}).get("chosen") != layouts[name]["chosen"]:
                 raise RuntimeError(f"{name}: the job chose another layout than the search before it")
             watch.stop.set()
@@ -516,6 +551,12 @@ def main(argv: list[str] | None = None) -> int:
         results[name]["migrations"] = m["migrations"]
         if name in layouts:
             results[name]["layout"] = layouts[name]
+        if ns.backend == "vllm":
+            results[name].update(_against_iterations(ns, name, cfg, workload, iteration_dir, windows[name]))
+            fitted = results[name]["predicted_live_fit"]
+            if fitted is not None:
+                fitted["throughput_error"] = _error(m["trajectories_per_s"], fitted["trajectories_per_s"])
+                fitted["p99_error"] = _error(m["latency_p99_s"], fitted["latency_p99_s"])
     first = results[policies[0]]["measured"]
     gains = {n: gain_over_libra(results, n) for n in LENDING if {"libra", n} <= set(policies)}
     gain = gains.get("libra_lend")
@@ -558,6 +599,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{'':>12}  mean s per trajectory, measured {_fmt(m['latency_breakdown_mean_s'])}")
         print(f"{'':>12}  mean s per trajectory, predicted {_fmt(pr['latency_breakdown_mean_s'])}")
+        if r.get("iterations"):
+            a, fitted = r["iterations"]["all"], r.get("predicted_live_fit")
+            print(
+                f"{'':>12}  engine iterations: {a['iterations']}, live {a['live_over_priced']}x the profile's "
+                f"price (forward alone {a['forward_over_priced']}x), mean decode batch "
+                f"{r['iterations']['decode_batch_mean']}; alone "
+                f"{r['iterations']['host']['alone']['live_over_priced']}x, beside another engine "
+                f"{r['iterations']['host']['beside_another']['live_over_priced']}x"
+                + (
+                    f"; predicted with the host sharing fitted live "
+                    f"({r['iterations']['host']['host_sharing_fitted']:.2f}) "
+                    f"{fitted['trajectories_per_s']:.4f} traj/s, "
+                    f"p99 {fitted['latency_p99_s']:.0f} s (errors {fitted['throughput_error']}, "
+                    f"{fitted['p99_error']})"
+                    if fitted
+                    else ""
+                )
+            )
     if doc["layout_gain"] is not None:
         gains[PLANNED] = doc["layout_gain"]
     if doc["relayout_gain"] is not None:

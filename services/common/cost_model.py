@@ -119,6 +119,13 @@ class Calibration:
     4.5 GB in 31.7 ms, Mooncake docs, vllm-v1-pd-performance)."""
     sync_fixed_s: float = 2.0
     """Fixed part of a weight push to rollout engines (coordination, engine pause/resume)."""
+    host_sharing: float = 0.0
+    """How much the engines of one host slow each other: every other engine mid-iteration
+    lengthens an engine's iterations (and prefills) by this share of their cost alone. 0 for
+    engines on devices of their own, as on GPU nodes (nothing measured here says otherwise); two
+    one-thread vLLM engines on this 2-core CPU measured 0.6-0.8 (`libra bench live --backend vllm`:
+    their iterations beside the other engine's against those alone, tools/engine_iterations.py).
+    A profile's engines are all on its one host."""
 
 
 def relative_tpot(tp: int, calib: Calibration | None = None) -> float:

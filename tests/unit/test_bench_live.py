@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
@@ -89,3 +90,22 @@ def test_an_emulated_trainer_pushes_real_engines_empty_deltas_and_the_simulator_
     cm = real.rollout.emulated.costs()
     assert cm.engine_load_s(1, 0.0) == cm.calib.sync_fixed_s < cm.engine_load_s(1)
     assert cm.weight_sync_s(share=0.0) == cm.calib.sync_fixed_s
+
+
+def test_engines_sharing_a_host_slow_each_other_in_the_prediction_as_the_profile_says(tmp_path: Path) -> None:
+    """`Calibration.host_sharing` (fitted by `libra bench live` from the engines' iterations): the
+    simulator's engines are slower while the others are busy, and not at all with 0 (GPU nodes)."""
+    from tools.engine_iterations import with_sharing
+
+    wl = Workload.load("cpu_longgen")
+    ns = _ns("--backend", "vllm", "--profile", str(CPU), "--workload", "cpu_longgen", "--steps", "3")
+    base = RunConfig.model_validate(live_config(ns, wl, "least_loaded"))
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump(with_sharing(yaml.safe_load(CPU.read_text()), 0.7, "a test")))
+    data = base.model_dump(mode="json")
+    data["rollout"]["emulated"]["profile"] = str(path)
+    shared = RunConfig.model_validate(data)
+    alone, beside = predicted(base, wl, 1), predicted(shared, wl, 1)
+    assert beside["trajectories_per_s"] < alone["trajectories_per_s"]
+    gen = [p["latency_breakdown_mean_s"]["generate_s"] for p in (alone, beside)]
+    assert 1.2 * gen[0] < gen[1] < 1.7 * gen[0], "slower by up to 1.7x: only while both are busy"

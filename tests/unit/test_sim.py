@@ -209,6 +209,20 @@ def test_a_paused_trajectory_keeps_its_context_cached_until_weights_change(env):
     assert not e.take_cached("t")  # the next turn must re-prefill its whole context
 
 
+def test_an_engine_beside_busy_ones_runs_at_its_pace_from_then_on(env):
+    """Engines sharing a host (`Calibration.host_sharing`): what ran before a change of pace keeps
+    its time, what is left takes `pace` times as long."""
+    alone, shared = _engine(env), _engine(env)
+    for e in (alone, shared):
+        e.open(0.0)
+        e.join(Request("t", 200, 500), 0.0, 500, "p")
+    half = (alone.next_event() + alone.resume) / 2  # half-way through its decode
+    alone.set_pace(half, 1.0)  # priced again at half-way, as the other (its context has grown)
+    shared.set_pace(half, 2.0)
+    assert shared.next_event() == pytest.approx(half + 2 * (alone.next_event() - half))
+    assert shared.pace == 2.0 and [r.traj_id for r in shared.pop_done(shared.next_event())] == ["t"]
+
+
 def test_weight_load_makes_running_sequences_re_prefill_their_context(env):
     e = _engine(env)
     e.open(0.0)

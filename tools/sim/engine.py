@@ -86,6 +86,7 @@ class Engine:
         "n",
         "open_since",
         "opened_s",
+        "pace",
         "prompts",
         "resume",
         "seq",
@@ -132,6 +133,8 @@ class Engine:
         """Batch size and mean context at the last speculation decision (see `_price`)."""
         self.threshold = 0.0
         """The speculation policy's last decision (`SpeculationPolicy.threshold`)."""
+        self.pace = 1.0
+        """Its iterations' cost over their cost alone (engines sharing a host: `set_pace`)."""
         self.seq = 0
         self.gen = 0
         self.busy_s = 0.0
@@ -187,6 +190,12 @@ class Engine:
                 self.accepted += iters * self.accept_sum
         self.t = now
 
+    def set_pace(self, now: float, pace: float) -> None:
+        """From `now` on, iterations cost `pace` times their cost alone (what ran before is kept)."""
+        self.advance(now)
+        self.pace = pace
+        self._retime()
+
     def stall(self, now: float, seconds: float, sync: bool = False) -> None:
         self.advance(now)
         self.resume = max(self.resume, now) + seconds
@@ -219,7 +228,7 @@ class Engine:
 
     def join(self, req: Request, now: float, prefill_tokens: int, prompt_id: str) -> None:
         self.advance(now)
-        self.resume = max(self.resume, now) + self.cm.prefill_s(
+        self.resume = max(self.resume, now) + self.pace * self.cm.prefill_s(
             prefill_tokens, req.context - prefill_tokens, self.tp
         )
         key = round(req.acceptance, 3) if self.spec is not None else 0.0
@@ -264,7 +273,7 @@ class Engine:
         avg_ctx = total / n
         spec = self.spec
         if spec is None:
-            self.step_s = self.cm.decode_step_s(n, avg_ctx, self.tp)
+            self.step_s = self.pace * self.cm.decode_step_s(n, avg_ctx, self.tp)
             return
         # The policy decides again when the batch size or its mean context moved by more than
         # `BAND` since the last decision, as engines tune draft lengths per batch-size bucket
@@ -285,7 +294,7 @@ class Engine:
             accept += ln.n * (ln.rate - 1.0)
         self.draft_sum = query - n
         self.accept_sum = accept
-        self.step_s = self.cm.verify_step_s(n, avg_ctx, self.tp, query)
+        self.step_s = self.pace * self.cm.verify_step_s(n, avg_ctx, self.tp, query)
 
     def next_event(self) -> float | None:
         """Simulated time when the next sequence finishes its turn, or None when idle."""
@@ -373,7 +382,7 @@ class Engine:
         self.advance(now)
         self.drop_cache()
         self.version = version
-        reprefill = sum(
+        reprefill = self.pace * sum(
             self.cm.prefill_s(int(req.context + done), 0, self.tp) for req, done in self.running()
         )
         self.stall(now, seconds, sync=True)

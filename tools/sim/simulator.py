@@ -366,9 +366,21 @@ class Simulator:
                 self._on_tick()
             elif kind == MOVED:
                 self.kvm.on_moved(payload)
+            if self.cm.calib.host_sharing:
+                self._share_host()
         if self.version < self.steps:
             raise RuntimeError(f"{self.sys.name}: simulation stalled at step {self.version}")
         return self._close()
+
+    def _share_host(self) -> None:
+        """Engines of one host slow each other (`Calibration.host_sharing`): each busy engine's
+        iterations cost 1 + sharing x the other busy engines as much as alone, from now on."""
+        busy = [e for e in self.engines.values() if e.n]
+        pace = 1.0 + self.cm.calib.host_sharing * (len(busy) - 1)
+        for e in busy:
+            if e.pace != pace:
+                e.set_pace(self.now, pace)
+                self.wake(e)
 
     def _close(self) -> dict[str, Any]:
         end = self.now
