@@ -29,6 +29,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from services.generation.backends.vllm import host_memory
+
 NAME = "engine_live"
 CONFIG = "default"
 BACKENDS = ("hf", "vllm")
@@ -36,10 +38,7 @@ TIMEOUT_S = 1500
 
 
 def _available_mib() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return host_memory()[1] / 2**20
 
 
 def _job(backend: str, out: Path) -> dict[str, Any]:
