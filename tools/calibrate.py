@@ -68,6 +68,9 @@ TRAIN_GPU: dict[str, Any] = {"sequences": (8, 16), "lengths": (512, 2048), "micr
 MODEL_CONFIGS = Path(__file__).resolve().parent.parent / "services" / "common" / "presets" / "model_configs"
 LOAD_FRACTIONS = (0.25, 0.5, 1.0)
 PUSH_REPEATS = 3
+NOT_FITTED = ("kv_block_tokens", "host_sharing")
+"""A profile's constants that no sample fits: the engine's KV block, as it reported it, and the
+host sharing `libra bench live` fitted to a live job's iterations; a refit keeps them."""
 
 
 @dataclass(frozen=True)
@@ -273,10 +276,16 @@ async def _load_weights(
     return size, time.perf_counter() - start
 
 
-def measure_training(model: Any, grid: dict[str, Any], device: str, say: Any) -> list[Sample]:
+def measure_training(
+    model: Any, grid: dict[str, Any], device: str, say: Any, threads: int | None = None
+) -> list[Sample]:
     """The trainer's GRPO step (`services/learning/step.py`) on `model` with a fresh AdamW, for each
-    number of sequences and length in `grid` (the fastest of `REPEATS`, after one warm-up)."""
+    number of sequences and length in `grid` (the fastest of `REPEATS`, after one warm-up); on a
+    CPU with `threads` threads, as the trainer's `training.torch_threads`."""
     import torch
+
+    if device == "cpu" and threads:
+        torch.set_num_threads(threads)
 
     from services.common.runconfig import RunConfig
     from services.learning.data import Sample as Trajectory
@@ -621,7 +630,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             import torch
 
             torch.cuda.empty_cache()  # the engine's KV cache
-        samples += await asyncio.to_thread(measure_training, trained, tgrid, device, _say)
+        samples += await asyncio.to_thread(measure_training, trained, tgrid, device, _say, args.threads)
         (Path(args.workdir) / "samples.json").write_text(json.dumps([asdict(s) for s in samples]))
     kv_tokens = getattr(backend, "kv_tokens", 0) or batch * longest
     mem_bytes = (spec.weight_bytes + kv_tokens * spec.kv_bytes_per_token) / 0.9  # reserved_fraction 0.1
@@ -634,6 +643,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     if preset is not None:
         mem_bytes = preset.mem_bytes
     fitted = fit(samples, spec, name, mem_bytes, preset)
+    fitted["calibration"]["kv_block_tokens"] = int(getattr(backend, "block_tokens", 1))
     return {
         "libra_profile": 1,
         "measured": {
@@ -685,6 +695,8 @@ def refitted(data: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, A
         gpu["mem_bytes"],
         preset,
     )
+    calib = data.get("calibration") or {}
+    fitted["calibration"] |= {k: calib[k] for k in NOT_FITTED if k in calib}
     return (
         {k: v for k, v in data.items() if k not in ("samples", "efficiency")} | fitted | {"samples": samples}
     )
@@ -710,7 +722,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainer", action="store_true", help="also measure the trainer's step and fit train_mfu")
     p.add_argument("--tokenizer", type=Path, help="random:… models: the tokenizer (default: SmolLM2's)")
     p.add_argument("--workdir", default=".libra/calibrate", help="random:… models: where their config goes")
-    p.add_argument("--threads", type=int, default=2, help="engine threads (default 2)")
+    p.add_argument(
+        "--threads", type=int, default=2, help="engine threads, and the trainer's on a CPU (default 2)"
+    )
     p.add_argument("--out", type=Path, help="profile YAML (default: profile-<backend>-<model>.yaml)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (seconds on a tiny model)")
     p.add_argument(

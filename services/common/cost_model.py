@@ -119,6 +119,11 @@ class Calibration:
     4.5 GB in 31.7 ms, Mooncake docs, vllm-v1-pd-performance)."""
     sync_fixed_s: float = 2.0
     """Fixed part of a weight push to rollout engines (coordination, engine pause/resume)."""
+    kv_block_tokens: int = 1
+    """Tokens per KV-cache block: a prefix cache finds only whole blocks of a cached prefix, and
+    the rest is prefilled again. vLLM's CPU build uses 128-token blocks (a 100-token prompt is
+    never shared by a group's siblings there); GPU builds and the `hf` engine 16, under 1 % of
+    the presets' contexts, which they leave at 1. `libra calibrate` records its engine's."""
     host_sharing: float = 0.0
     """How much the engines of one host slow each other: every other engine mid-iteration
     lengthens an engine's iterations (and prefills) by this share of their cost alone. 0 for

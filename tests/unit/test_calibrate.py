@@ -162,6 +162,8 @@ def test_a_profile_fits_again_to_the_same_and_keeps_what_it_measured(tmp_path: P
     samples = _gpu_samples(truth, 0.25)
     path = tmp_path / "p.yaml"
     profile = {"libra_profile": 1, "measured": {"backend": "hf"}, **fit(samples, MODEL, "h200", 1.4e11, peak)}
+    # what no sample fits: the engine's KV block, and a host sharing fitted to a live job
+    profile["calibration"] |= {"kv_block_tokens": 16, "host_sharing": 0.5}
     path.write_text(yaml.safe_dump({**profile, "samples": [asdict(s) for s in samples]}))
     assert calibrate_main(["--refit", str(path), "--out", str(tmp_path / "q.yaml")]) == 0
     again = yaml.safe_load((tmp_path / "q.yaml").read_text())

@@ -189,13 +189,13 @@ class Simulator:
             prefill = context  # its engine went back to training mid-turn: nothing is cached
             self.reprefill_tokens += context
         elif tr.engine == e.engine_id and e.take_cached(tid):
-            prefill = new
+            prefill = context - self._whole_blocks(context - new)
         else:
             if tr.engine is not None and tr.engine != e.engine_id:
                 old = self.engines[tr.engine]
                 old.forget(tid)
                 self.migrations += old.bucket != e.bucket
-            cached = tr.spec.prompt_tokens if tr.spec.prompt_id in e.prompts else 0
+            cached = self._whole_blocks(tr.spec.prompt_tokens) if tr.spec.prompt_id in e.prompts else 0
             prefill = context - cached
             if tr.turn > 0:
                 self.reprefill_tokens += prefill - new
@@ -207,6 +207,11 @@ class Simulator:
             tr.spec.prompt_id,
         )
         self.wake(e)
+
+    def _whole_blocks(self, tokens: int) -> int:
+        """What of a cached prefix an engine finds: its whole KV blocks (`kv_block_tokens`)."""
+        block = self.cm.calib.kv_block_tokens
+        return tokens - tokens % block
 
     def load_weights(self, e: Engine) -> None:
         """The engine takes the newest weights (see :meth:`Engine.load_weights`)."""

@@ -119,6 +119,8 @@ class VllmBackend(Backend):
         self.spec = SpecCounters() if run.rollout.speculative.method != "off" else None
         """vLLM's own drafter's drafts, drafted and accepted tokens (since start), when on."""
         self.kv_tokens = 0
+        self.block_tokens = 1
+        """Tokens per KV-cache block: its prefix cache finds whole blocks only (128 on a CPU)."""
         self.contexts: dict[str, int] = {}
         """Context (prompt and tokens so far) of each request that has begun decoding."""
         self.iterations = (
@@ -252,6 +254,7 @@ class VllmBackend(Backend):
         self._max_len = int(model_config.max_model_len)
         cache = self.llm.vllm_config.cache_config
         self.kv_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
+        self.block_tokens = int(cache.block_size)
         self.log.info(
             "model_loaded",
             model=str(model_dir),
