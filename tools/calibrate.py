@@ -525,13 +525,12 @@ def _say(text: str) -> None:
 
 
 def _device(want: str) -> str:
-    import torch
+    from services.learning.recipe import resolve_device
 
-    if want == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA GPU (a CPU build of torch?)")
-    return want
+    try:
+        return resolve_device(want).type
+    except RuntimeError as err:
+        raise SystemExit(f"--device: {err}") from None
 
 
 def _gpu_preset(device: str) -> GPUSpec | None:

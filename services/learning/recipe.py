@@ -16,14 +16,21 @@ from services.learning.hybrid import Replica
 from services.learning.step import StepSettings, StepStats, lr_at, train_step
 
 
-def compute_device(run: RunConfig) -> torch.device:
-    """training.device as a torch device; `cuda` without a GPU torch can see is an error."""
-    want = run.training.device
+def resolve_device(want: str) -> torch.device:
+    """`auto`, `cpu` or `cuda` as a torch device; `cuda` without a GPU torch can see is an error."""
     if want == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if want == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("training.device is cuda but torch sees no CUDA GPU (a CPU build of torch?)")
+        raise RuntimeError("cuda asked, but torch sees no CUDA GPU (a CPU build of torch?)")
     return torch.device(want)
+
+
+def compute_device(run: RunConfig) -> torch.device:
+    """training.device as a torch device (`resolve_device`)."""
+    try:
+        return resolve_device(run.training.device)
+    except RuntimeError as err:
+        raise RuntimeError(f"training.device: {err}") from None
 
 
 def uses_bf16(run: RunConfig, device: torch.device) -> bool:
