@@ -122,7 +122,8 @@ class VllmBackend(Backend):
         self.block_tokens = 1
         """Tokens per KV-cache block: its prefix cache finds whole blocks only (128 on a CPU)."""
         self.contexts: dict[str, int] = {}
-        """Context (prompt and tokens so far) of each request that has begun decoding."""
+        """Context (prompt and tokens so far) of each request that has begun decoding, kept only
+        for the iteration log."""
         self.iterations = (
             IterationLog(settings.iteration_log, "vllm") if settings.iteration_log is not None else None
         )
@@ -497,7 +498,7 @@ class VllmEngine(VersionGate):
                         ids.append(token)
                         lps.append(float(step[token].logprob))
                         versions.append(self._sampling_version)
-                    if ids:
+                    if ids and self.backend.iterations is not None:  # only the log reads them
                         self.backend.contexts[request_id] = len(req.prompt_ids) + len(ids)
                     if out.finished:
                         finish = c.finish_reason
