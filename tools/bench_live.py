@@ -348,7 +348,7 @@ def _against_iterations(
     from tools.engine_iterations import beside, compare, window, with_sharing
 
     engines = read_engines(directory) if directory.is_dir() else {}
-    its = sorted((it for xs in engines.values() for it in window(xs, *span)), key=lambda it: it.t)
+    its = [it for xs in engines.values() for it in window(xs, *span)]
     if not its:
         return {"iterations": None, "predicted_live_fit": None}
     cm = load_profile(ns.profile)
