@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from services.common.config import ConfigFileError
 from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
-from services.planner.search import Plan
+from services.policy.search import Plan
 from tools.sim.live import bucket_plans, cost_model, job_gpus, job_workload, simulate
 from tools.sim.stats import mean_ci
 from tools.sim.systems import Env, plan_key, planner_menu

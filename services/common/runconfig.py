@@ -518,7 +518,7 @@ class JobConfig(_Strict):
 
 class HybridPoolConfig(_Strict):
     """The planner moving engines into training and back by itself (the elastic hybrid pool):
-    the simulator's pool policy (services/planner/hybrid_pool.py) on the live signals."""
+    the simulator's pool policy (services/policy/hybrid_pool.py) on the live signals."""
 
     workers: int = Field(0, ge=0)
     """Engines the planner may have in training at once (0: it moves none by itself; an operator
@@ -555,7 +555,7 @@ class LendingConfig(_Strict):
     """`always`: lend whenever no batch is complete, take them back when one is; `predictive`:
     lend only when the batch is forecast (from the rate of recent group completions) to be more
     than three switches away, and take the GPUs back one switch before it is forecast complete
-    (`services/trainer/lend_policy.py`). `predictive` wins where batches come often or lent GPUs
+    (`services/policy/lend_policy.py`). `predictive` wins where batches come often or lent GPUs
     are a small share of rollout, and loses where they are most of it (docs/planner.md)."""
     trainer_serves: bool = False
     """The trainer process itself is the lent engine (`engines` must be 1): while lent it serves

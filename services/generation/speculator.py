@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from services.common.runconfig import SpeculativeConfig
 from services.generation.drafter import SuffixDrafter
-from services.generation.speculation import SpeculationPolicy
+from services.policy.speculation import SpeculationPolicy
 
 SOURCES = ("group", "prompt", "self")
 LANES = SOURCES + tuple(f"{s}-short" for s in SOURCES)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from services.common.contracts import ev
 from services.common.membership import HYBRID_ROLE
 from services.common.runconfig import RunConfig
-from services.planner.hybrid_pool import HybridPool, HybridWorker, InvalidTransition, PoolPolicy, Role
+from services.policy.hybrid_pool import HybridPool, HybridWorker, InvalidTransition, PoolPolicy, Role
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from services.common.contracts import ev
 from services.common.cost_model import CostModel
 from services.common.runconfig import RunConfig
-from services.planner.replan import EnginePool, ReplanPolicy, ReplanSignals, choose_refit, length_sample
-from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
+from services.policy.replan import EnginePool, ReplanPolicy, ReplanSignals, choose_refit, length_sample
+from services.policy.search import BucketPlan, SearchOptions, WorkloadStats
 
 
 @dataclass(frozen=True, slots=True)

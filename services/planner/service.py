@@ -36,12 +36,12 @@ from services.common.metrics import planner_metrics
 from services.common.ownership import Lease, OwnershipStore
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
-from services.planner.assign import ROLE_BY_KIND, Slot, StaticAssigner
 from services.planner.config import PlannerSettings
 from services.planner.elastic import LivePool
 from services.planner.history import PLANNER_ROLE, PlanHistory
 from services.planner.refit import LiveReplanner, RefitDecision
-from services.planner.replan import EnginePool, assign_layout
+from services.policy.assign import ROLE_BY_KIND, Slot, StaticAssigner
+from services.policy.replan import EnginePool, assign_layout
 
 MOVABLE_ROLES = ("rollout", "draining", "hybrid")
 """Roles an operator (or, next, the planner itself) may move an engine between: serving a bucket,

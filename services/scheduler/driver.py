@@ -18,12 +18,12 @@ from services.common.errors import require
 from services.common.logging import get_logger
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
+from services.policy.dispatch import Dispatcher
+from services.policy.prefix_tree import ToolSignal, map_sandbox_status, size_class
 from services.scheduler.completion import Completion
-from services.scheduler.dispatch import Dispatcher
 from services.scheduler.episodes import Episode
 from services.scheduler.inflight import InFlight, Live, PartialTurn
 from services.scheduler.plugins import PluginFailure
-from services.scheduler.prefix_tree import ToolSignal, map_sandbox_status, size_class
 from services.scheduler.prompting import Prompter
 from services.scheduler.rewards import SandboxClient
 from services.scheduler.task import Task

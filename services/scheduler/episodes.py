@@ -14,12 +14,12 @@ from opentelemetry import trace
 
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
+from services.policy.prefix_tree import ToolSignal
 from services.scheduler.agent import observation
 from services.scheduler.environment import EnvPool, Step
 from services.scheduler.feed import GroupTicket
 from services.scheduler.inflight import Live
 from services.scheduler.plugins import PluginFailure
-from services.scheduler.prefix_tree import ToolSignal
 from services.scheduler.prompting import Prompter
 from services.scheduler.synthetic_task import SyntheticTask
 from services.scheduler.trajectory import ScriptedTurn

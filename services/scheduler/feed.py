@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
+from services.policy.staleness import StalenessBound
 from services.scheduler.datasets import file_tasks
 from services.scheduler.task import Task, builtin_tasks, synthetic_tasks
 
@@ -40,7 +41,7 @@ class TaskFeed:
             raise ValueError("the task feed needs at least one task")
         self.tasks = tasks
         self.groups_per_step = groups_per_step
-        self.max_staleness = max_staleness
+        self.bound = StalenessBound(max_staleness)
         self.total_groups = groups_per_step * total_steps
         self.launched = 0
         self.replaced = 0
@@ -49,7 +50,7 @@ class TaskFeed:
 
     def budget(self, trained_version: int) -> int:
         """Groups that may be in flight or waiting for the trainer at policy version `trained_version`."""
-        limit = (trained_version + self.max_staleness + 1) * self.groups_per_step + self.replaced
+        limit = self.bound.launch_limit(trained_version, self.groups_per_step, self.replaced)
         return max(0, min(limit, self.total_groups) - self.launched)
 
     def ticket(self, index: int) -> GroupTicket:

@@ -22,8 +22,8 @@ from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
+from services.policy.dispatch import Dispatcher
 from services.scheduler.config import SchedulerSettings
-from services.scheduler.dispatch import Dispatcher
 from services.scheduler.trajectory import CallTool, Generate, Trajectory
 from services.scheduler.transcript import Transcript
 

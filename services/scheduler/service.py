@@ -22,10 +22,11 @@ from services.common.metrics import scheduler_metrics
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
 from services.common.streams import SCHEDULER_FEED
+from services.policy.dispatch import build_dispatcher
+from services.policy.staleness import StalenessBound
 from services.scheduler.agent import STOP_STRINGS
 from services.scheduler.completion import Completion
 from services.scheduler.config import SchedulerSettings
-from services.scheduler.dispatch import build_dispatcher
 from services.scheduler.driver import TrajectoryDriver
 from services.scheduler.episodes import build_episode
 from services.scheduler.evaluation import Evaluator
@@ -251,7 +252,7 @@ class SchedulerService:
         instead of the group running to the end for nothing (the simulator aborts them the same way)."""
         trajs = [lv.traj for lv in self.inflight.all() if not lv.evaluation]
         version, bound = self.trained_version, self.cfg.training.max_staleness
-        doomed = doomed_groups(trajs, version, bound)
+        doomed = doomed_groups(trajs, version, StalenessBound(bound))
         if not doomed:
             return
         await self.driver.abort_groups(

@@ -10,6 +10,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from services.policy.staleness import StalenessBound
 from services.scheduler.agent import ToolRequest
 from services.scheduler.environment import Step, ToolUse
 from services.scheduler.task import Task, score
@@ -78,12 +79,11 @@ def check_turn(
         raise ValueError(f"token id {wrong} is outside the vocabulary ({vocab_size})")
 
 
-def doomed_groups(trajs: list[Trajectory], trained_version: int, max_staleness: int) -> set[str]:
-    """Groups the trainer can no longer take at `trained_version`: a member's first generated
-    tokens are older than `max_staleness` allows (the trainer drops a group with any such member,
-    and the bound only tightens as versions grow)."""
-    floor = trained_version - max_staleness
-    return {t.group_id for t in trajs if t.versions and min(t.versions) < floor}
+def doomed_groups(trajs: list[Trajectory], trained_version: int, bound: StalenessBound) -> set[str]:
+    """Groups the trainer can no longer take at `trained_version`: a member's oldest token is
+    past the staleness bound (the trainer drops a group with any such member, and the bound only
+    tightens as versions grow)."""
+    return {t.group_id for t in trajs if bound.is_stale(t.oldest_version, trained_version)}
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,12 @@ class Trajectory:
     builtin_reward: bool = True
     """False for a user environment's task: an episode it ends without a reward, or one cut short,
     gets 0 unless `task.reward` scores it."""
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The policy version of its oldest generated token (None before its first token): what
+        the staleness bound judges."""
+        return min(self.versions) if self.versions else None
 
     @property
     def min_policy_version(self) -> int:

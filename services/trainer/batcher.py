@@ -13,6 +13,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from services.common.contracts import ev
 from services.learning.advantages import informative
+from services.policy.staleness import StalenessBound
 
 H = TypeVar("H")
 
@@ -37,13 +38,14 @@ class Admission(Generic[H]):
 
 class GroupBuffer(Generic[H]):
     def __init__(self, max_staleness: int, remember_dropped: int = 10_000):
-        self.max_staleness = max_staleness
+        self.bound = StalenessBound(max_staleness)
         self.groups: OrderedDict[str, dict[str, Pending[H]]] = OrderedDict()
         self._dropped: OrderedDict[str, None] = OrderedDict()
         self._remember = remember_dropped
 
     def is_stale(self, traj: ev.CompletedTrajectory, version: int) -> bool:
-        return traj.min_policy_version < version - self.max_staleness
+        """Its oldest token (`min_policy_version`) is past the staleness bound at `version`."""
+        return self.bound.is_stale(traj.min_policy_version, version)
 
     def __len__(self) -> int:
         return sum(len(g) for g in self.groups.values())
@@ -73,7 +75,7 @@ class GroupBuffer(Generic[H]):
             first = next(iter(members.values())).traj
             if len(members) < first.group_size:
                 continue
-            if any(self.is_stale(p.traj, version) for p in members.values()):
+            if self.bound.group_is_stale((p.traj.min_policy_version for p in members.values()), version):
                 stale.extend(self.drop(gid))
                 continue
             ready.append(gid)

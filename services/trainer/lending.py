@@ -1,7 +1,7 @@
 """The trainer's side of lending its GPUs to rollout (planner.lending): while it waits for a
 batch of complete groups it asks the planner to lend the engines standing for its GPUs, and
 before its next step to take them back, then waits for its GPUs to switch back. When to do either
-is the policy's (`services.trainer.lend_policy`, the simulator's too): from the times recent groups
+is the policy's (`services.policy.lend_policy`, the simulator's too): from the times recent groups
 became complete, it lends only when the batch is forecast far enough off to repay both switches,
 and takes the GPUs back one switch before the batch is forecast complete.
 
@@ -26,7 +26,7 @@ from services.common.logging import get_logger
 from services.common.membership import LENT_ROLE, PARKED_ROLE, Membership
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
-from services.trainer.lend_policy import LendPolicy
+from services.policy.lend_policy import LendPolicy
 
 
 class Lender:

@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from services.scheduler.cmlfq import CMLFQ, Bucket, CMLFQConfig, EngineView
-from services.scheduler.prefix_tree import ToolSignal
+from services.policy.cmlfq import CMLFQ, Bucket, CMLFQConfig, EngineView
+from services.policy.prefix_tree import ToolSignal
 
 FAIL = ToolSignal("shell", "large", "failure")
 OK = ToolSignal("shell", "small", "success")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.common.runconfig import BucketConfig, RunConfig
-from services.scheduler.dispatch import Dispatcher, build_dispatcher
-from services.scheduler.prefix_tree import ToolSignal
-from services.scheduler.routing import build_router
+from services.policy.dispatch import Dispatcher, build_dispatcher
+from services.policy.prefix_tree import ToolSignal
+from services.policy.routing import build_router
 
 TWO = [
     BucketConfig(name="short", tensor_parallel=1, max_output_tokens=64),

@@ -1,6 +1,6 @@
 import pytest
 
-from services.planner.assign import Slot, StaticAssigner
+from services.policy.assign import Slot, StaticAssigner
 from services.scheduler.feed import TaskFeed
 from services.scheduler.task import arithmetic_tasks
 

@@ -1,6 +1,6 @@
 import pytest
 
-from services.planner.hybrid_pool import HybridPool, HybridWorker, InvalidTransition, PoolPolicy, Role
+from services.policy.hybrid_pool import HybridPool, HybridWorker, InvalidTransition, PoolPolicy, Role
 
 
 def test_join_walks_requested_fetching_catching_up_active_then_release():

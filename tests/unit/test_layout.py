@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from services.common.config import ConfigFileError
 from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
-from services.planner.assign import StaticAssigner
-from services.planner.search import BucketPlan, Plan
+from services.policy.assign import StaticAssigner
+from services.policy.search import BucketPlan, Plan
 from tools.layout import choose_layout, label, proposals, summary, with_plan
 from tools.sim.live import job_gpus
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.trainer.lend_policy import LendPolicy
+from services.policy.lend_policy import LendPolicy
 
 
 def _every_ten_seconds(policy: LendPolicy, groups: int) -> None:

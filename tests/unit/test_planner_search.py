@@ -3,7 +3,7 @@ import math
 import pytest
 
 from services.common.cost_model import CostModel, GPUSpec, ModelSpec
-from services.planner.search import (
+from services.policy.search import (
     BucketPlan,
     ClusterSpec,
     Plan,

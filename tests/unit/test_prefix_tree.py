@@ -1,6 +1,6 @@
 import json
 
-from services.scheduler.prefix_tree import (
+from services.policy.prefix_tree import (
     CausalPrefixTree,
     PrefixForest,
     ToolSignal,

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from services.common.cost_model import load_presets
-from services.planner.replan import (
+from services.policy.replan import (
     REFIT_QUANTILES,
     EnginePool,
     ReplanPolicy,
@@ -16,7 +16,7 @@ from services.planner.replan import (
     refit_layout,
     refit_thresholds,
 )
-from services.planner.search import BucketPlan, SearchOptions, WorkloadStats, rollout_time
+from services.policy.search import BucketPlan, SearchOptions, WorkloadStats, rollout_time
 
 STEADY = ReplanSignals(queue_pressure=0.5, rejected=0, rollout_train_ratio=1.0)
 
@@ -61,8 +61,8 @@ def test_refit_moves_the_threshold_to_where_the_lengths_are_and_never_predicts_w
     import random
 
     from services.common.cost_model import load_presets
-    from services.planner.replan import refit_thresholds
-    from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
+    from services.policy.replan import refit_thresholds
+    from services.policy.search import BucketPlan, SearchOptions, WorkloadStats
 
     rng = random.Random(0)
     lengths = [rng.gauss(2000, 300) for _ in range(180)] + [rng.gauss(30000, 3000) for _ in range(20)]

@@ -4,7 +4,7 @@ import pytest
 
 from services.common.cost_model import Calibration, load_presets
 from services.common.synthetic import Workload
-from services.generation.speculation import (
+from services.policy.speculation import (
     Lane,
     SpeculationPolicy,
     acceptance_for,

@@ -133,7 +133,7 @@ def test_vllm_gets_the_method_and_draft_length_or_nothing() -> None:
 
 
 def test_padded_width_drafts_at_the_tail_and_not_where_padding_costs_the_whole_batch() -> None:
-    from services.generation.speculation import SpeculationPolicy
+    from services.policy.speculation import SpeculationPolicy
 
     policy = SpeculationPolicy(mode="adaptive", draft_tokens=6)
 

@@ -52,8 +52,8 @@ def test_the_live_stack_and_the_simulator_draw_the_same_groups_for_the_same_seed
     """Common random numbers: the k-th group admitted is the same trajectories live and simulated
     (so `libra bench live` compares timing, not two different samples of a heavy-tailed workload)."""
     from services.common.cost_model import load_presets
-    from services.planner.search import BucketPlan
-    from services.scheduler.routing import build_router
+    from services.policy.routing import build_router
+    from services.policy.search import BucketPlan
     from tools.sim.simulator import Simulator
     from tools.sim.state import SystemConfig
 

@@ -135,6 +135,7 @@ def test_a_turn_with_missing_or_backward_versions_is_refused(versions: list[int]
 
 
 def test_groups_with_a_member_older_than_the_staleness_bound_are_doomed() -> None:
+    from services.policy.staleness import StalenessBound
     from services.scheduler.trajectory import doomed_groups
 
     def traj(group: str, versions: list[int]) -> Trajectory:
@@ -145,9 +146,9 @@ def test_groups_with_a_member_older_than_the_staleness_bound_are_doomed() -> Non
         return t
 
     trajs = [traj("old", [1, 2]), traj("old", []), traj("fresh", [3]), traj("new", []), traj("edge", [2])]
-    assert doomed_groups(trajs, trained_version=3, max_staleness=1) == {"old"}
-    assert doomed_groups(trajs, trained_version=4, max_staleness=1) == {"old", "edge"}
-    assert doomed_groups(trajs, trained_version=4, max_staleness=3) == set()
+    assert doomed_groups(trajs, trained_version=3, bound=StalenessBound(1)) == {"old"}
+    assert doomed_groups(trajs, trained_version=4, bound=StalenessBound(1)) == {"old", "edge"}
+    assert doomed_groups(trajs, trained_version=4, bound=StalenessBound(3)) == set()
 
 
 def test_no_turn_may_run_on_weights_older_than_its_group_launch_or_its_own_tokens() -> None:

@@ -19,8 +19,8 @@ from opentelemetry import trace
 
 from services.common.contracts import ev
 from services.common.runconfig import RunConfig
+from services.policy.dispatch import Dispatcher
 from services.scheduler.config import SchedulerSettings
-from services.scheduler.dispatch import Dispatcher
 from services.scheduler.inflight import InFlight, Live
 
 NAME = "control_plane"

@@ -26,7 +26,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from services.generation.speculation import acceptance_for
+from services.policy.speculation import acceptance_for
 
 DRAFTERS = ("none", "ngram", "suffix", "group")
 SEER_TABLE2 = ((0, 1.70), (1, 2.04), (5, 2.32), (15, 2.53))

@@ -7,7 +7,7 @@ finishes or another joins. Prefill and weight loading stall decoding (`resume`).
 
 Speculative decoding: sequences whose drafter has the same per-token acceptance share a *lane*
 with its own token clock, which advances by the lane's expected tokens per verify step
-(`services.generation.speculation.expected_tokens` at the draft length the engine's policy
+(`services.policy.speculation.expected_tokens` at the draft length the engine's policy
 chose); the step time prices every verified token (`CostModel.verify_step_s`). Without
 speculation there is one lane advancing one token per step.
 
@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.common.cost_model import CostModel
-from services.generation.speculation import Lane, SpeculationPolicy, expected_tokens
+from services.policy.speculation import Lane, SpeculationPolicy, expected_tokens
 
 BAND = 1.5
 """Factor by which batch size or mean context must move for the speculation policy to decide again."""

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from services.common.cost_model import CostModel
-from services.generation.speculation import SpeculationPolicy
+from services.policy.speculation import SpeculationPolicy
 from tools.sim.engine import Engine
 from tools.sim.state import SystemConfig
 

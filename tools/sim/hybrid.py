@@ -1,11 +1,11 @@
 """The elastic pool's rollout-to-training direction in the simulator: hybrid workers serve rollout
-as engines until the pool policy (`services/planner/hybrid_pool.py`, the live planner's) sends them
+as engines until the pool policy (`services/policy/hybrid_pool.py`, the live planner's) sends them
 to training, where they fetch the trainer's state and join its data-parallel group at the next step
 boundary, then come back. It owns the workers and their GPU-time meters."""
 
 from __future__ import annotations
 
-from services.planner.hybrid_pool import HybridPool, Role
+from services.policy.hybrid_pool import HybridPool, Role
 from tools.sim.engine import Engine
 from tools.sim.kernel import Kernel
 from tools.sim.ledger import Meter

@@ -14,7 +14,7 @@ from typing import Any
 
 from services.common.cost_model import load_presets, load_profile
 from services.common.synthetic import Workload
-from services.planner.search import Plan
+from services.policy.search import Plan
 from tools.sim.runner import run_system
 from tools.sim.state import SystemConfig
 from tools.sim.systems import (
@@ -159,7 +159,7 @@ class Runner:
         )
         if job.timeline:
             r["timeline"] = sim.timeline
-        r["max_staleness_trained"] = max(sim.trained_staleness, default=0)
+        r["max_staleness_trained"] = max(sim.trained_oldest_staleness, default=0)
         return r
 
     def run_all(self, jobs: Sequence[Job], tick: Callable[[], None] | None = None) -> list[dict[str, Any]]:

@@ -66,6 +66,7 @@ class Kernel(Protocol):
     step_trajs: list[int]
     step_tokens: list[int]
     trained_staleness: list[int]
+    trained_oldest_staleness: list[int]
     trained_token_staleness: list[float]
 
     @property

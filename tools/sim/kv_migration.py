@@ -5,7 +5,7 @@ engines going back to training. It owns the moves' accounting and the turns in t
 
 from __future__ import annotations
 
-from services.scheduler.consolidation import EngineSlots, consolidation_moves
+from services.policy.consolidation import EngineSlots, consolidation_moves
 from tools.sim.engine import Engine, Request
 from tools.sim.kernel import Kernel
 from tools.sim.state import KV_RESERVE, MOVED

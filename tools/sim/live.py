@@ -14,9 +14,9 @@ from typing import Any
 from services.common.cost_model import CostModel
 from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
-from services.planner.replan import ReplanPolicy
-from services.planner.search import BucketPlan
-from services.scheduler.routing import build_router
+from services.policy.replan import ReplanPolicy
+from services.policy.routing import build_router
+from services.policy.search import BucketPlan
 from tools.sim.runner import run_system, steady_rate
 from tools.sim.state import SystemConfig
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.common.synthetic import TrajectorySpec, Workload
-from services.planner.replan import (
+from services.policy.replan import (
     EnginePool,
     ReplanPolicy,
     ReplanSignals,
@@ -18,7 +18,7 @@ from services.planner.replan import (
     choose_refit,
     length_sample,
 )
-from services.planner.search import BucketPlan, SearchOptions, WorkloadStats
+from services.policy.search import BucketPlan, SearchOptions, WorkloadStats
 from tools.sim.engine import Engine
 from tools.sim.kernel import Kernel
 from tools.sim.ledger import Meter, book_engine

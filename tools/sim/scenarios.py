@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from services.common.synthetic import Workload
-from services.planner.search import Plan, SearchOptions, search
+from services.policy.search import Plan, SearchOptions, search
 from tools.sim.jobs import Job, Runner, Scenario, default_jobs
 from tools.sim.stats import mean_ci, paired_ratio
 from tools.sim.systems import (

@@ -17,7 +17,7 @@ from typing import Any
 
 from services.common.cost_model import CostModel
 from services.common.synthetic import Workload
-from services.scheduler.cmlfq import EngineView
+from services.policy.cmlfq import EngineView
 from tools.sim.drafting import DRAFTERS
 from tools.sim.engine import Engine, Request
 from tools.sim.fleet import build_fleet, routing_key
@@ -90,6 +90,9 @@ class Simulator:
         self.aborted_trajectories = 0
         self.trained_staleness: list[int] = []
         """Per trained group: the trainer's version minus the version that admitted the group."""
+        self.trained_oldest_staleness: list[int] = []
+        """Per trained group: the trainer's version minus its oldest token's version (what the
+        staleness bound judges: never above it)."""
         self.trained_token_staleness: list[float] = []
         """Per trained group: the trainer's version minus the mean version its tokens were
         generated under (a turn that spans a weight update counts each segment at its version)."""
@@ -311,6 +314,10 @@ class Simulator:
         g.max_context = max(g.max_context, tr.spec.context_tokens)
         g.gen_tokens += tr.gen_tokens
         g.version_tokens += tr.version_tokens
+        if tr.oldest_version is not None and (
+            g.oldest_version is None or tr.oldest_version < g.oldest_version
+        ):
+            g.oldest_version = tr.oldest_version
         if g.left == 0:
             self.ready.append(tr.group)
             self.training.group_complete()

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.synthetic import TrajectorySpec
-from services.generation.speculation import SpeculationPolicy
-from services.planner.hybrid_pool import PoolPolicy
-from services.planner.replan import ReplanPolicy
-from services.planner.search import BucketPlan
+from services.policy.hybrid_pool import PoolPolicy
+from services.policy.replan import ReplanPolicy
+from services.policy.search import BucketPlan
+from services.policy.speculation import SpeculationPolicy
 from tools.sim.drafting import AcceptanceModel
 
 ENGINE, TOOL, TRAIN_DONE, SYNC_DONE, FETCHED, TICK, MOVED = range(7)
@@ -34,6 +34,9 @@ class Traj:
     gen_tokens: int = 0
     version_tokens: float = 0.0
     """Sum over generated tokens of the policy version that generated each (segment accounting)."""
+    oldest_version: int | None = None
+    """The policy version of its oldest generated token (None before its first): what the
+    staleness bound judges."""
     tokens: int = 0
     context: int = 0
     engine: str | None = None
@@ -52,6 +55,8 @@ class Traj:
             self.gen_tokens += new
             self.version_tokens += new * version
             self.attributed = upto
+            if self.oldest_version is None or version < self.oldest_version:
+                self.oldest_version = version
 
     def payload(self) -> int:
         """Tokens a turn on the same engine must prefill: the tool return appended since the last
@@ -71,6 +76,8 @@ class Group:
     max_context: int = 0
     gen_tokens: int = 0
     version_tokens: float = 0.0
+    oldest_version: int | None = None
+    """The oldest token version over its finished members."""
     turns_done: dict[int, int] = field(default_factory=dict)
     """Turn index -> samples of the group that finished that turn (the group drafter's references)."""
     turns_done_on: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -105,7 +112,7 @@ class SystemConfig:
     a batch, and go back to training when it starts (Libra's elastic pool in the trainer-to-rollout
     direction). Each move costs a colocated role switch; turns running on them move elsewhere."""
     lend_policy: str = "always"
-    """When the training GPUs are lent and taken back (`services.trainer.lend_policy`)."""
+    """When the training GPUs are lent and taken back (`services.policy.lend_policy`)."""
     job_groups: int | None = None
     """Groups the job launches in all, besides replacements for dropped ones, as the live task
     feed does (`steps * groups_per_step`): the last steps then wait for the groups already out

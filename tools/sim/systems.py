@@ -16,10 +16,11 @@ from typing import Any
 
 from services.common.cost_model import CostModel
 from services.common.synthetic import Workload
-from services.generation.speculation import SpeculationPolicy
-from services.planner.hybrid_pool import PoolPolicy
-from services.planner.replan import ReplanPolicy
-from services.planner.search import (
+from services.policy.cmlfq import CMLFQ, Bucket, CMLFQConfig
+from services.policy.hybrid_pool import PoolPolicy
+from services.policy.replan import ReplanPolicy
+from services.policy.routing import CMLFQRouter, StaticRouter
+from services.policy.search import (
     BucketPlan,
     ClusterSpec,
     Plan,
@@ -28,8 +29,7 @@ from services.planner.search import (
     best_layout,
     train_time,
 )
-from services.scheduler.cmlfq import CMLFQ, Bucket, CMLFQConfig
-from services.scheduler.routing import CMLFQRouter, StaticRouter
+from services.policy.speculation import SpeculationPolicy
 from tools.sim.drafting import AcceptanceModel
 from tools.sim.replanning import workload_stats
 from tools.sim.state import SystemConfig

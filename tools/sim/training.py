@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from services.trainer.lend_policy import LendPolicy
+from services.policy.lend_policy import LendPolicy
+from services.policy.staleness import StalenessBound
 from tools.sim.engine import Engine
 from tools.sim.kernel import Kernel
 from tools.sim.ledger import Meter
@@ -24,6 +25,7 @@ class Training:
         """The trainer's GPUs (all of them for a colocated system)."""
         self.bounded = s.mode == "async" or s.partial_rollout > 0
         """Whether groups can be trained after a weight update, so the staleness bound applies."""
+        self.bound = StalenessBound(s.staleness)
         self.busy = False
         """A step is training."""
         self.syncing = False
@@ -66,9 +68,10 @@ class Training:
         if self.busy or self.syncing or sim.version >= sim.steps or self.lend_state == "switching":
             return
         if self.bounded:
-            # Every ready group is checked, not only the head: none older than the bound trains.
-            floor = sim.version - s.staleness
-            fresh = deque(g for g in sim.ready if sim.groups[g].version >= floor)
+            # Every ready group is checked, not only the head: none past the bound trains.
+            fresh = deque(
+                g for g in sim.ready if not self.bound.is_stale(sim.groups[g].oldest_version, sim.version)
+            )
             for gid in set(sim.ready) - set(fresh):
                 sim.groups.pop(gid)
                 sim.dropped_groups += 1
@@ -83,6 +86,9 @@ class Training:
             return  # the GPUs are on their way back; the step starts when they are
         batch = [sim.groups.pop(sim.ready.popleft()) for _ in range(sim.B)]
         sim.trained_staleness.extend(sim.version - g.version for g in batch)
+        sim.trained_oldest_staleness.extend(
+            sim.version - g.oldest_version for g in batch if g.oldest_version is not None
+        )
         sim.trained_token_staleness.extend(
             sim.version - g.version_tokens / g.gen_tokens for g in batch if g.gen_tokens
         )
@@ -223,13 +229,21 @@ class Training:
         sim.push(sim.now + sim.cm.weight_sync_s(cross_node=True, share=share), SYNC_DONE, "async")
 
     def abort_hopeless(self) -> None:
-        """Cancel in-flight groups that are already older than the staleness bound: they could never
+        """Cancel in-flight groups with a token already past the staleness bound: they could never
         be trained, and every system here frees their engine slots (AReaL bounds staleness at
-        admission; the rest drop such groups, which is the same once they are replaced)."""
+        admission; the rest drop such groups, which is the same once they are replaced). The live
+        scheduler aborts them the same way (`doomed_groups`)."""
         sim = self.sim
-        floor = sim.version - sim.sys.staleness
         ready = set(sim.ready)
-        doomed = [gid for gid, g in sim.groups.items() if g.version < floor and gid not in ready]
+        oldest: dict[int, list[int | None]] = {}
+        for t in sim.trajs.values():
+            oldest.setdefault(t.group, []).append(t.oldest_version)
+        doomed = [
+            gid
+            for gid, g in sim.groups.items()
+            if gid not in ready
+            and self.bound.group_is_stale([g.oldest_version, *oldest.get(gid, ())], sim.version)
+        ]
         for gid in doomed:
             g = sim.groups.pop(gid)
             sim.dropped_groups += 1
@@ -300,14 +314,14 @@ class Training:
             sim.wake(e)
         # AReaL's admission rule bounds it too: with v·B groups trained and the dropped ones
         # replaced, (v + η + 1)·B admitted means at most (η + 1)·B in flight.
-        target = min(math.ceil(sim.sys.partial_rollout * sim.B), (sim.sys.staleness + 1) * sim.B)
+        target = min(math.ceil(sim.sys.partial_rollout * sim.B), self.bound.in_flight_limit(sim.B))
         sim.admit(max(0, target - len(sim.groups)))
 
     def admit_async(self) -> None:
         """Bounded staleness at admission (AReaL's rule): at most (version + staleness + 1) batches
         admitted, not counting groups that were dropped as too stale."""
         sim = self.sim
-        allowed = (sim.version + sim.sys.staleness + 1) * sim.B + sim.dropped_groups
+        allowed = self.bound.launch_limit(sim.version, sim.B, sim.dropped_groups)
         if sim.sys.job_groups is not None:
             allowed = min(allowed, sim.sys.job_groups + sim.dropped_groups)
         if sim.admitted_groups < allowed:

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.runconfig import BucketConfig
-from services.scheduler.cmlfq import EngineView, RouteDecision
-from services.scheduler.prefix_tree import ToolSignal
-from services.scheduler.routing import POOL, Router, build_router
+from services.policy.cmlfq import EngineView, RouteDecision
+from services.policy.prefix_tree import ToolSignal
+from services.policy.routing import POOL, Router, build_router
 
 
 @dataclass

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 from services.common.cost_model import relative_tpot
 from services.common.runconfig import BucketConfig
-from services.scheduler.cmlfq import CMLFQ, Bucket, CMLFQConfig, EngineView, RouteDecision
-from services.scheduler.prefix_tree import ToolSignal
+from services.policy.cmlfq import CMLFQ, Bucket, CMLFQConfig, EngineView, RouteDecision
+from services.policy.prefix_tree import ToolSignal
 
 
 class Router(Protocol):

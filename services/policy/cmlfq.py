@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.scheduler.prefix_tree import Estimate, PrefixForest, ToolSignal
+from services.policy.prefix_tree import Estimate, PrefixForest, ToolSignal
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common.cost_model import CostModel
-from services.planner.search import BucketPlan, SearchOptions, WorkloadStats, bucket_time, rollout_time
+from services.policy.search import BucketPlan, SearchOptions, WorkloadStats, bucket_time, rollout_time
 
 REFIT_QUANTILES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 """Candidate bucket thresholds: these quantiles of recent trajectories' output tokens."""
