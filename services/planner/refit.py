@@ -102,7 +102,7 @@ class LiveReplanner:
         plans = [
             BucketPlan(b.name, b.tensor_parallel, max(1, replicas.get(b.name, 0)), _limit(b)) for b in buckets
         ]
-        opts = SearchOptions(max_seqs=self.cfg.rollout.max_batch)
+        opts = SearchOptions(max_seqs=self.cfg.rollout.max_batch, staleness=self.cfg.training.max_staleness)
         refit = choose_refit(self.cm, stats, plans, opts, self.policy, now, pool)
         if refit is None or refit.buckets is None:
             return None

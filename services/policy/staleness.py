@@ -14,12 +14,19 @@ group is trained whole or not at all, so one stale member drops the group.
 Admission follows AReaL's rule (arXiv 2505.24298 §4): with `trained` versions trained and the
 groups that were not trained replaced, at most `(trained + η + 1) · B` groups are launched, so at
 most `(η + 1) · B` are out at once and none is launched that could only train stale.
+
+A step takes its groups oldest token first (`training_order`): a group nearest the bound trains
+before it would go stale, and groups of equal age train in the order they completed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -53,3 +60,9 @@ class StalenessBound:
     def in_flight_limit(self, groups_per_step: int) -> int:
         """Groups that may be out at once (launched, not yet trained or dropped): `(η + 1) · B`."""
         return (self.max_staleness + 1) * groups_per_step
+
+
+def training_order(complete: Sequence[tuple[K, int | None]]) -> list[K]:
+    """The order a step takes complete groups, given as (group, oldest token version) in the order
+    they completed: the oldest token first, then the order of completion."""
+    return [k for k, _ in sorted(complete, key=lambda kv: math.inf if kv[1] is None else kv[1])]

@@ -13,7 +13,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from services.common.contracts import ev
 from services.learning.advantages import informative
-from services.policy.staleness import StalenessBound
+from services.policy.staleness import StalenessBound, training_order
 
 H = TypeVar("H")
 
@@ -40,6 +40,9 @@ class GroupBuffer(Generic[H]):
     def __init__(self, max_staleness: int, remember_dropped: int = 10_000):
         self.bound = StalenessBound(max_staleness)
         self.groups: OrderedDict[str, dict[str, Pending[H]]] = OrderedDict()
+        self._completed: dict[str, int] = {}
+        """Complete groups, by the order in which each got its last member."""
+        self._seq = 0
         self._dropped: OrderedDict[str, None] = OrderedDict()
         self._remember = remember_dropped
 
@@ -61,27 +64,34 @@ class GroupBuffer(Generic[H]):
         pending = Pending(traj, [handle], context)
         if traj.group_id in self._dropped or self.is_stale(traj, version):
             return Admission("stale", [pending, *self.drop(traj.group_id)])
-        self.groups.setdefault(traj.group_id, {})[traj.trajectory_id] = pending
+        members = self.groups.setdefault(traj.group_id, {})
+        members[traj.trajectory_id] = pending
+        if len(members) >= traj.group_size and traj.group_id not in self._completed:
+            self._completed[traj.group_id] = self._seq
+            self._seq += 1
         return Admission("buffered")
 
     def take(self, n: int, version: int) -> tuple[list[list[Pending[H]]], list[Pending[H]]]:
-        """Removes and returns `n` complete fresh groups (oldest first), or none if fewer are ready.
+        """Removes and returns `n` complete fresh groups, or none if fewer are ready, in the order
+        a step takes them (`training_order`: the oldest token first, then completion order).
 
         Complete groups that went stale while waiting are dropped and returned second either way.
         """
-        ready: list[str] = []
+        ready: list[tuple[str, int]] = []
         stale: list[Pending[H]] = []
-        for gid, members in list(self.groups.items()):
-            first = next(iter(members.values())).traj
-            if len(members) < first.group_size:
-                continue
-            if self.bound.group_is_stale((p.traj.min_policy_version for p in members.values()), version):
+        for gid in sorted(self._completed, key=self._completed.__getitem__):
+            oldest = [p.traj.min_policy_version for p in self.groups[gid].values()]
+            if self.bound.group_is_stale(oldest, version):
                 stale.extend(self.drop(gid))
                 continue
-            ready.append(gid)
+            ready.append((gid, min(oldest)))
         if len(ready) < n:
             return [], stale
-        return [list(self.groups.pop(gid).values()) for gid in ready[:n]], stale
+        return [self._pop(gid) for gid in training_order(ready)[:n]], stale
+
+    def _pop(self, group_id: str) -> list[Pending[H]]:
+        self._completed.pop(group_id, None)
+        return list(self.groups.pop(group_id, {}).values())
 
     def filter_uninformative(self, limit: int) -> list[list[Pending[H]]]:
         """Removes up to `limit` complete groups whose rewards are all equal (zero advantage:
@@ -91,8 +101,7 @@ class GroupBuffer(Generic[H]):
         for gid, members in list(self.groups.items()):
             if len(out) >= limit:
                 break
-            first = next(iter(members.values())).traj
-            if len(members) < first.group_size:
+            if gid not in self._completed:
                 continue
             if not informative([p.traj.reward for p in members.values()]):
                 out.append(self.drop(gid))
@@ -110,6 +119,7 @@ class GroupBuffer(Generic[H]):
         """Empties the buffer, e.g. to hand un-trained deliveries back on shutdown."""
         out = [p for g in self.groups.values() for p in g.values()]
         self.groups.clear()
+        self._completed.clear()
         return out
 
     def drop(self, group_id: str) -> list[Pending[H]]:
@@ -117,4 +127,4 @@ class GroupBuffer(Generic[H]):
         self._dropped[group_id] = None
         while len(self._dropped) > self._remember:
             self._dropped.popitem(last=False)
-        return list(self.groups.pop(group_id, {}).values())
+        return self._pop(group_id)

@@ -87,7 +87,7 @@ def test_the_live_replanner_waits_for_data_and_an_interval_and_only_refits_cmlfq
     from services.common.runconfig import RunConfig
     from services.planner.refit import LiveReplanner
 
-    def cfg(**rollout):
+    def cfg(max_staleness=0, **rollout):
         base = {
             "engines": 4,
             "backend": "emulated",
@@ -97,7 +97,7 @@ def test_the_live_replanner_waits_for_data_and_an_interval_and_only_refits_cmlfq
         return RunConfig.model_validate(
             {
                 "rollout": base | rollout,
-                "training": {"groups_per_step": 16},
+                "training": {"groups_per_step": 16, "max_staleness": max_staleness},
                 "planner": {"interval_s": 10.0, "cooldown_s": 0.0, "min_samples": 100},
             }
         )
@@ -151,6 +151,11 @@ def test_the_live_replanner_waits_for_data_and_an_interval_and_only_refits_cmlfq
         r = LiveReplanner(off)
         r.observe_workload(0.0, stats)
         assert r.decide(100.0, buckets, replicas) is None
+    # The search scores layouts under the job's staleness bound: overlapping steps spread the tail.
+    r = LiveReplanner(cfg(max_staleness=2))
+    r.observe_workload(0.0, stats)
+    overlapped = r.decide(10.0, buckets, replicas)
+    assert overlapped is not None and overlapped.current_s < d.current_s
 
 
 def test_length_sample_without_running_ones_is_the_finished_lengths() -> None:

@@ -79,3 +79,18 @@ def test_zero_advantage_groups_are_filtered_within_the_budget_oldest_first() -> 
     assert adm.outcome == "stale" and [p.handles for p in adm.released] == [["again"]]
     assert [g[0].traj.group_id for g in buf.filter_uninformative(5)] == []
     assert len(buf) == 1  # the partial group waits
+
+
+def test_a_step_takes_the_group_with_the_oldest_tokens_first() -> None:
+    """A group nearest the staleness bound trains before it goes stale; equal ages train in the
+    order they completed, whatever order their members arrived in."""
+    buf: GroupBuffer[str] = GroupBuffer(max_staleness=2)
+    buf.add(member("late", 0, version=1), "h", 2)
+    buf.add(member("fresh", 0, version=2), "h", 2)
+    buf.add(member("fresh", 1, version=2), "h", 2)
+    buf.add(member("old", 0, version=1), "h", 2)
+    buf.add(member("old", 1, version=1), "h", 2)
+    buf.add(member("late", 1, version=1), "h", 2)
+    groups, stale = buf.take(3, 2)
+    assert [g[0].traj.group_id for g in groups] == ["old", "late", "fresh"]
+    assert stale == []

@@ -59,7 +59,10 @@ class Replanner:
             )
             for b in sim.sys.buckets
         ]
-        opts = SearchOptions(max_seqs=sim.sys.max_seqs)
+        opts = SearchOptions(
+            max_seqs=sim.sys.max_seqs,
+            staleness=sim.sys.staleness if sim.sys.mode == "async" or sim.sys.partial_rollout else 0,
+        )
         refit = choose_refit(sim.cm, stats, current, opts, rp, sim.now, self._pool() if relayout else None)
         best = refit.buckets if refit is not None else None
         moved = best is not None and [(b.tp, b.replicas) for b in best] != [

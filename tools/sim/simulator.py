@@ -76,7 +76,11 @@ class Simulator:
         self.trajs: dict[str, Traj] = {}
         self.groups: dict[int, Group] = {}
         self.ready: deque[int] = deque()
-        """Complete groups waiting for a training step, in completion order."""
+        """Complete groups waiting for a training step, in completion order (re-ordered as a
+        step takes them: `training_order`)."""
+        self.decisions: list[tuple[Any, ...]] | None = None
+        """When a list: every admission, completion, abort, drop and training step, in order, to
+        replay through the live feed and trainer (`tests/unit/test_staleness_agreement.py`)."""
         self.admitted_groups = 0
         self.version = 0
         self.step_ends: list[float] = []
@@ -127,7 +131,13 @@ class Simulator:
 
     # ---- rollout ------------------------------------------------------------------------------
 
+    def log(self, *decision: Any) -> None:
+        if self.decisions is not None:
+            self.decisions.append(decision)
+
     def admit(self, n_groups: int) -> None:
+        if n_groups > 0:
+            self.log("admit", self.version, n_groups)
         for _ in range(n_groups):
             gid = self.admitted_groups
             self.admitted_groups += 1
@@ -303,6 +313,7 @@ class Simulator:
 
     def _finish(self, tid: str) -> None:
         tr = self.trajs.pop(tid)
+        self.log("done", tr.group, tid, tr.oldest_version, len(self.groups[tr.group].trajs), self.version)
         self.router.finish(tid, tr.tokens, self.now)
         self.latencies.append(self.now - tr.admitted)
         self.waits.append((tr.queue_s, tr.tool_s))

@@ -10,7 +10,7 @@ import math
 from collections import deque
 
 from services.policy.lend_policy import LendPolicy
-from services.policy.staleness import StalenessBound
+from services.policy.staleness import StalenessBound, training_order
 from tools.sim.engine import Engine
 from tools.sim.kernel import Kernel
 from tools.sim.ledger import Meter
@@ -68,14 +68,18 @@ class Training:
         if self.busy or self.syncing or sim.version >= sim.steps or self.lend_state == "switching":
             return
         if self.bounded:
-            # Every ready group is checked, not only the head: none past the bound trains.
-            fresh = deque(
-                g for g in sim.ready if not self.bound.is_stale(sim.groups[g].oldest_version, sim.version)
-            )
-            for gid in set(sim.ready) - set(fresh):
+            # Every ready group is checked, not only the head: none past the bound trains, and the
+            # rest train oldest token first, as the live trainer takes them.
+            fresh = [
+                (g, sim.groups[g].oldest_version)
+                for g in sim.ready
+                if not self.bound.is_stale(sim.groups[g].oldest_version, sim.version)
+            ]
+            for gid in set(sim.ready) - {g for g, _ in fresh}:
                 sim.groups.pop(gid)
                 sim.dropped_groups += 1
-            sim.ready = fresh
+                sim.log("drop", gid, sim.version)
+            sim.ready = deque(training_order(fresh))
         if len(sim.ready) < sim.B:
             if s.mode == "async":
                 self.admit_async()  # replace dropped groups so the trainer is never starved
@@ -84,7 +88,9 @@ class Training:
             return
         if self.lend_state == "reclaiming":
             return  # the GPUs are on their way back; the step starts when they are
-        batch = [sim.groups.pop(sim.ready.popleft()) for _ in range(sim.B)]
+        gids = [sim.ready.popleft() for _ in range(sim.B)]
+        sim.log("train", sim.version, gids)
+        batch = [sim.groups.pop(gid) for gid in gids]
         sim.trained_staleness.extend(sim.version - g.version for g in batch)
         sim.trained_oldest_staleness.extend(
             sim.version - g.oldest_version for g in batch if g.oldest_version is not None
@@ -247,6 +253,7 @@ class Training:
         for gid in doomed:
             g = sim.groups.pop(gid)
             sim.dropped_groups += 1
+            sim.log("abort", gid, sim.version)
             by_engine: dict[str, set[str]] = {}
             for tid in g.trajs:
                 tr = sim.trajs.pop(tid, None)
