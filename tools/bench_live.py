@@ -40,10 +40,10 @@ from services.common.bus import Bus, close_nats
 from services.common.contracts import ev
 from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
+from services.simulation.live import job_gpus, simulate
+from services.simulation.runner import percentile, steady_rate
 from tools.layout import choose_layout, summary
 from tools.runner import run_job
-from tools.sim.live import job_gpus, simulate
-from tools.sim.runner import percentile, steady_rate
 from tools.sim.stats import mean_ci
 from tools.stack import Stack
 

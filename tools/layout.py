@@ -3,7 +3,7 @@
 The simulator's planner proposes (`plan_for`'s menu: every training split with every homogeneous
 TP and TP mix of the buckets at its analytical best thresholds and replicas, and the homogeneous
 TP4/TP8 plans whose training GPUs are lent to rollout while the trainer waits); each proposal is
-written as this job's config and simulated as the job (`tools/sim/live.py`, what `libra bench live`
+written as this job's config and simulated as the job (`services/simulation/live.py`, what `libra bench live`
 checks the live stack against) on one seed, the best few and the config's own layout again over
 `seeds` seeds; the best mean wins if it beats the config's own by `min_gain`. The job then runs
 with that layout, and its report says what was chosen and what the judge predicted.
@@ -23,7 +23,7 @@ from services.common.config import ConfigFileError
 from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
 from services.policy.search import Plan
-from tools.sim.live import bucket_plans, cost_model, job_gpus, job_workload, simulate
+from services.simulation.live import bucket_plans, cost_model, job_gpus, job_workload, simulate
 from tools.sim.stats import mean_ci
 from tools.sim.systems import Env, plan_key, planner_menu
 

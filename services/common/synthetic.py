@@ -19,7 +19,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -143,6 +143,17 @@ def validate(spec: Any, where: str = "workload") -> None:
             raise ValueError(f"{where}: {key} must be an integer of at least 1, got {spec[key]!r}")
     if "max_context_tokens" in spec and int(spec["max_context_tokens"]) < 2:
         raise ValueError(f"{where}: max_context_tokens must be at least 2")
+
+
+class TrajectorySource(Protocol):
+    """What the simulator draws a run's trajectories from: a workload description (`Workload`) or
+    what a live job has shown so far (`services/simulation/observed.py`)."""
+
+    group_size: int
+    prompts_per_step: int
+    max_turns: int
+
+    def group_for(self, seed: int, index: int, step: int, prompt_id: str) -> list[TrajectorySpec]: ...
 
 
 class Workload:

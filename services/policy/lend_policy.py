@@ -12,7 +12,7 @@ remembers how late recent batches came and reclaims early only if the hidden swi
 that share of one switch plus the usual lateness.
 
 Pure: time is passed in. The trainer service (`services.trainer.lending`) and the simulator
-(`tools.sim.training`) both drive it, so what the simulator predicts is what the services do.
+(`services.simulation.training`) both drive it, so what the simulator predicts is what the services do.
 """
 
 from __future__ import annotations

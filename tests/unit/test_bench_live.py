@@ -76,7 +76,7 @@ def test_an_emulated_trainer_pushes_real_engines_empty_deltas_and_the_simulator_
     that take deltas receive an empty one and pay only a push's fixed cost (pause, checksum,
     resume). Emulated engines stall for a whole load whatever the trainer; a real trainer's pushes
     carry every weight."""
-    from tools.sim.live import system_for
+    from services.simulation.live import system_for
 
     wl = Workload.load("cpu_tools")
     real = RunConfig.model_validate(live_config(_ns("--backend", "vllm", "--profile", str(CPU)), wl, "cmlfq"))

@@ -16,8 +16,8 @@ from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
 from services.policy.assign import StaticAssigner
 from services.policy.search import BucketPlan, Plan
+from services.simulation.live import job_gpus
 from tools.layout import choose_layout, label, proposals, summary, with_plan
-from tools.sim.live import job_gpus
 
 WORKLOAD = str(Path(__file__).parents[1] / "e2e" / "workloads" / "tiny_tools.yaml")
 

@@ -8,11 +8,11 @@ from services.common.cost_model import load_presets
 from services.common.synthetic import Workload
 from services.policy.search import BucketPlan, Plan
 from services.policy.speculation import SpeculationPolicy
+from services.simulation.engine import Engine, Request
+from services.simulation.ledger import CATEGORIES
+from services.simulation.simulator import Simulator
+from services.simulation.state import MOVED
 from tools.sim.cli import main
-from tools.sim.engine import Engine, Request
-from tools.sim.ledger import CATEGORIES
-from tools.sim.simulator import Simulator
-from tools.sim.state import MOVED
 from tools.sim.stats import mean_ci, paired_ratio
 from tools.sim.systems import LIBRA_DRAFTER, LIBRA_SPECULATION, SYSTEMS, Env, baseline_system, libra_system
 
@@ -429,7 +429,7 @@ def test_lending_needs_whole_engines_on_the_training_gpus(env):
 def test_a_finite_job_launches_its_groups_and_replacements_only_and_its_drain_is_not_steady_state(env):
     """`job_groups` is the live feed's rule (steps * groups_per_step, plus a replacement per dropped
     group); without it the simulator keeps admitting ahead, as a long run does."""
-    from tools.sim.runner import steady_rate
+    from services.simulation.runner import steady_rate
 
     open_ended = _system("homogeneous-lb", env)
     sim = Simulator(open_ended, env.workload, env.cm, N_GPUS, STEPS, seed=3)

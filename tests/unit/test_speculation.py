@@ -10,9 +10,9 @@ from services.policy.speculation import (
     acceptance_for,
     expected_tokens,
 )
-from tools.sim.drafting import SEER_DRAFT, SEER_TABLE2, AcceptanceModel
-from tools.sim.engine import Engine, Request
-from tools.sim.simulator import Simulator
+from services.simulation.drafting import SEER_DRAFT, SEER_TABLE2, AcceptanceModel
+from services.simulation.engine import Engine, Request
+from services.simulation.simulator import Simulator
 from tools.sim.systems import Env, baseline_system
 
 

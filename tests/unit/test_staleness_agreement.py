@@ -13,9 +13,9 @@ from services.common.contracts import ev
 from services.policy.staleness import StalenessBound, training_order
 from services.scheduler.feed import TaskFeed
 from services.scheduler.task import arithmetic_tasks
+from services.simulation.simulator import Simulator
 from services.trainer.batcher import GroupBuffer
 from tests.unit.test_sim import N_GPUS, _env, _system
-from tools.sim.simulator import Simulator
 
 
 def _record(name: str, staleness: int, seed: int, steps: int = 6) -> tuple[list[tuple[Any, ...]], int]:

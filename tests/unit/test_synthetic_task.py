@@ -54,8 +54,8 @@ def test_the_live_stack_and_the_simulator_draw_the_same_groups_for_the_same_seed
     from services.common.cost_model import load_presets
     from services.policy.routing import build_router
     from services.policy.search import BucketPlan
-    from tools.sim.simulator import Simulator
-    from tools.sim.state import SystemConfig
+    from services.simulation.simulator import Simulator
+    from services.simulation.state import SystemConfig
 
     cfg = _cfg(group_size=4, seed=3)
     live = SyntheticTask(cfg)

@@ -39,10 +39,10 @@ CASES: dict[str, dict[str, Any]] = {
 def case(overrides: dict[str, Any], seeds: int = SEEDS) -> dict[str, Any]:
     from services.common.runconfig import RunConfig
     from services.common.synthetic import Workload
+    from services.simulation.live import simulate
     from tools.bench.lending import namespace
     from tools.bench_live import live_config
     from tools.layout import choose_layout
-    from tools.sim.live import simulate
     from tools.sim.stats import mean_ci
 
     ns = namespace(**overrides)

@@ -1,7 +1,7 @@
 """Re-laying out the engines as the workload drifts (`planner.relayout`), in the simulator: the
 job of `configs/drift.yaml` (32 emulated H100s for Qwen3-14B, 8 training GPUs, rollout's 24 as
 8 TP1 + 8 TP2 engines to start, the planner re-fitting every 20 wall seconds) simulated as the live
-job (`tools/sim/live.py`) with the planner re-fitting thresholds only, and re-fitting and
+job (`services/simulation/live.py`) with the planner re-fitting thresholds only, and re-fitting and
 re-laying out the engines. Gains are paired per seed (the same workload sample) with 95 %
 confidence intervals; `libra run configs/drift.yaml` (with `--planner.relayout false` for the
 other) checks the first case live.
@@ -45,7 +45,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def case(overrides: dict[str, Any], seeds: int = SEEDS) -> dict[str, Any]:
     from services.common.runconfig import RunConfig
     from services.common.synthetic import Workload
-    from tools.sim.live import simulate
+    from services.simulation.live import simulate
     from tools.sim.stats import mean_ci
 
     data = _merge(yaml.safe_load(CONFIG.read_text()), overrides)

@@ -15,8 +15,8 @@ from typing import Any
 from services.common.cost_model import load_presets, load_profile
 from services.common.synthetic import Workload
 from services.policy.search import Plan
-from tools.sim.runner import run_system
-from tools.sim.state import SystemConfig
+from services.simulation.runner import run_system
+from services.simulation.state import SystemConfig
 from tools.sim.systems import (
     PLAN_SEED,
     SYSTEMS,

@@ -30,9 +30,9 @@ from services.policy.search import (
     train_time,
 )
 from services.policy.speculation import SpeculationPolicy
-from tools.sim.drafting import AcceptanceModel
-from tools.sim.replanning import workload_stats
-from tools.sim.state import SystemConfig
+from services.simulation.drafting import AcceptanceModel
+from services.simulation.replanning import workload_stats
+from services.simulation.state import SystemConfig
 
 BASELINES = (
     "verl",

@@ -1,10 +1,10 @@
-"""Which sibling responses a turn's drafter can read (tools/sim/drafting.py explains the three
+"""Which sibling responses a turn's drafter can read (services/simulation/drafting.py explains the three
 drafters), counted as the group's turns finish, and the per-token acceptance that buys."""
 
 from __future__ import annotations
 
-from tools.sim.drafting import AcceptanceModel
-from tools.sim.state import Group
+from services.simulation.drafting import AcceptanceModel
+from services.simulation.state import Group
 
 
 class SiblingReach:

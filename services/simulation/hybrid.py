@@ -6,10 +6,10 @@ boundary, then come back. It owns the workers and their GPU-time meters."""
 from __future__ import annotations
 
 from services.policy.hybrid_pool import HybridPool, Role
-from tools.sim.engine import Engine
-from tools.sim.kernel import Kernel
-from tools.sim.ledger import Meter
-from tools.sim.state import FETCHED
+from services.simulation.engine import Engine
+from services.simulation.kernel import Kernel
+from services.simulation.ledger import Meter
+from services.simulation.state import FETCHED
 
 
 class HybridWorkers:

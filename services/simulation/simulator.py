@@ -1,7 +1,7 @@
 """Discrete-event simulator of an agentic RL run: rollout engines, tools, trainer, planner, pool.
 
 One heap of events (engine turn completions, tool returns, training steps, weight syncs, hybrid
-pool transitions, ticks). Engines aggregate decode iterations (see :mod:`tools.sim.engine`), so
+pool transitions, ticks). Engines aggregate decode iterations (see :mod:`services.simulation.engine`), so
 the event count scales with turns, not tokens. Routing, planning and pool decisions come from the
 same core modules the services use. `Simulator` is the event loop and the rollout side (turns on
 engines, tools, routing); the training side (`training.py`), KV migration (`kv_migration.py`),
@@ -16,17 +16,17 @@ from collections import deque
 from typing import Any
 
 from services.common.cost_model import CostModel
-from services.common.synthetic import Workload
+from services.common.synthetic import TrajectorySource
 from services.policy.cmlfq import EngineView
-from tools.sim.drafting import DRAFTERS
-from tools.sim.engine import Engine, Request
-from tools.sim.fleet import build_fleet, routing_key
-from tools.sim.hybrid import HybridWorkers
-from tools.sim.kv_migration import KvMigration
-from tools.sim.ledger import Ledger, book_engine
-from tools.sim.replanning import Replanner
-from tools.sim.siblings import SiblingReach
-from tools.sim.state import (
+from services.simulation.drafting import DRAFTERS
+from services.simulation.engine import Engine, Request
+from services.simulation.fleet import build_fleet, routing_key
+from services.simulation.hybrid import HybridWorkers
+from services.simulation.kv_migration import KvMigration
+from services.simulation.ledger import Ledger, book_engine
+from services.simulation.replanning import Replanner
+from services.simulation.siblings import SiblingReach
+from services.simulation.state import (
     ENGINE,
     FETCHED,
     KV_RESERVE,
@@ -40,14 +40,14 @@ from tools.sim.state import (
     SystemConfig,
     Traj,
 )
-from tools.sim.training import Training
+from services.simulation.training import Training
 
 
 class Simulator:
     def __init__(
         self,
         system: SystemConfig,
-        workload: Workload,
+        workload: TrajectorySource,
         cm: CostModel,
         n_gpus: int,
         steps: int,

@@ -6,10 +6,10 @@ import time
 from typing import Any
 
 from services.common.cost_model import CostModel
-from services.common.synthetic import Workload
-from tools.sim.ledger import CATEGORIES
-from tools.sim.simulator import Simulator
-from tools.sim.state import SystemConfig
+from services.common.synthetic import TrajectorySource
+from services.simulation.ledger import CATEGORIES
+from services.simulation.simulator import Simulator
+from services.simulation.state import SystemConfig
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -33,7 +33,7 @@ def steady_rate(step_ends: list[float], per_step: float, drained: bool = False) 
 
 def run_system(
     system: SystemConfig,
-    workload: Workload,
+    workload: TrajectorySource,
     cm: CostModel,
     n_gpus: int,
     steps: int,

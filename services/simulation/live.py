@@ -9,16 +9,17 @@ re-layouts) and the job's finite feed.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from services.common.cost_model import CostModel
-from services.common.runconfig import RunConfig
+from services.common.runconfig import BucketConfig, RunConfig
 from services.common.synthetic import Workload
 from services.policy.replan import ReplanPolicy
 from services.policy.routing import build_router
 from services.policy.search import BucketPlan
-from tools.sim.runner import run_system, steady_rate
-from tools.sim.state import SystemConfig
+from services.simulation.runner import run_system, steady_rate
+from services.simulation.state import SystemConfig
 
 
 def cost_model(cfg: RunConfig) -> CostModel:
@@ -42,16 +43,22 @@ def job_gpus(cfg: RunConfig) -> int:
     return sum(b.gpus for b in bucket_plans(cfg)) + cfg.training.emulated_gpus
 
 
-def system_for(cfg: RunConfig, steps: int | None = None) -> SystemConfig:
-    """The job as a simulated system (`steps`: a shorter job, e.g. for a quick estimate)."""
+def system_for(
+    cfg: RunConfig,
+    steps: int | None = None,
+    buckets: list[BucketPlan] | None = None,
+    router_buckets: Sequence[BucketConfig] | None = None,
+) -> SystemConfig:
+    """The job as a simulated system (`steps`: a shorter job, e.g. for a quick estimate; `buckets`
+    and `router_buckets`: another layout of its engines, as the planner's candidates are)."""
     r, t = cfg.rollout, cfg.training
     return SystemConfig(
         f"live-{r.policy}",
         "async",
         t.emulated_gpus,
         t.emulated_tp,
-        bucket_plans(cfg),
-        build_router(r.buckets, r.policy),
+        buckets if buckets is not None else bucket_plans(cfg),
+        build_router(router_buckets if router_buckets is not None else r.buckets, r.policy),
         staleness=t.max_staleness,
         max_seqs=r.max_batch,
         pooled_routing=r.policy == "least_loaded",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from services.common.synthetic import TrajectorySpec, Workload
+from services.common.synthetic import TrajectorySource, TrajectorySpec
 from services.policy.replan import (
     EnginePool,
     ReplanPolicy,
@@ -19,9 +19,9 @@ from services.policy.replan import (
     length_sample,
 )
 from services.policy.search import BucketPlan, SearchOptions, WorkloadStats
-from tools.sim.engine import Engine
-from tools.sim.kernel import Kernel
-from tools.sim.ledger import Meter, book_engine
+from services.simulation.engine import Engine
+from services.simulation.kernel import Kernel
+from services.simulation.ledger import Meter, book_engine
 
 
 class Replanner:
@@ -195,7 +195,7 @@ class Replanner:
 
 
 def workload_stats(
-    w: Workload, lengths: Sequence[float], specs: list[TrajectorySpec] | None = None
+    w: TrajectorySource, lengths: Sequence[float], specs: list[TrajectorySpec] | None = None
 ) -> WorkloadStats:
     """Planner input from finished lengths (live) or sampled trajectories (profiling)."""
     if specs:

@@ -6,7 +6,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tools.sim.engine import Engine
+    from services.simulation.engine import Engine
 
 CATEGORIES = (
     "rollout_busy",

@@ -11,10 +11,10 @@ from collections import deque
 
 from services.policy.lend_policy import LendPolicy
 from services.policy.staleness import StalenessBound, training_order
-from tools.sim.engine import Engine
-from tools.sim.kernel import Kernel
-from tools.sim.ledger import Meter
-from tools.sim.state import SYNC_DONE, TRAIN_DONE
+from services.simulation.engine import Engine
+from services.simulation.kernel import Kernel
+from services.simulation.ledger import Meter
+from services.simulation.state import SYNC_DONE, TRAIN_DONE
 
 
 class Training:

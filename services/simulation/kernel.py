@@ -8,10 +8,10 @@ from collections import deque
 from typing import Any, Protocol
 
 from services.common.cost_model import CostModel
-from services.common.synthetic import Workload
-from tools.sim.engine import Engine
-from tools.sim.ledger import Ledger
-from tools.sim.state import Group, SystemConfig, Traj
+from services.common.synthetic import TrajectorySource
+from services.simulation.engine import Engine
+from services.simulation.ledger import Ledger
+from services.simulation.state import Group, SystemConfig, Traj
 
 
 class TrainingPart(Protocol):
@@ -41,7 +41,7 @@ class KvPart(Protocol):
 class Kernel(Protocol):
     sys: SystemConfig
     cm: CostModel
-    wl: Workload
+    wl: TrajectorySource
     ledger: Ledger
     router: Any
     progress: Any

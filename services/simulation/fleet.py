@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from services.common.cost_model import CostModel
 from services.policy.speculation import SpeculationPolicy
-from tools.sim.engine import Engine
-from tools.sim.state import SystemConfig
+from services.simulation.engine import Engine
+from services.simulation.state import SystemConfig
 
 
 @dataclass

@@ -6,9 +6,9 @@ engines going back to training. It owns the moves' accounting and the turns in t
 from __future__ import annotations
 
 from services.policy.consolidation import EngineSlots, consolidation_moves
-from tools.sim.engine import Engine, Request
-from tools.sim.kernel import Kernel
-from tools.sim.state import KV_RESERVE, MOVED
+from services.simulation.engine import Engine, Request
+from services.simulation.kernel import Kernel
+from services.simulation.state import KV_RESERVE, MOVED
 
 
 class KvMigration:

@@ -11,7 +11,7 @@ from services.policy.hybrid_pool import PoolPolicy
 from services.policy.replan import ReplanPolicy
 from services.policy.search import BucketPlan
 from services.policy.speculation import SpeculationPolicy
-from tools.sim.drafting import AcceptanceModel
+from services.simulation.drafting import AcceptanceModel
 
 ENGINE, TOOL, TRAIN_DONE, SYNC_DONE, FETCHED, TICK, MOVED = range(7)
 KV_RESERVE = 2048
@@ -129,7 +129,7 @@ class SystemConfig:
     turns, lets running turns finish on the old weights, then loads."""
     drafter: str = "none"
     """Speculative decoding's draft source: 'none', 'ngram', 'suffix' or 'group'
-    (:mod:`tools.sim.drafting`)."""
+    (:mod:`services.simulation.drafting`)."""
     speculation: SpeculationPolicy = field(default_factory=lambda: SpeculationPolicy("off"))
     """How many drafted tokens a sequence verifies per step (fixed or adaptive)."""
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
