@@ -141,6 +141,7 @@ class PlannerMetrics:
     plans: Counter
     plan_version: Gauge
     workers: Gauge
+    decision_s: Histogram
 
 
 @cache
@@ -149,4 +150,9 @@ def planner_metrics() -> PlannerMetrics:
         plans=Counter("libra_planner_plans", "Plans published"),
         plan_version=Gauge("libra_planner_plan_version", "Version of the plan in force"),
         workers=Gauge("libra_planner_workers", "Workers in the plan, by role", ["role"]),
+        decision_s=Histogram(
+            "libra_planner_decision_seconds",
+            "Wall seconds a re-fit decision spent simulating its candidates",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+        ),
     )

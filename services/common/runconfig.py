@@ -588,6 +588,22 @@ class LayoutConfig(_Strict):
     """The config's own layout stays unless a proposal predicts at least this much more throughput."""
 
 
+class WhatIfConfig(_Strict):
+    """The live planner simulating its candidate re-fits on the workload it has observed."""
+
+    budget_s: float = Field(2.0, ge=0.0, le=60.0)
+    """Wall seconds one decision may spend simulating candidates (0: score them with the analytical
+    model alone). Candidates are simulated in order of their analytical score while the time so far
+    plus the slowest simulation yet fits; fewer than the current layout and one alternative falls
+    back to the analytical score."""
+    candidates: int = Field(4, ge=1, le=32)
+    """Threshold choices simulated besides the current ones (the analytically best first), plus the
+    best re-layout with `relayout`."""
+    steps: int = Field(5, ge=3, le=50)
+    """Training steps each candidate is simulated for (the first and the last are left out of its
+    rate: warm-up and the drained end)."""
+
+
 class PlannerConfig(_Strict):
     replan: bool = True
     """Re-fit the buckets' token thresholds to the live workload while the run goes on (C-MLFQ
@@ -606,7 +622,10 @@ class PlannerConfig(_Strict):
     at least `min_gain` less rollout time than new thresholds alone (docs/planner.md). Emulated
     engines take their new bucket's TP (an engine whose GPUs went to bigger ones is left `spare`);
     real engines keep their TP and move only between buckets of it. Scored, like the thresholds,
-    by the cost model's analytical rollout time."""
+    by simulating the candidates on the observed workload (`what_if`) or, where that does not fit
+    its budget, by the cost model's analytical rollout time."""
+    what_if: WhatIfConfig = Field(default_factory=WhatIfConfig)
+    """How re-fits and re-layouts are chosen: by simulating the job's candidates (docs/planner.md)."""
     cost_model: EmulatedConfig | None = None
     """GPU and model presets the planner predicts with, or a `libra calibrate` profile of your
     machine (`cost_model: {profile: FILE}`); default `rollout.emulated`'s (for real engines, name

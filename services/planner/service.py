@@ -81,6 +81,8 @@ class PlannerService:
             for b in cfg.rollout.buckets
         ]
         self.reason, self.gain = "static", 0.0
+        self.decision: dict[str, object] | None = None
+        """What the re-fit in the next plan simulated (`WhatIf.record`), for its plan record."""
         self.replanner = LiveReplanner(cfg)
         self.pool = LivePool(cfg)
         self.history = PlanHistory(bus, store)
@@ -419,12 +421,22 @@ class PlannerService:
             if s.role == "rollout" and s.bucket in replicas:
                 replicas[s.bucket] += 1
         pool = self._engine_pool()
-        decision = self.replanner.decide(time.monotonic(), self.buckets, replicas, pool)
+        before = self.replanner.last_what_if
+        # Simulating candidates takes up to planner.what_if.budget_s: off the event loop, so leases
+        # and heartbeats keep going (nothing else touches the replanner meanwhile but its inputs).
+        decision = await asyncio.to_thread(
+            self.replanner.decide, time.monotonic(), self.buckets, replicas, pool
+        )
+        what_if = self.replanner.last_what_if
+        if what_if is not None and what_if is not before:
+            planner_metrics().decision_s.observe(what_if.decision_s)
+            self.log.info("replan_simulated", **what_if.record())
         if decision is None:
             return
         for b, limit in zip(self.buckets, decision.limits, strict=True):
             b.max_output_tokens = 0 if math.isinf(limit) else int(limit)
         self.reason, self.gain = f"replan:{decision.trigger}", decision.gain
+        self.decision = decision.what_if
         self.dirty = True
         self.log.info(
             "buckets_refit",
@@ -555,6 +567,8 @@ class PlannerService:
             "workers": len(plan.assignments),
             "at": time.time(),
         }
+        if self.decision is not None:
+            record["decision"] = self.decision
         if not await self.history.record_plan(self.lease.token, record):
             self.log.warning("plan_not_published_lease_lost", epoch=self.lease.token)
             self.lease = None
@@ -568,7 +582,7 @@ class PlannerService:
             m.workers.labels(role).set(roles.get(role, 0))
         await self._publish_plan(plan)
         self.dirty = False
-        self.reason, self.gain = "membership", 0.0
+        self.reason, self.gain, self.decision = "membership", 0.0, None
         self.log.info(
             "plan_published", plan_version=self.version, epoch=plan.planner_epoch, workers=len(self.slots)
         )

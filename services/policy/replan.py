@@ -116,6 +116,26 @@ class Refit:
         return (self.current_s - self.best_s) / self.current_s if self.current_s > 0 else 0.0
 
 
+def threshold_candidates(
+    cm: CostModel, stats: WorkloadStats, buckets: Sequence[BucketPlan], opts: SearchOptions
+) -> list[tuple[float, list[BucketPlan]]]:
+    """Every ordered choice of thresholds among `REFIT_QUANTILES` of the recent output lengths, the
+    last bucket taking the rest, with its predicted rollout time, fastest first (ties: in the
+    order tried)."""
+    if len(buckets) < 2 or not stats.output_tokens:
+        return []
+    xs = stats.output_tokens
+    qs = sorted({xs[min(len(xs) - 1, int(q * len(xs)))] for q in REFIT_QUANTILES})
+    out = []
+    for cut in itertools.combinations(qs, len(buckets) - 1):
+        cand = [
+            BucketPlan(b.name, b.tp, b.replicas, t) for b, t in zip(buckets, (*cut, math.inf), strict=True)
+        ]
+        out.append((rollout_time(cm, stats, cand, opts), cand))
+    out.sort(key=lambda tc: tc[0])
+    return out
+
+
 def refit_thresholds(
     cm: CostModel, stats: WorkloadStats, buckets: Sequence[BucketPlan], opts: SearchOptions
 ) -> Refit:
@@ -124,19 +144,10 @@ def refit_thresholds(
     one with the lowest predicted rollout time wins. The simulator's replanner and the live
     planner both call this."""
     cur = rollout_time(cm, stats, buckets, opts)
-    if len(buckets) < 2 or not stats.output_tokens:
+    ranked = threshold_candidates(cm, stats, buckets, opts)
+    if not ranked or ranked[0][0] >= cur:
         return Refit(cur, cur, None)
-    xs = stats.output_tokens
-    qs = sorted({xs[min(len(xs) - 1, int(q * len(xs)))] for q in REFIT_QUANTILES})
-    best, best_t = None, cur
-    for cut in itertools.combinations(qs, len(buckets) - 1):
-        cand = [
-            BucketPlan(b.name, b.tp, b.replicas, t) for b, t in zip(buckets, (*cut, math.inf), strict=True)
-        ]
-        t = rollout_time(cm, stats, cand, opts)
-        if t < best_t:
-            best, best_t = cand, t
-    return Refit(cur, best_t, best)
+    return Refit(cur, ranked[0][0], ranked[0][1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from services.common.contracts import ev
 from services.common.facts import read_facts
 from services.common.localstack import Server, start_redis
 from services.common.membership import TRAINER_ROLE, lease_resource
-from services.common.ownership import Lease, OwnershipStore, role_changes_key
+from services.common.ownership import Lease, OwnershipStore, plans_key, role_changes_key
 from services.common.runconfig import RunConfig
 from services.planner.config import PlannerSettings
 from services.planner.service import PlannerService
@@ -123,12 +123,12 @@ async def test_standby_takes_the_trainer_role_and_the_planner_outlives_redis(rig
 async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replaced_planner_goes_quiet(
     nats_server: Server, run_id: str, redis_server: Server
 ) -> None:
-    """Workload stats whose lengths do not fit the configured threshold (500 tokens) make the
-    planner publish a re-fitted plan (reason, predicted gain, its lease's epoch) and record it in
-    the run's plan history. When another planner takes the lease, the first one publishes nothing
+    """Workload stats whose lengths do not fit the configured threshold (40,000 tokens: every
+    trajectory in the short bucket) make the planner simulate its candidates and publish the
+    fastest as a re-fitted plan (reason, predicted gain, its lease's epoch, what it simulated) and
+    record it in the run's plan history. When another planner takes the lease, the first one publishes nothing
     more, and a worker that follows the new epoch refuses the old one's plan."""
     from services.common.membership import Membership
-    from services.common.ownership import plans_key
     from services.planner.service import PLANNER_ROLE
 
     cfg = RunConfig.model_validate(
@@ -138,11 +138,12 @@ async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replace
                 "backend": "emulated",
                 "max_batch": 16,
                 "buckets": [
-                    {"name": "short", "max_output_tokens": 500},
+                    {"name": "short", "max_output_tokens": 40000},
                     {"name": "long", "tensor_parallel": 2},
                 ],
             },
             "training": {"groups_per_step": 16},  # 64 trajectories a step: throughput, not one tail
+            "task": {"max_context_tokens": 40960},  # the window the stats' lengths need
             "job": {"lease_ttl_s": 60.0},  # nobody renews the engines' leases here
             "planner": {"interval_s": 0.3, "cooldown_s": 0.0, "min_samples": 32},
         }
@@ -159,7 +160,7 @@ async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replace
         await _until("plan", lambda: plans and len(plans[-1].assignments) == 4)
         epoch = plans[-1].planner_epoch
         assert epoch > 0 and plans[-1].reason in ("static", "membership")
-        assert [(b.name, b.max_output_tokens) for b in plans[-1].buckets] == [("short", 500), ("long", 0)]
+        assert [(b.name, b.max_output_tokens) for b in plans[-1].buckets] == [("short", 40000), ("long", 0)]
 
         rng = random.Random(0)
         lengths = [int(rng.gauss(2000, 300)) for _ in range(180)] + [
@@ -180,6 +181,9 @@ async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replace
         assert len(refit.assignments) == 4, "the workers stay where they are"
         history = [json.loads(x) for x in await store.r.lrange(plans_key(run_id), 0, -1)]
         assert history[-1]["reason"] == refit.reason and history[-1]["buckets"]["short"] == short
+        decision = history[-1]["decision"]  # chosen by simulating the candidates, within budget
+        assert decision["scored_by"] == "simulation" and decision["candidates"][0]["label"] == "current"
+        assert decision["decision_s"] > 0 and decision["budget_s"] == 2.0
         assert all(h["epoch"] == epoch for h in history)
 
         # a worker following this planner
@@ -570,6 +574,7 @@ async def test_the_planner_relays_out_engines_when_the_lengths_drift_and_keeps_t
                 ],
             },
             "training": {"groups_per_step": 16},
+            "task": {"max_context_tokens": 40960},
             "job": {"lease_ttl_s": 60.0},
             "planner": {"interval_s": 0.3, "cooldown_s": 0.0, "min_samples": 32, "relayout": True},
         }
@@ -611,6 +616,10 @@ async def test_the_planner_relays_out_engines_when_the_lengths_drift_and_keeps_t
         await _until("relayout", lambda: "relayout" in plans[-1].reason)
         plan = plans[-1]
         assert plan.reason.startswith("replan:") and plan.predicted_gain > 0.03
+        record = json.loads((await store.r.lrange(plans_key(run_id), -1, -1))[0])
+        assert record["decision"]["scored_by"] == "simulation", "the re-layout was chosen by simulating it"
+        best = max(record["decision"]["candidates"], key=lambda c: c["trajectories_per_s"])
+        assert best["label"].startswith("relayout:")
         before = {a.worker_id: (a.role, a.bucket) for a in first.assignments}
         after = {a.worker_id: (a.role, a.bucket) for a in plan.assignments}
         tps = [(b.name, b.tensor_parallel) for b in plan.buckets]

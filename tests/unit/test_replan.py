@@ -98,7 +98,13 @@ def test_the_live_replanner_waits_for_data_and_an_interval_and_only_refits_cmlfq
             {
                 "rollout": base | rollout,
                 "training": {"groups_per_step": 16, "max_staleness": max_staleness},
-                "planner": {"interval_s": 10.0, "cooldown_s": 0.0, "min_samples": 100},
+                # the analytical model alone (tests/unit/test_whatif.py simulates the candidates)
+                "planner": {
+                    "interval_s": 10.0,
+                    "cooldown_s": 0.0,
+                    "min_samples": 100,
+                    "what_if": {"budget_s": 0.0},
+                },
             }
         )
 
