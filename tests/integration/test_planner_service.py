@@ -129,7 +129,7 @@ async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replace
     record it in the run's plan history. When another planner takes the lease, the first one publishes nothing
     more, and a worker that follows the new epoch refuses the old one's plan."""
     from services.common.membership import Membership
-    from services.planner.service import PLANNER_ROLE
+    from services.planner.history import PLANNER_ROLE
 
     cfg = RunConfig.model_validate(
         {

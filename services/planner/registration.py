@@ -1,0 +1,170 @@
+"""Workers joining the plan and leaving it: a hello gets a role (`StaticAssigner`) and a leased,
+fenced slot in Redis; a worker whose lease ran out leaves the plan; a standby trainer takes the
+trainer role when it is free."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from services.common.contracts import ev
+from services.common.credentials import TRAINER_ENGINE_SUFFIX
+from services.common.errors import require
+from services.common.logging import get_logger
+from services.common.membership import LENT_ROLE, PARKED_ROLE, SPARE_ROLE, TRAINER_ROLE, lease_resource
+from services.common.ownership import OwnershipStore
+from services.common.runconfig import RunConfig
+from services.planner.plan_state import PlanState
+from services.policy.assign import Slot, StaticAssigner
+
+KINDS = ("rollout-engine", "trainer", "tool-sandbox", "scheduler")
+
+
+class Registration:
+    def __init__(self, cfg: RunConfig, store: OwnershipStore, state: PlanState):
+        self.cfg, self.store, self.state = cfg, store, state
+        self.assigner = StaticAssigner(
+            [b.name for b in cfg.rollout.buckets],
+            cfg.bucket_engines,
+            # vLLM's TP is fixed when it starts: it serves a bucket of that TP
+            {b.name: b.tensor_parallel for b in cfg.rollout.buckets}
+            if cfg.rollout.backend == "vllm"
+            else None,
+        )
+        self.log = get_logger(component="planner")
+
+    async def on_hello(self, hello: ev.WorkerHello) -> None:
+        require(bool(hello.worker_id), "worker hello without worker_id")
+        require(hello.kind in KINDS, f"unknown kind {hello.kind!r}")
+        s = self.state
+        known = s.slots.get(hello.worker_id)
+        if known is not None:
+            if not hello.weight_sync_addr or hello.weight_sync_addr == known.weight_sync_addr:
+                return
+            # the same engine id at a new address: it restarted. Its lease moves to a new token, so
+            # the plan changes and the scheduler re-sends what the old process had in flight.
+            s.slots.pop(hello.worker_id)
+            self.log.info("worker_restarted", worker_id=hello.worker_id, addr=hello.weight_sync_addr)
+        slot: Slot | None
+        if hello.trainer_engine:
+            slot = self._trainer_engine(hello)
+        else:
+            slot = self.assigner.assign(
+                hello.worker_id,
+                hello.kind,
+                hello.preferred_bucket,
+                s.slots,
+                addr=hello.weight_sync_addr,
+                tp=hello.tensor_parallel or 1,
+            )
+        if slot is None:
+            return
+        if (
+            self.cfg.planner.relayout
+            and known is not None
+            and slot.role == "rollout"
+            and known.role in ("rollout", SPARE_ROLE)
+            and (known.role == SPARE_ROLE or known.bucket in {b.name for b in s.buckets})
+        ):
+            # a restarted engine goes back where the current layout has it (its bucket, or spare
+            # with the GPUs it kept), not where the config's engines per bucket would put it
+            slot.role, slot.bucket, slot.tensor_parallel = known.role, known.bucket, known.tensor_parallel
+        self._warn_tp_mismatch(slot)
+        self._lendable(slot)
+        lease = await self.store.acquire(
+            lease_resource(slot.role, slot.worker_id),
+            slot.worker_id,
+            self.cfg.job.lease_ttl_s,
+            meta=slot.role,
+        )
+        if lease is None:
+            self.log.info("lease_busy", worker_id=slot.worker_id, role=slot.role)
+            return  # e.g. the trainer role is still leased by a dead trainer; retried on its next hello
+        slot.fencing_token = lease.token
+        s.slots[slot.worker_id] = slot
+        s.dirty = True
+        self.log.info(
+            "worker_registered",
+            worker_id=slot.worker_id,
+            role=slot.role,
+            bucket=slot.bucket,
+            token=lease.token,
+        )
+
+    def _warn_tp_mismatch(self, slot: Slot) -> None:
+        spec = next((b for b in self.state.buckets if b.name == slot.bucket), None)
+        if (
+            self.assigner.tps is not None
+            and spec is not None
+            and spec.tensor_parallel != slot.tensor_parallel
+        ):
+            self.log.warning(
+                "engine_tp_mismatch",
+                worker_id=slot.worker_id,
+                engine_tp=slot.tensor_parallel,
+                bucket=slot.bucket,
+                bucket_tp=spec.tensor_parallel,
+                hint="no bucket has this engine's TP: start it with LIBRA_ROLLOUT_ENGINE_TENSOR_PARALLEL "
+                "set to a bucket's rollout.buckets[].tensor_parallel",
+            )
+
+    def _trainer_engine(self, hello: ev.WorkerHello) -> Slot:
+        """The trainer's own engine (planner.lending.trainer_serves): parked, at the lent TP in the
+        lending bucket, until the trainer lends it."""
+        lend = self.cfg.planner.lending
+        require(lend.trainer_serves, "a trainer's engine, but planner.lending.trainer_serves is off")
+        require(
+            hello.kind == "trainer" and hello.worker_id.endswith(TRAINER_ENGINE_SUFFIX),
+            f"a trainer's engine is kind 'trainer' named '<trainer>{TRAINER_ENGINE_SUFFIX}', "
+            f"not {hello.kind} {hello.worker_id!r}",
+        )
+        return Slot(
+            hello.worker_id, hello.kind, PARKED_ROLE, self.cfg.lending_bucket, "", lend.tensor_parallel
+        )
+
+    def _lendable(self, slot: Slot) -> None:
+        """Engines past `rollout.engines` stand for the training GPUs (planner.lending.engines of
+        them): parked, at the lent TP, until the trainer lends them (unless the trainer is the
+        lent engine itself)."""
+        lend = self.cfg.planner.lending
+        if slot.role != "rollout" or lend.engines == 0 or lend.trainer_serves:
+            return
+        roles = Counter(s.role for s in self.state.slots.values() if s.worker_id != slot.worker_id)
+        if (
+            roles["rollout"] >= self.cfg.rollout.engines
+            and roles[PARKED_ROLE] + roles[LENT_ROLE] < lend.engines
+        ):
+            slot.role, slot.bucket, slot.tensor_parallel = (
+                PARKED_ROLE,
+                self.cfg.lending_bucket,
+                lend.tensor_parallel,
+            )
+
+    async def expire(self) -> None:
+        """Drops the workers whose lease ran out (or moved to another token)."""
+        s = self.state
+        for slot in list(s.slots.values()):
+            held = await self.store.holder(lease_resource(slot.role, slot.worker_id))
+            if held is None or held.token != slot.fencing_token:
+                s.slots.pop(slot.worker_id)
+                s.dirty = True
+                self.log.warning("worker_lease_expired", worker_id=slot.worker_id, role=slot.role)
+
+    async def promote_standby(self) -> None:
+        """The trainer's lease expired (dead, paused, cut off): a standby trainer takes the role under
+        a new token and resumes from the last committed checkpoint; the old one, if it comes back,
+        is fenced out and becomes a standby itself."""
+        s = self.state
+        if any(slot.role == "train" for slot in s.slots.values()):
+            return
+        for slot in sorted(s.slots.values(), key=lambda slot: slot.worker_id):
+            if slot.role != "standby":
+                continue
+            lease = await self.store.acquire(
+                TRAINER_ROLE, slot.worker_id, self.cfg.job.lease_ttl_s, meta="train"
+            )
+            if lease is None:
+                return  # the role is still leased (the old trainer's lease has not run out)
+            slot.role, slot.fencing_token = "train", lease.token
+            s.dirty = True
+            self.log.warning("standby_promoted", worker_id=slot.worker_id, fencing_token=lease.token)
+            return
