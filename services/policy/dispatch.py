@@ -1,8 +1,9 @@
 """Scheduler-side queues over the engines, decided by a routing policy (C-MLFQ or a baseline).
 
 The scheduler sends an engine no more turns than it decodes at once (its batch capacity, from its
-load reports); the rest wait here, in the queue of their trajectory's bucket, ordered by the
-policy. When a slot frees, the policy picks which waiting turn takes it — its own bucket's first,
+load reports), and a turn only to an engine whose free KV cache holds it (`kv_view`: else the turn
+would preempt another); the rest wait here, in the queue of their trajectory's bucket, ordered by
+the policy. The simulator asks the same two functions. When a slot frees, the policy picks which waiting turn takes it — its own bucket's first,
 else an aged turn of a neighbouring bucket (a steal, which moves the trajectory). After a tool
 return the policy may move the trajectory to another bucket (a migration) for its next turn.
 
@@ -20,12 +21,37 @@ from services.policy.prefix_tree import ToolSignal
 from services.policy.routing import POOL, Router, build_router
 
 
+def kv_fits(free_kv_tokens: int, need_tokens: int) -> bool:
+    """Whether a turn needing `need_tokens` of KV cache (its context and what it may generate)
+    fits in an engine's free KV (-1: the engine cannot tell, e.g. `hf`)."""
+    return free_kv_tokens < 0 or need_tokens <= free_kv_tokens
+
+
+def kv_view(engine_id: str, running: int, capacity: int, free_kv_tokens: int, need_tokens: int) -> EngineView:
+    """The engine as the router sees it for this turn: full when the turn's KV does not fit, so
+    the router picks another engine or queues the turn."""
+    return EngineView(engine_id, running if kv_fits(free_kv_tokens, need_tokens) else capacity, capacity)
+
+
+def takes_waiting(free_kv_tokens: int, need_tokens: int, running: int) -> bool:
+    """Whether an engine with a free slot takes a waiting turn: if its KV fits, or if the engine
+    runs nothing (the one way a turn larger than any free cache ever runs)."""
+    return running == 0 or kv_fits(free_kv_tokens, need_tokens)
+
+
 @dataclass
 class EngineSlot:
     engine_id: str
     bucket: str
     capacity: int
     in_flight: int = 0
+    free_kv: int = -1
+    """KV-cache tokens free: the engine's last report, less what was sent it since (-1: unknown)."""
+
+    def take(self, need_tokens: int) -> None:
+        self.in_flight += 1
+        if self.free_kv >= 0:
+            self.free_kv = max(0, self.free_kv - need_tokens)
 
     @property
     def free(self) -> int:
@@ -43,6 +69,8 @@ class Dispatcher:
         self.where: dict[str, str] = {}
         """Trajectory -> the bucket its next turn goes to."""
         self.queued: set[str] = set()
+        self.need: dict[str, int] = {}
+        """Queued trajectory -> the KV tokens its next turn needs."""
         self.migrations = 0
         self.decisions = 0
 
@@ -64,10 +92,14 @@ class Dispatcher:
         for wid in engine_ids:
             self.engines.pop(wid, None)
 
-    def set_capacity(self, engine_id: str, capacity: int) -> None:
+    def set_capacity(self, engine_id: str, capacity: int, free_kv_tokens: int = -1) -> None:
+        """The engine's load report: its batch capacity and its free KV-cache tokens now."""
         slot = self.engines.get(engine_id)
-        if slot is not None and capacity > 0:
+        if slot is None:
+            return
+        if capacity > 0:
             slot.capacity = capacity
+        slot.free_kv = free_kv_tokens
 
     def release(self, engine_id: str) -> None:
         """A turn on the engine ended (answered, failed, lost or timed out)."""
@@ -82,10 +114,11 @@ class Dispatcher:
         self.where[traj_id] = bucket
         return bucket
 
-    def place(self, traj_id: str, now: float, avoid: str | None = None) -> str | None:
+    def place(self, traj_id: str, now: float, avoid: str | None = None, need_tokens: int = 0) -> str | None:
         """An engine for the trajectory's next turn (its slot taken), or None: the turn waits in
         its bucket's queue until `next_for` hands it a slot. `avoid` (an engine whose answer to
-        this turn was refused) is left out while any other engine could take it."""
+        this turn was refused) is left out while any other engine could take it; an engine whose
+        free KV does not hold `need_tokens` counts as full."""
         if traj_id in self.queued:
             return None
         self.decisions += 1
@@ -95,13 +128,14 @@ class Dispatcher:
             members = [e for e in members if e.engine_id != avoid] or [
                 e for e in self.engines.values() if e.engine_id != avoid
             ]
-        views = [EngineView(e.engine_id, e.in_flight, e.capacity) for e in members]
+        views = [kv_view(e.engine_id, e.in_flight, e.capacity, e.free_kv, need_tokens) for e in members]
         engine_id = self.router.pick_engine(bucket, views, traj_id) if views else None
         if engine_id is None:
             self.router.enqueue(traj_id, now)
             self.queued.add(traj_id)
+            self.need[traj_id] = need_tokens
             return None
-        self.engines[engine_id].in_flight += 1
+        self.engines[engine_id].take(need_tokens)
         return engine_id
 
     def next_for(self, engine_id: str, now: float) -> str | None:
@@ -116,11 +150,16 @@ class Dispatcher:
             if traj_id in self.queued:
                 break
         self.decisions += 1
+        need = self.need.get(traj_id, 0)
+        if not takes_waiting(slot.free_kv, need, slot.in_flight):
+            self.router.enqueue(traj_id, now)  # back in its queue: this engine's KV is full
+            return None
         self.queued.discard(traj_id)
+        self.need.pop(traj_id, None)
         if self.where.get(traj_id) != slot.bucket:  # stolen by an idle bucket
             self.migrations += 1
             self.where[traj_id] = slot.bucket
-        slot.in_flight += 1
+        slot.take(need)
         return traj_id
 
     def tool_return(
@@ -138,6 +177,7 @@ class Dispatcher:
         """Forgets the trajectory; a completed one teaches the policy its history."""
         self.where.pop(traj_id, None)
         self.queued.discard(traj_id)
+        self.need.pop(traj_id, None)
         if failed:
             self.router.drop(traj_id)
         else:

@@ -270,7 +270,8 @@ class InFlight:
             live.request_id = ""
             live.deadline = time.monotonic() + 1.0
             return
-        engine_id = self.decide(self.dispatch.place, live.trajectory_id, time.monotonic(), avoid)
+        need = len(action.context) + action.max_new_tokens  # its KV, were it to use its whole budget
+        engine_id = self.decide(self.dispatch.place, live.trajectory_id, time.monotonic(), avoid, need)
         if engine_id is None:
             live.deadline = math.inf  # queued: waits for a slot, however long the tail ahead of it
             if live.queued_at is None:
@@ -514,7 +515,7 @@ class InFlight:
         requests, or a scheduler too busy to read the results, for a while has lost nothing."""
         if load.engine_id not in self.dispatch.engines:
             return
-        self.dispatch.set_capacity(load.engine_id, load.capacity_seqs)
+        self.dispatch.set_capacity(load.engine_id, load.capacity_seqs, load.free_kv_tokens)
         held = set(load.request_ids)
         answered = set(load.answered_ids)
         now = time.monotonic()

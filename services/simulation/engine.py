@@ -27,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.common.cost_model import CostModel
+from services.policy.dispatch import kv_fits
 from services.policy.speculation import Lane, SpeculationPolicy, expected_tokens
 
 BAND = 1.5
@@ -169,8 +170,11 @@ class Engine:
             self.opened_s += now - self.open_since
         self.open_since = None
 
+    def free_kv(self) -> int:
+        return max(0, self.kv_capacity - self.kv_used)
+
     def fits(self, context: int, reserve: int) -> bool:
-        return self.n < self.max_seqs and self.kv_used + context + reserve <= self.kv_capacity
+        return self.n < self.max_seqs and kv_fits(self.free_kv(), context + reserve)
 
     def advance(self, now: float) -> None:
         if now <= self.t:

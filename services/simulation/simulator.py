@@ -17,7 +17,7 @@ from typing import Any
 
 from services.common.cost_model import CostModel
 from services.common.synthetic import TrajectorySource
-from services.policy.cmlfq import EngineView
+from services.policy.dispatch import kv_view, takes_waiting
 from services.simulation.drafting import DRAFTERS
 from services.simulation.engine import Engine, Request
 from services.simulation.fleet import build_fleet, routing_key
@@ -174,8 +174,9 @@ class Simulator:
         tr = self.trajs[tid]
         key = self.key(tr.bucket)
         reserve = tr.spec.turns[tr.turn].output_tokens + KV_RESERVE
+        need = tr.context + reserve
         views = [
-            EngineView(e.engine_id, e.n if e.fits(tr.context, reserve) else e.max_seqs, e.max_seqs)
+            kv_view(e.engine_id, e.n, e.max_seqs, e.free_kv(), need)
             for e in self._candidates(key, tr)
             if self.serving(e)
         ]
@@ -273,7 +274,8 @@ class Simulator:
                 return
             tr = self.trajs[tid]
             tr.bucket = self.router.bucket_of(tid) if not self.sys.pooled_routing else tr.bucket
-            if not e.fits(tr.context, tr.spec.turns[tr.turn].output_tokens + KV_RESERVE) and e.n > 0:
+            need = tr.context + tr.spec.turns[tr.turn].output_tokens + KV_RESERVE
+            if not takes_waiting(e.free_kv(), need, e.n):
                 self.router.enqueue(tid, self.now)
                 return
             self._run_turn(tid, e)

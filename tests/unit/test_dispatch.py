@@ -105,3 +105,28 @@ def test_what_cmlfq_learned_survives_a_restart() -> None:
 def test_bucket_configs_that_cmlfq_cannot_use_are_refused(buckets: list[dict], error: str) -> None:
     with pytest.raises(ValueError, match=error):
         RunConfig.model_validate({"rollout": {"engines": 2, "buckets": buckets}})
+
+
+def test_a_turn_goes_only_to_an_engine_whose_free_kv_holds_it() -> None:
+    """Load reports carry each engine's free KV: a turn that would not fit there counts the engine
+    as full (it would preempt another sequence), so it goes to one where it fits or waits; what
+    was sent since the report counts against it; an engine running nothing takes any turn."""
+    d = build_dispatcher([BucketConfig(name="all")], "cmlfq", 4)
+    d.set_engines({"e-a": "all", "e-b": "all"})
+    d.set_capacity("e-a", 4, free_kv_tokens=1000)
+    d.set_capacity("e-b", 4, free_kv_tokens=5000)
+    for t in ("a", "b", "c", "d"):
+        d.admit(t, "p", 0.0)
+    assert d.place("a", 0.0, need_tokens=3000) == "e-b", "e-a is the less loaded, but 3000 do not fit there"
+    assert d.engines["e-b"].free_kv == 2000
+    assert d.place("b", 0.0, need_tokens=800) in ("e-a", "e-b")
+    # neither holds 4000 now: it waits, though both have free slots
+    assert d.place("c", 0.0, need_tokens=4000) is None and "c" in d.queued
+    assert d.next_for("e-b", 1.0) is None and "c" in d.queued, "e-b runs turns and its KV is full"
+    # an engine running nothing takes it: the one way it ever runs
+    d.set_engines({"e-a": "all", "e-b": "all", "e-c": "all"})
+    d.set_capacity("e-c", 4, free_kv_tokens=100)
+    assert d.next_for("e-c", 2.0) == "c" and not d.queued
+    # a report resets the estimate; an engine that cannot tell (-1, hf) takes what its slots allow
+    d.set_capacity("e-a", 4, free_kv_tokens=-1)
+    assert d.place("d", 2.0, need_tokens=10**9) == "e-a"
