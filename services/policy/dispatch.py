@@ -66,9 +66,9 @@ class Dispatcher:
         self.default_capacity = default_capacity
         self.pool = pool
         self.engines: dict[str, EngineSlot] = {}
-        self.where: dict[str, str] = {}
-        """Trajectory -> the bucket its next turn goes to."""
-        self.queued: set[str] = set()
+        self.queued: dict[str, str] = {}
+        """Waiting trajectory -> the bucket queue it waits in. Which bucket a trajectory belongs to
+        has one owner, the router (`bucket_of`)."""
         self.need: dict[str, int] = {}
         """Queued trajectory -> the KV tokens its next turn needs."""
         self.migrations = 0
@@ -110,9 +110,14 @@ class Dispatcher:
     # trajectories --------------------------------------------------------------------------------
 
     def admit(self, traj_id: str, prompt_id: str, now: float) -> str:
-        bucket = self.router.admit(traj_id, prompt_id, now, 0)
-        self.where[traj_id] = bucket
-        return bucket
+        return self.router.admit(traj_id, prompt_id, now, 0)
+
+    def bucket_of(self, traj_id: str) -> str | None:
+        """The bucket the trajectory's next turn goes to (None: not admitted, or ended)."""
+        try:
+            return self.router.bucket_of(traj_id)
+        except KeyError:
+            return None
 
     def place(self, traj_id: str, now: float, avoid: str | None = None, need_tokens: int = 0) -> str | None:
         """An engine for the trajectory's next turn (its slot taken), or None: the turn waits in
@@ -122,7 +127,7 @@ class Dispatcher:
         if traj_id in self.queued:
             return None
         self.decisions += 1
-        bucket = self.where[traj_id]
+        bucket = self.router.bucket_of(traj_id)
         members = [e for e in self.engines.values() if e.bucket == bucket] or list(self.engines.values())
         if avoid is not None and any(e.engine_id != avoid for e in self.engines.values()):
             members = [e for e in members if e.engine_id != avoid] or [
@@ -132,7 +137,7 @@ class Dispatcher:
         engine_id = self.router.pick_engine(bucket, views, traj_id) if views else None
         if engine_id is None:
             self.router.enqueue(traj_id, now)
-            self.queued.add(traj_id)
+            self.queued[traj_id] = bucket
             self.need[traj_id] = need_tokens
             return None
         self.engines[engine_id].take(need_tokens)
@@ -154,11 +159,9 @@ class Dispatcher:
         if not takes_waiting(slot.free_kv, need, slot.in_flight):
             self.router.enqueue(traj_id, now)  # back in its queue: this engine's KV is full
             return None
-        self.queued.discard(traj_id)
-        self.need.pop(traj_id, None)
-        if self.where.get(traj_id) != slot.bucket:  # stolen by an idle bucket
+        if self.queued.pop(traj_id) != slot.bucket:  # stolen by an idle bucket (the router moved it)
             self.migrations += 1
-            self.where[traj_id] = slot.bucket
+        self.need.pop(traj_id, None)
         slot.take(need)
         return traj_id
 
@@ -167,16 +170,15 @@ class Dispatcher:
     ) -> RouteDecision:
         """Feeds the tool return to the policy; the trajectory's next turn goes where it says."""
         self.decisions += 1
+        before = self.bucket_of(traj_id)
         decision = self.router.on_tool_return(traj_id, signal, output_tokens, context_tokens, now)
-        if decision.bucket != self.where.get(traj_id):
+        if decision.bucket != before:
             self.migrations += 1
-            self.where[traj_id] = decision.bucket
         return decision
 
     def finish(self, traj_id: str, output_tokens: int, now: float, failed: bool) -> None:
         """Forgets the trajectory; a completed one teaches the policy its history."""
-        self.where.pop(traj_id, None)
-        self.queued.discard(traj_id)
+        self.queued.pop(traj_id, None)
         self.need.pop(traj_id, None)
         if failed:
             self.router.drop(traj_id)
@@ -191,8 +193,7 @@ class Dispatcher:
 
     def queued_by_bucket(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for traj_id in self.queued:
-            bucket = self.where.get(traj_id, "")
+        for bucket in self.queued.values():
             out[bucket] = out.get(bucket, 0) + 1
         return out
 

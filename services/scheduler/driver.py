@@ -114,8 +114,8 @@ class TrajectoryDriver:
                 "libra.run_id": self.run_id,
             },
         )
-        bucket = self.dispatch.admit(traj.trajectory_id, task.prompt_id, time.monotonic())
-        live = Live(traj, span, bucket, temperature, evaluation=evaluation)
+        self.dispatch.admit(traj.trajectory_id, task.prompt_id, time.monotonic())
+        live = Live(traj, span, temperature, evaluation=evaluation)
         self.inflight.add(live)
         if not evaluation:
             self.workload.launched(traj.trajectory_id)
@@ -344,6 +344,7 @@ class TrajectoryDriver:
     def _route_after_observation(self, live: Live, signal: ToolSignal, obs: list[int]) -> None:
         """C-MLFQ's decision at a tool return: the trajectory may move to another bucket."""
         traj = live.traj
+        before = self.inflight.bucket_of(live)
         decision = self.inflight.decide(
             self.dispatch.tool_return,
             traj.trajectory_id,
@@ -352,19 +353,18 @@ class TrajectoryDriver:
             traj.context_tokens + len(obs),
             time.monotonic(),
         )
-        if decision.bucket != live.bucket:
+        if decision.bucket != before:
             self.log.info(
                 "trajectory_migrated",
                 trajectory_id=traj.trajectory_id,
-                source=live.bucket,
+                source=before,
                 target=decision.bucket,
                 reason=decision.reason,
             )
             live.span.add_event(
                 "migrated",
-                {"libra.from": live.bucket, "libra.to": decision.bucket, "libra.reason": decision.reason},
+                {"libra.from": before, "libra.to": decision.bucket, "libra.reason": decision.reason},
             )
-            live.bucket = decision.bucket
 
     async def abort_groups(self, doomed: set[str], why: Callable[[str], str]) -> None:
         """Ends the in-flight (training) trajectories of these groups as failed `stale`, `why(group)`."""

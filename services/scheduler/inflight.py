@@ -44,7 +44,6 @@ class Live:
 
     traj: Trajectory
     span: trace.Span
-    bucket: str
     temperature: float
     """Sampling temperature of its turns (an evaluation's may differ from training's)."""
     step_span: trace.Span | None = None
@@ -279,7 +278,7 @@ class InFlight:
                 live.queue_span = tracer().start_span(
                     "turn.queued",
                     context=trace.set_span_in_context(live.span),
-                    attributes={"libra.turn": live.traj.turns, "libra.bucket": live.bucket},
+                    attributes={"libra.turn": live.traj.turns, "libra.bucket": self.bucket_of(live)},
                 )
             return
         await self._dispatch(live, engine_id)
@@ -379,7 +378,7 @@ class InFlight:
         traj, action = live.traj, live.pending_action
         assert action is not None
         self._dequeued(live)
-        live.bucket = self.dispatch.where.get(traj.trajectory_id, live.bucket)
+        bucket = self.bucket_of(live)
         live.request_id = uuid.uuid4().hex
         live.engine_id = engine_id
         live.sent_at = time.monotonic()
@@ -391,14 +390,14 @@ class InFlight:
         live.step_span = tracer().start_span(
             "turn.generate",
             context=ctx,
-            attributes={"libra.turn": traj.turns, "libra.engine_id": engine_id, "libra.bucket": live.bucket},
+            attributes={"libra.turn": traj.turns, "libra.engine_id": engine_id, "libra.bucket": bucket},
         )
         req = ev.TurnRequest(
             request_id=live.request_id,
             trajectory_id=traj.trajectory_id,
             turn_index=traj.turns,
             engine_id=engine_id,
-            bucket=live.bucket,
+            bucket=bucket,
             context_token_ids=action.context,
             max_new_tokens=action.max_new_tokens,
             min_new_tokens=action.min_new_tokens,
@@ -406,7 +405,7 @@ class InFlight:
             top_p=self.cfg.task.top_p,
             min_policy_version=live.min_policy_version,
             stop=self.stop_strings,
-            priority=self.bucket_level.get(live.bucket, 0),
+            priority=self.bucket_level.get(bucket, 0),
             group_id=traj.group_id,
             seq=live.seq,
             prompt_id=traj.task.prompt_id,
@@ -416,13 +415,17 @@ class InFlight:
             f"{subjects.TURN_REQUEST}.{engine_id}", req, ctx=trace.set_span_in_context(live.step_span)
         )
 
+    def bucket_of(self, live: Live) -> str:
+        """The bucket its next turn goes to: the dispatcher's router holds it ("" once it ended)."""
+        return self.dispatch.bucket_of(live.trajectory_id) or ""
+
     def _dequeued(self, live: Live) -> None:
         """Its turn leaves the bucket queue (sent, or the trajectory ended): the wait is counted."""
         if live.queued_at is not None:
             live.times.scheduler_queue_s += time.monotonic() - live.queued_at
             live.queued_at = None
         if live.queue_span is not None:
-            live.queue_span.set_attribute("libra.bucket", live.bucket)
+            live.queue_span.set_attribute("libra.bucket", self.bucket_of(live))
             live.queue_span.end()
             live.queue_span = None
 

@@ -27,7 +27,7 @@ def test_turns_beyond_an_engines_capacity_wait_and_take_the_slot_that_frees() ->
     for t in ("a", "b"):
         assert d.admit(t, "p", 0.0) == "short"
     assert d.place("a", 0.0) == "e-short"
-    assert d.place("b", 0.0) is None and d.queued == {"b"}
+    assert d.place("b", 0.0) is None and set(d.queued) == {"b"}
     assert d.queued_by_bucket() == {"short": 1}
     assert d.next_for("e-short", 1.0) is None, "no free slot yet"
     d.release("e-short")
@@ -42,7 +42,7 @@ def test_a_tool_return_past_the_bucket_budget_moves_the_trajectory_to_the_long_b
     d.release("e-short")
     decision = d.tool_return("a", OK, 100, 300, 1.0)
     assert decision.migrate and decision.bucket == "long" and decision.reason == "demote:attained"
-    assert d.where["a"] == "long" and d.migrations == 1
+    assert d.bucket_of("a") == "long" and d.migrations == 1
     assert d.place("a", 1.0) == "e-long"
 
 
@@ -62,7 +62,7 @@ def test_an_idle_bucket_steals_an_aged_turn_and_the_move_counts() -> None:
     assert d.next_for("e-short", 2.0) is None, "too young to steal"
     migrations = d.migrations
     assert d.next_for("e-short", 60.0) == "c"
-    assert d.where["c"] == "short" and d.migrations == migrations + 1
+    assert d.bucket_of("c") == "short" and d.migrations == migrations + 1
 
 
 def test_the_least_loaded_baseline_pools_every_engine_and_never_moves() -> None:

@@ -39,7 +39,7 @@ def _inflight(trajectories: int, engines: int) -> tuple[InFlight, list[ev.Engine
     now = time.monotonic()
     for t in range(trajectories):
         engine = f"e{t % engines}"
-        live = Live(traj=None, span=trace.INVALID_SPAN, bucket="b0", temperature=1.0)  # type: ignore[arg-type]
+        live = Live(traj=None, span=trace.INVALID_SPAN, temperature=1.0)  # type: ignore[arg-type]
         live.request_id, live.engine_id, live.sent_at, live.seq = f"r{t}", engine, now, len(held[engine]) + 1
         flight._live[f"t{t}"] = live
         flight._by_request.add(live.request_id, f"t{t}", engine)
