@@ -309,9 +309,7 @@ class TrajectoryDriver:
 
     async def on_tool_return(self, ret: ev.ToolReturn, _: Envelope) -> None:
         require(bool(ret.call_id), "tool return without call_id")
-        if self.sandbox.on_return(ret):
-            return  # a code_tests reward's call
-        live = self.inflight.tool_answered(ret.call_id)
+        live = self.inflight.tool_answered(ret)  # None for a code_tests reward's call too
         if live is None:
             return
         status = ret.status or "error"

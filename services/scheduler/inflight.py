@@ -24,6 +24,7 @@ from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.policy.dispatch import Dispatcher
 from services.scheduler.config import SchedulerSettings
+from services.scheduler.tool_calls import ToolCalls
 from services.scheduler.trajectory import CallTool, Generate, Trajectory
 from services.scheduler.transcript import Transcript
 
@@ -162,8 +163,11 @@ class InFlight:
         cfg: RunConfig,
         stop_strings: list[str],
         fail: Fail,
+        calls: ToolCalls | None = None,
     ):
         self.bus, self.dispatch, self.settings, self.cfg = bus, dispatch, settings, cfg
+        self.calls = calls if calls is not None else ToolCalls()
+        """Tool calls out at the sandbox -> who waits (this scheduler's one registry of them)."""
         self.stop_strings = stop_strings
         self.fail = fail
         self.log = get_logger(component="scheduler")
@@ -174,8 +178,6 @@ class InFlight:
         indexed by engine too: an engine's load report looks at its own turns only."""
         self._sent_to: dict[str, int] = {}
         """Engine id -> turns sent to it so far (the last TurnRequest.seq)."""
-        self._by_call: dict[str, str] = {}
-        """Tool call id -> the trajectory that waits for it."""
         self.engine_tokens: dict[str, int] = {}
         """Each engine's fencing token in the current plan (a new one: it restarted)."""
         self.invalid_results: Counter[str] = Counter()
@@ -207,7 +209,7 @@ class InFlight:
     def abort(self, live: Live) -> None:
         """Gives up whatever it waits for (its engine slot frees at once); `end` follows."""
         self._forget_turn(live)
-        self._by_call.pop(live.call_id, None)
+        self.calls.forget(live.call_id)
         if live.step_span is not None:
             live.step_span.end()
 
@@ -220,7 +222,7 @@ class InFlight:
     def state_of(self, live: Live) -> str:
         if live.scoring:
             return "scoring"
-        if live.call_id and live.call_id in self._by_call:
+        if live.call_id and live.call_id in self.calls:
             return "tool"
         if live.request_id and live.request_id in self._by_request:
             return "generating"
@@ -437,7 +439,7 @@ class InFlight:
         live.call_id = uuid.uuid4().hex
         live.sent_at = time.monotonic()
         live.deadline = time.monotonic() + self.cfg.task.tool_timeout_s + self.settings.tool_grace_s
-        self._by_call[live.call_id] = live.trajectory_id
+        self.calls.expect(live.call_id, live.trajectory_id)
         live.step_span = tracer().start_span(
             "tool.call",
             context=trace.set_span_in_context(live.span),
@@ -452,10 +454,11 @@ class InFlight:
         )
         await self.bus.publish(subjects.TOOL_CALL, call, ctx=trace.set_span_in_context(live.step_span))
 
-    def tool_answered(self, call_id: str) -> Live | None:
-        """The trajectory that waited for this tool call, or None (answered already, or not ours)."""
-        traj_id = self._by_call.pop(call_id, None)
-        return None if traj_id is None else self._live[traj_id]
+    def tool_answered(self, ret: ev.ToolReturn) -> Live | None:
+        """The trajectory that waited for this tool return, or None (a reward's code run, answered
+        already, or not ours)."""
+        traj_id = self.calls.answered(ret)
+        return None if traj_id is None else self._live.get(traj_id)
 
     # engines ------------------------------------------------------------------------------------
 
@@ -557,8 +560,8 @@ class InFlight:
         for live in list(self._live.values()):
             if now < live.deadline:
                 continue
-            if live.call_id and live.call_id in self._by_call:
-                self._by_call.pop(live.call_id)
+            if live.call_id and live.call_id in self.calls:
+                self.calls.forget(live.call_id)
                 self.log.warning("tool_timeout_no_return", trajectory_id=live.trajectory_id)
                 if live.step_span is not None:
                     live.step_span.set_attribute("libra.tool_status", "no_answer")

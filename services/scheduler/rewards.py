@@ -26,6 +26,7 @@ from services.common.runconfig import DatasetFile, TaskConfig
 from services.scheduler.agent import PYTHON_BLOCK
 from services.scheduler.plugins import PluginFailure, PluginLoadError, PluginProcess
 from services.scheduler.task import extract_answer
+from services.scheduler.tool_calls import ToolCalls
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 SANDBOX_GRACE_S = 10.0
@@ -86,27 +87,17 @@ def tests_of(sample: dict[str, Any]) -> str | PluginFailure:
 
 
 class SandboxClient:
-    """Runs reward code in the tool sandbox over the bus: a python tool call whose return is routed
-    here (`on_return`) instead of to a trajectory."""
+    """Runs reward code in the tool sandbox over the bus: a python tool call whose return the
+    scheduler's `ToolCalls` hands to the future it awaits instead of to a trajectory."""
 
-    def __init__(self, bus: Bus):
-        self.bus = bus
-        self.pending: dict[str, asyncio.Future[ev.ToolReturn]] = {}
-
-    def on_return(self, ret: ev.ToolReturn) -> bool:
-        """True when the return answers one of this client's calls."""
-        fut = self.pending.pop(ret.call_id, None)
-        if fut is None:
-            return False
-        if not fut.done():
-            fut.set_result(ret)
-        return True
+    def __init__(self, bus: Bus, calls: ToolCalls):
+        self.bus, self.calls = bus, calls
 
     async def run_python(self, code: str, timeout_s: float) -> ev.ToolReturn | None:
         """The sandbox's return, or None when no sandbox answered in time."""
         call_id = f"reward-{uuid.uuid4().hex}"
         fut: asyncio.Future[ev.ToolReturn] = asyncio.get_running_loop().create_future()
-        self.pending[call_id] = fut
+        self.calls.expect(call_id, fut)
         call = ev.ToolCall(
             call_id=call_id, tool="python", args_json=json.dumps({"code": code}), timeout_s=timeout_s
         )
@@ -116,7 +107,7 @@ class SandboxClient:
         except TimeoutError:
             return None
         finally:
-            self.pending.pop(call_id, None)
+            self.calls.forget(call_id)
 
 
 async def code_tests(

@@ -35,6 +35,7 @@ from services.scheduler.inflight import InFlight, Live
 from services.scheduler.ledger import Ledger, durably, ledger_facts
 from services.scheduler.prompting import Prompter
 from services.scheduler.rewards import SandboxClient, Scorer, reward_ref
+from services.scheduler.tool_calls import ToolCalls
 from services.scheduler.trajectory import doomed_groups
 from services.scheduler.workload import WorkloadWindow
 
@@ -69,7 +70,8 @@ class SchedulerService:
         task = cfg.task
         stop_strings = STOP_STRINGS if task.stop_strings is None else task.stop_strings
         ref = reward_ref(task)
-        sandbox = SandboxClient(bus)
+        calls = ToolCalls()
+        sandbox = SandboxClient(bus, calls)
         scorer = Scorer(task, ref, sandbox) if ref else None
         self.started = time.monotonic()
         self.workload = WorkloadWindow(settings.stats_window_s)
@@ -94,7 +96,9 @@ class SchedulerService:
             lambda: self.trained_version,
             cfg.task,
         )
-        self.inflight = InFlight(bus, self.dispatch, settings, cfg, stop_strings, fail=self._fail)
+        self.inflight = InFlight(
+            bus, self.dispatch, settings, cfg, stop_strings, fail=self._fail, calls=calls
+        )
         self.driver = TrajectoryDriver(
             common.run_id,
             cfg,

@@ -74,15 +74,17 @@ async def test_code_tests_reward_runs_in_the_real_sandbox(nats_server, run_id, m
     from services.scheduler import rewards
     from services.scheduler.plugins import PluginFailure
     from services.scheduler.rewards import SandboxClient, code_tests
+    from services.scheduler.tool_calls import ToolCalls
 
     executor = SandboxExecutor(SandboxSettings())
     await executor.start()
     svc_bus = await Bus.connect(nats_server.url, run_id, "tool-sandbox", "sandbox-0")
     bus = await Bus.connect(nats_server.url, run_id, "scheduler", "scheduler-0")
-    client = SandboxClient(bus)
+    calls = ToolCalls()
+    client = SandboxClient(bus, calls)
 
     async def on_return(r: ev.ToolReturn, _: Envelope) -> None:
-        client.on_return(r)
+        calls.answered(r)
 
     good = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
     wrong = "```python\ndef add(a, b):\n    return a - b\n```"
@@ -100,7 +102,7 @@ async def test_code_tests_reward_runs_in_the_real_sandbox(nats_server, run_id, m
         monkeypatch.setattr(rewards, "SANDBOX_GRACE_S", 0.5)
         gone = await code_tests(good, sample, client, 0.5)
         assert isinstance(gone, PluginFailure) and gone.code == "reward_timeout"
-        assert not client.pending
+        assert len(calls) == 0, "a reward's call that timed out leaves nothing waiting"
     finally:
         with contextlib.suppress(Exception):
             await bus.close()
