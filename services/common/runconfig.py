@@ -288,6 +288,31 @@ class RolloutConfig(_Strict):
     continues as it would have. Change it for independent repeats of a run."""
 
     @model_validator(mode="after")
+    def _buckets_are_ordered(self) -> RolloutConfig:
+        """Unique names, a token limit on every bucket but the last, limits that grow, and engines
+        per bucket for all or none, summing to `engines`."""
+        buckets = self.buckets
+        if self.engines < len(buckets):
+            raise ValueError("rollout.engines must be at least the number of buckets")
+        if len({b.name for b in buckets}) != len(buckets):
+            raise ValueError("rollout.buckets: names must be unique")
+        limits = [b.max_output_tokens for b in buckets[:-1]]
+        if any(x is None for x in limits):
+            raise ValueError("rollout.buckets: every bucket but the last needs max_output_tokens")
+        caps = [b.max_output_tokens for b in buckets if b.max_output_tokens is not None]
+        if any(b <= a for a, b in zip(caps, caps[1:], strict=False)):
+            raise ValueError("rollout.buckets: max_output_tokens must grow from bucket to bucket")
+        counts = [b.engines for b in buckets]
+        if any(c is not None for c in counts) and (
+            None in counts or sum(c or 0 for c in counts) != self.engines
+        ):
+            raise ValueError(
+                f"rollout.buckets: engines {counts} must be set for every bucket or none, and sum to "
+                f"rollout.engines ({self.engines})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _speculation_needs_a_model(self) -> RolloutConfig:
         if self.speculative.method != "off" and self.backend == "emulated":
             raise ValueError(
@@ -658,13 +683,22 @@ class RunConfig(_Strict):
     """Held-out evaluation while the policy trains."""
 
     @model_validator(mode="after")
-    def _check(self) -> RunConfig:
+    def _model_path_given(self) -> RunConfig:
         if self.model.source == "path" and not self.model.path:
             raise ValueError("model.path is required when model.source is 'path'")
+        return self
+
+    @model_validator(mode="after")
+    def _evaluation_has_a_dataset(self) -> RunConfig:
         if self.eval.every > 0 and self.eval.dataset is None and not isinstance(self.task.dataset, str):
             raise ValueError("eval.dataset is required to evaluate a task from a dataset file")
         if self.eval.every > 0 and self.task.dataset == "synthetic":
             raise ValueError("eval: a synthetic task learns nothing to evaluate")
+        return self
+
+    @model_validator(mode="after")
+    def _trainer_modes_combine(self) -> RunConfig:
+        """LoRA, FSDP and hybrid workers: the pairs not written yet."""
         if self.training.lora is not None and self.training.fsdp > 1:
             raise ValueError(
                 "training.lora with training.fsdp > 1: a sharded trainer cannot train adapters yet"
@@ -677,6 +711,11 @@ class RunConfig(_Strict):
             raise ValueError(
                 "training.fsdp > 1 with planner.hybrid.workers: hybrid workers cannot join a sharded step yet"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _synthetic_task_has_a_workload(self) -> RunConfig:
+        """A synthetic task plays a workload file; rewards and environments do not apply to it."""
         if self.task.dataset == "synthetic":
             if not self.task.workload:
                 raise ValueError("task.workload is required when task.dataset is 'synthetic'")
@@ -691,8 +730,10 @@ class RunConfig(_Strict):
             raise ValueError(
                 "task.environment does not apply to task.dataset 'synthetic' (its turns are scripted)"
             )
-        if self.rollout.engines < len(self.rollout.buckets):
-            raise ValueError("rollout.engines must be at least the number of buckets")
+        return self
+
+    @model_validator(mode="after")
+    def _hybrid_pool_fits(self) -> RunConfig:
         pool = self.planner.hybrid
         names = [b.name for b in self.rollout.buckets]
         if pool.bucket and pool.bucket not in names:
@@ -701,6 +742,10 @@ class RunConfig(_Strict):
             raise ValueError("planner.hybrid.workers must leave at least one engine serving")
         if pool.workers and self.training.backend == "emulated":
             raise ValueError("planner.hybrid needs a real trainer: an emulated one has no gradients to share")
+        return self
+
+    @model_validator(mode="after")
+    def _layout_search_is_emulated(self) -> RunConfig:
         if self.planner.layout.search and not (
             self.rollout.backend == "emulated"
             and self.training.backend == "emulated"
@@ -711,6 +756,10 @@ class RunConfig(_Strict):
                 "any layout: rollout.backend and training.backend 'emulated', task.dataset 'synthetic' "
                 "(searching real engines' layouts from measured statistics is not written yet)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lending_fits(self) -> RunConfig:
         lend = self.planner.lending
         if lend.trainer_serves and (
             lend.engines != 1
@@ -724,25 +773,9 @@ class RunConfig(_Strict):
                 "with its own model, so it needs rollout.backend 'hf' and a torch trainer that is not "
                 "sharded (training.fsdp: 1) and has no LoRA adapter"
             )
+        names = [b.name for b in self.rollout.buckets]
         if lend.bucket and lend.bucket not in names:
             raise ValueError(f"planner.lending.bucket {lend.bucket!r} is not a bucket; known: {names}")
-        buckets = self.rollout.buckets
-        if len({b.name for b in buckets}) != len(buckets):
-            raise ValueError("rollout.buckets: names must be unique")
-        limits = [b.max_output_tokens for b in buckets[:-1]]
-        if any(x is None for x in limits):
-            raise ValueError("rollout.buckets: every bucket but the last needs max_output_tokens")
-        caps = [b.max_output_tokens for b in buckets if b.max_output_tokens is not None]
-        if any(b <= a for a, b in zip(caps, caps[1:], strict=False)):
-            raise ValueError("rollout.buckets: max_output_tokens must grow from bucket to bucket")
-        counts = [b.engines for b in buckets]
-        if any(c is not None for c in counts) and (
-            None in counts or sum(c or 0 for c in counts) != self.rollout.engines
-        ):
-            raise ValueError(
-                f"rollout.buckets: engines {counts} must be set for every bucket or none, and sum to "
-                f"rollout.engines ({self.rollout.engines})"
-            )
         return self
 
     @property
