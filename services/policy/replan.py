@@ -116,6 +116,12 @@ class Refit:
         return (self.current_s - self.best_s) / self.current_s if self.current_s > 0 else 0.0
 
 
+def refit_quantiles(stats: WorkloadStats) -> list[float]:
+    """The thresholds a re-fit chooses among: `REFIT_QUANTILES` of the recent output lengths."""
+    xs = stats.output_tokens
+    return sorted({xs[min(len(xs) - 1, int(q * len(xs)))] for q in REFIT_QUANTILES})
+
+
 def threshold_candidates(
     cm: CostModel, stats: WorkloadStats, buckets: Sequence[BucketPlan], opts: SearchOptions
 ) -> list[tuple[float, list[BucketPlan]]]:
@@ -124,8 +130,7 @@ def threshold_candidates(
     order tried)."""
     if len(buckets) < 2 or not stats.output_tokens:
         return []
-    xs = stats.output_tokens
-    qs = sorted({xs[min(len(xs) - 1, int(q * len(xs)))] for q in REFIT_QUANTILES})
+    qs = refit_quantiles(stats)
     out = []
     for cut in itertools.combinations(qs, len(buckets) - 1):
         cand = [
@@ -182,8 +187,7 @@ def refit_layout(
     cur = rollout_time(cm, stats, buckets, opts)
     if len(buckets) < 2 or not stats.output_tokens:
         return Refit(cur, cur, None)
-    xs = stats.output_tokens
-    qs = sorted({xs[min(len(xs) - 1, int(q * len(xs)))] for q in REFIT_QUANTILES})
+    qs = refit_quantiles(stats)
     old_tps = tuple(b.tp for b in buckets)
     old = [b.replicas for b in buckets]
     if pool.fixed_tp:
