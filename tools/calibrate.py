@@ -3,12 +3,15 @@ engine on the machine it runs on and fits the cost model's constants to it, so t
 --profile PROFILE` prices what this machine does rather than what a preset assumes.
 
 What it measures, each the fastest of `REPEATS` rounds, one engine alone on the machine:
-- decode: B requests of a C-token context each make N tokens, then again 1 token; the difference
+- decode: B requests of a C-token context each make 1 token (filling the prefix cache where the
+  engine has one), the same again, then the same making N tokens; the last two runs' difference
   over N - 1 is one decode iteration of batch B at context ~C (B and C over a grid);
 - prefill: one request of P new tokens making one token (P over a range);
 - the prefix cache: the longest prefill prompt again (vLLM finds it cached; `hf` has no cache);
 - weight loads: a quarter, half and all of the model's tensors loaded into the serving engine;
 - a push that changes nothing (vLLM): generation paused, the served weights checksummed, resumed;
+- with `--neighbours N` (a CPU only), the decode grid again while N more engines configured as
+  this one, each its own process, decode without pause on the same host;
 - with `--trainer`, the trainer's real GRPO step (`services/learning/step.py`: AdamW, bf16 autocast
   on CUDA) on S sequences of L tokens each, over a grid of both.
 
@@ -24,6 +27,8 @@ What it fits, in the cost model's own formulas (`services/common/cost_model.py`)
 - prefill: the same FLOP/s prices it; what it misses stays as the `prefill` multiplier;
 - weight loads: `bytes / net_bw + sync_fixed_s`, least squares, with the empty push's median
   added to `sync_fixed_s` (every push pays it; an empty delta pays nothing else);
+- host sharing: `host_sharing`, how much each busy neighbour slows an iteration (the median of
+  beside / alone - 1 over the grid, per neighbour), as the simulator prices engines of one host;
 - training: `train_mfu`, the share of the same FLOP/s a training step achieves, counting the FLOPs
   the step really does (forward and backward, no recomputation: the trainer does not checkpoint
   activations; one more forward for the proximal logprobs with several mini-batches).
@@ -69,8 +74,9 @@ MODEL_CONFIGS = Path(__file__).resolve().parent.parent / "services" / "common" /
 LOAD_FRACTIONS = (0.25, 0.5, 1.0)
 PUSH_REPEATS = 3
 NOT_FITTED = ("kv_block_tokens", "host_sharing")
-"""A profile's constants that no sample fits: the engine's KV block, as it reported it, and the
-host sharing `libra bench live` fitted to a live job's iterations; a refit keeps them."""
+"""A profile's constants that its samples may not fit: the engine's KV block, as it reported it,
+and the host sharing where no `decode_beside` sample measured it (`libra bench live` may have
+fitted it to a live job's iterations); a refit keeps them then."""
 
 
 @dataclass(frozen=True)
@@ -165,28 +171,7 @@ async def measure(backend: Any, engine: Any, grid: dict[str, Any], say: Any) -> 
         await _timed(
             engine, [GenRequest(_prompt(rng, 32), n, 1.0, min_new_tokens=n, seed=i) for i in range(b)]
         )
-    for b in grid["batches"]:
-        for c in grid["contexts"]:
-            c = min(c, longest)
-            steps = []
-            for _ in range(REPEATS):
-                prompts = [_prompt(rng, c) for _ in range(b)]  # fresh ids: no prefix-cache hit
-                one = await _timed(
-                    engine, [GenRequest(p, 1, 1.0, min_new_tokens=1, seed=i) for i, p in enumerate(prompts)]
-                )
-                prompts = [_prompt(rng, c) for _ in range(b)]
-                many = await _timed(
-                    engine, [GenRequest(p, n, 1.0, min_new_tokens=n, seed=i) for i, p in enumerate(prompts)]
-                )
-                steps.append((many - one) / (n - 1))
-            # the median: one round's prefill can outlast the next's (a difference of two runs is
-            # noisy when their iterations are few); a non-positive one measured nothing
-            step = statistics.median(steps)
-            if step <= 0:
-                say(f"decode batch {b:>3} context {c:>5}: not measurable (noise above {n} iterations)")
-                continue
-            out.append(Sample("decode", step, batch=b, context=c + n // 2))
-            say(f"decode batch {b:>3} context {c:>5}: {step * 1000:.1f} ms/iteration")
+    out += await _decode_grid(backend, engine, grid, rng, say)
     for p in grid["prefill"]:
         p = min(p, longest)
         t = min(
@@ -215,6 +200,153 @@ async def measure(backend: Any, engine: Any, grid: dict[str, Any], say: Any) -> 
             out.append(Sample("push", t))
         say(f"a push that changes nothing: {statistics.median(s.seconds for s in out[-PUSH_REPEATS:]):.2f} s")
     return out
+
+
+async def _decode_grid(
+    backend: Any, engine: Any, grid: dict[str, Any], rng: random.Random, say: Any, neighbours: int = 0
+) -> list[Sample]:
+    """One decode iteration's seconds at every batch size and context of `grid` (see the module
+    doc); with `neighbours`, as `decode_beside` samples: measured while that many other engines
+    decode on this host."""
+    from services.generation.backends.base import GenRequest
+
+    out: list[Sample] = []
+    n = grid["new"]
+    longest = max(1, backend.max_positions - n - 2)
+    kind, beside = ("decode_beside", f" beside {neighbours}") if neighbours else ("decode", "")
+    for b in grid["batches"]:
+        for c in grid["contexts"]:
+            c = min(c, longest)
+            steps = []
+            for _ in range(REPEATS):
+                # fresh ids, prefilled once first: where the engine has a prefix cache (vLLM) the
+                # two timed runs find the same blocks cached, and their difference is decode
+                # alone rather than two large prefills' noise (beside a busy neighbour, a batch's
+                # prefill varies by more than its decode takes)
+                prompts = [_prompt(rng, c) for _ in range(b)]
+                await _timed(
+                    engine, [GenRequest(p, 1, 1.0, min_new_tokens=1, seed=i) for i, p in enumerate(prompts)]
+                )
+                one = await _timed(
+                    engine, [GenRequest(p, 1, 1.0, min_new_tokens=1, seed=i) for i, p in enumerate(prompts)]
+                )
+                many = await _timed(
+                    engine, [GenRequest(p, n, 1.0, min_new_tokens=n, seed=i) for i, p in enumerate(prompts)]
+                )
+                steps.append((many - one) / (n - 1))
+            # the median: one round's prefill can outlast the next's (a difference of two runs is
+            # noisy when their iterations are few); a non-positive one measured nothing
+            step = statistics.median(steps)
+            if step <= 0:
+                say(
+                    f"decode batch {b:>3} context {c:>5}{beside}: not measurable (noise above {n} iterations)"
+                )
+                continue
+            out.append(Sample(kind, step, batch=b, context=c + n // 2, tokens=neighbours))
+            say(f"decode batch {b:>3} context {c:>5}{beside}: {step * 1000:.1f} ms/iteration")
+    return out
+
+
+NEIGHBOUR_START_S = 900.0
+"""How long a neighbour engine may take to load and warm up (vLLM compiles on its first start)."""
+
+
+def _neighbour_argv(args: argparse.Namespace, workdir: Path, ready: Path) -> list[str]:
+    """The command of a neighbour engine configured as `args` configure the measured one."""
+    argv = [sys.executable, "-m", "tools.calibrate", "--neighbour", str(ready), "--backend", args.backend]
+    argv += ["--model", args.model, "--device", args.device, "--threads", str(args.threads)]
+    argv += ["--workdir", str(workdir)]
+    if args.dtype:
+        argv += ["--dtype", args.dtype]
+    if args.tokenizer:
+        argv += ["--tokenizer", str(args.tokenizer)]
+    if args.quick:
+        argv.append("--quick")
+    return argv
+
+
+async def measure_beside(
+    args: argparse.Namespace, backend: Any, engine: Any, grid: dict[str, Any], say: Any
+) -> list[Sample]:
+    """The decode grid again while `args.neighbours` more engines, configured as this one, each in
+    its own process, decode on this host without pause: how much engines sharing a host slow each
+    other (`Calibration.host_sharing`), which one engine alone cannot show. Each neighbour's
+    output goes to `WORKDIR/neighbour-I.log`."""
+    k = args.neighbours
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs: list[tuple[Any, Path, Path]] = []
+    say(f"starting {k} neighbour engine(s) on this host …")
+    try:
+        for i in range(k):
+            ready, log = workdir / f"neighbour-{i}.ready", workdir / f"neighbour-{i}.log"
+            ready.unlink(missing_ok=True)
+            with log.open("wb") as sink:
+                proc = await asyncio.create_subprocess_exec(
+                    *_neighbour_argv(args, workdir / f"neighbour-{i}", ready),
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=sink,
+                    stderr=asyncio.subprocess.STDOUT,
+                )
+            procs.append((proc, ready, log))
+        deadline = time.monotonic() + NEIGHBOUR_START_S
+        for proc, ready, log in procs:
+            while not ready.exists():
+                if proc.returncode is not None:
+                    raise SystemExit(
+                        f"a neighbour engine exited ({proc.returncode}) before it was ready: see {log}"
+                    )
+                if time.monotonic() > deadline:
+                    raise SystemExit(
+                        f"a neighbour engine was not ready in {NEIGHBOUR_START_S:.0f} s: see {log}"
+                    )
+                await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)  # into their decoding
+        return await _decode_grid(backend, engine, grid, random.Random(2), say, neighbours=k)
+    finally:
+        for proc, _, _ in procs:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        for proc, _, _ in procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 60)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def _neighbour(args: argparse.Namespace) -> None:
+    """A neighbour engine (`--neighbours`): decodes batches of the grid's shapes one after another,
+    from when it touches `args.neighbour` (warmed up) until its stdin closes."""
+    from services.generation.backends.base import GenRequest
+    from services.generation.engine import engine_for
+
+    grid, device, dtype = _settings(args)
+    backend, *_ = await _backend(args, grid, device, dtype)
+    await backend.start()
+    engine = engine_for(backend, max(grid["batches"]))
+    engine.start()
+    closed = asyncio.ensure_future(asyncio.to_thread(sys.stdin.buffer.read))
+    rng = random.Random(3)
+    n = grid["new"]
+    shapes = [
+        (b, min(c, max(1, backend.max_positions - n - 2))) for b in grid["batches"] for c in grid["contexts"]
+    ]
+    try:
+        await _timed(
+            engine, [GenRequest(_prompt(rng, 32), n, 1.0, min_new_tokens=n, seed=i) for i in range(2)]
+        )
+        Path(args.neighbour).touch()
+        i = 0
+        while not closed.done():
+            b, c = shapes[i % len(shapes)]
+            i += 1
+            reqs = [GenRequest(_prompt(rng, c), n, 1.0, min_new_tokens=n, seed=j) for j in range(b)]
+            await _timed(engine, reqs)
+    finally:
+        await engine.close(timeout=5)
+        await backend.close()
+        closed.cancel()
 
 
 async def _empty_push(backend: Any, specs: list[Any]) -> float:
@@ -401,6 +533,24 @@ def _prefill_flops(m: ModelSpec, tokens: int) -> float:
     return _shape(m).forward_flops(tokens, tokens / 2)
 
 
+def host_sharing(samples: list[Sample]) -> tuple[float, float] | None:
+    """How much each busy neighbour slows an engine's decode iteration on a shared host, from the
+    `decode_beside` samples against the alone `decode` sample of the same batch and context: the
+    median of (beside / alone - 1) / neighbours, and that fit's relative error (None without
+    such samples)."""
+    alone = {(s.batch, s.context): s.seconds for s in samples if s.kind == "decode" and s.seconds > 0}
+    pairs = [
+        (alone[(s.batch, s.context)], s)
+        for s in samples
+        if s.kind == "decode_beside" and s.tokens > 0 and (s.batch, s.context) in alone
+    ]
+    if not pairs:
+        return None
+    sharing = max(0.0, statistics.median((s.seconds / a - 1) / s.tokens for a, s in pairs))
+    err = _rel_rms([a * (1 + sharing * s.tokens) for a, s in pairs], [s.seconds for _, s in pairs])
+    return sharing, err
+
+
 def _rel_rms(pred: list[float], got: list[float]) -> float:
     return (
         math.sqrt(sum(((p - g) / g) ** 2 for p, g in zip(pred, got, strict=True)) / len(got)) if got else 0.0
@@ -482,7 +632,9 @@ def fit(
     step_fixed, train_mfu = (
         _line([s.seconds for s in train], tflops) if train else (0.0, Calibration().train_mfu)
     )
+    shared = host_sharing(samples)
     calib = Calibration(
+        host_sharing=shared[0] if shared else 0.0,
         mem_efficiency=1.0,
         prefill_mfu=1.0,
         train_mfu=train_mfu,
@@ -506,6 +658,7 @@ def fit(
             if train
             else None
         ),
+        "host_sharing_rel_rms": round(shared[1], 4) if shared else None,
     }
     out = {"gpu": asdict(gpu), "model": asdict(model), "calibration": asdict(calib), "fit_error": errors}
     if preset is not None:  # the same fit, in the presets' terms: rates as shares of the peak
@@ -546,14 +699,14 @@ def _gpu_preset(device: str) -> GPUSpec | None:
     return gpu_preset(known[0]) if known else None
 
 
-async def _run(args: argparse.Namespace) -> dict[str, Any]:
+async def _backend(
+    args: argparse.Namespace, grid: dict[str, Any], device: str, dtype: str
+) -> tuple[Any, Any, Any, Path]:
+    """The engine's backend as `args` configure it (not started), the model built in memory for
+    `random:` shapes (else None), the model's config and its directory."""
     from services.common.models import resolve_model_dir
     from services.common.runconfig import ModelConfig, RunConfig
-    from services.generation.engine import engine_for
 
-    device = _device(args.device)
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    grid = QUICK if args.quick else GPU if device == "cuda" else FULL
     built: Any = None
     if args.model.startswith("random:"):
         if args.backend != "hf":
@@ -599,11 +752,35 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         if built is not None:
             built.eval()
         backend = HFBackend(model, torch_threads=args.threads, seed=0, model=built)
+    return backend, built, model, model_dir
+
+
+def _settings(args: argparse.Namespace) -> tuple[dict[str, Any], str, str]:
+    """The grid, device and served dtype that `args` ask for."""
+    device = _device(args.device)
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    grid = QUICK if args.quick else GPU if device == "cuda" else FULL
+    return grid, device, dtype
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from services.generation.engine import engine_for
+
+    grid, device, dtype = _settings(args)
+    if args.neighbours and device != "cpu":
+        raise SystemExit(
+            "--neighbours measures engines sharing one CPU host; engines on GPUs each have devices of their own"
+        )
+    backend, built, model, model_dir = await _backend(args, grid, device, dtype)
+    batch = max(grid["batches"])
+    longest = max(max(grid["contexts"]), max(grid["prefill"])) + grid["new"] + 8
     await backend.start()
     engine = engine_for(backend, batch)
     engine.start()
     try:
         samples = await measure(backend, engine, grid, _say)
+        if args.neighbours:
+            samples += await measure_beside(args, backend, engine, grid, _say)
     finally:
         await engine.close(timeout=5)
         await backend.close()
@@ -651,6 +828,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": dtype,
             "device": device if device != "cuda" else f"cuda ({_cuda_name()})",
             "threads": args.threads,
+            "neighbours": args.neighbours,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
             "date": time.strftime("%Y-%m-%d"),
             "command": "libra calibrate "
@@ -695,7 +873,8 @@ def refitted(data: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, A
         preset,
     )
     calib = data.get("calibration") or {}
-    fitted["calibration"] |= {k: calib[k] for k in NOT_FITTED if k in calib}
+    measured = {"host_sharing"} if fitted["fit_error"]["host_sharing_rel_rms"] is not None else set()
+    fitted["calibration"] |= {k: calib[k] for k in NOT_FITTED if k in calib and k not in measured}
     return (
         {k: v for k, v in data.items() if k not in ("samples", "efficiency")} | fitted | {"samples": samples}
     )
@@ -724,6 +903,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--threads", type=int, default=2, help="engine threads, and the trainer's on a CPU (default 2)"
     )
+    p.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time decoding while N more engines like this one decode on this CPU host, and fit "
+        "how much engines sharing a host slow each other (host_sharing; a CPU only)",
+    )
+    p.add_argument("--neighbour", metavar="READY", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help="profile YAML (default: profile-<backend>-<model>.yaml)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (seconds on a tiny model)")
     p.add_argument(
@@ -735,6 +923,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.refit is not None:
         return _refit(args.refit, args.out or args.refit)
+    if args.neighbours < 0:
+        raise SystemExit("--neighbours: a count of engines, 0 or more")
+    if args.neighbour:
+        asyncio.run(_neighbour(args))
+        return 0
     started = time.monotonic()
     print(
         f"calibrating the {args.backend} engine on {args.model} ({'quick' if args.quick else 'full'} grid)…",
@@ -745,9 +938,18 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(yaml.safe_dump(profile, sort_keys=False))
     err = profile["fit_error"]
     train = f", training {err['train_rel_rms']:.0%}" if err.get("train_rel_rms") is not None else ""
+    if err.get("host_sharing_rel_rms") is not None:
+        train += (
+            f"; host sharing {profile['calibration']['host_sharing']:.2f} per busy neighbour "
+            f"(within {err['host_sharing_rel_rms']:.0%})"
+        )
     print(
         f"{out}: decode fit within {err['decode_rel_rms']:.0%} (rel. RMS), prefill {err['prefill_rel_rms']:.0%}, "
         f"weights {err['weights_rel_rms']:.0%}{train}; {time.monotonic() - started:.0f} s. "
         f"Use it: libra sim --profile {out}"
     )
     return 0
+
+
+if __name__ == "__main__":  # the neighbour engines of `--neighbours` run as `python -m tools.calibrate`
+    raise SystemExit(main())

@@ -19,7 +19,7 @@ from services.common.cost_model import (
     load_profile,
     profile_efficiencies,
 )
-from tools.calibrate import Sample, _train_flops, fit, random_config
+from tools.calibrate import Sample, _train_flops, fit, host_sharing, random_config, refitted
 from tools.calibrate import main as calibrate_main
 from tools.sim.cli import main as sim_main
 
@@ -173,6 +173,46 @@ def test_a_profile_fits_again_to_the_same_and_keeps_what_it_measured(tmp_path: P
     assert profile_efficiencies(tmp_path / "q.yaml") == {
         k: profile["efficiency"][k] for k in ("mem_efficiency", "prefill_mfu", "train_mfu")
     }
+
+
+def test_host_sharing_is_each_busy_neighbours_slowdown_of_the_same_iteration() -> None:
+    """Decode iterations timed beside N busy neighbour engines against the same batch and context
+    alone: the sharing is the slowdown per neighbour, and it reaches the cost model's calibration;
+    without such samples there is none to fit, and a refit keeps a sharing given otherwise."""
+    truth = _truth()
+    alone = _samples(truth)
+    beside = [
+        Sample(
+            "decode_beside",
+            s.seconds * (1 + 0.4 * k) * (1.02 if i % 2 else 0.98),
+            batch=s.batch,
+            context=s.context,
+            tokens=k,
+        )
+        for k in (1, 2)
+        for i, s in enumerate(x for x in alone if x.kind == "decode")
+    ]
+    got = host_sharing(alone + beside)
+    assert got is not None and got[0] == pytest.approx(0.4, abs=0.03) and 0 < got[1] < 0.05
+    assert host_sharing(alone) is None
+    # a neighbour that speeds an engine up measured noise, not a negative sharing
+    faster = [
+        Sample("decode_beside", s.seconds * 0.9, batch=s.batch, context=s.context, tokens=1)
+        for s in alone
+        if s.kind == "decode"
+    ]
+    assert host_sharing(alone + faster) == (0.0, pytest.approx(1 / 9))
+    # an iteration beside neighbours whose alone twin was not measured is not used
+    assert host_sharing(alone + [Sample("decode_beside", 1.0, batch=3, context=7, tokens=1)]) is None
+    fitted = fit(alone + beside, MODEL, "cpu", 8e9)
+    assert fitted["calibration"]["host_sharing"] == pytest.approx(got[0])
+    assert fitted["fit_error"]["host_sharing_rel_rms"] == pytest.approx(got[1], abs=1e-4)
+    assert fit(alone, MODEL, "cpu", 8e9)["calibration"]["host_sharing"] == 0.0
+    data = {"libra_profile": 1, "measured": {}, **fit(alone, MODEL, "cpu", 8e9)}
+    data["calibration"]["host_sharing"] = 0.7  # fitted to a live job's iterations
+    assert refitted(data, [asdict(s) for s in alone])["calibration"]["host_sharing"] == 0.7
+    measured = refitted(data, [asdict(s) for s in alone + beside])
+    assert measured["calibration"]["host_sharing"] == pytest.approx(got[0])
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in PROFILES.glob("h[0-9]*.yaml")))
