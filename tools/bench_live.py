@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import statistics
 import threading
 import time
@@ -42,6 +43,7 @@ from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
 from services.simulation.live import job_gpus, simulate
 from services.simulation.runner import percentile, steady_rate
+from tools import host_cpu
 from tools.layout import choose_layout, summary
 from tools.runner import run_job
 from tools.sim.stats import mean_ci
@@ -522,20 +524,25 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             started = time.time()
-            report = run_job(
-                path,
-                searched.get(name, cfg),
-                run_id=run_id,
-                runs_dir=out / "runs",
-                progress=True,
-                stack=stack,
-            )
+            with host_cpu.Meter() as cpu:
+                report = run_job(
+                    path,
+                    searched.get(name, cfg),
+                    run_id=run_id,
+                    runs_dir=out / "runs",
+                    progress=True,
+                    stack=stack,
+                )
             windows[name] = (started, time.time())
             if name in layouts and report.get("layout", {}).get("chosen") != layouts[name]["chosen"]:
                 raise RuntimeError(f"{name}: the job chose another layout than the search before it")
             watch.stop.set()
             watcher.join(10)
-            results[name] = {"measured": measured(watch, report, cfg), "report": report.get("report_path")}
+            results[name] = {
+                "measured": measured(watch, report, cfg),
+                "report": report.get("report_path"),
+                "host_cpu": {"cores": os.cpu_count(), "by_role": cpu.usage},
+            }
     finally:
         stack.stop()
 
@@ -599,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{'':>12}  mean s per trajectory, measured {_fmt(m['latency_breakdown_mean_s'])}")
         print(f"{'':>12}  mean s per trajectory, predicted {_fmt(pr['latency_breakdown_mean_s'])}")
+        print(f"{'':>12}  host CPU over the job, cores: {host_cpu.line(r['host_cpu']['by_role'])}")
         if r.get("iterations"):
             a, fitted = r["iterations"]["all"], r.get("predicted_live_fit")
             print(
