@@ -33,7 +33,13 @@ from tools.report import JobFacts, build_report, engine_versions, export_final, 
 from tools.stack import Stack, read_stack_file
 
 SERVICES_NEEDED = ("planner", "scheduler", "trainer", "tool-sandbox")
-LIVENESS_S = 30.0  # a planner, scheduler or trainer without a heartbeat for this long has stopped
+LIVENESS_S = 30.0
+"""A planner, scheduler or trainer without a heartbeat for this long is hung (a GC pause, a frozen
+VM, a stuck driver): it is replaced (`JobDriver._replace_hung`)."""
+REPLACE_S = 150.0
+"""How long a hung service's replacement may take to answer (its supervisor's restart backoff of
+up to 30 s, its start, a trainer's checkpoint load; an orchestrator's liveness probe of 3 x 20 s)
+before the job fails."""
 SINGLETONS = ("planner", "scheduler", "trainer")  # engines and sandboxes are many: the job goes on
 READY_S = 120.0  # how long to wait for the stack's services to be idle and reachable
 
@@ -169,6 +175,10 @@ class JobDriver:
         self.timeout_s, self.show_progress = timeout_s, progress
         self.elsewhere: dict[str, float] = {}
         self.rejoined: dict[str, int] = {}
+        self.replaced: dict[str, int] = {}
+        """Hung services killed to be replaced, by worker id."""
+        self.replacing: dict[str, float] = {}
+        """Hung services being replaced -> when they were found hung."""
         self.pids: dict[str, int] = {}
         self.silences: dict[str, float] = {}
         self.targets: dict[str, ev.WorkerStatus] = {}
@@ -216,6 +226,7 @@ class JobDriver:
                 rejoined=self.rejoined,
                 silences=self.silences,
             )
+            report["replaced_hung"] = dict(self.replaced)
             if self.out_dir is not None:
                 report["samples"] = self._write_samples(self.out_dir)
             dead = sorted(set(self.stack.dead()) & set(self.targets))  # a trainer a standby replaced
@@ -440,13 +451,40 @@ class JobDriver:
                 await self._rejoin(wid, st)
                 self.pids[wid] = st.pid
             quiet = now - self.watch.seen.get(wid, now)
+            if wid in self.replacing and self.watch.seen.get(wid, -1e9) > self.replacing[wid]:
+                del self.replacing[wid]  # its replacement answers
             service = self.targets[wid].service
             if quiet > LIVENESS_S and service in SINGLETONS:
                 peers = [w for w, st in self.targets.items() if st.service == service]
-                if all(now - self.watch.seen.get(w, now) > LIVENESS_S for w in peers):
-                    raise JobEnded("failed", f"{wid} stopped answering (no heartbeat for {LIVENESS_S:.0f}s)")
+                if all(
+                    now - self.watch.seen.get(w, now) > LIVENESS_S for w in peers
+                ) and not self._replace_hung(wid, quiet, now):
+                    raise JobEnded("failed", f"{wid} stopped answering (no heartbeat for {quiet:.0f}s)")
             if quiet > 3 * control.HEARTBEAT_S:
                 self.silences[wid] = max(self.silences.get(wid, 0.0), quiet)
+
+    def _replace_hung(self, wid: str, quiet: float, now: float) -> bool:
+        """A planner, scheduler or trainer silent past `LIVENESS_S` is treated as dead: where a
+        supervisor restarts this stack's services (its own, or `libra up`'s), the hung process is
+        killed and the supervisor starts a replacement, which takes the role under a new fencing
+        token and rejoins the job from its durable state (the ledger, the checkpoint); a stack only
+        reached (compose, Kubernetes) is given the time its orchestrator's liveness probe takes.
+        True while the replacement may still come (`REPLACE_S`), False when the job should fail."""
+        since = self.replacing.get(wid)
+        if since is not None:
+            return now - since < REPLACE_S
+        killed = self.stack.kill(wid)
+        if not killed and not self.stack.remote:
+            return False
+        self.replacing[wid] = now
+        self.replaced[wid] = self.replaced.get(wid, 0) + 1
+        how = (
+            "killed; its supervisor starts another"
+            if killed
+            else "waiting for its orchestrator to replace it"
+        )
+        print(f"{wid} silent for {quiet:.0f}s (hung): {how}", file=sys.stderr)
+        return True
 
     async def _rejoin(self, wid: str, st: ev.WorkerStatus) -> None:
         """A participant that came back idle (restarted by its supervisor) is given the job again;

@@ -5,6 +5,7 @@ images run the very same `python -m services.<name>` commands."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -243,6 +244,26 @@ class Stack:
             self._spawn(name)
             restarted.append(name)
         return restarted
+
+    def kill(self, worker_id: str) -> bool:
+        """SIGKILLs a service that is hung (alive, but silent past its liveness timeout) where a
+        supervisor will start it again: this stack's (restarts on), or `libra up`'s, which this
+        stack follows. False where nothing would replace it (restarts off, given up, reached only)."""
+        if worker_id in self.gave_up:
+            return False
+        proc = self.procs.get(worker_id)
+        if proc is not None:
+            if self.max_restarts <= 0 or self.restarts.get(worker_id, 0) >= self.max_restarts:
+                return False
+            if proc.poll() is None:
+                proc.kill()
+            return True
+        pid = self.pids.get(worker_id)
+        if pid is None or self.remote or read_stack_file() is None:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        return True
 
     def _supervise_infra(self) -> list[str]:
         """nats-server and Redis come back at once on the same port, data and credentials (every

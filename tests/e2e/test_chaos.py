@@ -1,6 +1,6 @@
 """Chaos, small: kill -9 each service in turn in the middle of a job on a stack that restarts what
-dies, freeze an engine and the trainer past their lease, freeze Redis for less than a lease, kill
--9 nats-server and Redis. Each comes
+dies, freeze an engine and the trainer past their lease, the scheduler and the trainer past their
+liveness timeout, freeze Redis for less than a lease, kill -9 nats-server and Redis. Each comes
 back, the services resume from their durable state (the trainer's checkpoint, the scheduler's
 ledger, JetStream, Redis' append-only file), and the job completes with every step's groups
 trained exactly once and no trajectory lost."""
@@ -209,6 +209,75 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
     assert trained == groups * cfg.task.group_size
     assert report["trajectories_trained_twice"] == 0
     # and every trajectory handed to the trainer was trained, dropped with its group, or is open
+    assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
+
+
+HUNG = ("scheduler", "trainer")
+HUNG_S = 40.0  # SIGSTOP past the runner's 30 s liveness timeout (a GC pause, a frozen VM)
+
+
+@LONG
+def test_a_hung_scheduler_or_trainer_is_replaced_and_the_job_completes(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """A service paused past its liveness timeout is treated as dead: the runner kills it, the
+    stack starts another, which takes the role under a new fencing token and rejoins from the
+    ledger or the checkpoint; the job completes with nothing lost or trained twice."""
+    config, cfg = _chaos_config(tmp_path, "hung", steps=60)
+    run_id = f"hung-{int(time.time())}"
+    stack = Stack(run_id, tmp_path / "logs", max_restarts=3)
+    recovered: dict[str, float] = {}
+    events: list[tuple[str, str, float]] = []
+
+    def committed_steps() -> int:
+        return int(_redis(stack).hget(committed_key(run_id), "step") or 0)
+
+    async def hang() -> None:
+        nc = await control.connect(stack.nats_url, "chaos", stack.nats_auth("cli"))
+        try:
+            while True:
+                found = await control.discover(nc, 0.3)
+                if {st.worker_id for st in found if st.run_id == run_id} >= set(HUNG):
+                    break
+                await asyncio.sleep(0.2)
+            for victim in HUNG:
+                await asyncio.sleep(2.0)
+                before = committed_steps()
+                proc = stack.procs[victim]
+                proc.send_signal(signal.SIGSTOP)
+                since = time.monotonic()
+                await asyncio.sleep(HUNG_S)
+                if proc.poll() is None:  # not replaced: let it go on, the assertions below say so
+                    proc.send_signal(signal.SIGCONT)
+                    events.append((victim, "still the same process after the pause", HUNG_S))
+                while committed_steps() <= before + 1:
+                    if time.monotonic() - since > HUNG_S + 120:
+                        events.append((victim, "job never moved on", time.monotonic() - since))
+                        return
+                    await asyncio.sleep(0.2)
+                recovered[victim] = time.monotonic() - since
+        finally:
+            await close_nats(nc)
+
+    try:
+        report = _job_with_faults(stack, config, run_id, hang, timeout_s=900, join_s=200)
+        trained = _redis(stack).scard(trained_key(run_id))
+    finally:
+        stack.stop()
+    groups = cfg.training.steps * cfg.training.groups_per_step
+    print(
+        f"\nhung {HUNG_S:.0f} s and replaced, 2 more steps after: "
+        + ", ".join(f"{v} {s:.1f} s" for v, s in recovered.items())
+        + f"; job {report['status']} in {report['wall_s']:.0f} s, lost {report['trajectories_lost']}, "
+        f"trained twice {report['trajectories_trained_twice']}, replaced {report['replaced_hung']}"
+    )
+    assert set(recovered) == set(HUNG) and not events, events
+    assert report["status"] == "completed", report["reason"]
+    assert report["replaced_hung"] == dict.fromkeys(HUNG, 1)
+    assert {v: report["restarts"].get(v) for v in HUNG} == dict.fromkeys(HUNG, 1), report["restarts"]
+    assert report["group_outcomes"]["trained"] == groups
+    assert trained == groups * cfg.task.group_size
+    assert report["trajectories_trained_twice"] == 0
     assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
 
 
