@@ -71,6 +71,9 @@ class Dispatcher:
         has one owner, the router (`bucket_of`)."""
         self.need: dict[str, int] = {}
         """Queued trajectory -> the KV tokens its next turn needs."""
+        self.avoiding: dict[str, str] = {}
+        """Queued trajectory -> the engine whose answer to its turn was refused (`place`'s
+        `avoid`): that engine's free slots pass it over while another engine of its bucket serves."""
         self.migrations = 0
         self.decisions = 0
 
@@ -139,6 +142,8 @@ class Dispatcher:
             self.router.enqueue(traj_id, now)
             self.queued[traj_id] = bucket
             self.need[traj_id] = need_tokens
+            if avoid is not None:
+                self.avoiding[traj_id] = avoid
             return None
         self.engines[engine_id].take(need_tokens)
         return engine_id
@@ -148,12 +153,23 @@ class Dispatcher:
         slot = self.engines.get(engine_id)
         if slot is None or slot.free <= 0:
             return None
-        while True:
-            traj_id = self.router.dequeue(slot.bucket, now)
-            if traj_id is None:
-                return None
-            if traj_id in self.queued:
+        passed: list[str] = []  # turns this engine's answer was refused for, while others serve
+        others = any(e.bucket == slot.bucket and e.engine_id != engine_id for e in self.engines.values())
+        try:
+            while True:
+                traj_id = self.router.dequeue(slot.bucket, now)
+                if traj_id is None:
+                    return None
+                if traj_id not in self.queued:
+                    continue
+                if others and self.avoiding.get(traj_id) == engine_id:
+                    passed.append(traj_id)
+                    continue
                 break
+        finally:
+            for waiting in passed:
+                self.router.enqueue(waiting, now)
+        self.avoiding.pop(traj_id, None)
         self.decisions += 1
         need = self.need.get(traj_id, 0)
         if not takes_waiting(slot.free_kv, need, slot.in_flight):
@@ -180,6 +196,7 @@ class Dispatcher:
         """Forgets the trajectory; a completed one teaches the policy its history."""
         self.queued.pop(traj_id, None)
         self.need.pop(traj_id, None)
+        self.avoiding.pop(traj_id, None)
         if failed:
             self.router.drop(traj_id)
         else:

@@ -321,7 +321,9 @@ async def test_an_engine_answering_garbage_changes_no_trajectory_and_is_quaranti
 
     garbage.answer = lie
     done = await h.completed(bus, 4, timeout=90)
-    assert all(t.finish == "answer" and not t.HasField("failure") for t in done)
+    assert all(t.finish == "answer" and not t.HasField("failure") for t in done), [
+        (t.finish, t.failure.code, t.failure.message) for t in done
+    ]
     for t in done:
         for seg in t.segments:
             if seg.generated:

@@ -130,3 +130,30 @@ def test_a_turn_goes_only_to_an_engine_whose_free_kv_holds_it() -> None:
     # a report resets the estimate; an engine that cannot tell (-1, hf) takes what its slots allow
     d.set_capacity("e-a", 4, free_kv_tokens=-1)
     assert d.place("d", 2.0, need_tokens=10**9) == "e-a"
+
+
+def test_a_queued_turn_an_engine_answered_wrongly_waits_for_another_engine_of_its_bucket() -> None:
+    """A turn retried away from an engine whose answer was refused (`avoid`) and queued is passed
+    over by that engine's free slots while another engine of its bucket serves, and taken by the
+    other; an engine alone in its bucket still takes it (no turn waits for an engine that is not
+    there)."""
+    d = build_dispatcher(TWO, "cmlfq", 1)
+    d.set_engines({"bad": "short", "good": "short", "e-long": "long"})
+    for t in ("a", "b", "c"):
+        d.admit(t, "p", 0.0)
+    assert {d.place("a", 0.0), d.place("b", 0.0)} == {"bad", "good"}
+    assert d.place("c", 0.0, avoid="bad") is None  # both busy: c waits, bad's answer refused
+    d.release("bad")
+    assert d.next_for("bad", 1.0) is None and d.queued == {"c": "short"}, "bad passes c over"
+    d.release("good")
+    assert d.next_for("good", 1.0) == "c" and not d.queued and not d.avoiding
+    alone = build_dispatcher(TWO, "cmlfq", 1)
+    alone.set_engines({"only": "short"})
+    for t in ("x", "y"):
+        alone.admit(t, "p", 0.0)
+    assert alone.place("x", 0.0) == "only"
+    assert alone.place("y", 0.0, avoid="only") is None
+    alone.release("only")
+    assert alone.next_for("only", 1.0) == "y", "the only engine there is"
+    alone.finish("y", 4, 2.0, failed=False)
+    assert not alone.avoiding
