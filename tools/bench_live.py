@@ -274,6 +274,9 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
         "decisions_per_s": sched.get("decisions", 0) / wall,
         "decision_p50_us": sched.get("decision_p50_us", 0.0),
         "decision_p99_us": sched.get("decision_p99_us", 0.0),
+        "dispatch_p50_us": sched.get("dispatch_p50_us", 0.0),
+        "dispatch_p99_us": sched.get("dispatch_p99_us", 0.0),
+        "scheduler_cpu_utilisation": sched.get("cpu_utilisation", 0.0),
         "messages_per_s": (sched.get("messages_received", 0) + sched.get("messages_published", 0)) / wall,
     }
 
@@ -592,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
             "decisions_per_s": first["decisions_per_s"],
             "decision_p50_us": first["decision_p50_us"],
             "decision_p99_us": first["decision_p99_us"],
+            "dispatch_p50_us": first["dispatch_p50_us"],
+            "dispatch_p99_us": first["dispatch_p99_us"],
+            "cpu_utilisation": first["scheduler_cpu_utilisation"],
             "messages_per_s": first["messages_per_s"],
         },
     }

@@ -10,7 +10,7 @@ import math
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -189,7 +189,10 @@ class InFlight:
         self._plan_engines: dict[str, ev.Assignment] = {}
         self._plan_moved: Mapping[str, int] = {}
         self.decision_us: deque[float] = deque(maxlen=20_000)
-        """Latency of the most recent routing decisions (the policy's own work, in microseconds)."""
+        """Latency of the most recent routing decisions (the policy's own work, in microseconds;
+        not the polls of a queue that found nothing to place)."""
+        self.dispatch_us: deque[float] = deque(maxlen=20_000)
+        """From a routing decision's start to its turn request handed to NATS, in microseconds."""
 
     # the trajectories ---------------------------------------------------------------------------
 
@@ -248,18 +251,20 @@ class InFlight:
 
     # routing decisions --------------------------------------------------------------------------
 
-    def decide(self, fn: Callable[..., T], *args: Any) -> T:
-        """Runs one routing decision and records how long the policy took."""
+    def decide(self, fn: Callable[..., T], *args: Any, poll: bool = False) -> T:
+        """Runs one routing decision and records how long the policy took; a `poll` (a queue asked
+        for a turn to place) counts only when it found one."""
         began = time.perf_counter()
         out = fn(*args)
-        self.decision_us.append((time.perf_counter() - began) * 1e6)
+        if not poll or out is not None:
+            self.decision_us.append((time.perf_counter() - began) * 1e6)
         return out
 
     def decision_quantile(self, q: float) -> float:
-        if not self.decision_us:
-            return 0.0
-        ordered = sorted(self.decision_us)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return _quantile(self.decision_us, q)
+
+    def dispatch_quantile(self, q: float) -> float:
+        return _quantile(self.dispatch_us, q)
 
     # turns --------------------------------------------------------------------------------------
 
@@ -272,6 +277,7 @@ class InFlight:
             live.deadline = time.monotonic() + 1.0
             return
         need = len(action.context) + action.max_new_tokens  # its KV, were it to use its whole budget
+        began = time.perf_counter()
         engine_id = self.decide(self.dispatch.place, live.trajectory_id, time.monotonic(), avoid, need)
         if engine_id is None:
             live.deadline = math.inf  # queued: waits for a slot, however long the tail ahead of it
@@ -283,16 +289,20 @@ class InFlight:
                     attributes={"libra.turn": live.traj.turns, "libra.bucket": self.bucket_of(live)},
                 )
             return
-        await self._dispatch(live, engine_id)
+        await self._dispatch(live, engine_id, began)
 
     async def drain(self, engine_id: str) -> None:
         """Gives the engine's free slots to the turns the policy picks from the queues."""
-        while (traj_id := self.decide(self.dispatch.next_for, engine_id, time.monotonic())) is not None:
+        while True:
+            began = time.perf_counter()
+            traj_id = self.decide(self.dispatch.next_for, engine_id, time.monotonic(), poll=True)
+            if traj_id is None:
+                return
             live = self._live.get(traj_id)
             if live is None or live.pending_action is None:
                 self.dispatch.release(engine_id)
                 continue
-            await self._dispatch(live, engine_id)
+            await self._dispatch(live, engine_id, began)
 
     async def drain_all(self) -> None:
         for engine_id in list(self.dispatch.engines):
@@ -376,7 +386,9 @@ class InFlight:
         if self._by_request.pop(live.request_id, None) is not None:
             self.dispatch.release(live.engine_id)
 
-    async def _dispatch(self, live: Live, engine_id: str) -> None:
+    async def _dispatch(self, live: Live, engine_id: str, began: float) -> None:
+        """Sends the turn to `engine_id`, placed by a decision that began at `began`
+        (`time.perf_counter`)."""
         traj, action = live.traj, live.pending_action
         assert action is not None
         self._dequeued(live)
@@ -416,6 +428,7 @@ class InFlight:
         await self.bus.publish(
             f"{subjects.TURN_REQUEST}.{engine_id}", req, ctx=trace.set_span_in_context(live.step_span)
         )
+        self.dispatch_us.append((time.perf_counter() - began) * 1e6)
 
     def bucket_of(self, live: Live) -> str:
         """The bucket its next turn goes to: the dispatcher's router holds it ("" once it ended)."""
@@ -574,3 +587,8 @@ class InFlight:
                 self._forget_turn(live)
                 self.log.warning("turn_timeout", trajectory_id=live.trajectory_id, engine_id=live.engine_id)
                 await self.retry_or_fail(live)
+
+
+def _quantile(xs: Iterable[float], q: float) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0

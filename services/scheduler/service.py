@@ -58,6 +58,7 @@ class SchedulerService:
         """`vocab_size`: the model's; turn results with other token ids are refused."""
         self.common, self.settings, self.cfg = common, settings, cfg
         self.bus, self.store, self.prompter = bus, store, prompter
+        self._cpu_mark = (time.monotonic(), time.process_time())
         self.log = get_logger(component="scheduler")
         self.feed = build_feed(cfg)
         self.dispatch = build_dispatcher(cfg.rollout.buckets, cfg.rollout.policy, cfg.rollout.max_batch)
@@ -124,7 +125,13 @@ class SchedulerService:
     async def _fail(self, live: Live, code: str, message: str) -> None:
         await self.driver.fail(live, code, message)
 
+    def _cpu_utilisation(self) -> float:
+        """This process's CPU seconds over wall seconds since it took the job (1.0: one core)."""
+        wall0, cpu0 = self._cpu_mark
+        return (time.process_time() - cpu0) / max(1e-9, time.monotonic() - wall0)
+
     async def start(self) -> None:
+        self._cpu_mark = (time.monotonic(), time.process_time())
         await self.bus.bind_stream("TRAJ")  # where completed trajectories go
         self.outcomes, _ = await self.bus.bind_consumer(SCHEDULER_FEED)
         await self.bus.subscribe(subjects.TURN_RESULT, ev.TurnResult, self.driver.on_turn_result)
@@ -182,6 +189,9 @@ class SchedulerService:
             decisions=self.dispatch.decisions,
             decision_p50_us=inflight.decision_quantile(0.5),
             decision_p99_us=inflight.decision_quantile(0.99),
+            dispatch_p50_us=inflight.dispatch_quantile(0.5),
+            dispatch_p99_us=inflight.dispatch_quantile(0.99),
+            cpu_utilisation=self._cpu_utilisation(),
             messages_received=self.bus.received,
             messages_published=self.bus.published,
             oldest_in_flight=inflight.oldest(20, time.monotonic()),

@@ -1,0 +1,25 @@
+"""The scheduler's control-plane figures (pure): a routing decision's latency counts the policy's
+work, a poll of a queue that found nothing is not a decision, and the quantiles read the samples."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+from services.scheduler.inflight import InFlight, _quantile
+
+
+def test_a_poll_that_finds_nothing_is_not_a_decision() -> None:
+    inflight: Any = SimpleNamespace(decision_us=deque())
+    assert InFlight.decide(inflight, lambda: "engine-0") == "engine-0"
+    assert InFlight.decide(inflight, lambda: None) is None  # a placement that queued the turn
+    assert InFlight.decide(inflight, lambda: None, poll=True) is None  # nothing to hand a slot
+    assert InFlight.decide(inflight, lambda x: x, "traj-1", poll=True) == "traj-1"
+    assert len(inflight.decision_us) == 3 and all(us >= 0 for us in inflight.decision_us)
+
+
+def test_quantiles_of_the_samples() -> None:
+    xs = [float(x) for x in range(1, 101)]
+    assert _quantile(xs, 0.5) == 51.0 and _quantile(xs, 0.99) == 100.0
+    assert _quantile([], 0.99) == 0.0
