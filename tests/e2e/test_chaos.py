@@ -74,6 +74,25 @@ def _job_with_faults(
     return report
 
 
+def _committed_step(stack: Stack, run_id: str) -> int:
+    """The job's last committed step (-1 while Redis is the one down)."""
+    try:
+        return int(_redis(stack).hget(committed_key(run_id), "step") or 0)
+    except redis.RedisError:
+        return -1
+
+
+def _trained_exactly_once(report: dict[str, Any], trained: int, cfg: RunConfig) -> None:
+    """Every trained group trained once: the trained-id set holds exactly steps x groups x samples
+    ids, and no committed step added an id that was already in it; and every trajectory handed to
+    the trainer was trained, dropped with its group, or is open."""
+    groups = cfg.training.steps * cfg.training.groups_per_step
+    assert report["group_outcomes"]["trained"] == groups
+    assert trained == groups * cfg.task.group_size
+    assert report["trajectories_trained_twice"] == 0
+    assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
+
+
 def _chaos_config(tmp_path: Path, name: str, steps: int, **sections: Any) -> tuple[Path, RunConfig]:
     """configs/tiny.yaml for a job that faults are timed against, written to `tmp_path`."""
     data = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
@@ -98,10 +117,7 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
     events: list[tuple[str, str, float]] = []
 
     def committed_steps() -> int:
-        try:
-            return int(_redis(stack).hget(committed_key(run_id), "step") or 0)
-        except redis.RedisError:  # Redis is the one down
-            return -1
+        return _committed_step(stack, run_id)
 
     async def two_more_steps(fault: str, before: int, since: float) -> bool:
         while committed_steps() <= before + 1:
@@ -203,13 +219,7 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
     expected = dict.fromkeys([*VICTIMS, *(f"{i}-server" for i in INFRA)], 1)
     assert {v: report["restarts"].get(v) for v in expected} == expected, report["restarts"]
     assert set(report["rejoined"]) <= set(VICTIMS)
-    # every trained group trained once: the trained-id set holds exactly steps x groups x samples
-    # ids, and no committed step added an id that was already in it
-    assert report["group_outcomes"]["trained"] == groups
-    assert trained == groups * cfg.task.group_size
-    assert report["trajectories_trained_twice"] == 0
-    # and every trajectory handed to the trainer was trained, dropped with its group, or is open
-    assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
+    _trained_exactly_once(report, trained, cfg)
 
 
 HUNG = ("scheduler", "trainer")
@@ -230,7 +240,7 @@ def test_a_hung_scheduler_or_trainer_is_replaced_and_the_job_completes(
     events: list[tuple[str, str, float]] = []
 
     def committed_steps() -> int:
-        return int(_redis(stack).hget(committed_key(run_id), "step") or 0)
+        return _committed_step(stack, run_id)
 
     async def hang() -> None:
         nc = await control.connect(stack.nats_url, "chaos", stack.nats_auth("cli"))
@@ -264,7 +274,6 @@ def test_a_hung_scheduler_or_trainer_is_replaced_and_the_job_completes(
         trained = _redis(stack).scard(trained_key(run_id))
     finally:
         stack.stop()
-    groups = cfg.training.steps * cfg.training.groups_per_step
     print(
         f"\nhung {HUNG_S:.0f} s and replaced, 2 more steps after: "
         + ", ".join(f"{v} {s:.1f} s" for v, s in recovered.items())
@@ -275,10 +284,7 @@ def test_a_hung_scheduler_or_trainer_is_replaced_and_the_job_completes(
     assert report["status"] == "completed", report["reason"]
     assert report["replaced_hung"] == dict.fromkeys(HUNG, 1)
     assert {v: report["restarts"].get(v) for v in HUNG} == dict.fromkeys(HUNG, 1), report["restarts"]
-    assert report["group_outcomes"]["trained"] == groups
-    assert trained == groups * cfg.task.group_size
-    assert report["trajectories_trained_twice"] == 0
-    assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
+    _trained_exactly_once(report, trained, cfg)
 
 
 def test_a_service_killed_while_the_job_starts_joins_it_when_it_is_back(
@@ -417,11 +423,7 @@ def _lend_with_faults(data: dict[str, Any], victims: tuple[str, ...], tmp_path: 
     assert set(recovered) == {_lending_fault(f) for f in victims}, events
     assert report["status"] == "completed", report["reason"]
     assert report["train_steps"] == cfg.training.steps
-    groups = cfg.training.steps * cfg.training.groups_per_step
-    assert report["group_outcomes"]["trained"] == groups
-    assert trained == groups * cfg.task.group_size
-    assert report["trajectories_trained_twice"] == 0
-    assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
+    _trained_exactly_once(report, trained, cfg)
     assert report["lending"]["lends"] >= 1 and report["lending"]["reclaims"] >= 1, report["lending"]
     return report
 
