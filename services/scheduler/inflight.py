@@ -10,7 +10,7 @@ import math
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -27,6 +27,7 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.tool_calls import ToolCalls
 from services.scheduler.trajectory import CallTool, Generate, Trajectory
 from services.scheduler.transcript import Transcript
+from services.simulation.runner import percentile
 
 T = TypeVar("T")
 
@@ -261,10 +262,10 @@ class InFlight:
         return out
 
     def decision_quantile(self, q: float) -> float:
-        return _quantile(self.decision_us, q)
+        return percentile(list(self.decision_us), q)
 
     def dispatch_quantile(self, q: float) -> float:
-        return _quantile(self.dispatch_us, q)
+        return percentile(list(self.dispatch_us), q)
 
     # turns --------------------------------------------------------------------------------------
 
@@ -587,8 +588,3 @@ class InFlight:
                 self._forget_turn(live)
                 self.log.warning("turn_timeout", trajectory_id=live.trajectory_id, engine_id=live.engine_id)
                 await self.retry_or_fail(live)
-
-
-def _quantile(xs: Iterable[float], q: float) -> float:
-    ordered = sorted(xs)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0

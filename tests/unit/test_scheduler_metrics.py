@@ -1,5 +1,5 @@
 """The scheduler's control-plane figures (pure): a routing decision's latency counts the policy's
-work, a poll of a queue that found nothing is not a decision, and the quantiles read the samples."""
+work, and a poll of a queue that found nothing is not a decision."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
-from services.scheduler.inflight import InFlight, _quantile
+from services.scheduler.inflight import InFlight
 
 
 def test_a_poll_that_finds_nothing_is_not_a_decision() -> None:
@@ -20,6 +20,7 @@ def test_a_poll_that_finds_nothing_is_not_a_decision() -> None:
 
 
 def test_quantiles_of_the_samples() -> None:
-    xs = [float(x) for x in range(1, 101)]
-    assert _quantile(xs, 0.5) == 51.0 and _quantile(xs, 0.99) == 100.0
-    assert _quantile([], 0.99) == 0.0
+    inflight: Any = SimpleNamespace(decision_us=deque(float(x) for x in range(1, 101)), dispatch_us=deque())
+    assert InFlight.decision_quantile(inflight, 0.5) == 51.0
+    assert InFlight.decision_quantile(inflight, 0.99) == 100.0
+    assert InFlight.dispatch_quantile(inflight, 0.99) == 0.0
