@@ -1,23 +1,25 @@
 """Tokenisation of the agent's conversation so that the trained sequence is exactly what was sampled.
 
-Generated tokens are kept as sampled; only the text the environment adds (the prompt and each tool
-observation) is tokenised here. Observations are appended in the model's chat format (ChatML for
-SmolLM2), closing the assistant turn first if the model did not end it itself.
+Generated tokens are kept as sampled; only the text the environment adds (the prompt and each
+observation) is tokenised here, in the model's own chat template (`chat.py`): an observation is a
+user message continuing the conversation, the assistant's turn closed first if the model did not
+end it itself. A tokenizer without a chat template gets plain `User:` / `Assistant:` text.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from services.scheduler.chat import ChatTemplate
 from services.scheduler.task import SYSTEM_PROMPT, Task, examples
 
 
 class Prompter:
     def __init__(self, tokenizer: Any, dataset: object = "arithmetic", worked_examples: int = 2):
         self.tok = tokenizer
+        self.chat = ChatTemplate(tokenizer)
         shots = examples(dataset) if isinstance(dataset, str) else []
         self.examples = shots[: 4 * worked_examples]  # four messages each: question, call, result, answer
-        self.chatml = "<|im_start|>" in tokenizer.get_vocab()
         self.eos_id = tokenizer.eos_token_id
 
     def prompt_ids(self, task: Task) -> list[int]:
@@ -36,14 +38,14 @@ class Prompter:
         """Chat messages (or one user message's text) in the model's chat template, ready for the
         assistant's turn."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        return [int(t) for t in ids]
+        if not self.chat.has_template:
+            return self.chat.ids(
+                "".join(f"{m['role'].title()}: {m['content']}\n" for m in messages) + "Assistant:"
+            )
+        return self.chat.render(messages)
 
     def observation_ids(self, text: str, ended_with_eos: bool) -> list[int]:
-        if self.chatml:
-            closing = "" if ended_with_eos else "<|im_end|>"
-            rendered = f"{closing}\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-        else:
-            rendered = f"\nUser: {text}\nAssistant:"
-        return [int(t) for t in self.tok(rendered, add_special_tokens=False)["input_ids"]]
+        """What the model sees after its turn: `text` as the user's next message."""
+        if not self.chat.has_template:
+            return self.chat.ids(f"\nUser: {text}\nAssistant:")
+        return self.chat.continuation_ids([{"role": "user", "content": text}], ended_with_eos)
