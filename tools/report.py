@@ -268,9 +268,11 @@ def reward_definition(task: TaskConfig) -> str:
     if task.dataset == "synthetic":
         return "synthetic: 1 when the trajectory's last tool call worked (or it needed none)"
     name = task.dataset.path if isinstance(task.dataset, DatasetFile) else task.dataset
+    rest = f"task.reward {task.reward}" if task.reward else "0"
     if task.environment:
-        rest = f"task.reward {task.reward}" if task.reward else "0"
         return f"{name}: environment {task.environment}'s reward (episodes it does not score: {rest})"
+    if task.agent:
+        return f"{name}: agent {task.agent}'s reward (runs that return None: {rest})"
     if isinstance(task.dataset, DatasetFile) or task.reward:
         return f"{name}: task.reward {task.reward or 'numeric'}"
     shaping = f" + {task.tool_bonus:g} when a tool call succeeded" if task.tool_bonus else " (task success)"
@@ -371,6 +373,7 @@ async def build_report(
             if w.version <= p.committed_version
         ],
         "tool_calls": dict(stats.tool_calls_by_status),
+        **({"agent_calls_refused": dict(stats.agent_calls_refused)} if cfg.task.agent else {}),
         "trajectories_failed": stats.trajectories_failed,
         "trajectories_failed_by_code": dict(stats.failures_by_code),
         "groups_replaced": stats.groups_replaced,

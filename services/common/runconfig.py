@@ -137,7 +137,15 @@ class TaskConfig(_Strict):
     imported like `reward` (with `plugin_paths`). Default: the built-in tool-use loop (each turn
     calls a tool or answers)."""
     env_workers: int = Field(2, ge=1, le=64)
-    """Processes that hold `environment` instances (one per trajectory), off the scheduler's loop."""
+    """Processes that hold `environment` instances (one per trajectory), or run `agent`s (many
+    trajectories each), off the scheduler's loop."""
+    agent: str | None = Field(None, pattern=rf"^{_PLUGIN_REF}$")
+    """`module:function`: your own agent, `agent(sample, base_url, api_key)` (async or not), run
+    once per trajectory against Libra's OpenAI-compatible endpoint (`base_url`, with the
+    trajectory's own `api_key`); returns the reward, or None for `task.reward` to score it
+    (docs/tasks.md)."""
+    agent_timeout_s: float = Field(600.0, gt=0.0, le=86400.0)
+    """An agent run that has not returned by then fails its trajectory (`agent_timeout`)."""
     stop_strings: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(None, max_length=16)
     """Strings that end a turn (kept in its text). Default: the built-in tool-use loop's
     `</calc>`, `</answer>` and `</tool_call>`; an environment with its own action format sets its
@@ -729,6 +737,11 @@ class RunConfig(_Strict):
         if self.task.dataset == "synthetic" and self.task.environment:
             raise ValueError(
                 "task.environment does not apply to task.dataset 'synthetic' (its turns are scripted)"
+            )
+        if self.task.agent and (self.task.environment or self.task.dataset == "synthetic"):
+            raise ValueError(
+                "task.agent drives its own turns: it does not combine with task.environment or "
+                "task.dataset 'synthetic'"
             )
         return self
 

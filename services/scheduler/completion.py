@@ -150,7 +150,7 @@ class Completion:
         of the trajectory."""
         traj = live.traj
         head = {
-            "prompt": prompt_of(traj.task.messages, traj.task.question),
+            "prompt": prompt_of(live.prompt_messages or traj.task.messages, traj.task.question),
             "answer": cut(str(traj.task.answer)) if traj.task.answer is not None else None,
             "reward": msg.reward,
             "finish": msg.finish,

@@ -53,5 +53,10 @@ class SchedulerSettings(BaseSettings):
     """Period of the workload-stats event (`workload.stats`) for the planner."""
     stats_window_s: float = Field(60.0, gt=0)
     """The workload stats cover this much of the recent past."""
+    agent_host: str = "127.0.0.1"
+    """Address of the OpenAI-compatible endpoint that `task.agent` runs call (on this host, beside
+    the scheduler; loopback: no other machine reaches it)."""
+    agent_port: int = Field(0, ge=0, le=65535)
+    """Its port (0: a free one, handed to each agent run in its base URL)."""
     policy_save_s: float = Field(10.0, gt=0)
     """How often what the routing policy learned (C-MLFQ's prefix trees) is saved to Redis."""

@@ -21,7 +21,7 @@ from services.common.tracing import tracer
 from services.policy.dispatch import Dispatcher
 from services.policy.prefix_tree import ToolSignal, map_sandbox_status, size_class
 from services.scheduler.completion import Completion
-from services.scheduler.episodes import Episode
+from services.scheduler.episodes import Episode, SampledTurn
 from services.scheduler.inflight import InFlight, Live, PartialTurn
 from services.scheduler.plugins import PluginFailure
 from services.scheduler.prompting import Prompter
@@ -211,7 +211,7 @@ class TrajectoryDriver:
         self.workload.turn(time.monotonic(), len(token_ids), res.context_tokens, traj_id)
         eos = res.finish_reason == "stop" and bool(token_ids) and token_ids[-1] == self.prompter.eos_id
         live.transcript.assistant(text, len(token_ids), versions, res.finish_reason)
-        step = await self.episode.step(live, text)
+        step = await self.episode.step(live, SampledTurn(token_ids, logprobs, text, res.finish_reason))
         if not self.inflight.holds(live):
             return  # aborted meanwhile
         if isinstance(step, PluginFailure):
@@ -282,7 +282,7 @@ class TrajectoryDriver:
         traj = live.traj
         live.replies.append(action.text)
         live.transcript.environment(action.text)
-        obs = self.prompter.observation_ids(action.text, traj.ended_with_eos)
+        obs = self.episode.reply_ids(live, action.text)
         self._route_after_observation(live, ToolSignal("environment", size_class(len(obs)), "success"), obs)
         await self._execute(live, traj.on_reply(obs))
 

@@ -29,6 +29,17 @@ Spawn = Callable[[Awaitable[None]], Any]
 
 
 @dataclass(frozen=True)
+class SampledTurn:
+    """A generation turn as it came back: its tokens as sampled, their logprobs, its text and why
+    it ended (`stop` | `length`)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+@dataclass(frozen=True)
 class Member:
     """One trajectory of a group as the task sets it up: its prompt and, if scripted, its turns."""
 
@@ -60,9 +71,13 @@ class Episode:
         """Before the first turn (the episode may set the prompt)."""
         return None
 
-    async def step(self, live: Live, text: str) -> Step | PluginFailure | None:
+    async def step(self, live: Live, turn: SampledTurn) -> Step | PluginFailure | None:
         """After a turn: what the episode says (None: the trajectory's own parser decides)."""
         return None
+
+    def reply_ids(self, live: Live, text: str) -> list[int]:
+        """The tokens of the episode's reply `text` (a `Step.observation`)."""
+        return self.prompter.observation_ids(text, live.traj.ended_with_eos)
 
     async def tool_observation(
         self, live: Live, status: str, payload: str, signal: ToolSignal
@@ -90,6 +105,10 @@ class Episode:
 
     def forget(self, live: Live) -> None:
         """The trajectory ended: whatever the episode held for it goes."""
+
+    def calls_refused(self) -> dict[str, int]:
+        """A `task.agent`'s endpoint calls refused, by error code (no other episode takes calls)."""
+        return {}
 
 
 class EnvironmentEpisode(Episode):
@@ -121,9 +140,9 @@ class EnvironmentEpisode(Episode):
             traj.set_prompt(self.prompter.render(prompt))
         return None
 
-    async def step(self, live: Live, text: str) -> Step | PluginFailure | None:
+    async def step(self, live: Live, turn: SampledTurn) -> Step | PluginFailure | None:
         with tracer().start_as_current_span("env.step", context=trace.set_span_in_context(live.span)):
-            answer = await self.envs.step(live.trajectory_id, text)
+            answer = await self.envs.step(live.trajectory_id, turn.text)
         if isinstance(answer, PluginFailure):
             return PluginFailure(answer.code, f"turn {live.traj.turns + 1}: {answer.message}")
         return answer
@@ -154,13 +173,3 @@ class SyntheticEpisode(Episode):
         self, live: Live, status: str, payload: str, signal: ToolSignal
     ) -> list[int] | PluginFailure:
         return self.synthetic.observation_ids(signal.size)
-
-
-def build_episode(cfg: RunConfig, prompter: Prompter, spawn: Spawn) -> Episode:
-    """The episode for the run config's task (`task.dataset: synthetic` and `task.environment`
-    exclude each other; RunConfig checks it)."""
-    if cfg.task.dataset == "synthetic":
-        return SyntheticEpisode(prompter, cfg)
-    if cfg.task.environment:
-        return EnvironmentEpisode(prompter, cfg, spawn)
-    return Episode(prompter)

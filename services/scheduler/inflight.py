@@ -48,6 +48,10 @@ class Live:
     span: trace.Span
     temperature: float
     """Sampling temperature of its turns (an evaluation's may differ from training's)."""
+    top_p: float | None = None
+    """Its own nucleus, stop strings and sampling seed (a `task.agent` call's); None: the job's."""
+    stop: list[str] | None = None
+    seed: int | None = None
     step_span: trace.Span | None = None
     request_id: str = ""
     call_id: str = ""
@@ -83,6 +87,8 @@ class Live:
     partial: PartialTurn | None = None
     """What its turn generated before an engine handed it back (drained): the turn goes on from
     there on another engine, and these tokens open its result."""
+    prompt_messages: list[dict[str, Any]] | None = None
+    """Its prompt as the messages that made it, where not the task's (a `task.agent`'s first call)."""
     transcript: Transcript = field(default_factory=Transcript)
     """Its text as it happened, for the job's samples (services/scheduler/transcript.py)."""
 
@@ -417,14 +423,18 @@ class InFlight:
             max_new_tokens=action.max_new_tokens,
             min_new_tokens=action.min_new_tokens,
             temperature=live.temperature,
-            top_p=self.cfg.task.top_p,
+            top_p=live.top_p or self.cfg.task.top_p,
             min_policy_version=live.min_policy_version,
-            stop=self.stop_strings,
+            stop=self.stop_strings if live.stop is None else live.stop,
             priority=self.bucket_level.get(bucket, 0),
             group_id=traj.group_id,
             seq=live.seq,
             prompt_id=traj.task.prompt_id,
-            sampling_seed=trajectory_seed(self.cfg.rollout.sampling_seed, traj.trajectory_id),
+            sampling_seed=(
+                trajectory_seed(self.cfg.rollout.sampling_seed, traj.trajectory_id)
+                if live.seed is None
+                else live.seed
+            ),
         )
         await self.bus.publish(
             f"{subjects.TURN_REQUEST}.{engine_id}", req, ctx=trace.set_span_in_context(live.step_span)

@@ -28,7 +28,7 @@ from services.scheduler.agent import STOP_STRINGS
 from services.scheduler.completion import Completion
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.driver import TrajectoryDriver
-from services.scheduler.episodes import build_episode
+from services.scheduler.episode_kinds import build_episode
 from services.scheduler.evaluation import Evaluator
 from services.scheduler.feed import GroupTicket, build_feed
 from services.scheduler.inflight import InFlight, Live
@@ -86,7 +86,7 @@ class SchedulerService:
         self._eval_nonce = uuid.uuid4().hex[:6]
         self.broken = asyncio.Event()
         """Set when the job's own code fails on every call (`Completion.broken` says why)."""
-        self.episode = build_episode(cfg, prompter, bus.spawn)
+        self.episode = build_episode(cfg, prompter, bus.spawn, (settings.agent_host, settings.agent_port))
         self.completion = Completion(
             bus,
             self.ledger,
@@ -192,6 +192,7 @@ class SchedulerService:
             dispatch_p50_us=inflight.dispatch_quantile(0.5),
             dispatch_p99_us=inflight.dispatch_quantile(0.99),
             cpu_utilisation=self._cpu_utilisation(),
+            agent_calls_refused=self.episode.calls_refused(),
             messages_received=self.bus.received,
             messages_published=self.bus.published,
             oldest_in_flight=inflight.oldest(20, time.monotonic()),

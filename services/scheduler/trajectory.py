@@ -159,6 +159,8 @@ class Trajectory:
     scored_outside: bool = False
     """Its reward comes from `task.reward` (the scheduler's Scorer), not the built-in score: a
     finished trajectory carries reward 0 until scored."""
+    turn_budget: int | None = None
+    """Its next turn's token budget when smaller than `max_new_tokens` (a `task.agent` call's)."""
     builtin_reward: bool = True
     """False for a user environment's task: an episode it ends without a reward, or one cut short,
     gets 0 unless `task.reward` scores it."""
@@ -287,7 +289,7 @@ class Trajectory:
         ctx = self.context
         if len(ctx) + 1 > self.max_context_tokens:
             return self._finish("length")
-        budget = min(self.max_new_tokens, self.max_context_tokens - len(ctx))
+        budget = min(self.turn_budget or self.max_new_tokens, self.max_context_tokens - len(ctx))
         if self.script is not None:
             exact = min(budget, self.script[min(self.turns, len(self.script) - 1)].output_tokens)
             return Generate(ctx, exact, exact)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-USER_CODE_PREFIXES = ("reward_", "env_")
+USER_CODE_PREFIXES = ("reward_", "env_", "agent_")
 """Failure codes that come from the job's own code (services/scheduler/plugins.py)."""
 
 

@@ -718,6 +718,77 @@ def test_an_environment_of_your_own_drives_every_turn(stack: Stack, tmp_path: Pa
     )
 
 
+AGENT_PLUGIN = """
+import openai
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluates arithmetic.",
+          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+async def agent(sample, base_url, api_key):
+    \"\"\"Three calls whatever the model writes, checking that every sampled token stays in the context;
+    mode `edit` rewrites its history once (refused), mode `raise` has a bug.\"\"\"
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    question = sample["question"]
+    messages = list(question) if isinstance(question, list) else [{"role": "user", "content": question}]
+    seen = []
+    for turn in range(3):
+        if sample["mode"] == "raise" and turn == 1:
+            raise RuntimeError("this agent has a bug")
+        if sample["mode"] == "edit" and turn == 1:
+            edited = [{"role": "user", "content": "something else"}, *messages[1:]]
+            try:
+                await client.chat.completions.create(model="tiny", messages=edited, tools=TOOLS)
+            except openai.BadRequestError as err:
+                assert err.code == "history_edited", err
+            else:
+                raise AssertionError("an edited history was accepted")
+        out = await client.chat.completions.create(
+            model="tiny", messages=messages, tools=TOOLS, max_tokens=6, logprobs=True,
+            extra_body={"return_token_ids": True},
+        )
+        choice = out.choices[0]
+        context, ids = out.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+        assert context[: len(seen)] == seen, "a sampled token changed in the context"
+        assert len(ids) == len(choice.logprobs.content) <= 6
+        seen = context + ids
+        messages.append(choice.message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": f"Go on ({turn})."})
+    return 0.5
+"""
+
+
+def test_your_own_agent_over_the_openai_endpoint_trains_what_it_sampled(stack: Stack, tmp_path: Path) -> None:
+    data, plugins = _own_task(tmp_path, ["ok", "edit", "raise", "ok", "ok", "edit", "ok", "ok"])
+    (plugins / "my_agent.py").write_text(AGENT_PLUGIN)
+    task = {
+        "dataset": {"path": str(data), "prompt_key": "question"},
+        "agent": "my_agent:agent",
+        "plugin_paths": [str(plugins)],
+        "max_turns": 4,
+        "max_context_tokens": 1024,
+    }
+    config = _config(tmp_path, task=task, training={"filter_zero_advantage": False})
+    report = _run(stack, config, f"agent-{RUN}", tmp_path)
+    assert report["status"] == "completed", report["reason"]
+    assert report["reward_mean_per_step"] == [0.5, 0.5]  # each trained trajectory: the agent's reward
+    # the trainer, at the weights that sampled them, computes the logprobs the engines reported: the
+    # trained sequence is token for token what the engines saw and sampled
+    assert report["logprob_mismatch_per_step"][0] < 1e-3
+    assert report["trajectories_failed_by_code"].get("agent_error", 0) >= 1
+    assert report["agent_calls_refused"].get("history_edited", 0) >= 1
+    assert report["reward"] == f"{data}: agent my_agent:agent's reward (runs that return None: 0)"
+    samples = [json.loads(line) for line in Path(report["samples"]["path"]).read_text().splitlines()]
+    trained = [s for s in samples if s["outcome"] == "trained"]
+    assert trained and all(s["turns"] == 3 for s in trained)
+    assert all(
+        e["text"].startswith("[user] Go on (")
+        for s in trained
+        for e in s["events"]
+        if e["role"] == "environment"
+    )
+
+
 def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path) -> None:
     """A forged plan sends every turn to engines that do not exist: nothing completes any more."""
     config = _config(tmp_path, job={"stall_timeout_s": 8}, training={"steps": 3})

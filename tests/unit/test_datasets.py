@@ -117,6 +117,10 @@ def test_reward_refs_are_checked_by_the_config() -> None:
         RunConfig.model_validate(
             {"task": {"dataset": "synthetic", "workload": "r2e_gym", "reward": "exact_match"}}
         )
+    with pytest.raises(ValueError, match="task.agent drives its own turns"):
+        RunConfig.model_validate({"task": {"agent": "my:agent", "environment": "my:Env"}})
+    with pytest.raises(ValueError, match="String should match pattern"):
+        RunConfig.model_validate({"task": {"agent": "not a function"}})
 
 
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)

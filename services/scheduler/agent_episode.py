@@ -1,0 +1,222 @@
+"""`task.agent`: the user's own agent drives the trajectory over the OpenAI-compatible endpoint.
+
+The agent's first call is the prompt (its messages in the model's chat template); each call after
+it must repeat the conversation as Libra answered it and adds what came since (tool results, the
+user's next message), rendered as the template's continuation of the sampled tokens, which are kept
+as sampled: what is trained is exactly what was generated. The run's return value is the reward
+(None: `task.reward` scores it, else 0). A call that edits the conversation Libra answered is
+refused (`history_edited`): training on a rewritten history is not written yet.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from services.common.runconfig import RunConfig
+from services.scheduler.agents import AgentPool
+from services.scheduler.chat import TemplateError
+from services.scheduler.chat_api import (
+    ApiError,
+    ChatRequest,
+    assistant_message,
+    completion_body,
+    parse_tool_calls,
+    without_stop,
+)
+from services.scheduler.endpoint import AgentEndpoint, AgentSession, Call, Ended
+from services.scheduler.environment import Step
+from services.scheduler.episodes import Episode, SampledTurn, Spawn
+from services.scheduler.inflight import Live
+from services.scheduler.plugins import PluginFailure
+from services.scheduler.prompting import Prompter
+
+
+def template_message(msg: dict[str, Any]) -> dict[str, Any]:
+    """A normal-form message as chat templates take it (tool calls as OpenAI function calls with
+    their arguments parsed, as Hugging Face templates expect)."""
+    out: dict[str, Any] = {"role": msg["role"], "content": msg["content"]}
+    if msg.get("tool_calls"):
+        out["tool_calls"] = [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in msg["tool_calls"]
+        ]
+    if msg["role"] == "tool":
+        out["tool_call_id"] = msg["tool_call_id"]
+    return out
+
+
+def transcript_text(messages: list[dict[str, Any]]) -> str:
+    return "\n".join(f"[{m['role']}] {m['content']}" for m in messages)
+
+
+class AgentEpisode(Episode):
+    builtin_reward = False
+
+    def __init__(self, prompter: Prompter, cfg: RunConfig, spawn: Spawn, host: str, port: int):
+        super().__init__(prompter)
+        task = cfg.task
+        assert task.agent is not None
+        self.cfg, self.spawn = cfg, spawn
+        self.agents = AgentPool(task.agent, task.plugin_paths, task.env_workers, task.agent_timeout_s)
+        self.endpoint = AgentEndpoint(host, port, cfg.model.source, task.max_context_tokens)
+        self.sessions: dict[str, AgentSession] = {}
+        self.observations: dict[str, list[int]] = {}
+        """Each trajectory's next observation, rendered while its call was checked."""
+        self.history_edited = 0
+
+    async def start(self) -> None:
+        await self.endpoint.start()
+        await self.agents.start()
+
+    async def close(self) -> None:
+        await self.agents.close()
+        await self.endpoint.close()
+
+    async def reset(self, live: Live) -> PluginFailure | None:
+        traj = live.traj
+        session = self.sessions[traj.trajectory_id] = self.endpoint.open(traj.trajectory_id)
+        self.spawn(self._run(live, session))
+        live.deadline = math.inf  # the agent's own timeout bounds it
+        while True:
+            event = await session.next_event()
+            if isinstance(event, Ended):
+                return self._ended_early(event)
+            try:
+                prompt = self._prompt(event.request)
+            except ApiError as err:
+                session.refuse(err)
+                continue
+            traj.set_prompt(prompt)
+            live.prompt_messages = event.request.messages
+            session.tools = event.request.tools
+            self._sample_as_asked(live, event.request)
+            return None
+
+    async def _run(self, live: Live, session: AgentSession) -> None:
+        row = live.traj.task.row()
+        outcome = await self.agents.run(live.trajectory_id, row, self.endpoint.base_url, session.key)
+        session.events.put_nowait(Ended(outcome))
+
+    def _ended_early(self, event: Ended) -> PluginFailure:
+        if isinstance(event.outcome, PluginFailure):
+            return event.outcome
+        return PluginFailure("agent_invalid", "the agent returned without calling the model")
+
+    def _prompt(self, request: ChatRequest) -> list[int]:
+        if request.messages[-1]["role"] == "assistant":
+            raise ApiError(
+                400, "invalid_value", "the last message is the assistant's: nothing to answer", "messages"
+            )
+        try:
+            ids = self.prompter.chat.render([template_message(m) for m in request.messages], request.tools)
+        except TemplateError as err:
+            raise ApiError(400, "template_error", str(err), "messages") from None
+        self._fits(len(ids))
+        return ids
+
+    def _fits(self, context_tokens: int) -> None:
+        limit = self.cfg.task.max_context_tokens
+        if context_tokens + 1 > limit:
+            raise ApiError(
+                400,
+                "context_length_exceeded",
+                f"the conversation is {context_tokens} tokens; this job's contexts take at most {limit}",
+                "messages",
+            )
+
+    def _sample_as_asked(self, live: Live, request: ChatRequest) -> None:
+        """The call's sampling settings for its turn (the job's where it leaves one out)."""
+        task = self.cfg.task
+        live.temperature = request.temperature or task.temperature
+        live.top_p = request.top_p or task.top_p
+        live.stop = list(request.stop or task.stop_strings or [])
+        live.seed = request.seed
+        live.traj.turn_budget = min(request.max_tokens or task.max_new_tokens, task.max_new_tokens)
+
+    async def step(self, live: Live, turn: SampledTurn) -> Step | PluginFailure | None:
+        session = self.sessions[live.trajectory_id]
+        if session.pending is not None:
+            self._answer(live, session, turn)
+        live.deadline = math.inf
+        while True:
+            event = await session.next_event()
+            if isinstance(event, Ended):
+                if isinstance(event.outcome, PluginFailure):
+                    return event.outcome
+                return Step(done=True, reward=event.outcome)
+            try:
+                new = self._continued(live, session, event)
+            except ApiError as err:
+                session.refuse(err)
+                continue
+            self._sample_as_asked(live, event.request)
+            return Step(observation=transcript_text(new) or "(continue)")
+
+    def _answer(self, live: Live, session: AgentSession, turn: SampledTurn) -> None:
+        assert session.pending is not None
+        request = session.pending.request
+        content = without_stop(turn.text, list(live.stop or []))
+        content, calls = parse_tool_calls(content, live.traj.turns + 1) if request.tools else (content, [])
+        reply = assistant_message(content, calls)
+        session.history = [*request.messages, reply]
+        tok = self.prompter.tok
+        texts = [tok.decode([t]) for t in turn.token_ids] if request.logprobs else None
+        body = completion_body(
+            live.trajectory_id[-12:] + f"-{live.traj.turns + 1}",
+            request.model or self.endpoint.model,
+            int(time.time()),
+            reply,
+            turn.finish_reason,
+            (live.traj.context_tokens, len(turn.token_ids)),
+            texts,
+            list(turn.logprobs) if request.logprobs else None,
+            (live.traj.context, list(turn.token_ids)) if request.return_token_ids else None,
+        )
+        session.answer(200, body)
+
+    def _continued(self, live: Live, session: AgentSession, call: Call) -> list[dict[str, Any]]:
+        """The messages this call adds, checked and rendered (`observations`); ApiError if it does
+        not continue the conversation as Libra answered it, or would not fit."""
+        request, before = call.request, session.history
+        if request.messages[: len(before)] != before or request.tools != session.tools:
+            self.history_edited += 1
+            at = next(
+                (i for i, (a, b) in enumerate(zip(request.messages, before, strict=False)) if a != b), None
+            )
+            where = f"message {at} differs" if at is not None else "it is shorter"
+            raise ApiError(
+                400,
+                "history_edited",
+                f"the conversation does not repeat the one this trajectory had ({where}, or its tools changed): "
+                "a trajectory's history is what was sampled, and editing it is not supported yet",
+                "messages" if at is None else f"messages.{at}",
+            )
+        new = request.messages[len(before) :]
+        if new and new[-1]["role"] == "assistant":
+            raise ApiError(
+                400, "invalid_value", "the last message is the assistant's: nothing to answer", "messages"
+            )
+        try:
+            ids = self.prompter.chat.continuation_ids(
+                [template_message(m) for m in new], live.traj.ended_with_eos
+            )
+        except TemplateError as err:
+            raise ApiError(400, "template_error", str(err), "messages") from None
+        self._fits(live.traj.context_tokens + len(ids))
+        self.observations[live.trajectory_id] = ids
+        return new
+
+    def calls_refused(self) -> dict[str, int]:
+        return dict(self.endpoint.refused)
+
+    def reply_ids(self, live: Live, text: str) -> list[int]:
+        return self.observations.pop(live.trajectory_id)
+
+    def forget(self, live: Live) -> None:
+        session = self.sessions.pop(live.trajectory_id, None)
+        self.observations.pop(live.trajectory_id, None)
+        if session is not None:
+            self.endpoint.drop(session)
+            self.agents.cancel(live.trajectory_id)

@@ -1,0 +1,160 @@
+"""`task.agent` processes (`python -m services.scheduler.agent_worker`): each runs the user's agent for
+many trajectories at once, answering each run by trajectory id. A run that raises, returns nonsense,
+outlives `task.agent_timeout_s` or loses its process fails only its trajectory (`agent_error`,
+`agent_invalid`, `agent_timeout`, `agent_crashed`); a dead process is replaced at the next run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import zlib
+from typing import Any
+
+from services.scheduler.plugins import LOAD_TIMEOUT_S, PluginFailure, PluginLoadError
+
+AgentOutcome = float | None | PluginFailure
+"""A run's reward, None (`task.reward` scores it), or why it has none."""
+
+
+class AgentProcess:
+    def __init__(self, ref: str, plugin_paths: list[str]):
+        self.ref, self.plugin_paths = ref, plugin_paths
+        self.proc: asyncio.subprocess.Process | None = None
+        self.runs: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self.reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Raises PluginLoadError when the agent cannot be loaded."""
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.scheduler.agent_worker",
+            self.ref,
+            *self.plugin_paths,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            limit=16 * 1024 * 1024,
+        )
+        assert self.proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), LOAD_TIMEOUT_S)
+            hello = json.loads(line) if line else {"error": "the process exited while loading"}
+        except TimeoutError:
+            hello = {"error": f"no answer within {LOAD_TIMEOUT_S:g} s"}
+        if not hello.get("ready"):
+            await self.kill()
+            raise PluginLoadError(f"task.agent {self.ref!r} cannot be loaded: {hello.get('error')}")
+        self.reader = asyncio.create_task(self._read(self.proc))
+
+    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                answer = json.loads(line)
+                future = self.runs.pop(str(answer["id"]), None)
+                if future is not None and not future.done():
+                    future.set_result(answer)
+        for future in self.runs.values():  # the process died with these runs in it
+            if not future.done():
+                future.set_result({"crashed": "the agent process died"})
+        self.runs.clear()
+
+    @property
+    def alive(self) -> bool:
+        return (
+            self.proc is not None
+            and self.proc.returncode is None
+            and self.reader is not None
+            and not self.reader.done()
+        )
+
+    async def run(self, trajectory_id: str, request: dict[str, Any], timeout_s: float) -> AgentOutcome:
+        if not self.alive:
+            try:
+                await self.start()
+            except PluginLoadError as e:  # it loaded before; a restart that cannot is a crash
+                return PluginFailure("agent_crashed", str(e))
+        assert self.proc is not None and self.proc.stdin is not None
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.runs[trajectory_id] = future
+        try:
+            self._send({"op": "run", "id": trajectory_id, **request})
+            await self.proc.stdin.drain()
+            answer = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except TimeoutError:
+            self.cancel(trajectory_id)
+            return PluginFailure("agent_timeout", f"the agent did not return within {timeout_s:g} s")
+        except (ConnectionError, BrokenPipeError) as e:
+            self.runs.pop(trajectory_id, None)
+            return PluginFailure("agent_crashed", f"the agent process died: {e}")
+        if "cancelled" in answer:
+            return PluginFailure("agent_cancelled", str(answer["cancelled"]))
+        if "crashed" in answer:
+            return PluginFailure("agent_crashed", str(answer["crashed"]))
+        if "error" in answer:
+            return PluginFailure("agent_error", str(answer["error"])[:500])
+        if "invalid" in answer:
+            return PluginFailure("agent_invalid", f"returned {str(answer['invalid'])[:500]}")
+        value = answer.get("ok")
+        return None if value is None else float(value)
+
+    def _send(self, obj: dict[str, Any]) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj, default=str).encode() + b"\n")
+
+    def cancel(self, trajectory_id: str) -> None:
+        """Stops the trajectory's run (its answer, if one still comes, is dropped)."""
+        future = self.runs.pop(trajectory_id, None)
+        if future is not None and not future.done():
+            future.set_result({"cancelled": "the trajectory ended first"})
+        if self.alive:
+            with contextlib.suppress(ConnectionError, BrokenPipeError):
+                self._send({"op": "cancel", "id": trajectory_id})
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            await self.proc.wait()
+        if self.reader is not None:
+            await self.reader
+            self.reader = None
+
+
+async def check_agent(ref: str, plugin_paths: list[str]) -> None:
+    """Loads the agent once, as the scheduler will; PluginLoadError if it cannot be."""
+    process = AgentProcess(ref, list(plugin_paths))
+    try:
+        await process.start()
+    finally:
+        await process.kill()
+
+
+class AgentPool:
+    """`task.env_workers` agent processes; a trajectory's run stays on one (by its id)."""
+
+    def __init__(self, ref: str, plugin_paths: list[str], workers: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.workers = [AgentProcess(ref, list(plugin_paths)) for _ in range(workers)]
+
+    def _of(self, trajectory_id: str) -> AgentProcess:
+        return self.workers[zlib.crc32(trajectory_id.encode()) % len(self.workers)]
+
+    async def start(self) -> None:
+        for w in self.workers:
+            await w.start()
+
+    async def run(
+        self, trajectory_id: str, sample: dict[str, Any], base_url: str, api_key: str
+    ) -> AgentOutcome:
+        request = {"sample": sample, "base_url": base_url, "api_key": api_key}
+        return await self._of(trajectory_id).run(trajectory_id, request, self.timeout_s)
+
+    def cancel(self, trajectory_id: str) -> None:
+        self._of(trajectory_id).cancel(trajectory_id)
+
+    async def close(self) -> None:
+        for w in self.workers:
+            await w.kill()

@@ -1,0 +1,296 @@
+"""The OpenAI chat-completions protocol as Libra's agent endpoint speaks it: a request checked field by
+field (what it cannot honour is a 4xx naming the field), messages in one normal form so that a
+conversation sent back can be matched against the one Libra answered, tool calls parsed from the
+model's text, and the completion's JSON. Pure: no I/O."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP = 4
+_SUPPORTED = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "n",
+    "stream",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "logprobs",
+    "top_logprobs",
+    "user",
+    "return_token_ids",
+}
+"""Fields a request may carry (`return_token_ids`: vLLM's, the sampled token ids in the choice)."""
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+class ApiError(Exception):
+    """A request the endpoint refuses: an OpenAI-style error body with this HTTP status."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, code, message, param)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict[str, Any]]
+    """As sent, in normal form (`normal_message`)."""
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = False
+    return_token_ids: bool = False
+    model: str = ""
+
+
+def _number(
+    body: dict[str, Any], name: str, low: float, high: float, *, low_open: bool = False
+) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad(f"{name} must be a number", name)
+    if value < low or value > high or (low_open and value == low):
+        side = f"> {low:g}" if low_open else f">= {low:g}"
+        raise bad(f"{name} must be {side} and <= {high:g}, got {value}", name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"{name} must be an integer", name)
+    if not low <= value <= high:
+        raise bad(f"{name} must be between {low} and {high}, got {value}", name)
+    return value
+
+
+def _text(content: Any, param: str) -> str:
+    """A message's content as text: a string, None, or text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise bad("only text content parts are supported", param)
+            out.append(part["text"])
+        return "".join(out)
+    raise bad("content must be a string, null or a list of text parts", param)
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise bad("tool_calls must be a list", param)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+            raise bad("a tool call is {id, type: function, function: {name, arguments}}", f"{param}.{i}")
+        args = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            parsed = args
+        out.append({"id": str(call.get("id", "")), "name": fn["name"], "arguments": parsed})
+    return out
+
+
+def normal_message(msg: Any, i: int) -> dict[str, Any]:
+    """A message as the endpoint compares and renders it: role, text content, and the tool calls
+    (name and parsed arguments) or the tool call it answers."""
+    param = f"messages.{i}"
+    if not isinstance(msg, dict):
+        raise bad("a message is an object with a role", param)
+    role = msg.get("role")
+    if role not in ROLES:
+        raise bad(f"role must be one of {', '.join(ROLES)}, got {role!r}", f"{param}.role")
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    out["content"] = _text(msg.get("content"), f"{param}.content")
+    if role == "assistant":
+        calls = _tool_calls(msg.get("tool_calls"), f"{param}.tool_calls")
+        if calls:
+            out["tool_calls"] = calls
+    if role == "tool":
+        out["tool_call_id"] = str(msg.get("tool_call_id", ""))
+    return out
+
+
+def parse_request(body: Any, max_context_tokens: int) -> ChatRequest:
+    """The request, checked; ApiError names the first field it cannot honour."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    unknown = sorted(set(body) - _SUPPORTED)
+    if unknown:
+        raise bad(f"unsupported field {unknown[0]!r}", unknown[0], "unsupported_parameter")
+    if body.get("stream"):
+        raise bad("stream is not supported yet: send stream false", "stream", "unsupported_parameter")
+    if body.get("n", 1) != 1:
+        raise bad("n must be 1: each trajectory is one sample (the GRPO group is the n)", "n")
+    if body.get("top_logprobs"):
+        raise bad("top_logprobs is not supported: logprobs gives the sampled tokens'", "top_logprobs")
+    if body.get("tool_choice", "auto") not in ("auto", None):
+        raise bad("tool_choice must be 'auto'", "tool_choice", "unsupported_parameter")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list", "messages")
+    normal = [normal_message(m, i) for i, m in enumerate(messages)]
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise bad("tools must be a list of tool objects", "tools")
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not (
+        isinstance(stops, list) and len(stops) <= MAX_STOP and all(isinstance(s, str) and s for s in stops)
+    ):
+        raise bad(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    budget = _integer(body, "max_completion_tokens", 1, max_context_tokens)
+    if budget is None:
+        budget = _integer(body, "max_tokens", 1, max_context_tokens)
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    if temperature == 0.0:
+        raise bad("temperature must be > 0: a trained turn is sampled, with its logprobs", "temperature")
+    seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
+    model = body.get("model", "")
+    return ChatRequest(
+        messages=normal,
+        tools=tools or None,
+        max_tokens=budget,
+        temperature=temperature,
+        top_p=_number(body, "top_p", 0.0, 1.0, low_open=True),
+        stop=stops,
+        seed=None if seed is None else seed % (1 << 64),
+        logprobs=bool(body.get("logprobs")),
+        return_token_ids=bool(body.get("return_token_ids")),
+        model=model if isinstance(model, str) else "",
+    )
+
+
+def parse_tool_calls(text: str, turn: int) -> tuple[str, list[dict[str, Any]]]:
+    """The content and tool calls of a generated turn in the Hermes / Qwen format
+    (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`); a block that does not parse
+    stays in the content."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            data = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not (isinstance(data, dict) and isinstance(data.get("name"), str)):
+            continue
+        args = data.get("arguments", {})
+        kept.append(text[last : m.start()])
+        last = m.end()
+        calls.append({"id": f"call_{turn}_{len(calls)}", "name": data["name"], "arguments": args})
+    kept.append(text[last:])
+    return ("".join(kept).strip() if calls else text), calls
+
+
+def without_stop(text: str, stops: list[str]) -> str:
+    """The content without the stop string that ended it (OpenAI's convention; the trained tokens
+    keep it)."""
+    for s in stops:
+        if text.endswith(s):
+            return text[: -len(s)]
+    return text
+
+
+def assistant_message(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reply in normal form (what a conversation sent back must repeat)."""
+    out: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def completion_body(
+    request_id: str,
+    model: str,
+    created: int,
+    reply: dict[str, Any],
+    finish: str,
+    usage: tuple[int, int],
+    token_texts: list[str] | None,
+    logprobs: list[float] | None,
+    token_ids: tuple[list[int], list[int]] | None,
+) -> dict[str, Any]:
+    """The chat.completion JSON: `finish` is the engine's (stop | length), tool_calls when the reply
+    calls tools; `token_ids` (the context the turn was sampled from, and the turn's tokens) as vLLM's
+    `prompt_token_ids` and choice `token_ids`."""
+    calls = reply.get("tool_calls", [])
+    message: dict[str, Any] = {"role": "assistant", "content": reply["content"] or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+            }
+            for c in calls
+        ]
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "finish_reason": "tool_calls" if calls and finish == "stop" else finish,
+        "logprobs": None,
+    }
+    if token_texts is not None and logprobs is not None:
+        choice["logprobs"] = {
+            "content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(token_texts, logprobs, strict=True)
+            ]
+        }
+    if token_ids is not None:
+        choice["token_ids"] = token_ids[1]
+    prompt, completion = usage
+    body = {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
+    if token_ids is not None:
+        body["prompt_token_ids"] = token_ids[0]
+    return body

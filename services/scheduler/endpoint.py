@@ -1,0 +1,182 @@
+"""Libra's OpenAI-compatible endpoint for `task.agent`: `POST /v1/chat/completions` (and `GET
+/v1/models`), served by the scheduler on loopback. Each trajectory's agent gets its own key; a call
+with it is that trajectory's next turn, answered when the turn's tokens come back. The key dies
+with the trajectory. A request the endpoint cannot honour gets an OpenAI-style 4xx naming the
+field, and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from services.common.logging import get_logger
+from services.scheduler.agents import AgentOutcome
+from services.scheduler.chat_api import ApiError, ChatRequest, parse_request
+
+MAX_BODY_BYTES = 8 << 20
+"""A request body larger than this is refused (413)."""
+ENDED_KEYS_KEPT = 100_000
+"""Keys of ended trajectories remembered, so that a late call hears `trajectory_ended` (410)."""
+
+
+@dataclass
+class Call:
+    """One chat-completions call, waiting for its turn."""
+
+    request: ChatRequest
+    answer: asyncio.Future[tuple[int, dict[str, Any]]]
+
+    def reply(self, status: int, body: dict[str, Any]) -> None:
+        if not self.answer.done():
+            self.answer.set_result((status, body))
+
+    def refuse(self, err: ApiError) -> None:
+        self.reply(err.status, err.body())
+
+
+@dataclass
+class Ended:
+    """The agent's run returned (or failed)."""
+
+    outcome: AgentOutcome
+
+
+@dataclass
+class AgentSession:
+    """One trajectory's side of the endpoint: the calls its agent makes, one at a time, and what the
+    conversation was when Libra last answered (a call must repeat it to continue it)."""
+
+    trajectory_id: str
+    key: str
+    events: asyncio.Queue[Call | Ended] = field(default_factory=asyncio.Queue)
+    pending: Call | None = None
+    """The call made and not yet answered (one at a time)."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The last call's messages and Libra's reply to it, in normal form."""
+    tools: list[dict[str, Any]] | None = None
+    ended: bool = False
+
+    def submit(self, request: ChatRequest) -> asyncio.Future[tuple[int, dict[str, Any]]]:
+        if self.ended:
+            raise ApiError(410, "trajectory_ended", "this trajectory has ended; its key is no longer valid")
+        if self.pending is not None:
+            raise ApiError(
+                409, "call_in_progress", "a trajectory's calls are one at a time: await the last one"
+            )
+        self.pending = Call(request, asyncio.get_running_loop().create_future())
+        self.events.put_nowait(self.pending)
+        return self.pending.answer
+
+    async def next_event(self) -> Call | Ended:
+        return await self.events.get()
+
+    def answer(self, status: int, body: dict[str, Any]) -> None:
+        if self.pending is not None:
+            self.pending.reply(status, body)
+            self.pending = None
+
+    def refuse(self, err: ApiError) -> None:
+        """The pending call is refused; the agent may call again."""
+        if self.pending is not None:
+            self.pending.refuse(err)
+            self.pending = None
+
+    def close(self) -> None:
+        """The trajectory ended: calls waiting get `trajectory_ended`."""
+        self.ended = True
+        gone = ApiError(410, "trajectory_ended", "the trajectory ended before this call was answered")
+        if self.pending is not None:
+            self.pending.refuse(gone)
+            self.pending = None
+
+
+class AgentEndpoint:
+    def __init__(self, host: str, port: int, model: str, max_context_tokens: int):
+        self.host, self.port, self.model = host, port, model
+        self.max_context_tokens = max_context_tokens
+        self.sessions: dict[str, AgentSession] = {}
+        self.ended: OrderedDict[str, None] = OrderedDict()
+        self.runner: web.AppRunner | None = None
+        self.log = get_logger(component="agent_endpoint")
+        self.refused: dict[str, int] = {}
+        """Refused calls by error code, for the report."""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        sock = socket.create_server((self.host, self.port))  # port 0: the kernel picks a free one
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self.runner, sock).start()
+        self.log.info("agent_endpoint_ready", base_url=self.base_url)
+
+    async def close(self) -> None:
+        for session in self.sessions.values():
+            session.close()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    def open(self, trajectory_id: str) -> AgentSession:
+        session = AgentSession(trajectory_id, "lk-" + secrets.token_urlsafe(24))
+        self.sessions[session.key] = session
+        return session
+
+    def drop(self, session: AgentSession) -> None:
+        session.close()
+        self.sessions.pop(session.key, None)
+        self.ended[session.key] = None
+        while len(self.ended) > ENDED_KEYS_KEPT:
+            self.ended.popitem(last=False)
+
+    def _session(self, request: web.Request) -> AgentSession:
+        auth = request.headers.get("Authorization", "")
+        key = auth[len("Bearer ") :].strip() if auth.startswith("Bearer ") else ""
+        session = self.sessions.get(key)
+        if session is not None:
+            return session
+        if key in self.ended:
+            raise ApiError(410, "trajectory_ended", "this trajectory has ended; its key is no longer valid")
+        raise ApiError(401, "invalid_api_key", "unknown key: each trajectory's agent gets its own (api_key)")
+
+    def _refused(self, err: ApiError) -> web.Response:
+        self.refused[err.code] = self.refused.get(err.code, 0) + 1
+        self.log.warning("agent_call_refused", code=err.code, param=err.param, reason=err.message)
+        return web.json_response(err.body(), status=err.status)
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        try:
+            session = self._session(request)
+            try:
+                body = await request.json()
+            except web.HTTPRequestEntityTooLarge:
+                raise ApiError(413, "request_too_large", f"the body exceeds {MAX_BODY_BYTES} bytes") from None
+            except ValueError as err:
+                raise ApiError(400, "invalid_json", f"the body is not JSON: {err}") from None
+            answer = session.submit(parse_request(body, self.max_context_tokens))
+        except ApiError as err:
+            return self._refused(err)
+        status, out = await answer
+        if status >= 400:
+            self.refused[out["error"]["code"]] = self.refused.get(out["error"]["code"], 0) + 1
+        return web.json_response(out, status=status)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._session(request)
+        except ApiError as err:
+            return self._refused(err)
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "libra"}]}
+        )

@@ -1,0 +1,222 @@
+"""The OpenAI-compatible endpoint on a real loopback server, called with the `openai` client, and the
+agent processes that run a user's agent: what a bad call, a stranger's key, a late call, a body too
+large, an agent that raises, hangs, lies or dies each get — a typed answer, nothing else changed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from services.scheduler.agents import AgentPool, check_agent
+from services.scheduler.chat_api import assistant_message, completion_body
+from services.scheduler.endpoint import MAX_BODY_BYTES, AgentEndpoint, AgentSession, Call
+from services.scheduler.plugins import PluginFailure, PluginLoadError
+
+pytestmark = pytest.mark.integration
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+async def _answer_calls(session: AgentSession, replies: int) -> list[Call]:
+    """The episode's side, reduced to answering each call with a fixed completion."""
+    calls = []
+    for i in range(replies):
+        event = await session.next_event()
+        assert isinstance(event, Call)
+        calls.append(event)
+        reply = assistant_message(f"answer {i}", [])
+        session.answer(200, completion_body(str(i), "m", 0, reply, "stop", (3, 2), None, None, None))
+    return calls
+
+
+@pytest.fixture
+async def endpoint() -> Any:
+    ep = AgentEndpoint("127.0.0.1", 0, "tiny", max_context_tokens=512)
+    await ep.start()
+    yield ep
+    await ep.close()
+
+
+def _client(ep: AgentEndpoint, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=ep.base_url, api_key=key, max_retries=0, timeout=30)
+
+
+async def test_a_call_is_answered_with_the_sessions_turn(endpoint: AgentEndpoint) -> None:
+    session = endpoint.open("traj-1")
+    episode = asyncio.create_task(_answer_calls(session, 1))
+    out = await _client(endpoint, session.key).chat.completions.create(
+        model="any", messages=USER, max_tokens=5, temperature=0.5, stop=["END"]
+    )
+    assert (
+        out.choices[0].message.content == "answer 0" and out.usage is not None and out.usage.total_tokens == 5
+    )
+    (call,) = await episode
+    assert (call.request.max_tokens, call.request.temperature, call.request.stop) == (5, 0.5, ["END"])
+    models = await _client(endpoint, session.key).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+async def test_a_strangers_key_and_a_late_call_are_refused(endpoint: AgentEndpoint) -> None:
+    with pytest.raises(openai.AuthenticationError) as err:
+        await _client(endpoint, "lk-not-a-key").chat.completions.create(model="m", messages=USER)
+    assert err.value.code == "invalid_api_key"
+    session = endpoint.open("traj-2")
+    endpoint.drop(session)  # the trajectory ended
+    with pytest.raises(openai.APIStatusError) as gone:
+        await _client(endpoint, session.key).chat.completions.create(model="m", messages=USER)
+    assert (gone.value.status_code, gone.value.code) == (410, "trajectory_ended")
+    assert endpoint.refused == {"invalid_api_key": 1, "trajectory_ended": 1}
+
+
+async def test_bad_calls_get_a_typed_4xx_and_change_nothing(endpoint: AgentEndpoint) -> None:
+    session = endpoint.open("traj-3")
+    client = _client(endpoint, session.key)
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(model="m", messages=USER, presence_penalty=1.0)
+    assert (err.value.code, err.value.param) == ("unsupported_parameter", "presence_penalty")
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(model="m", messages=USER, n=3)
+    assert err.value.param == "n"
+    assert session.pending is None and session.events.empty()  # nothing reached the trajectory
+
+    def post(data: bytes) -> tuple[int, dict[str, Any]]:
+        req = urllib.request.Request(
+            endpoint.base_url + "/chat/completions",
+            data=data,
+            headers={"Authorization": f"Bearer {session.key}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, body = await asyncio.to_thread(post, b"{not json")
+    assert (status, body["error"]["code"]) == (400, "invalid_json")
+    status, body = await asyncio.to_thread(post, b'{"messages": "' + b"x" * MAX_BODY_BYTES + b'"}')
+    assert (status, body["error"]["code"]) == (413, "request_too_large")
+    assert session.pending is None and session.events.empty()
+
+
+async def test_a_trajectorys_calls_are_one_at_a_time(endpoint: AgentEndpoint) -> None:
+    session = endpoint.open("traj-4")
+    client = _client(endpoint, session.key)
+    first = asyncio.create_task(client.chat.completions.create(model="m", messages=USER))
+    while session.pending is None:
+        await asyncio.sleep(0.01)
+    with pytest.raises(openai.ConflictError) as err:
+        await client.chat.completions.create(model="m", messages=USER)
+    assert err.value.code == "call_in_progress"
+    await _answer_calls(session, 1)
+    assert (await first).choices[0].message.content == "answer 0"
+
+
+async def test_a_call_waiting_when_its_trajectory_ends_hears_so(endpoint: AgentEndpoint) -> None:
+    session = endpoint.open("traj-5")
+    waiting = asyncio.create_task(
+        _client(endpoint, session.key).chat.completions.create(model="m", messages=USER)
+    )
+    while session.pending is None:
+        await asyncio.sleep(0.01)
+    endpoint.drop(session)
+    with pytest.raises(openai.APIStatusError) as err:
+        await waiting
+    assert (err.value.status_code, err.value.code) == (410, "trajectory_ended")
+
+
+AGENTS = """
+import asyncio, os, time
+
+async def fine(sample, base_url, api_key):
+    await asyncio.sleep(0.2)
+    return sample["n"] / 10
+
+def plain(sample, base_url, api_key):
+    return None if sample["n"] == 0 else {"score": 0.5}
+
+async def moody(sample, base_url, api_key):
+    mode = sample["mode"]
+    if mode == "raise":
+        raise KeyError("answer")
+    if mode == "hang":
+        await asyncio.sleep(3600)
+    if mode == "lie":
+        return "a lot"
+    if mode == "die":
+        await asyncio.sleep(0.5)
+        os.kill(os.getpid(), 9)
+    return 1.0
+"""
+
+
+@pytest.fixture
+def agents_dir(tmp_path: Path) -> Path:
+    (tmp_path / "my_agents.py").write_text(textwrap.dedent(AGENTS))
+    return tmp_path
+
+
+async def test_one_process_runs_many_agents_at_once(agents_dir: Path) -> None:
+    pool = AgentPool("my_agents:fine", [str(agents_dir)], workers=1, timeout_s=30)
+    await pool.start()
+    try:
+        rewards = await asyncio.gather(*(pool.run(f"t{n}", {"n": n}, "http://x/v1", "k") for n in range(20)))
+        assert rewards == [n / 10 for n in range(20)]
+        plain = AgentPool("my_agents:plain", [str(agents_dir)], workers=2, timeout_s=30)
+        await plain.start()
+        try:
+            assert [await plain.run(f"p{n}", {"n": n}, "u", "k") for n in range(2)] == [None, 0.5]
+        finally:
+            await plain.close()
+    finally:
+        await pool.close()
+
+
+async def test_an_agent_that_fails_fails_only_its_trajectory(agents_dir: Path) -> None:
+    pool = AgentPool("my_agents:moody", [str(agents_dir)], workers=1, timeout_s=3)
+    await pool.start()
+    try:
+        outcomes = await asyncio.gather(
+            *(pool.run(mode, {"mode": mode}, "u", "k") for mode in ("raise", "hang", "lie", "ok"))
+        )
+        codes = [o.code if isinstance(o, PluginFailure) else o for o in outcomes]
+        assert codes == ["agent_error", "agent_timeout", "agent_invalid", 1.0]
+        assert isinstance(outcomes[0], PluginFailure) and "KeyError" in outcomes[0].message
+        assert "my_agents.py" in outcomes[0].message  # where the agent raised
+        died, survivor = await asyncio.gather(
+            pool.run("die", {"mode": "die"}, "u", "k"), pool.run("ok2", {"mode": "ok"}, "u", "k")
+        )
+        assert isinstance(died, PluginFailure) and died.code == "agent_crashed"
+        assert survivor in (1.0, PluginFailure("agent_crashed", "the agent process died"))
+        assert await pool.run("after", {"mode": "ok"}, "u", "k") == 1.0  # a new process took over
+    finally:
+        await pool.close()
+
+
+async def test_a_cancelled_run_answers_at_once(agents_dir: Path) -> None:
+    pool = AgentPool("my_agents:moody", [str(agents_dir)], workers=1, timeout_s=60)
+    await pool.start()
+    try:
+        run = asyncio.create_task(pool.run("h", {"mode": "hang"}, "u", "k"))
+        await asyncio.sleep(0.5)
+        pool.cancel("h")
+        outcome = await asyncio.wait_for(run, 10)
+        assert isinstance(outcome, PluginFailure) and outcome.code == "agent_cancelled"
+        assert pool.workers[0].alive
+    finally:
+        await pool.close()
+
+
+async def test_an_agent_that_cannot_be_loaded_is_a_config_error(agents_dir: Path) -> None:
+    with pytest.raises(PluginLoadError, match="task.agent 'my_agents:nope' cannot be loaded: AttributeError"):
+        await check_agent("my_agents:nope", [str(agents_dir)])
+    with pytest.raises(PluginLoadError, match="ModuleNotFoundError"):
+        await check_agent("not_a_module:agent", [str(agents_dir)])
+    await check_agent("my_agents:fine", [str(agents_dir)])

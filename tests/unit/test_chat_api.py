@@ -1,0 +1,151 @@
+"""The endpoint's reading of a chat-completions request, field by field, and the completion it writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.scheduler.chat_api import (
+    ApiError,
+    assistant_message,
+    completion_body,
+    normal_message,
+    parse_request,
+    parse_tool_calls,
+    without_stop,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _refused(body: Any) -> ApiError:
+    with pytest.raises(ApiError) as err:
+        parse_request(body, 1024)
+    assert err.value.status == 400
+    return err.value
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "code"),
+    [
+        ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
+        ({"stream": True}, "stream", "unsupported_parameter"),
+        ({"n": 2}, "n", "invalid_value"),
+        ({"temperature": 0}, "temperature", "invalid_value"),
+        ({"temperature": 3.0}, "temperature", "invalid_value"),
+        ({"temperature": "hot"}, "temperature", "invalid_value"),
+        ({"top_p": 0}, "top_p", "invalid_value"),
+        ({"max_tokens": True}, "max_tokens", "invalid_value"),
+        ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"max_completion_tokens": 5000}, "max_completion_tokens", "invalid_value"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "invalid_value"),
+        ({"stop": [""]}, "stop", "invalid_value"),
+        ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
+        ({"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+        ({"tools": "calculator"}, "tools", "invalid_value"),
+        ({"messages": []}, "messages", "invalid_value"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "invalid_value"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content",
+            "invalid_value",
+        ),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "invalid_value"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"x": 1}]}]},
+            "messages.0.tool_calls.0",
+            "invalid_value",
+        ),
+    ],
+)
+def test_what_cannot_be_honoured_names_its_field(extra: dict[str, Any], param: str, code: str) -> None:
+    err = _refused({"model": "m", "messages": USER, **extra})
+    assert (err.param, err.code) == (param, code)
+    body = err.body()["error"]
+    assert body["type"] == "invalid_request_error" and body["param"] == param and body["message"]
+
+
+def test_a_body_that_is_not_an_object_is_refused() -> None:
+    assert _refused([1, 2]).message == "the request body must be a JSON object"
+
+
+def test_a_request_in_normal_form() -> None:
+    req = parse_request(
+        {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}],
+                },
+                {"role": "user", "content": "hi", "name": "ignored"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "refusal": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "2"},
+            ],
+            "stop": "END",
+            "seed": -1,
+            "max_tokens": 7,
+            "temperature": 0.7,
+            "logprobs": True,
+        },
+        1024,
+    )
+    assert req.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "name": "f", "arguments": {"a": 1}}],
+        },
+        {"role": "tool", "content": "2", "tool_call_id": "c1"},
+    ]
+    assert (req.stop, req.max_tokens, req.temperature, req.logprobs) == (["END"], 7, 0.7, True)
+    assert req.seed == (1 << 64) - 1  # a negative seed as the engine's unsigned one
+
+
+def test_tool_calls_in_the_hermes_format() -> None:
+    text = (
+        'Let me add.<tool_call>{"name": "calc", "arguments": {"x": "1+1"}}</tool_call>'
+        '<tool_call>{"name": "calc", "arguments": {"x": "2"}}</tool_call><tool_call>not json</tool_call>'
+    )
+    content, calls = parse_tool_calls(text, 3)
+    assert content == "Let me add.<tool_call>not json</tool_call>"
+    assert calls == [
+        {"id": "call_3_0", "name": "calc", "arguments": {"x": "1+1"}},
+        {"id": "call_3_1", "name": "calc", "arguments": {"x": "2"}},
+    ]
+    assert parse_tool_calls("no calls here ", 1) == ("no calls here ", [])
+
+
+def test_a_completion_as_the_openai_client_reads_it() -> None:
+    reply = assistant_message("", [{"id": "call_1_0", "name": "calc", "arguments": {"x": 1}}])
+    body = completion_body("t-1", "m", 1, reply, "stop", (10, 2), ["a", "b"], [-0.5, -0.25], ([1, 2], [3, 4]))
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "calc", "arguments": '{"x": 1}'}
+    assert [c["logprob"] for c in choice["logprobs"]["content"]] == [-0.5, -0.25]
+    assert (body["prompt_token_ids"], choice["token_ids"]) == ([1, 2], [3, 4])
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
+    plain = completion_body("t-2", "m", 1, assistant_message("hi", []), "length", (1, 1), None, None, None)
+    assert plain["choices"][0]["finish_reason"] == "length" and plain["choices"][0]["logprobs"] is None
+    assert "prompt_token_ids" not in plain
+
+
+def test_the_stop_string_is_left_out_of_the_content() -> None:
+    assert without_stop("x = 1</code>", ["</answer>", "</code>"]) == "x = 1"
+    assert without_stop("x = 1", ["</code>"]) == "x = 1"
+
+
+def test_a_message_out_of_order_is_named() -> None:
+    with pytest.raises(ApiError, match="a message is an object") as err:
+        normal_message("hi", 4)
+    assert err.value.param == "messages.4"
