@@ -34,13 +34,15 @@ from tools.runner import run_job
 from tools.stack import ROOT, Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+LONG_TESTS = os.environ.get("LIBRA_LONG_TESTS") == "1"
 LONG = pytest.mark.skipif(
-    os.environ.get("LIBRA_LONG_TESTS") != "1",
-    reason="a long scenario: `make chaos` runs it (LIBRA_LONG_TESTS=1), `make test` does not",
+    not LONG_TESTS, reason="a long scenario: `make chaos` runs it (LIBRA_LONG_TESTS=1), `make test` does not"
 )
 
 VICTIMS = ["rollout-engine-0", "tool-sandbox", "trainer", "planner", "scheduler"]
-PAUSED = {"rollout-engine-1": 14.0, "trainer": 14.0}  # SIGSTOP for longer than the 10 s lease
+PAUSED = {"rollout-engine-1": 14.0, "trainer": 14.0} if LONG_TESTS else {}
+"""SIGSTOP for longer than the 10 s lease: `make chaos` only (a paused worker's lost lease is
+`make test`'s in tests/integration/test_engine_service.py and tests/unit/test_trainer_rollback.py)."""
 INFRA = ["nats", "redis"]
 REDIS_FROZEN_S = 6.0
 
@@ -110,7 +112,7 @@ def _chaos_config(tmp_path: Path, name: str, steps: int, **sections: Any) -> tup
 
 
 def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_path: Path) -> None:
-    config, cfg = _chaos_config(tmp_path, "chaos", steps=70)
+    config, cfg = _chaos_config(tmp_path, "chaos", steps=70 if LONG_TESTS else 50)
     run_id = f"chaos-{int(time.time())}"
     stack = Stack(run_id, tmp_path / "logs", max_restarts=3)
     recovered: dict[str, float] = {}
@@ -144,7 +146,7 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
             while not await all_running():
                 await asyncio.sleep(0.2)
             for victim in VICTIMS:
-                await asyncio.sleep(2.0)
+                await asyncio.sleep(1.0)
                 os.kill(stack.procs[victim].pid, signal.SIGKILL)
                 killed = time.monotonic()
                 await asyncio.sleep(1.5)  # until it has stopped answering as a job member
@@ -155,7 +157,7 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
                     await asyncio.sleep(0.2)
                 recovered[f"kill -9 {victim}"] = time.monotonic() - killed
             for victim, pause in PAUSED.items():  # hung, not dead: the lease expires, work moves on
-                await asyncio.sleep(2.0)
+                await asyncio.sleep(1.0)
                 before = committed_steps()
                 os.kill(stack.procs[victim].pid, signal.SIGSTOP)
                 await asyncio.sleep(pause)
@@ -164,7 +166,7 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
                     return
             # a Redis that stops answering (a client holding it busy, a frozen VM) for less than
             # a lease: every service waits on it, then carries on
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(1.0)
             before = committed_steps()
             assert stack.redis is not None
             os.kill(stack.redis.proc.pid, signal.SIGSTOP)
@@ -175,7 +177,7 @@ def test_killed_services_come_back_and_the_job_completes(tiny_model: Any, tmp_pa
             ):
                 return
             for infra in INFRA:  # the supervisor starts it again on its port, data and credentials
-                await asyncio.sleep(2.0)
+                await asyncio.sleep(1.0)
                 before = committed_steps()
                 server = getattr(stack, infra)
                 assert server is not None
@@ -251,7 +253,7 @@ def test_a_hung_scheduler_or_trainer_is_replaced_and_the_job_completes(
                     break
                 await asyncio.sleep(0.2)
             for victim in HUNG:
-                await asyncio.sleep(2.0)
+                await asyncio.sleep(1.0)
                 before = committed_steps()
                 proc = stack.procs[victim]
                 proc.send_signal(signal.SIGSTOP)
@@ -407,7 +409,7 @@ def _lend_with_faults(data: dict[str, Any], victims: tuple[str, ...], tmp_path: 
                         return
                     await asyncio.sleep(0.2)
                 recovered[_lending_fault(fault)] = time.monotonic() - killed
-                await asyncio.sleep(2.0)
+                await asyncio.sleep(1.0)
         finally:
             await bus.close()
 

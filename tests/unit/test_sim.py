@@ -288,7 +288,7 @@ def test_confidence_interval_math():
 
 def test_cli_runs_a_workload_file_over_seeds_and_writes_cis(tmp_path):
     out = tmp_path / "out"
-    rc = main(["--workload", "search_r1", "--gpus", "8", "--systems", "libra,homogeneous-lb",
+    rc = main(["--workload", "cpu_tools", "--gpus", "8", "--systems", "libra,homogeneous-lb",
                "--steps", "3", "--seeds", "2", "--jobs", "2", "--out", str(out), "--no-plots"])  # fmt: skip
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
