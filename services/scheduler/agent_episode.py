@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from services.common.runconfig import RunConfig
+from services.common.signals import ToolSignal, size_class
 from services.scheduler.agents import AgentPool
 from services.scheduler.chat import TemplateError
 from services.scheduler.chat_api import (
@@ -23,6 +24,8 @@ from services.scheduler.chat_api import (
     assistant_message,
     completion_body,
     parse_tool_calls,
+    returned_signal,
+    text_completion_body,
     without_stop,
 )
 from services.scheduler.endpoint import AgentEndpoint, AgentSession, Call, Ended
@@ -47,6 +50,10 @@ def template_message(msg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _shown(prompt: str | list[int] | None) -> str:
+    return prompt if isinstance(prompt, str) else f"({len(prompt or [])} token ids)"
+
+
 def transcript_text(messages: list[dict[str, Any]]) -> str:
     return "\n".join(f"[{m['role']}] {m['content']}" for m in messages)
 
@@ -60,10 +67,13 @@ class AgentEpisode(Episode):
         assert task.agent is not None
         self.cfg, self.spawn = cfg, spawn
         self.agents = AgentPool(task.agent, task.plugin_paths, task.env_workers, task.agent_timeout_s)
-        self.endpoint = AgentEndpoint(host, port, cfg.model.source, task.max_context_tokens)
+        self.endpoint = AgentEndpoint(
+            host, port, cfg.model.source, task.max_context_tokens, len(prompter.tok)
+        )
         self.sessions: dict[str, AgentSession] = {}
-        self.observations: dict[str, list[int]] = {}
-        """Each trajectory's next observation, rendered while its call was checked."""
+        self.observations: dict[str, tuple[list[int], ToolSignal]] = {}
+        """Each trajectory's next observation, rendered while its call was checked, and what
+        C-MLFQ is to see of it."""
         self.history_edited = 0
 
     async def start(self) -> None:
@@ -83,14 +93,17 @@ class AgentEpisode(Episode):
             event = await session.next_event()
             if isinstance(event, Ended):
                 return self._ended_early(event)
+            request = event.request
             try:
-                prompt = self._prompt(event.request)
+                prompt = self._prompt(request)
             except ApiError as err:
                 session.refuse(err)
                 continue
             traj.set_prompt(prompt)
-            live.prompt_messages = event.request.messages
-            session.tools = event.request.tools
+            session.tools, session.completions = request.tools, request.prompt is not None
+            if isinstance(request.prompt, str):
+                session.text = request.prompt
+            live.prompt_messages = request.messages or [{"role": "prompt", "content": _shown(request.prompt)}]
             self._sample_as_asked(live, event.request)
             return None
 
@@ -105,6 +118,15 @@ class AgentEpisode(Episode):
         return PluginFailure("agent_invalid", "the agent returned without calling the model")
 
     def _prompt(self, request: ChatRequest) -> list[int]:
+        if request.prompt is not None:  # a completions call: text as the tokenizer reads it, or ids
+            prompt = request.prompt
+            ids = (
+                list(prompt)
+                if isinstance(prompt, list)
+                else [int(t) for t in self.prompter.tok(prompt)["input_ids"]]
+            )
+            self._fits(len(ids))
+            return ids
         if request.messages[-1]["role"] == "assistant":
             raise ApiError(
                 400, "invalid_value", "the last message is the assistant's: nothing to answer", "messages"
@@ -158,40 +180,51 @@ class AgentEpisode(Episode):
         assert session.pending is not None
         request = session.pending.request
         content = without_stop(turn.text, list(live.stop or []))
-        content, calls = parse_tool_calls(content, live.traj.turns + 1) if request.tools else (content, [])
-        reply = assistant_message(content, calls)
-        session.history = [*request.messages, reply]
         tok = self.prompter.tok
-        texts = [tok.decode([t]) for t in turn.token_ids] if request.logprobs else None
-        body = completion_body(
+        rid, model = (
             live.trajectory_id[-12:] + f"-{live.traj.turns + 1}",
             request.model or self.endpoint.model,
-            int(time.time()),
-            reply,
-            turn.finish_reason,
-            (live.traj.context_tokens, len(turn.token_ids)),
-            texts,
-            list(turn.logprobs) if request.logprobs else None,
-            (live.traj.context, list(turn.token_ids)) if request.return_token_ids else None,
         )
+        usage = (live.traj.context_tokens, len(turn.token_ids))
+        texts = [tok.decode([t]) for t in turn.token_ids] if request.logprobs else None
+        logprobs = list(turn.logprobs) if request.logprobs else None
+        ids = (live.traj.context, list(turn.token_ids)) if request.return_token_ids else None
+        if request.prompt is not None:
+            if session.text is not None:
+                session.text += content
+            body = text_completion_body(
+                rid, model, int(time.time()), content, turn.finish_reason, usage, texts, logprobs, ids
+            )
+        else:
+            content, calls = (
+                parse_tool_calls(content, live.traj.turns + 1) if request.tools else (content, [])
+            )
+            reply = assistant_message(content, calls)
+            session.history = [*request.messages, reply]
+            body = completion_body(
+                rid, model, int(time.time()), reply, turn.finish_reason, usage, texts, logprobs, ids
+            )
         session.answer(200, body)
 
     def _continued(self, live: Live, session: AgentSession, call: Call) -> list[dict[str, Any]]:
         """The messages this call adds, checked and rendered (`observations`); ApiError if it does
         not continue the conversation as Libra answered it, or would not fit."""
         request, before = call.request, session.history
+        if (request.prompt is not None) != session.completions:
+            kind = "completions" if session.completions else "chat completions"
+            raise ApiError(
+                400, "invalid_value", f"this trajectory's calls are {kind}: one kind per trajectory"
+            )
+        if request.prompt is not None:
+            return self._prompt_continued(live, session, request.prompt)
         if request.messages[: len(before)] != before or request.tools != session.tools:
-            self.history_edited += 1
             at = next(
                 (i for i, (a, b) in enumerate(zip(request.messages, before, strict=False)) if a != b), None
             )
             where = f"message {at} differs" if at is not None else "it is shorter"
-            raise ApiError(
-                400,
-                "history_edited",
-                f"the conversation does not repeat the one this trajectory had ({where}, or its tools changed): "
-                "a trajectory's history is what was sampled, and editing it is not supported yet",
+            self._edited(
                 "messages" if at is None else f"messages.{at}",
+                f"the conversation does not repeat the one this trajectory had ({where}, or its tools changed)",
             )
         new = request.messages[len(before) :]
         if new and new[-1]["role"] == "assistant":
@@ -205,14 +238,48 @@ class AgentEpisode(Episode):
         except TemplateError as err:
             raise ApiError(400, "template_error", str(err), "messages") from None
         self._fits(live.traj.context_tokens + len(ids))
-        self.observations[live.trajectory_id] = ids
+        self.observations[live.trajectory_id] = (
+            ids,
+            returned_signal(new, before[-1] if before else None, len(ids)),
+        )
         return new
+
+    def _prompt_continued(
+        self, live: Live, session: AgentSession, prompt: str | list[int]
+    ) -> list[dict[str, Any]]:
+        """A completions call after the first: its prompt must begin with the trajectory so far —
+        its context as token ids, or the text of the prompt and the completions returned."""
+        if isinstance(prompt, list):
+            context = live.traj.context
+            if prompt[: len(context)] != context:
+                self._edited("prompt", "the prompt's ids do not begin with this trajectory's context")
+            ids, added, session.text = prompt[len(context) :], f"({len(prompt) - len(context)} tokens)", None
+        else:
+            if session.text is None or not prompt.startswith(session.text):
+                self._edited("prompt", "the prompt does not begin with this trajectory's text so far")
+            added = prompt[len(session.text or "") :]
+            ids, session.text = self.prompter.chat.ids(added), prompt
+        self._fits(live.traj.context_tokens + len(ids))
+        self.observations[live.trajectory_id] = (ids, ToolSignal("user", size_class(len(ids)), "success"))
+        return [{"role": "user", "content": added}]
+
+    def _edited(self, param: str, why: str) -> NoReturn:
+        self.history_edited += 1
+        raise ApiError(
+            400,
+            "history_edited",
+            f"{why}: a trajectory's history is what was sampled, and editing it is not supported yet",
+            param,
+        )
 
     def calls_refused(self) -> dict[str, int]:
         return dict(self.endpoint.refused)
 
     def reply_ids(self, live: Live, text: str) -> list[int]:
-        return self.observations.pop(live.trajectory_id)
+        return self.observations[live.trajectory_id][0]
+
+    def reply_signal(self, live: Live, observation_ids: list[int]) -> ToolSignal:
+        return self.observations.pop(live.trajectory_id)[1]
 
     def forget(self, live: Live) -> None:
         session = self.sessions.pop(live.trajectory_id, None)

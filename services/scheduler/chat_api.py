@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.signals import ToolSignal, size_class
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
 _SUPPORTED = {
@@ -24,6 +26,7 @@ _SUPPORTED = {
     "seed",
     "n",
     "stream",
+    "stream_options",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -54,8 +57,12 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 
 @dataclass(frozen=True)
 class ChatRequest:
+    """A chat-completions call, or a (text) completions call (`prompt` set, no messages)."""
+
     messages: list[dict[str, Any]]
     """As sent, in normal form (`normal_message`)."""
+    prompt: str | list[int] | None = None
+    """A completions call's prompt: text, or token ids."""
     tools: list[dict[str, Any]] | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -65,6 +72,10 @@ class ChatRequest:
     logprobs: bool = False
     return_token_ids: bool = False
     model: str = ""
+    stream: bool = False
+    """Server-sent events: the completion as chunks (sent once the turn is done)."""
+    include_usage: bool = False
+    """With stream: a last chunk with the usage."""
 
 
 def _number(
@@ -149,28 +160,21 @@ def normal_message(msg: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def parse_request(body: Any, max_context_tokens: int) -> ChatRequest:
-    """The request, checked; ApiError names the first field it cannot honour."""
+def _common(body: Any, supported: set[str], max_context_tokens: int) -> dict[str, Any]:
+    """What chat and text completions share: the fields, n, streaming and sampling."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    unknown = sorted(set(body) - _SUPPORTED)
+    unknown = sorted(set(body) - supported)
     if unknown:
         raise bad(f"unsupported field {unknown[0]!r}", unknown[0], "unsupported_parameter")
-    if body.get("stream"):
-        raise bad("stream is not supported yet: send stream false", "stream", "unsupported_parameter")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad("stream must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not (isinstance(options, dict) and set(options) <= {"include_usage"}):
+        raise bad("stream_options takes include_usage only", "stream_options")
     if body.get("n", 1) != 1:
         raise bad("n must be 1: each trajectory is one sample (the GRPO group is the n)", "n")
-    if body.get("top_logprobs"):
-        raise bad("top_logprobs is not supported: logprobs gives the sampled tokens'", "top_logprobs")
-    if body.get("tool_choice", "auto") not in ("auto", None):
-        raise bad("tool_choice must be 'auto'", "tool_choice", "unsupported_parameter")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages must be a non-empty list", "messages")
-    normal = [normal_message(m, i) for i, m in enumerate(messages)]
-    tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise bad("tools must be a list of tool objects", "tools")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not (
@@ -185,18 +189,61 @@ def parse_request(body: Any, max_context_tokens: int) -> ChatRequest:
         raise bad("temperature must be > 0: a trained turn is sampled, with its logprobs", "temperature")
     seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
     model = body.get("model", "")
-    return ChatRequest(
-        messages=normal,
-        tools=tools or None,
-        max_tokens=budget,
-        temperature=temperature,
-        top_p=_number(body, "top_p", 0.0, 1.0, low_open=True),
-        stop=stops,
-        seed=None if seed is None else seed % (1 << 64),
-        logprobs=bool(body.get("logprobs")),
-        return_token_ids=bool(body.get("return_token_ids")),
-        model=model if isinstance(model, str) else "",
-    )
+    return {
+        "max_tokens": budget,
+        "temperature": temperature,
+        "top_p": _number(body, "top_p", 0.0, 1.0, low_open=True),
+        "stop": stops,
+        "seed": None if seed is None else seed % (1 << 64),
+        "return_token_ids": bool(body.get("return_token_ids")),
+        "model": model if isinstance(model, str) else "",
+        "stream": stream,
+        "include_usage": bool(options.get("include_usage")) and stream,
+    }
+
+
+def parse_request(body: Any, max_context_tokens: int) -> ChatRequest:
+    """A chat-completions request, checked; ApiError names the first field it cannot honour."""
+    common = _common(body, _SUPPORTED, max_context_tokens)
+    if body.get("top_logprobs"):
+        raise bad("top_logprobs is not supported: logprobs gives the sampled tokens'", "top_logprobs")
+    if body.get("tool_choice", "auto") not in ("auto", None):
+        raise bad("tool_choice must be 'auto'", "tool_choice", "unsupported_parameter")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list", "messages")
+    normal = [normal_message(m, i) for i, m in enumerate(messages)]
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise bad("tools must be a list of tool objects", "tools")
+    return ChatRequest(messages=normal, tools=tools or None, logprobs=bool(body.get("logprobs")), **common)
+
+
+_COMPLETION_FIELDS = (
+    _SUPPORTED - {"messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs"}
+) | {"prompt"}
+
+
+def parse_completion(body: Any, max_context_tokens: int, vocab_size: int) -> ChatRequest:
+    """A (text) completions request: `prompt` is text or token ids; ApiError names the first field
+    it cannot honour."""
+    common = _common(body, _COMPLETION_FIELDS, max_context_tokens)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # one prompt in a list
+    if isinstance(prompt, list):
+        if not prompt or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt
+        ):
+            raise bad(f"a token-id prompt is a non-empty list of ids below {vocab_size}", "prompt")
+    elif not (isinstance(prompt, str) and prompt):
+        raise bad("prompt must be a non-empty string or a list of token ids (one prompt: n is 1)", "prompt")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (
+        isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 1
+    ):
+        raise bad("logprobs must be 0 or 1: the sampled tokens' (no top-k alternatives)", "logprobs")
+    return ChatRequest(messages=[], prompt=prompt, logprobs=logprobs is not None, **common)
 
 
 def parse_tool_calls(text: str, turn: int) -> tuple[str, list[dict[str, Any]]]:
@@ -294,3 +341,108 @@ def completion_body(
     if token_ids is not None:
         body["prompt_token_ids"] = token_ids[0]
     return body
+
+
+def completion_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A chat.completion as the chat.completion.chunk events a streaming client reads: the role,
+    the content (with its logprobs), the tool calls, the finish reason, and the usage if asked.
+    The turn is whole when it is sent: the chunks stream what was generated, not as it was."""
+    choice = body["choices"][0]
+    message = choice["message"]
+    head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+    def chunk(delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None} | extra
+        return head | {"choices": [out]}
+
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    if message.get("content"):
+        chunks.append(chunk({"content": message["content"]}, logprobs=choice["logprobs"]))
+    for i, call in enumerate(message.get("tool_calls", [])):
+        chunks.append(chunk({"tool_calls": [{"index": i, **call}]}))
+    last = chunk({}, finish_reason=choice["finish_reason"])
+    if "token_ids" in choice:
+        last["choices"][0]["token_ids"] = choice["token_ids"]
+    if "prompt_token_ids" in body:
+        last["prompt_token_ids"] = body["prompt_token_ids"]
+    chunks.append(last)
+    if include_usage:
+        chunks.append(head | {"choices": [], "usage": body["usage"]})
+    return chunks
+
+
+_TIMED_OUT = re.compile(r"timed? ?out|timeout|deadline exceeded", re.I)
+_FAILED = re.compile(r"^\s*(error|traceback|exception)|(error|exception|failed):", re.I)
+
+
+def returned_signal(new: list[dict[str, Any]], reply: dict[str, Any] | None, tokens: int) -> ToolSignal:
+    """What an agent's next call tells C-MLFQ: its tool results (the tool named by the call they
+    answer; `timeout` or `failure` where the text says so, else `success`) or, with none, the
+    user's message; the size class of what the call adds."""
+    results = [m for m in new if m["role"] == "tool"]
+    size = size_class(tokens)
+    if not results:
+        return ToolSignal("user", size, "success")
+    names = {c["id"]: c["name"] for c in (reply or {}).get("tool_calls", [])}
+    tool = names.get(results[0].get("tool_call_id", ""), "tool")
+    texts = [m["content"] for m in results]
+    if any(_TIMED_OUT.search(t) for t in texts):
+        return ToolSignal(tool, size, "timeout")
+    if any(_FAILED.search(t) for t in texts):
+        return ToolSignal(tool, size, "failure")
+    return ToolSignal(tool, size, "success")
+
+
+def text_completion_body(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish: str,
+    usage: tuple[int, int],
+    token_texts: list[str] | None,
+    logprobs: list[float] | None,
+    token_ids: tuple[list[int], list[int]] | None,
+) -> dict[str, Any]:
+    """The text_completion JSON (the legacy completions API's logprobs layout)."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    if token_texts is not None and logprobs is not None:
+        offsets = [sum(len(t) for t in token_texts[:i]) for i in range(len(token_texts))]
+        choice["logprobs"] = {
+            "tokens": token_texts,
+            "token_logprobs": logprobs,
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+    if token_ids is not None:
+        choice["token_ids"] = token_ids[1]
+    prompt, completion = usage
+    body = {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
+    if token_ids is not None:
+        body["prompt_token_ids"] = token_ids[0]
+    return body
+
+
+def text_completion_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A text_completion as streamed: the text in one chunk, then the finish reason."""
+    choice = body["choices"][0]
+    head = {k: body[k] for k in ("id", "object", "created", "model")}
+    chunks = [head | {"choices": [{**choice, "finish_reason": None}]}]
+    if "prompt_token_ids" in body:
+        chunks[0]["prompt_token_ids"] = body["prompt_token_ids"]
+    last = {"index": 0, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+    chunks.append(head | {"choices": [last]})
+    if include_usage:
+        chunks.append(head | {"choices": [], "usage": body["usage"]})
+    return chunks

@@ -283,7 +283,7 @@ class TrajectoryDriver:
         live.replies.append(action.text)
         live.transcript.environment(action.text)
         obs = self.episode.reply_ids(live, action.text)
-        self._route_after_observation(live, ToolSignal("environment", size_class(len(obs)), "success"), obs)
+        self._route_after_observation(live, self.episode.reply_signal(live, obs), obs)
         await self._execute(live, traj.on_reply(obs))
 
     async def fail(self, live: Live, code: str, message: str) -> None:

@@ -1,5 +1,5 @@
-"""Libra's OpenAI-compatible endpoint for `task.agent`: `POST /v1/chat/completions` (and `GET
-/v1/models`), served by the scheduler on loopback. Each trajectory's agent gets its own key; a call
+"""Libra's OpenAI-compatible endpoint for `task.agent`: `POST /v1/chat/completions` and
+`/v1/completions` (and `GET /v1/models`), served by the scheduler on loopback. Each trajectory's agent gets its own key; a call
 with it is that trajectory's next turn, answered when the turn's tokens come back. The key dies
 with the trajectory. A request the endpoint cannot honour gets an OpenAI-style 4xx naming the
 field, and changes nothing."""
@@ -7,9 +7,11 @@ field, and changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import socket
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +19,14 @@ from aiohttp import web
 
 from services.common.logging import get_logger
 from services.scheduler.agents import AgentOutcome
-from services.scheduler.chat_api import ApiError, ChatRequest, parse_request
+from services.scheduler.chat_api import (
+    ApiError,
+    ChatRequest,
+    completion_chunks,
+    parse_completion,
+    parse_request,
+    text_completion_chunks,
+)
 
 MAX_BODY_BYTES = 8 << 20
 """A request body larger than this is refused (413)."""
@@ -60,6 +69,10 @@ class AgentSession:
     history: list[dict[str, Any]] = field(default_factory=list)
     """The last call's messages and Libra's reply to it, in normal form."""
     tools: list[dict[str, Any]] | None = None
+    completions: bool = False
+    """Its calls are (text) completions, not chat completions."""
+    text: str | None = None
+    """Completions with text prompts: the prompt and the completions returned so far."""
     ended: bool = False
 
     def submit(self, request: ChatRequest) -> asyncio.Future[tuple[int, dict[str, Any]]]:
@@ -97,9 +110,10 @@ class AgentSession:
 
 
 class AgentEndpoint:
-    def __init__(self, host: str, port: int, model: str, max_context_tokens: int):
+    def __init__(self, host: str, port: int, model: str, max_context_tokens: int, vocab_size: int = 1 << 31):
+        """`vocab_size`: token ids a completions prompt may hold."""
         self.host, self.port, self.model = host, port, model
-        self.max_context_tokens = max_context_tokens
+        self.max_context_tokens, self.vocab_size = max_context_tokens, vocab_size
         self.sessions: dict[str, AgentSession] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.runner: web.AppRunner | None = None
@@ -114,6 +128,7 @@ class AgentEndpoint:
     async def start(self) -> None:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completion)
         app.router.add_get("/v1/models", self._models)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
@@ -155,7 +170,25 @@ class AgentEndpoint:
         self.log.warning("agent_call_refused", code=err.code, param=err.param, reason=err.message)
         return web.json_response(err.body(), status=err.status)
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._call(
+            request, lambda body: parse_request(body, self.max_context_tokens), completion_chunks
+        )
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        def parse(body: Any) -> ChatRequest:
+            return parse_completion(body, self.max_context_tokens, self.vocab_size)
+
+        return await self._call(request, parse, text_completion_chunks)
+
+    async def _call(
+        self,
+        request: web.Request,
+        parse: Callable[[Any], ChatRequest],
+        chunks: Callable[[dict[str, Any], bool], list[dict[str, Any]]],
+    ) -> web.StreamResponse:
+        """One call: checked, handed to its trajectory, answered when its turn is (as JSON, or as
+        server-sent events)."""
         try:
             session = self._session(request)
             try:
@@ -164,13 +197,24 @@ class AgentEndpoint:
                 raise ApiError(413, "request_too_large", f"the body exceeds {MAX_BODY_BYTES} bytes") from None
             except ValueError as err:
                 raise ApiError(400, "invalid_json", f"the body is not JSON: {err}") from None
-            answer = session.submit(parse_request(body, self.max_context_tokens))
+            call = parse(body)
+            answer = session.submit(call)
         except ApiError as err:
             return self._refused(err)
         status, out = await answer
         if status >= 400:
             self.refused[out["error"]["code"]] = self.refused.get(out["error"]["code"], 0) + 1
-        return web.json_response(out, status=status)
+        if status >= 400 or not call.stream:
+            return web.json_response(out, status=status)
+        stream = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await stream.prepare(request)
+        for chunk in chunks(out, call.include_usage):
+            await stream.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await stream.write(b"data: [DONE]\n\n")
+        await stream.write_eof()
+        return stream
 
     async def _models(self, request: web.Request) -> web.Response:
         try:

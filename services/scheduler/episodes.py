@@ -13,8 +13,8 @@ from typing import Any
 from opentelemetry import trace
 
 from services.common.runconfig import RunConfig
+from services.common.signals import ToolSignal, size_class
 from services.common.tracing import tracer
-from services.policy.prefix_tree import ToolSignal
 from services.scheduler.agent import observation
 from services.scheduler.environment import EnvPool, Step
 from services.scheduler.feed import GroupTicket
@@ -78,6 +78,10 @@ class Episode:
     def reply_ids(self, live: Live, text: str) -> list[int]:
         """The tokens of the episode's reply `text` (a `Step.observation`)."""
         return self.prompter.observation_ids(text, live.traj.ended_with_eos)
+
+    def reply_signal(self, live: Live, observation_ids: list[int]) -> ToolSignal:
+        """What C-MLFQ sees of the reply: a small, successful return of the environment."""
+        return ToolSignal("environment", size_class(len(observation_ids)), "success")
 
     async def tool_observation(
         self, live: Live, status: str, payload: str, signal: ToolSignal

@@ -725,10 +725,34 @@ TOOLS = [{"type": "function", "function": {"name": "calculator", "description": 
           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
 
 
+async def completions(client, sample):
+    \"\"\"Mode `text`: /v1/completions with text prompts, each the last one, the text returned and
+    more; mode `ids`: token-id prompts, the context so far and one more token.\"\"\"
+    question = sample["question"]
+    prompt = question if isinstance(question, str) else question[0]["content"]
+    seen = []
+    for turn in range(3):
+        out = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, logprobs=1, extra_body={"return_token_ids": True}
+        )
+        choice = out.choices[0]
+        context, ids = out.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+        assert context[: len(seen)] == seen, "a sampled token changed in the context"
+        assert len(ids) == len(choice.logprobs.token_logprobs) <= 6
+        seen = context + ids
+        if sample["mode"] == "text":
+            prompt = prompt + choice.text + f"Go on ({turn}).\\n"
+        else:
+            prompt = seen + [198]
+    return 0.5
+
+
 async def agent(sample, base_url, api_key):
     \"\"\"Three calls whatever the model writes, checking that every sampled token stays in the context;
     mode `edit` rewrites its history once (refused), mode `raise` has a bug.\"\"\"
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    if sample["mode"] in ("text", "ids"):
+        return await completions(client, sample)
     question = sample["question"]
     messages = list(question) if isinstance(question, list) else [{"role": "user", "content": question}]
     seen = []
@@ -759,7 +783,7 @@ async def agent(sample, base_url, api_key):
 
 
 def test_your_own_agent_over_the_openai_endpoint_trains_what_it_sampled(stack: Stack, tmp_path: Path) -> None:
-    data, plugins = _own_task(tmp_path, ["ok", "edit", "raise", "ok", "ok", "edit", "ok", "ok"])
+    data, plugins = _own_task(tmp_path, ["ok", "edit", "raise", "text", "ok", "edit", "ids", "ok"])
     (plugins / "my_agent.py").write_text(AGENT_PLUGIN)
     task = {
         "dataset": {"path": str(data), "prompt_key": "question"},
@@ -782,7 +806,7 @@ def test_your_own_agent_over_the_openai_endpoint_trains_what_it_sampled(stack: S
     trained = [s for s in samples if s["outcome"] == "trained"]
     assert trained and all(s["turns"] == 3 for s in trained)
     assert all(
-        e["text"].startswith("[user] Go on (")
+        e["text"].startswith(("[user] Go on (", "[user] (1 tokens)"))
         for s in trained
         for e in s["events"]
         if e["role"] == "environment"

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from services.scheduler.agents import AgentPool, check_agent
-from services.scheduler.chat_api import assistant_message, completion_body
+from services.scheduler.chat_api import assistant_message, completion_body, text_completion_body
 from services.scheduler.endpoint import MAX_BODY_BYTES, AgentEndpoint, AgentSession, Call
 from services.scheduler.plugins import PluginFailure, PluginLoadError
 
@@ -32,14 +32,20 @@ async def _answer_calls(session: AgentSession, replies: int) -> list[Call]:
         event = await session.next_event()
         assert isinstance(event, Call)
         calls.append(event)
-        reply = assistant_message(f"answer {i}", [])
-        session.answer(200, completion_body(str(i), "m", 0, reply, "stop", (3, 2), None, None, None))
+        if event.request.prompt is not None:
+            body = text_completion_body(
+                str(i), "m", 0, f"answer {i}", "length", (3, 2), ["a", "b"], [-1.0, -2.0], None
+            )
+        else:
+            reply = assistant_message(f"answer {i}", [])
+            body = completion_body(str(i), "m", 0, reply, "stop", (3, 2), None, None, None)
+        session.answer(200, body)
     return calls
 
 
 @pytest.fixture
 async def endpoint() -> Any:
-    ep = AgentEndpoint("127.0.0.1", 0, "tiny", max_context_tokens=512)
+    ep = AgentEndpoint("127.0.0.1", 0, "tiny", max_context_tokens=512, vocab_size=1000)
     await ep.start()
     yield ep
     await ep.close()
@@ -62,6 +68,39 @@ async def test_a_call_is_answered_with_the_sessions_turn(endpoint: AgentEndpoint
     assert (call.request.max_tokens, call.request.temperature, call.request.stop) == (5, 0.5, ["END"])
     models = await _client(endpoint, session.key).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+
+
+async def test_a_streamed_call_reads_as_the_whole_completion(endpoint: AgentEndpoint) -> None:
+    session = endpoint.open("traj-s")
+    episode = asyncio.create_task(_answer_calls(session, 1))
+    stream = await _client(endpoint, session.key).chat.completions.create(
+        model="any", messages=USER, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    await episode
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "answer 0"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 5
+
+
+async def test_a_text_completion_call_plain_and_streamed(endpoint: AgentEndpoint) -> None:
+    session = endpoint.open("traj-c")
+    episode = asyncio.create_task(_answer_calls(session, 2))
+    client = _client(endpoint, session.key)
+    out = await client.completions.create(model="m", prompt=[1, 2, 3], max_tokens=2, logprobs=1)
+    assert out.choices[0].text == "answer 0" and out.choices[0].logprobs is not None
+    assert out.choices[0].logprobs.token_logprobs == [-1.0, -2.0] and out.choices[0].finish_reason == "length"
+    stream = await client.completions.create(model="m", prompt="Once upon", stream=True)
+    chunks = [c async for c in stream]
+    (first, second) = await episode
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "answer 1"
+    assert (first.request.prompt, second.request.prompt) == ([1, 2, 3], "Once upon")
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model="m", prompt=[1, 10**9])
+    assert err.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model="m", prompt="x", echo=True)
+    assert (err.value.param, err.value.code) == ("echo", "unsupported_parameter")
 
 
 async def test_a_strangers_key_and_a_late_call_are_refused(endpoint: AgentEndpoint) -> None:

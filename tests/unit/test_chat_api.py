@@ -6,13 +6,19 @@ from typing import Any
 
 import pytest
 
+from services.common.signals import ToolSignal
 from services.scheduler.chat_api import (
     ApiError,
     assistant_message,
     completion_body,
+    completion_chunks,
     normal_message,
+    parse_completion,
     parse_request,
     parse_tool_calls,
+    returned_signal,
+    text_completion_body,
+    text_completion_chunks,
     without_stop,
 )
 
@@ -30,7 +36,8 @@ def _refused(body: Any) -> ApiError:
     ("extra", "param", "code"),
     [
         ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
-        ({"stream": True}, "stream", "unsupported_parameter"),
+        ({"stream": "yes"}, "stream", "invalid_value"),
+        ({"stream": True, "stream_options": {"chunk_size": 1}}, "stream_options", "invalid_value"),
         ({"n": 2}, "n", "invalid_value"),
         ({"temperature": 0}, "temperature", "invalid_value"),
         ({"temperature": 3.0}, "temperature", "invalid_value"),
@@ -149,3 +156,92 @@ def test_a_message_out_of_order_is_named() -> None:
     with pytest.raises(ApiError, match="a message is an object") as err:
         normal_message("hi", 4)
     assert err.value.param == "messages.4"
+
+
+def test_a_streamed_completion_adds_up_to_the_whole_one() -> None:
+    reply = assistant_message("Let me add.", [{"id": "call_1_0", "name": "calc", "arguments": {"x": 1}}])
+    body = completion_body(
+        "t-1", "m", 1, reply, "stop", (10, 3), ["a", "b", "c"], [-0.1, -0.2, -0.3], ([1], [2, 3, 4])
+    )
+    chunks = completion_chunks(body, include_usage=True)
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and {c["id"] for c in chunks} == {
+        body["id"]
+    }
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content", "") for d in deltas) == "Let me add."
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert calls[0]["index"] == 0 and calls[0]["function"] == {"name": "calc", "arguments": '{"x": 1}'}
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finish == [None, None, None, "tool_calls"]
+    assert chunks[-2]["choices"][0]["token_ids"] == [2, 3, 4] and chunks[-2]["prompt_token_ids"] == [1]
+    assert chunks[-1] == {
+        **{k: chunks[0][k] for k in ("id", "created", "model", "object")},
+        "choices": [],
+        "usage": body["usage"],
+    }
+    logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [t["logprob"] for lp in logprobs for t in lp["content"]] == [-0.1, -0.2, -0.3]
+    assert len(completion_chunks(body, include_usage=False)) == len(chunks) - 1
+
+
+def test_what_an_agents_next_call_tells_cmlfq() -> None:
+    reply = assistant_message(
+        "", [{"id": "c1", "name": "search", "arguments": {}}, {"id": "c2", "name": "python", "arguments": {}}]
+    )
+
+    def tool(call_id: str, content: str) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+    assert returned_signal([tool("c1", "3 results")], reply, 40) == ToolSignal("search", "small", "success")
+    assert (
+        returned_signal([tool("c2", "Traceback (most recent call last): ...")], reply, 600).key
+        == "python|medium|failure"
+    )
+    assert returned_signal([tool("c2", "ValueError: bad input")], reply, 10).status == "failure"
+    assert returned_signal([tool("c1", "ok"), tool("c2", "the call timed out")], reply, 10) == ToolSignal(
+        "search", "small", "timeout"
+    )
+    assert returned_signal([tool("zz", "fine")], reply, 10).tool == "tool"  # answers no call it made
+    assert returned_signal([{"role": "user", "content": "next"}], reply, 5000) == ToolSignal(
+        "user", "large", "success"
+    )
+    assert returned_signal([tool("c1", "no errors found")], reply, 10).status == "success"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, 99]}, "prompt"),
+        ({"prompt": [1, True]}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": "x", "logprobs": 5}, "logprobs"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "messages": USER}, "messages"),
+        ({"prompt": "x", "best_of": 2}, "best_of"),
+    ],
+)
+def test_a_completions_request_names_what_it_cannot_honour(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_completion({"model": "m", **body}, 1024, vocab_size=50)
+    assert err.value.param == param
+
+
+def test_a_completions_request_and_its_answer() -> None:
+    req = parse_completion({"model": "m", "prompt": ["Once"], "logprobs": 0, "stop": "."}, 1024, 50)
+    assert (req.prompt, req.logprobs, req.stop, req.messages) == ("Once", True, ["."], [])
+    assert parse_completion({"prompt": [[3, 4]]}, 1024, 50).prompt == [3, 4]
+    body = text_completion_body(
+        "x", "m", 1, "ab", "stop", (2, 2), ["a", "b"], [-0.5, -0.25], ([3, 4], [5, 6])
+    )
+    lp = body["choices"][0]["logprobs"]
+    assert (lp["tokens"], lp["token_logprobs"], lp["text_offset"]) == (["a", "b"], [-0.5, -0.25], [0, 1])
+    assert (body["object"], body["prompt_token_ids"], body["choices"][0]["token_ids"]) == (
+        "text_completion",
+        [3, 4],
+        [5, 6],
+    )
+    chunks = text_completion_chunks(body, include_usage=True)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "ab"
+    assert chunks[0]["prompt_token_ids"] == [3, 4] and chunks[-1]["usage"] == body["usage"]
