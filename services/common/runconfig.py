@@ -70,8 +70,24 @@ class DatasetFile(_Strict):
     """Prepended as a system message to plain-text prompts (chat prompts carry their own)."""
 
 
+class ReasoningGymDataset(_Strict):
+    """Procedural tasks of the `reasoning-gym` package (the `environments` extra), each scored by its
+    own scorer (`task.reward: reasoning_gym`, the default for them)."""
+
+    reasoning_gym: str = Field(pattern=r"^[a-z0-9_]{1,64}$")
+    """The task's name in reasoning-gym (`basic_arithmetic`, `chain_sum`, `leg_counting`, ...)."""
+    size: int = Field(500, ge=1, le=1_000_000)
+    """Samples generated (the feed cycles through them)."""
+    seed: int = 0
+    """Seed of the task's generator: the same seed, the same samples."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """The task's own settings, as its config class names them (e.g. `{min_terms: 2, max_terms: 3}`)."""
+    system_prompt: str | None = None
+    """Default: reasoning-gym's own (think step by step, then `<answer>...</answer>`)."""
+
+
 _PLUGIN_REF = r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"
-_REWARD_REF = rf"^({_PLUGIN_REF}|exact_match|numeric|code_tests)$"
+_REWARD_REF = rf"^({_PLUGIN_REF}|exact_match|numeric|code_tests|math_verify|reasoning_gym)$"
 
 
 class SoftPenaltyConfig(_Strict):
@@ -98,13 +114,17 @@ class OverlongConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    dataset: Literal["arithmetic", "expressions", "synthetic"] | DatasetFile = "arithmetic"
+    dataset: Literal["arithmetic", "expressions", "synthetic"] | DatasetFile | ReasoningGymDataset = (
+        "arithmetic"
+    )
     """`arithmetic`: built-in word problems solved with python/calculator tools. `expressions`:
     arithmetic said in words ("What is 47 times 23 plus 15?"), the same tools, sized so that
     SmolLM2-135M solves about 40 % at first (`make learn`). `synthetic`:
     trajectories drawn from a simulator workload (`workload`): turn lengths, tool kinds, latencies,
     outcomes and payload sizes as the simulator samples them, tools run by the sandbox's
-    `synthetic` tool; for control-plane and fidelity runs (nothing is learned from it)."""
+    `synthetic` tool; for control-plane and fidelity runs (nothing is learned from it). A file of your
+    own: `{path, prompt_key, answer_key}`. A reasoning-gym task: `{reasoning_gym: NAME, size, seed,
+    config}` (docs/tasks.md)."""
     workload: str | None = None
     """`synthetic` only: a workload name under services/common/workloads or a YAML path."""
     num_prompts: int = Field(64, ge=1, le=1_000_000)
@@ -114,9 +134,11 @@ class TaskConfig(_Strict):
     """`module:function` (your own, see docs/tasks.md), or a built-in: `exact_match` (the
     `<answer>` tag, or the whole final text, equals the reference) or `numeric` (the `<answer>` tag,
     or the last number, equals the reference as a number) or `code_tests` (the response's last
-    ```python block followed by the row's `tests` runs in the tool sandbox; 1 when it exits 0).
-    Default: the built-in tasks' own score;
-    `numeric` for a dataset file."""
+    ```python block followed by the row's `tests` runs in the tool sandbox; 1 when it exits 0) or
+    `math_verify` (the `math-verify` package's equivalence of the response's final answer and the
+    reference; the `environments` extra) or `reasoning_gym` (a reasoning-gym task's own scorer on the
+    `<answer>` tag). Default: the built-in tasks' own score; `numeric` for a dataset file;
+    `reasoning_gym` for a reasoning-gym task."""
     plugin_paths: list[str] = Field(default_factory=list)
     """Directories put in front of the import path of `reward` and `environment` (relative: to the
     config file's directory)."""
@@ -186,6 +208,14 @@ class TaskConfig(_Strict):
     def overlong_limit(self) -> int:
         """The generated tokens the soft overlong penalty counts to."""
         return self.overlong.max_tokens or self.max_new_tokens * self.max_turns
+
+    @model_validator(mode="after")
+    def _gym_reward_has_its_task(self) -> TaskConfig:
+        if self.reward == "reasoning_gym" and not isinstance(self.dataset, ReasoningGymDataset):
+            raise ValueError(
+                "reward reasoning_gym scores a reasoning-gym task: set dataset to {reasoning_gym: NAME}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _overlong_fits(self) -> TaskConfig:
@@ -474,7 +504,7 @@ class EvalConfig(_Strict):
     every: int = Field(0, ge=0)
     """Evaluate the initial policy, then every this many trained steps, and the final policy (0:
     never). The job ends once the final policy's evaluation is in the report."""
-    dataset: Literal["arithmetic", "expressions"] | DatasetFile | None = None
+    dataset: Literal["arithmetic", "expressions"] | DatasetFile | ReasoningGymDataset | None = None
     """Held-out prompts: a dataset file (its first `prompts` rows), or a built-in generator. Default:
     the task's own built-in generator with `seed`, without any prompt the run trains on (required
     for a task from a dataset file)."""
@@ -699,7 +729,10 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _evaluation_has_a_dataset(self) -> RunConfig:
         if self.eval.every > 0 and self.eval.dataset is None and not isinstance(self.task.dataset, str):
-            raise ValueError("eval.dataset is required to evaluate a task from a dataset file")
+            raise ValueError(
+                "eval.dataset is required to evaluate a task from a dataset file or reasoning-gym "
+                "(a reasoning-gym task held out: the same task with another seed)"
+            )
         if self.eval.every > 0 and self.task.dataset == "synthetic":
             raise ValueError("eval: a synthetic task learns nothing to evaluate")
         return self

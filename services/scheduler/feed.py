@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.runconfig import DatasetFile, RunConfig, TaskConfig
+from services.common.runconfig import DatasetFile, ReasoningGymDataset, RunConfig, TaskConfig
 from services.policy.staleness import StalenessBound
 from services.scheduler.datasets import file_tasks
 from services.scheduler.task import Task, builtin_tasks, synthetic_tasks
@@ -103,8 +103,13 @@ class TaskFeed:
 
 def task_list(task: TaskConfig) -> list[Task]:
     """Every task of the run, in feed order: generated, or read (and checked) from the dataset file."""
+    limit = task.num_prompts if "num_prompts" in task.model_fields_set else None
     if isinstance(task.dataset, DatasetFile):
-        return file_tasks(task.dataset, task.num_prompts if "num_prompts" in task.model_fields_set else None)
+        return file_tasks(task.dataset, limit)
+    if isinstance(task.dataset, ReasoningGymDataset):
+        from services.scheduler.gym_tasks import gym_tasks
+
+        return gym_tasks(task.dataset)[:limit]
     if task.dataset == "synthetic":
         return synthetic_tasks(task.num_prompts)
     return builtin_tasks(task.dataset, task.num_prompts, task.seed)

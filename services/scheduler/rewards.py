@@ -22,7 +22,7 @@ from services.common import subjects
 from services.common.bus import Bus
 from services.common.contracts import ev
 from services.common.logging import get_logger
-from services.common.runconfig import DatasetFile, TaskConfig
+from services.common.runconfig import DatasetFile, ReasoningGymDataset, TaskConfig
 from services.scheduler.agent import PYTHON_BLOCK
 from services.scheduler.plugins import PluginFailure, PluginLoadError, PluginProcess
 from services.scheduler.task import extract_answer
@@ -60,12 +60,20 @@ def numeric(response: str, answer: Any) -> float:
 
 
 BUILTIN = {"exact_match": exact_match, "numeric": numeric}
+WORKER_REWARDS = {
+    "reasoning_gym": "services.scheduler.gym_tasks:reasoning_gym_score",
+    "math_verify": "services.scheduler.gym_tasks:math_verify_score",
+}
+"""Built-in rewards that run in reward workers, like a user's (the `environments` extra's):
+name -> `module:function`, called with the reference `answer` too."""
 
 
 def reward_ref(task: TaskConfig) -> str | None:
     """The reward a task is scored with outside `Trajectory` (None: the built-in task's own score)."""
-    if task.reward or task.environment:  # an environment rewards its episodes itself
+    if task.reward or task.environment or task.agent:  # an environment or agent rewards its own
         return task.reward
+    if isinstance(task.dataset, ReasoningGymDataset):
+        return "reasoning_gym"
     return "numeric" if isinstance(task.dataset, DatasetFile) else None
 
 
@@ -175,7 +183,9 @@ class Scorer:
         self.pool = (
             None
             if self.builtin or ref == "code_tests"
-            else RewardPool(ref, task.plugin_paths, task.reward_workers, task.reward_timeout_s)
+            else RewardPool(
+                WORKER_REWARDS.get(ref, ref), task.plugin_paths, task.reward_workers, task.reward_timeout_s
+            )
         )
 
     async def start(self) -> None:
@@ -191,7 +201,8 @@ class Scorer:
             assert self.sandbox is not None, "code_tests needs the scheduler's sandbox client"
             return await code_tests(response, sample, self.sandbox, self.timeout_s)
         assert self.pool is not None
-        return await self.pool.score(response=response, sample=sample, trajectory=trajectory)
+        extra = {"answer": answer} if self.ref in WORKER_REWARDS else {}  # a user's takes the three
+        return await self.pool.score(response=response, sample=sample, trajectory=trajectory, **extra)
 
     async def close(self) -> None:
         if self.pool is not None:
@@ -220,14 +231,15 @@ async def check_reward(task: TaskConfig, sample: dict[str, Any] | None = None, a
     ref = reward_ref(task)
     if ref is None or ref in BUILTIN or ref == "code_tests":
         return
-    pool = RewardPool(ref, task.plugin_paths, 1, task.reward_timeout_s)
+    pool = RewardPool(WORKER_REWARDS.get(ref, ref), task.plugin_paths, 1, task.reward_timeout_s)
     try:
         await pool.start()
         if sample is None:
             return
         response = str(answer if answer is not None else sample.get("answer", ""))
         trajectory = reward_trajectory([response], [], [], "answer", str(sample.get("prompt_id", "")))
-        result = await pool.score(response=response, sample=sample, trajectory=trajectory)
+        extra = {"answer": answer} if ref in WORKER_REWARDS else {}
+        result = await pool.score(response=response, sample=sample, trajectory=trajectory, **extra)
         if isinstance(result, PluginFailure):
             raise PluginLoadError(
                 f"task.reward {ref!r} failed when called as the scheduler calls it, "
