@@ -84,6 +84,9 @@ class ReasoningGymDataset(_Strict):
     """The task's own settings, as its config class names them (e.g. `{min_terms: 2, max_terms: 3}`)."""
     system_prompt: str | None = None
     """Default: reasoning-gym's own (think step by step, then `<answer>...</answer>`)."""
+    examples: int = Field(0, ge=0, le=8)
+    """Worked examples before each question: the task's own samples (drawn with another seed),
+    answered in `<answer>` tags — how a small model learns the answer format."""
 
 
 _PLUGIN_REF = r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"

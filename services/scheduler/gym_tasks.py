@@ -15,6 +15,8 @@ from services.scheduler.datasets import DatasetError
 from services.scheduler.task import Task
 
 EXTRA = "pip install 'libra[environments]'"
+EXAMPLE_SEED = 1_000_003
+"""Offset of the seed that draws the worked examples (never the training samples' seed)."""
 
 
 def _module(name: str) -> Any:
@@ -41,6 +43,14 @@ def gym_tasks(spec: ReasoningGymDataset) -> list[Task]:
     if system is None:
         system = _module("reasoning_gym.utils").SYSTEM_PROMPTS["default"]
     made = {"name": spec.reasoning_gym, "size": spec.size, "seed": spec.seed, "config": spec.config}
+    shots: list[dict[str, str]] = []
+    if spec.examples:
+        solved = _dataset(spec.reasoning_gym, spec.examples, spec.seed + EXAMPLE_SEED, spec.config)
+        for j in range(len(solved)):
+            shots += [
+                {"role": "user", "content": str(solved[j]["question"])},
+                {"role": "assistant", "content": f"<answer>{solved[j]['answer']}</answer>"},
+            ]
     tasks = []
     for i in range(len(data)):
         entry = data[i]
@@ -55,6 +65,7 @@ def gym_tasks(spec: ReasoningGymDataset) -> list[Task]:
                 answer=row["answer"],
                 messages=(
                     {"role": "system", "content": system},
+                    *shots,
                     {"role": "user", "content": row["question"]},
                 ),
                 sample=row,

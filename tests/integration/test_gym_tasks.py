@@ -35,6 +35,16 @@ def test_a_reasoning_gym_task_is_its_samples_with_the_prompt_it_asks_for() -> No
     assert len(task_list(TaskConfig(dataset=CHAIN, num_prompts=2))) == 2
 
 
+def test_worked_examples_are_the_tasks_own_samples_answered_in_tags() -> None:
+    (t, *_) = task_list(TaskConfig(dataset={**CHAIN, "examples": 2}))
+    assert t.messages is not None
+    assert [m["role"] for m in t.messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    questions = {u.question for u in task_list(TaskConfig(dataset=CHAIN))}
+    shots = t.messages[1:-1]
+    assert shots[1]["content"].startswith("<answer>") and shots[1]["content"].endswith("</answer>")
+    assert not {shots[0]["content"], shots[2]["content"]} & questions  # drawn with another seed
+
+
 def test_its_own_scorer_scores_the_answer_tag() -> None:
     (t, *_) = task_list(TaskConfig(dataset=CHAIN))
     assert t.sample is not None
