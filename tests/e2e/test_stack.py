@@ -813,6 +813,37 @@ def test_your_own_agent_over_the_openai_endpoint_trains_what_it_sampled(stack: S
     )
 
 
+def test_a_skyrl_gym_environment_runs_unchanged(stack: Stack, tmp_path: Path) -> None:
+    """Rows in SkyRL's dataset format played by skyrl-gym's own `gsm8k_multi_turn` environment: its
+    prompt, its observations between turns, its per-turn rewards summed."""
+    data = tmp_path / "skyrl.jsonl"
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Tom has {i} apples and buys 3. How many now?"}],
+            "env_class": "gsm8k_multi_turn",
+            "reward_spec": {"method": "rule", "ground_truth": str(i + 3)},
+            "extra_info": {"max_turns": 2},
+        }
+        for i in range(6)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = {
+        "dataset": {"path": str(data), "prompt_key": "prompt", "answer_key": "reward_spec"},
+        "environment": "services.scheduler.skyrl_env:SkyRLGym",
+        "max_turns": 3,
+        "max_context_tokens": 1024,
+    }
+    config = _config(tmp_path, task=task, training={"filter_zero_advantage": False})
+    report = _run(stack, config, f"skyrl-{RUN}", tmp_path)
+    assert report["status"] == "completed", report["reason"]
+    assert report["trajectories_failed_by_code"] == {}
+    samples = [json.loads(line) for line in Path(report["samples"]["path"]).read_text().splitlines()]
+    # the random model never answers '#### N': two turns each, the environment's own nudge between
+    assert samples and all(s["turns"] == 2 for s in samples)
+    said = [e["text"] for s in samples for e in s["events"] if e["role"] == "environment"]
+    assert said and all(t.startswith("Now provide only the final numeric answer") for t in said)
+
+
 def test_a_stalled_job_times_out_with_what_is_stuck(stack: Stack, tmp_path: Path) -> None:
     """A forged plan sends every turn to engines that do not exist: nothing completes any more."""
     config = _config(tmp_path, job={"stall_timeout_s": 8}, training={"steps": 3})
