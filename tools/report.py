@@ -274,8 +274,9 @@ def reward_definition(task: TaskConfig) -> str:
     rest = f"task.reward {task.reward}" if task.reward else "0"
     if task.environment:
         return f"{name}: environment {task.environment}'s reward (episodes it does not score: {rest})"
-    if task.agent:
-        return f"{name}: agent {task.agent}'s reward (runs that return None: {rest})"
+    if task.runs_agent:
+        agent = task.agent or " ".join(task.agent_command or [])
+        return f"{name}: agent {agent}'s reward (runs that return None: {rest})"
     if isinstance(task.dataset, ReasoningGymDataset) and task.reward in (None, "reasoning_gym"):
         return f"{name}: the task's own scorer on the <answer> tag"
     if isinstance(task.dataset, DatasetFile) or task.reward:
@@ -378,7 +379,7 @@ async def build_report(
             if w.version <= p.committed_version
         ],
         "tool_calls": dict(stats.tool_calls_by_status),
-        **({"agent_calls_refused": dict(stats.agent_calls_refused)} if cfg.task.agent else {}),
+        **({"agent_calls_refused": dict(stats.agent_calls_refused)} if cfg.task.runs_agent else {}),
         "trajectories_failed": stats.trajectories_failed,
         "trajectories_failed_by_code": dict(stats.failures_by_code),
         "groups_replaced": stats.groups_replaced,

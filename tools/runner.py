@@ -96,7 +96,7 @@ def check_task(cfg: RunConfig) -> None:
     """Reads the dataset and loads the reward and the environment as the scheduler will, so that a
     bad file, a missing key or a reward that cannot be imported stops the run before anything
     starts."""
-    from services.scheduler.agents import check_agent
+    from services.scheduler.agents import check_agent, check_command
     from services.scheduler.datasets import DatasetError
     from services.scheduler.environment import check_environment
     from services.scheduler.feed import task_list
@@ -114,6 +114,8 @@ def check_task(cfg: RunConfig) -> None:
             asyncio.run(check_environment(cfg.task.environment, cfg.task.plugin_paths, first))
         if cfg.task.agent:
             asyncio.run(check_agent(cfg.task.agent, cfg.task.plugin_paths))
+        if cfg.task.agent_command:
+            check_command(cfg.task.agent_command, cfg.task.plugin_paths[0] if cfg.task.plugin_paths else None)
         names = set(TOOLS)
         for path in tool_plugin_files(cfg.task.tool_plugins):
             name = read_plugin(path)[0]

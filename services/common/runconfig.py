@@ -169,6 +169,11 @@ class TaskConfig(_Strict):
     once per trajectory against Libra's OpenAI-compatible endpoint (`base_url`, with the
     trajectory's own `api_key`); returns the reward, or None for `task.reward` to score it
     (docs/tasks.md)."""
+    agent_command: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    """Your own agent as a command (any language, any framework), run once per trajectory with
+    `OPENAI_BASE_URL` and `OPENAI_API_KEY` set to the trajectory's endpoint and key, the row as JSON
+    in `LIBRA_SAMPLE` and on stdin; its last printed line is the reward (a number, or `null` for
+    `task.reward` to score it). Runs in `plugin_paths[0]` when set."""
     agent_timeout_s: float = Field(600.0, gt=0.0, le=86400.0)
     """An agent run that has not returned by then fails its trajectory (`agent_timeout`)."""
     stop_strings: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(None, max_length=16)
@@ -206,6 +211,11 @@ class TaskConfig(_Strict):
     question (0: the system prompt's description alone)."""
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
     """Filtering and soft punishment of answers that run out of room (off by default)."""
+
+    @property
+    def runs_agent(self) -> bool:
+        """A user's agent drives the turns (`agent` or `agent_command`)."""
+        return bool(self.agent or self.agent_command)
 
     @property
     def overlong_limit(self) -> int:
@@ -774,7 +784,9 @@ class RunConfig(_Strict):
             raise ValueError(
                 "task.environment does not apply to task.dataset 'synthetic' (its turns are scripted)"
             )
-        if self.task.agent and (self.task.environment or self.task.dataset == "synthetic"):
+        if self.task.agent and self.task.agent_command:
+            raise ValueError("task.agent and task.agent_command name two agents: set one")
+        if self.task.runs_agent and (self.task.environment or self.task.dataset == "synthetic"):
             raise ValueError(
                 "task.agent drives its own turns: it does not combine with task.environment or "
                 "task.dataset 'synthetic'"

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 from services.common.runconfig import RunConfig
 from services.common.signals import ToolSignal, size_class
-from services.scheduler.agents import AgentPool
+from services.scheduler.agents import AgentPool, CommandAgents
 from services.scheduler.chat import TemplateError
 from services.scheduler.chat_api import (
     ApiError,
@@ -64,9 +64,12 @@ class AgentEpisode(Episode):
     def __init__(self, prompter: Prompter, cfg: RunConfig, spawn: Spawn, host: str, port: int):
         super().__init__(prompter)
         task = cfg.task
-        assert task.agent is not None
         self.cfg, self.spawn = cfg, spawn
-        self.agents = AgentPool(task.agent, task.plugin_paths, task.env_workers, task.agent_timeout_s)
+        self.agents: AgentPool | CommandAgents = (
+            AgentPool(task.agent, task.plugin_paths, task.env_workers, task.agent_timeout_s)
+            if task.agent
+            else CommandAgents(task.agent_command or [], task.plugin_paths, task.agent_timeout_s)
+        )
         self.endpoint = AgentEndpoint(
             host, port, cfg.model.source, task.max_context_tokens, len(prompter.tok)
         )

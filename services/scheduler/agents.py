@@ -8,10 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shutil
+import signal
 import sys
 import zlib
 from typing import Any
 
+from services.scheduler.plugin_worker import to_score
 from services.scheduler.plugins import LOAD_TIMEOUT_S, PluginFailure, PluginLoadError
 
 AgentOutcome = float | None | PluginFailure
@@ -158,3 +162,103 @@ class AgentPool:
     async def close(self) -> None:
         for w in self.workers:
             await w.kill()
+
+
+class CommandAgents:
+    """`task.agent_command`: one process per trajectory running the user's own command (any
+    language, any framework), pointed at the endpoint the way OpenAI clients read it:
+    `OPENAI_BASE_URL` and `OPENAI_API_KEY` (with `LIBRA_TRAJECTORY_ID`), the dataset row as JSON in
+    `LIBRA_SAMPLE` and on stdin. Its reward is the last line it prints: a number, `{"reward": x}`,
+    or `null` (or no output at all) for `task.reward` to score it. The service's own `LIBRA_*` settings are not
+    passed on. Its working directory is `task.plugin_paths[0]` when set."""
+
+    def __init__(self, command: list[str], plugin_paths: list[str], timeout_s: float):
+        self.command, self.timeout_s = list(command), timeout_s
+        self.cwd = plugin_paths[0] if plugin_paths else None
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+
+    async def start(self) -> None:
+        """Raises PluginLoadError when the command's program cannot be found."""
+        check_command(self.command, self.cwd)
+
+    async def run(
+        self, trajectory_id: str, sample: dict[str, Any], base_url: str, api_key: str
+    ) -> AgentOutcome:
+        row = json.dumps(sample, default=str)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}
+        env |= {
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": api_key,
+            "LIBRA_TRAJECTORY_ID": trajectory_id,
+            "LIBRA_SAMPLE": row,
+        }
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.command,
+                cwd=self.cwd,
+                env=env,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as e:
+            return PluginFailure("agent_crashed", f"the agent command could not start: {e}")
+        self.procs[trajectory_id] = proc
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(row.encode() + b"\n"), self.timeout_s)
+        except TimeoutError:
+            _kill(proc)
+            await proc.wait()
+            return PluginFailure(
+                "agent_timeout", f"the agent command did not exit within {self.timeout_s:g} s"
+            )
+        finally:
+            self.procs.pop(trajectory_id, None)
+        code = proc.returncode or 0
+        if code != 0:
+            tail = err.decode(errors="replace").strip()[-400:]
+            why = f"killed by signal {-code}" if code < 0 else f"exited {code}"
+            return PluginFailure("agent_error", f"the agent command {why}: {tail}")
+        return reward_of(out.decode(errors="replace"))
+
+    def cancel(self, trajectory_id: str) -> None:
+        proc = self.procs.pop(trajectory_id, None)
+        if proc is not None:
+            _kill(proc)
+
+    async def close(self) -> None:
+        for trajectory_id in list(self.procs):
+            self.cancel(trajectory_id)
+
+
+def _kill(proc: asyncio.subprocess.Process) -> None:
+    """The command and whatever it started (its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def reward_of(stdout: str) -> AgentOutcome:
+    """A command agent's reward: its last printed line."""
+    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+    if not lines or lines[-1] == "null":
+        return None
+    last = lines[-1]
+    try:
+        value = json.loads(last)
+    except json.JSONDecodeError:
+        return PluginFailure("agent_invalid", f"its last line is not a reward: {last[:200]!r}")
+    if isinstance(value, dict):
+        value = value.get("reward")
+        if value is None:
+            return None
+    score = to_score(value)
+    return PluginFailure("agent_invalid", f"its last line {score}") if isinstance(score, str) else score
+
+
+def check_command(command: list[str], cwd: str | None) -> None:
+    """PluginLoadError unless the command's program exists (on PATH, or as a path from `cwd`)."""
+    program = command[0]
+    found = shutil.which(program) or shutil.which(program, path=cwd or None)
+    if found is None and not (cwd and os.access(os.path.join(cwd, program), os.X_OK)):
+        raise PluginLoadError(f"task.agent_command {command!r}: no program {program!r} on PATH or in {cwd}")

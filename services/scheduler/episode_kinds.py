@@ -15,7 +15,7 @@ def build_episode(cfg: RunConfig, prompter: Prompter, spawn: Spawn, endpoint: tu
     OpenAI-compatible endpoint listens (host, port; 0 picks a free one)."""
     if cfg.task.dataset == "synthetic":
         return SyntheticEpisode(prompter, cfg)
-    if cfg.task.agent:
+    if cfg.task.runs_agent:
         return AgentEpisode(prompter, cfg, spawn, *endpoint)
     if cfg.task.environment:
         return EnvironmentEpisode(prompter, cfg, spawn)

@@ -70,7 +70,7 @@ name -> `module:function`, called with the reference `answer` too."""
 
 def reward_ref(task: TaskConfig) -> str | None:
     """The reward a task is scored with outside `Trajectory` (None: the built-in task's own score)."""
-    if task.reward or task.environment or task.agent:  # an environment or agent rewards its own
+    if task.reward or task.environment or task.runs_agent:  # an environment or agent rewards its own
         return task.reward
     if isinstance(task.dataset, ReasoningGymDataset):
         return "reasoning_gym"

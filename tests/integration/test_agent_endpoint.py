@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import textwrap
 import urllib.error
 import urllib.request
@@ -15,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from services.scheduler.agents import AgentPool, check_agent
+from services.scheduler.agents import AgentPool, CommandAgents, check_agent, reward_of
 from services.scheduler.chat_api import assistant_message, completion_body, text_completion_body
 from services.scheduler.endpoint import MAX_BODY_BYTES, AgentEndpoint, AgentSession, Call
 from services.scheduler.plugins import PluginFailure, PluginLoadError
@@ -259,3 +260,64 @@ async def test_an_agent_that_cannot_be_loaded_is_a_config_error(agents_dir: Path
     with pytest.raises(PluginLoadError, match="ModuleNotFoundError"):
         await check_agent("not_a_module:agent", [str(agents_dir)])
     await check_agent("my_agents:fine", [str(agents_dir)])
+
+
+COMMAND_AGENT = """
+import json, os, sys
+import openai
+
+row = json.loads(sys.stdin.readline())
+assert row == json.loads(os.environ["LIBRA_SAMPLE"])
+assert not [k for k in os.environ if k.startswith("LIBRA_") and k not in ("LIBRA_SAMPLE", "LIBRA_TRAJECTORY_ID")]
+mode = row["mode"]
+if mode == "fail":
+    print("something went wrong", file=sys.stderr)
+    sys.exit(3)
+if mode == "hang":
+    import time
+    time.sleep(3600)
+client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY, as any client reads them
+out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["q"]}])
+print("the model said", out.choices[0].message.content)
+print({"number": "0.75", "json": '{"reward": 0.25}', "none": "null", "lie": "lots"}[mode])
+"""
+
+
+async def test_a_command_agent_reads_the_endpoint_as_any_openai_client_does(
+    endpoint: AgentEndpoint, tmp_path: Path
+) -> None:
+    (tmp_path / "agent.py").write_text(COMMAND_AGENT)
+    agents = CommandAgents([sys.executable, "agent.py"], [str(tmp_path)], timeout_s=20)
+    await agents.start()
+
+    async def run(mode: str) -> Any:
+        session = endpoint.open(f"cmd-{mode}")
+        episode = asyncio.create_task(_answer_calls(session, 1))
+        outcome = await agents.run(f"cmd-{mode}", {"q": "hi", "mode": mode}, endpoint.base_url, session.key)
+        if mode in ("fail", "hang"):
+            episode.cancel()
+        else:
+            (call,) = await episode
+            assert call.request.messages == [{"role": "user", "content": "hi"}]
+        return outcome
+
+    assert await run("number") == 0.75
+    assert await run("json") == 0.25
+    assert await run("none") is None
+    lie = await run("lie")
+    assert isinstance(lie, PluginFailure) and lie.code == "agent_invalid" and "'lots'" in lie.message
+    failed = await run("fail")
+    assert isinstance(failed, PluginFailure) and failed.code == "agent_error"
+    assert "exited 3" in failed.message and "something went wrong" in failed.message
+    agents.timeout_s = 2
+    hung = await run("hang")
+    assert isinstance(hung, PluginFailure) and hung.code == "agent_timeout"
+    with pytest.raises(PluginLoadError, match="no program 'no-such-agent'"):
+        await CommandAgents(["no-such-agent"], [], 5).start()
+
+
+def test_a_command_agents_reward_is_its_last_line() -> None:
+    assert reward_of("log\n1\n") == 1.0 and reward_of("") is None and reward_of("x\nnull\n") is None
+    assert reward_of('{"reward": null}') is None
+    bad = reward_of("nan")
+    assert isinstance(bad, PluginFailure) and bad.code == "agent_invalid"

@@ -121,6 +121,10 @@ def test_reward_refs_are_checked_by_the_config() -> None:
         RunConfig.model_validate({"task": {"agent": "my:agent", "environment": "my:Env"}})
     with pytest.raises(ValueError, match="String should match pattern"):
         RunConfig.model_validate({"task": {"agent": "not a function"}})
+    with pytest.raises(ValueError, match="name two agents"):
+        RunConfig.model_validate({"task": {"agent": "my:agent", "agent_command": ["./agent"]}})
+    with pytest.raises(ValueError, match="task.agent drives its own turns"):
+        RunConfig.model_validate({"task": {"agent_command": ["./agent"], "environment": "my:Env"}})
 
 
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
