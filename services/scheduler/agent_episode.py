@@ -93,7 +93,7 @@ class AgentEpisode(Episode):
         self.spawn(self._run(live, session))
         live.deadline = math.inf  # the agent's own timeout bounds it
         while True:
-            event = await session.next_event()
+            event = await self._next(live, session)
             if isinstance(event, Ended):
                 return self._ended_early(event)
             request = event.request
@@ -109,6 +109,14 @@ class AgentEpisode(Episode):
             live.prompt_messages = request.messages or [{"role": "prompt", "content": _shown(request.prompt)}]
             self._sample_as_asked(live, event.request)
             return None
+
+    async def _next(self, live: Live, session: AgentSession) -> Call | Ended:
+        """The agent's next call, or its end; the wait is its own time (its tools, its logic),
+        counted as the trajectory's tool time."""
+        began = time.monotonic()
+        event = await session.next_event()
+        live.times.tool_s += time.monotonic() - began
+        return event
 
     async def _run(self, live: Live, session: AgentSession) -> None:
         row = live.traj.task.row()
@@ -166,7 +174,7 @@ class AgentEpisode(Episode):
             self._answer(live, session, turn)
         live.deadline = math.inf
         while True:
-            event = await session.next_event()
+            event = await self._next(live, session)
             if isinstance(event, Ended):
                 if isinstance(event.outcome, PluginFailure):
                     return event.outcome
