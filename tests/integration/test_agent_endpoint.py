@@ -287,13 +287,15 @@ async def test_a_command_agent_reads_the_endpoint_as_any_openai_client_does(
     endpoint: AgentEndpoint, tmp_path: Path
 ) -> None:
     (tmp_path / "agent.py").write_text(COMMAND_AGENT)
-    agents = CommandAgents([sys.executable, "agent.py"], [str(tmp_path)], timeout_s=20)
+    agents = CommandAgents([sys.executable, "agent.py"], [str(tmp_path)], timeout_s=60)
+    impatient = CommandAgents([sys.executable, "agent.py"], [str(tmp_path)], timeout_s=2)
     await agents.start()
 
     async def run(mode: str) -> Any:
         session = endpoint.open(f"cmd-{mode}")
         episode = asyncio.create_task(_answer_calls(session, 1))
-        outcome = await agents.run(f"cmd-{mode}", {"q": "hi", "mode": mode}, endpoint.base_url, session.key)
+        runner = impatient if mode == "hang" else agents
+        outcome = await runner.run(f"cmd-{mode}", {"q": "hi", "mode": mode}, endpoint.base_url, session.key)
         if mode in ("fail", "hang"):
             episode.cancel()
         else:
@@ -301,16 +303,14 @@ async def test_a_command_agent_reads_the_endpoint_as_any_openai_client_does(
             assert call.request.messages == [{"role": "user", "content": "hi"}]
         return outcome
 
-    assert await run("number") == 0.75
-    assert await run("json") == 0.25
-    assert await run("none") is None
-    lie = await run("lie")
+    modes = ("number", "json", "none", "lie", "fail", "hang")
+    number, json_, none, lie, failed, hung = await asyncio.gather(
+        *(run(m) for m in modes)
+    )  # one process each
+    assert (number, json_, none) == (0.75, 0.25, None)
     assert isinstance(lie, PluginFailure) and lie.code == "agent_invalid" and "'lots'" in lie.message
-    failed = await run("fail")
     assert isinstance(failed, PluginFailure) and failed.code == "agent_error"
     assert "exited 3" in failed.message and "something went wrong" in failed.message
-    agents.timeout_s = 2
-    hung = await run("hang")
     assert isinstance(hung, PluginFailure) and hung.code == "agent_timeout"
     with pytest.raises(PluginLoadError, match="no program 'no-such-agent'"):
         await CommandAgents(["no-such-agent"], [], 5).start()
