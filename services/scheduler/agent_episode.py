@@ -26,6 +26,7 @@ from services.scheduler.chat_api import (
     parse_tool_calls,
     returned_signal,
     text_completion_body,
+    tool_names,
     without_stop,
 )
 from services.scheduler.endpoint import AgentEndpoint, AgentSession, Call, Ended
@@ -208,7 +209,9 @@ class AgentEpisode(Episode):
             )
         else:
             content, calls = (
-                parse_tool_calls(content, live.traj.turns + 1) if request.tools else (content, [])
+                parse_tool_calls(content, live.traj.turns + 1, tool_names(request.tools))
+                if request.tools
+                else (content, [])
             )
             reply = assistant_message(content, calls)
             session.history = [*request.messages, reply]

@@ -246,10 +246,16 @@ def parse_completion(body: Any, max_context_tokens: int, vocab_size: int) -> Cha
     return ChatRequest(messages=[], prompt=prompt, logprobs=logprobs is not None, **common)
 
 
-def parse_tool_calls(text: str, turn: int) -> tuple[str, list[dict[str, Any]]]:
-    """The content and tool calls of a generated turn in the Hermes / Qwen format
-    (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`); a block that does not parse
-    stays in the content."""
+def parse_tool_calls(
+    text: str, turn: int, tools: list[str] | None = None
+) -> tuple[str, list[dict[str, Any]]]:
+    """The content and tool calls of a generated turn: in the Hermes / Qwen format
+    (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; a block that does not parse stays
+    in the content), or, without such blocks, a turn that is one JSON object calling one of `tools`
+    by name (Llama 3.1's JSON format: `{"name": ..., "parameters": {...}}`)."""
+    bare = _bare_call(text, tools or [])
+    if bare is not None:
+        return "", [{"id": f"call_{turn}_0", **bare}]
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
@@ -266,6 +272,30 @@ def parse_tool_calls(text: str, turn: int) -> tuple[str, list[dict[str, Any]]]:
         calls.append({"id": f"call_{turn}_{len(calls)}", "name": data["name"], "arguments": args})
     kept.append(text[last:])
     return ("".join(kept).strip() if calls else text), calls
+
+
+def _bare_call(text: str, tools: list[str]) -> dict[str, Any] | None:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not (body.startswith("{") and body.endswith("}")):
+        return None
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not (isinstance(data, dict) and data.get("name") in tools):
+        return None
+    args = data.get("parameters", data.get("arguments", {}))
+    return {"name": data["name"], "arguments": args}
+
+
+def tool_names(tools: list[dict[str, Any]] | None) -> list[str]:
+    """The function names a request's `tools` offer."""
+    names = []
+    for t in tools or []:
+        fn = t["function"] if isinstance(t.get("function"), dict) else t
+        if isinstance(fn.get("name"), str):
+            names.append(fn["name"])
+    return names
 
 
 def without_stop(text: str, stops: list[str]) -> str:

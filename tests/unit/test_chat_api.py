@@ -19,6 +19,7 @@ from services.scheduler.chat_api import (
     returned_signal,
     text_completion_body,
     text_completion_chunks,
+    tool_names,
     without_stop,
 )
 
@@ -245,3 +246,23 @@ def test_a_completions_request_and_its_answer() -> None:
     chunks = text_completion_chunks(body, include_usage=True)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "ab"
     assert chunks[0]["prompt_token_ids"] == [3, 4] and chunks[-1]["usage"] == body["usage"]
+
+
+def test_a_turn_that_is_one_json_call_of_an_offered_tool_is_a_tool_call() -> None:
+    """Llama 3.1's JSON tool calls (`parameters`), with or without its python tag."""
+    offered = tool_names([{"type": "function", "function": {"name": "calc"}}, {"name": "search"}])
+    assert offered == ["calc", "search"]
+    content, calls = parse_tool_calls(
+        '<|python_tag|>{"name": "calc", "parameters": {"x": "1+1"}}', 2, offered
+    )
+    assert (content, calls) == ("", [{"id": "call_2_0", "name": "calc", "arguments": {"x": "1+1"}}])
+    assert (
+        parse_tool_calls('{"name": "search", "arguments": {"q": "a"}}', 1, offered)[1][0]["name"] == "search"
+    )
+    for text in (
+        '{"name": "rm", "parameters": {}}',
+        '{"answer": 4}',
+        "{not json}",
+        'I call {"name": "calc"}',
+    ):
+        assert parse_tool_calls(text, 1, offered) == (text, []), text  # not a call of an offered tool
