@@ -315,6 +315,37 @@ def assistant_message(content: str, calls: list[dict[str, Any]]) -> dict[str, An
     return out
 
 
+def _body(
+    body_id: str,
+    kind: str,
+    created: int,
+    model: str,
+    choice: dict[str, Any],
+    usage: tuple[int, int],
+    token_ids: tuple[list[int], list[int]] | None,
+) -> dict[str, Any]:
+    """What chat and text completions share around their one choice: id, usage and, asked for,
+    the context's and the turn's token ids."""
+    if token_ids is not None:
+        choice["token_ids"] = token_ids[1]
+    prompt, completion = usage
+    body = {
+        "id": body_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
+    if token_ids is not None:
+        body["prompt_token_ids"] = token_ids[0]
+    return body
+
+
 def completion_body(
     request_id: str,
     model: str,
@@ -353,24 +384,7 @@ def completion_body(
                 for t, lp in zip(token_texts, logprobs, strict=True)
             ]
         }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids[1]
-    prompt, completion = usage
-    body = {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        },
-    }
-    if token_ids is not None:
-        body["prompt_token_ids"] = token_ids[0]
-    return body
+    return _body(f"chatcmpl-{request_id}", "chat.completion", created, model, choice, usage, token_ids)
 
 
 def completion_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
@@ -444,24 +458,7 @@ def text_completion_body(
             "top_logprobs": None,
             "text_offset": offsets,
         }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids[1]
-    prompt, completion = usage
-    body = {
-        "id": f"cmpl-{request_id}",
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        },
-    }
-    if token_ids is not None:
-        body["prompt_token_ids"] = token_ids[0]
-    return body
+    return _body(f"cmpl-{request_id}", "text_completion", created, model, choice, usage, token_ids)
 
 
 def text_completion_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
