@@ -78,7 +78,6 @@ class AgentEpisode(Episode):
         self.observations: dict[str, tuple[list[int], ToolSignal]] = {}
         """Each trajectory's next observation, rendered while its call was checked, and what
         C-MLFQ is to see of it."""
-        self.history_edited = 0
 
     async def start(self) -> None:
         await self.endpoint.start()
@@ -278,7 +277,6 @@ class AgentEpisode(Episode):
         return [{"role": "user", "content": added}]
 
     def _edited(self, param: str, why: str) -> NoReturn:
-        self.history_edited += 1
         raise ApiError(
             400,
             "history_edited",
