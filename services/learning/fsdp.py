@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,11 +184,16 @@ def _rank_main(rank: int, world: int, port: int, run_json: str) -> None:
 
 
 class ShardedTrainer:
-    """Rank 0's side: starts the other ranks and runs each operation on all of them."""
+    """Rank 0's side: starts the other ranks and runs each operation on all of them.
+
+    Operations come from the trainer's worker threads (a step, a push's snapshot, a policy save);
+    one runs at a time: two interleaved would broadcast their ops and run their collectives in
+    different orders on different ranks, and the ranks would read each other's tensors."""
 
     def __init__(self, run: RunConfig):
         from services.common.localstack import free_port
 
+        self._one_at_a_time = threading.Lock()
         self.run = run
         self.world = run.training.fsdp
         self.closed = True
@@ -224,9 +230,16 @@ class ShardedTrainer:
 
     def call(self, op: str, arg: Any = None, payload: dict[str, Any] | None = None) -> Any:
         """Broadcasts `op` to every rank and performs it here too; rank 0's result."""
-        self._check()
-        dist.broadcast_object_list([op, arg], src=0, group=self.control)
-        return _perform(self.shards, self.run, op, arg, payload)
+        with self._one_at_a_time:
+            self._check()
+            try:
+                dist.broadcast_object_list([op, arg], src=0, group=self.control)
+                return _perform(self.shards, self.run, op, arg, payload)
+            except RuntimeError:  # a collective broke because a rank died: say which, and how
+                for p in self.procs:
+                    p.join(timeout=2)
+                self._check()
+                raise
 
     @property
     def model(self) -> torch.nn.Module:
@@ -241,6 +254,10 @@ class ShardedTrainer:
 
     def close(self) -> None:
         """Stops the other ranks and leaves the process group (a new job forms a new one)."""
+        with self._one_at_a_time:
+            self._close()
+
+    def _close(self) -> None:
         if not self.closed:
             self.closed = True
             try:

@@ -99,6 +99,32 @@ def test_a_sharded_trainer_steps_checkpoints_and_resumes_like_an_unsharded_one(
     assert all(not p.is_alive() for p in sharded.sharded.procs)  # the other rank stopped with it
 
 
+def test_a_push_snapshot_during_a_step_waits_for_it(tiny_model: ModelConfig, tmp_path: Path) -> None:
+    """The trainer's threads call the sharded trainer at once (a push's snapshot or a policy save
+    while a step runs): each operation runs whole on every rank, one after the other. Interleaved,
+    the ranks ran different collectives and rank 1 died mid-job (`Connection reset by peer`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    plain = Learner(_run(tiny_model, 1), tmp_path / "plain")
+    sharded = Learner(_run(tiny_model, 2), tmp_path / "sharded")
+    try:
+        initial = _weights(plain)
+        samples = _samples(3)
+        with ThreadPoolExecutor(3) as pool:
+            stepped = pool.submit(sharded.step, samples)
+            seen = [pool.submit(_weights, sharded) for _ in range(4)] + [pool.submit(sharded.snapshot)]
+            assert stepped.result(timeout=300).data_parallel == 2
+            for future in seen[:-1]:  # whole weights, from before the step or after it
+                state = future.result(timeout=300)
+                assert state.keys() == initial.keys()
+            assert seen[-1].result(timeout=300).version == 0
+        plain.step(samples)
+        _assert_close(_weights(sharded), _weights(plain))
+    finally:
+        sharded.close()
+    assert all(not p.is_alive() for p in sharded.sharded.procs)
+
+
 def test_a_dead_rank_is_reported_not_waited_for(tiny_model: ModelConfig, tmp_path: Path) -> None:
     from services.learning.fsdp import ShardFailure
 
