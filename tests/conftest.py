@@ -13,6 +13,9 @@ import nats
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the tests' model cache is the checkout's (.libra/models), not the user's (~/.cache/libra): every
+# test and every service a test starts builds its models there once per checkout
+os.environ.setdefault("LIBRA_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".libra"))
 
 from services.common import streams  # noqa: E402
 from services.common.localstack import Server, start_nats, start_redis  # noqa: E402

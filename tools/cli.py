@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.common.config import ConfigFileError
 from tools.run_dirs import add_output_dir
-from tools.stack import Stack, pid_alive, read_stack_file, stack_file
+from tools.stack import Stack, pid_alive, read_stack_file, stack_file, stack_files
 
 if TYPE_CHECKING:
     from services.common.runconfig import RunConfig
@@ -91,8 +91,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     """Starts an idle stack sized by the config (engines) and supervises it until Ctrl-C / `libra down`."""
     from services.common.runconfig import RunConfig
 
-    if read_stack_file():
-        print(f"a stack is already up (see {stack_file()}); `libra down` first", file=sys.stderr)
+    if up := read_stack_file():
+        print(
+            f"a stack is already up ({up['stack_file']}); jobs started here run on it. `libra down` "
+            "first, or start the new one outside its directory",
+            file=sys.stderr,
+        )
         return 1
     path, cfg = _load(args.config_option or args.config)
     assert isinstance(cfg, RunConfig)
@@ -146,9 +150,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(_: argparse.Namespace) -> int:
-    state_file = stack_file()
-    data = json.loads(state_file.read_text()) if state_file.exists() else None
-    if not data:
+    # the nearest stack file, its supervisor alive or not (killed hard: its services are cleaned up)
+    state_file = next((f for f in stack_files() if f.is_file()), None)
+    data = json.loads(state_file.read_text()) if state_file is not None else None
+    if state_file is None or not data:
         print("no stack is up")
         return 0
     sup = int(data.get("supervisor_pid", 0))
@@ -161,7 +166,7 @@ def cmd_down(_: argparse.Namespace) -> int:
         if pid_alive(int(pid)):  # the supervisor was killed hard: clean up after it
             os.kill(int(pid), signal.SIGKILL)
     state_file.unlink(missing_ok=True)
-    print("stack stopped")
+    print(f"stack {data.get('name', '')} stopped ({state_file})")
     return 0
 
 
@@ -170,7 +175,7 @@ def cmd_status(_: argparse.Namespace) -> int:
     if not data:
         print("no stack is up")
         return 1
-    print(f"stack {data['name']}  nats {data['nats_url']}  redis {data['redis_url']}")
+    print(f"stack {data['name']}  nats {data['nats_url']}  redis {data['redis_url']}  ({data['stack_file']})")
     print(f"  credentials {data.get('secrets') or 'none'}")
     procs: dict[str, int] = {**data["services"], **data["infra"]}  # type: ignore[dict-item]
     restarts: dict[str, int] = data.get("restarts") or {}  # type: ignore[assignment]
@@ -201,6 +206,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         except (FileNotFoundError, ValueError) as e:
             raise ConfigFileError(str(e)) from None
+        if args.embedded:
+            raise ConfigFileError("--embedded starts a stack here: not with --nats-url/--redis-url")
     elif args.secrets or args.tls_ca_file:
         raise ConfigFileError("--secrets and --tls-ca-file are for a remote stack (--nats-url, --redis-url)")
     try:
@@ -213,6 +220,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             otlp_endpoint=args.otlp_endpoint,
             max_restarts=args.max_restarts,
             stack=stack,
+            embedded=args.embedded,
         )
     except CredentialsRefused as e:
         if stack is None:
@@ -580,6 +588,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--tls-key-file",
         help="its key (default: $LIBRA_TLS_KEY_FILE)",
+    )
+    run.add_argument(
+        "--embedded",
+        action="store_true",
+        help="run on an embedded stack of its own even where `libra up` started one (here or in a "
+        "directory above, which jobs use by default)",
     )
     run.add_argument("--otlp-endpoint", help="embedded stack only: send traces to this OTLP endpoint")
     run.add_argument(

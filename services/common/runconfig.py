@@ -36,9 +36,13 @@ class ModelConfig(_Strict):
     """Model directory when source is `path`."""
     seed: int = 0
     """Seed for the tiny-random weights."""
-    cache_dir: str = ".libra/models"
-    """Where converted checkpoints are cached so later starts skip the GGUF conversion (relative: from
-    the config file's directory when the file sets it, else from where `libra run` starts)."""
+    cache_dir: str = ""
+    """Where built models are cached (SmolLM2 converted from its GGUF once, tiny-random built from
+    SmolLM2's tokenizer alone), so later starts skip the work. Empty: the per-user cache every
+    directory and stack on the machine shares, `$LIBRA_CACHE_DIR/models`, else
+    `$XDG_CACHE_HOME/libra/models`, else `~/.cache/libra/models`, resolved by each service on its own
+    host. Relative: from the config file's directory when the file sets it, else from where `libra
+    run` starts."""
 
     @field_validator("source")
     @classmethod

@@ -1006,3 +1006,42 @@ def test_a_job_needing_more_engines_than_the_stack_runs_fails_at_once(stack: Sta
     assert "needs 3 rollout engine(s)" in report["reason"] and "runs 2" in report["reason"], report["reason"]
     assert "--rollout.engines 2" in report["reason"]
     assert time.monotonic() - started < 60  # not the 120 s wait for services that never come
+
+
+def test_libra_run_in_a_sub_directory_runs_on_the_stack_libra_up_started_above(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """`libra up` in a project, `libra run` in one of its sub-directories: the job runs on that
+    stack (the CLI says which, and how to pick another), no second stack starts there, and `libra
+    status` there shows the same stack."""
+    import subprocess
+    import sys
+
+    project = tmp_path / "project"
+    (project / ".libra").mkdir(parents=True)
+    (project / ".libra" / "stack.json").write_text(json.dumps(stack.state()))  # as `libra up` writes it
+    sub = project / "experiments" / "today"
+    sub.mkdir(parents=True)
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+    def libra(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "tools.cli", *args]
+        return subprocess.run(argv, cwd=sub, env=env, capture_output=True, text=True, timeout=timeout)
+
+    run_id = f"sub-dir-{RUN}"
+    out = libra("run", str(_config(tmp_path)), "--training.steps", "1", "--run-id", run_id)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (
+        f"on the stack {stack.name} that `libra up` started ({project / '.libra' / 'stack.json'})"
+        in out.stderr
+    )
+    assert "--embedded" in out.stderr  # how to pick a stack of its own
+    report = json.loads((sub / "runs" / run_id / "report.json").read_text())
+    assert report["status"] == "completed" and report["stack"] == stack.name, report["stack"]
+    assert not (sub / ".libra" / "data").exists()  # no embedded stack's state: none was started
+    status = libra("status")
+    assert status.returncode == 0 and stack.name in status.stdout and str(project) in status.stdout
+    refused = libra(
+        "up", "tiny", timeout=120
+    )  # a second stack under the first one's directory: refused, said why
+    assert refused.returncode == 1 and str(project / ".libra" / "stack.json") in refused.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from services.common.cost_model import load_profile
+from services.common.models import resolve_model_dir
 from services.common.runconfig import ModelConfig
 from tools.calibrate import main as calibrate_main
 
@@ -32,7 +33,7 @@ def test_calibrate_times_the_engine_and_the_trainer_of_a_random_model(
     tmp_path: Path, tiny_model: ModelConfig
 ) -> None:
     (tmp_path / "shape.json").write_text(json.dumps(SHAPE))
-    tokenizer = Path(tiny_model.cache_dir) / "smollm2-135m-instruct"
+    tokenizer = resolve_model_dir(tiny_model)  # SmolLM2's tokenizer, beside the tiny weights
     out = tmp_path / "profile.yaml"
     argv = ["--backend", "hf", "--model", f"random:{tmp_path / 'shape.json'}", "--tokenizer", str(tokenizer)]
     argv += ["--trainer", "--quick", "--device", "cpu", "--workdir", str(tmp_path / "w"), "--out", str(out)]

@@ -93,7 +93,10 @@ def test_the_job_config_carries_the_overrides_and_absolute_paths(tmp_path: Path)
         and Path(sent["task"]["dataset"]["path"]).is_file()
     )
     assert all(Path(p).is_absolute() for p in sent["task"]["plugin_paths"] + sent["task"]["tool_plugins"])
-    assert sent["model"]["cache_dir"] == str(Path.cwd() / ".libra" / "models")  # the caller's directory
+    # the per-user model cache: each service resolves it on its own host (a path set is made absolute)
+    assert "cache_dir" not in sent.get("model", {})
+    mine = with_local_paths(load_run_config(None, ["model.cache_dir=models"]), tmp_path)
+    assert mine.model.cache_dir == str(Path.cwd() / "models")
     assert "lr_schedule" not in sent["training"]  # only what was set travels: defaults stay the services'
     again = parse_run_config(job_config_yaml(local), "sent")
     assert again == local
@@ -147,7 +150,7 @@ def test_relative_paths_in_a_config_file_are_the_files_and_overrides_are_the_she
     assert loaded.task.plugin_paths == [str(project / "configs" / ".." / "plugins"), "/abs/plugins"]
     assert loaded.task.tool_plugins == [str(project / "configs" / "tools" / "t.py")]
     assert loaded.training.checkpoint_dir == str(project / "configs" / "ckpt" / "{run_id}")
-    assert loaded.model.cache_dir == ".libra/models"  # a default stays the shell's
+    assert loaded.model.cache_dir == ""  # the default: the per-user cache, found where it runs
     # an override is typed where the command runs: it stays relative until the job is submitted
     over = load_run_config(cfg, ["task.dataset.path=mine.jsonl"])
     assert over.task.dataset.path == "mine.jsonl"  # type: ignore[union-attr]
