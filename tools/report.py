@@ -19,7 +19,14 @@ from services.common.contracts import ev, ws, ws_grpc
 from services.common.facts import read_facts
 from services.common.grpc_auth import bearer_metadata
 from services.common.membership import LENT_ROLE, PARKED_ROLE, SERVING_ROLES, SPARE_ROLE
-from services.common.runconfig import DatasetFile, ReasoningGymDataset, RunConfig, TaskConfig
+from services.common.runconfig import (
+    OWN_DATASETS,
+    DatasetFile,
+    HubDataset,
+    ReasoningGymDataset,
+    RunConfig,
+    TaskConfig,
+)
 from tools.job_watch import JobObserver, speculation_report
 from tools.learning_plot import write_reward_plot
 from tools.run_dirs import remember_runs_dir
@@ -269,6 +276,8 @@ def reward_definition(task: TaskConfig) -> str:
         return "synthetic: 1 when the trajectory's last tool call worked (or it needed none)"
     if isinstance(task.dataset, ReasoningGymDataset):
         name = f"reasoning-gym {task.dataset.reasoning_gym}"
+    elif isinstance(task.dataset, HubDataset):
+        name = f"hf:{task.dataset.hf} ({task.dataset.split})"
     else:
         name = task.dataset.path if isinstance(task.dataset, DatasetFile) else task.dataset
     rest = f"task.reward {task.reward}" if task.reward else "0"
@@ -279,7 +288,7 @@ def reward_definition(task: TaskConfig) -> str:
         return f"{name}: agent {agent}'s reward (runs that return None: {rest})"
     if isinstance(task.dataset, ReasoningGymDataset) and task.reward in (None, "reasoning_gym"):
         return f"{name}: the task's own scorer on the <answer> tag"
-    if isinstance(task.dataset, DatasetFile) or task.reward:
+    if isinstance(task.dataset, OWN_DATASETS) or task.reward:
         return f"{name}: task.reward {task.reward or 'numeric'}"
     shaping = f" + {task.tool_bonus:g} when a tool call succeeded" if task.tool_bonus else " (task success)"
     return f"{task.dataset}: 1 for the right number, 0 otherwise{shaping}"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import ConfigFileError
+from services.common.hf_cache import repo_dir, snapshot
 from services.common.runconfig import ModelConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -97,31 +98,16 @@ def _build_tiny_random(out: Path, seed: int, tokenizer_dir: Path) -> None:
     model.save_pretrained(out)
 
 
-def hf_cache_dir() -> Path:
-    """The local Hugging Face hub cache, as huggingface_hub finds it."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or str(
-        Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
-    )
-    return Path(home).expanduser() / "hub"
-
-
 def _from_hf_cache(repo_id: str) -> Path:
     """The cached snapshot of `repo_id` (its `refs/main`, else the newest snapshot); never downloads."""
-    repo = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
-    snapshots = repo / "snapshots"
-    ref = repo / "refs" / "main"
-    candidates = [snapshots / ref.read_text().strip()] if ref.is_file() else []
-    if snapshots.is_dir():
-        candidates += sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
-    for snap in candidates:
-        if (snap / "config.json").is_file():
-            return snap
+    snap = snapshot(repo_id, "model", marker="config.json")
+    if snap is not None:
+        return snap
     raise SystemExit(
-        f"model.source {repo_id!r}: not in the local Hugging Face cache ({repo}; nothing is downloaded). "
-        f"Put it there (`huggingface-cli download {repo_id}` on a machine with network, then copy the "
-        "cache), set HF_HUB_CACHE to the cache that has it, or use model.source: path with its directory"
+        f"model.source {repo_id!r}: not in the local Hugging Face cache ({repo_dir(repo_id, 'model')}; "
+        f"nothing is downloaded). Put it there (`huggingface-cli download {repo_id}` on a machine with "
+        "network, then copy the cache), set HF_HUB_CACHE to the cache that has it, or use model.source: "
+        "path with its directory"
     )
 
 

@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from services.common.config import ConfigFileError, SettingsError
 
@@ -57,12 +65,9 @@ class ModelConfig(_Strict):
         )
 
 
-class DatasetFile(_Strict):
-    """A dataset of your own: one sample per JSONL line (or JSON list element, or Parquet row)."""
+class _DatasetColumns(_Strict):
+    """Which columns of a dataset's rows are the prompt, the answer and the id."""
 
-    path: str
-    """JSONL (`.jsonl`/`.ndjson`), JSON (a list of objects) or Parquet (`.parquet`); a relative path
-    is resolved from the config file's directory (from where `libra run` starts, for an override)."""
     prompt_key: str = "prompt"
     """The prompt: plain text (sent as the user message) or chat messages
     (`[{role, content}, ...]`), rendered with the model's chat template."""
@@ -72,6 +77,44 @@ class DatasetFile(_Strict):
     """A unique sample id (default: the row number)."""
     system_prompt: str | None = None
     """Prepended as a system message to plain-text prompts (chat prompts carry their own)."""
+
+
+class DatasetFile(_DatasetColumns):
+    """A dataset of your own: one sample per JSONL line (or JSON list element, or Parquet row)."""
+
+    path: str
+    """JSONL (`.jsonl`/`.ndjson`), JSON (a list of objects) or Parquet (`.parquet`); a relative path
+    is resolved from the config file's directory (from where `libra run` starts, for an override)."""
+
+
+class HubDataset(_DatasetColumns):
+    """A Hugging Face Hub dataset from the local Hugging Face cache (`HF_HUB_CACHE`, else
+    `HF_HOME/hub`, else `~/.cache/huggingface/hub`, where `huggingface-cli download --repo-type
+    dataset` and `datasets.load_dataset` put it): its Parquet, JSONL or JSON files of one split.
+    Nothing is downloaded. `task.dataset: hf:NAME` is short for `{hf: NAME}`."""
+
+    hf: str = Field(pattern=r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+    """The dataset's id on the Hub (`openai/gsm8k`)."""
+    split: str = Field("train", pattern=r"^[A-Za-z0-9][\w.-]*$")
+    """The split: its files are those named after it (`train-00000-of-00001.parquet`,
+    `test.jsonl`) or in a directory of its name."""
+    subset: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.-]*$")
+    """The subset (the dataset's config, `main` for `openai/gsm8k`): its directory in the
+    repository; needed where the dataset has several."""
+
+
+OWN_DATASETS = (DatasetFile, HubDataset)
+"""Datasets of the user's rows (a file or a Hub dataset), as opposed to generated ones."""
+
+
+def _hub_shorthand(value: Any) -> Any:
+    """`hf:NAME` -> `{hf: NAME}`."""
+    if isinstance(value, str) and value.startswith("hf:"):
+        return {"hf": value[3:]}
+    return value
+
+
+HubShorthand = BeforeValidator(_hub_shorthand)
 
 
 class ReasoningGymDataset(_Strict):
@@ -121,9 +164,10 @@ class OverlongConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    dataset: Literal["arithmetic", "expressions", "synthetic"] | DatasetFile | ReasoningGymDataset = (
-        "arithmetic"
-    )
+    dataset: Annotated[
+        Literal["arithmetic", "expressions", "synthetic"] | DatasetFile | HubDataset | ReasoningGymDataset,
+        HubShorthand,
+    ] = "arithmetic"
     """`arithmetic`: built-in word problems solved with python/calculator tools. `expressions`:
     arithmetic said in words ("What is 47 times 23 plus 15?"), the same tools, sized so that
     SmolLM2-135M solves about 40 % at first (`make learn`). `synthetic`:
@@ -521,7 +565,10 @@ class EvalConfig(_Strict):
     every: int = Field(0, ge=0)
     """Evaluate the initial policy, then every this many trained steps, and the final policy (0:
     never). The job ends once the final policy's evaluation is in the report."""
-    dataset: Literal["arithmetic", "expressions"] | DatasetFile | ReasoningGymDataset | None = None
+    dataset: Annotated[
+        Literal["arithmetic", "expressions"] | DatasetFile | HubDataset | ReasoningGymDataset | None,
+        HubShorthand,
+    ] = None
     """Held-out prompts: a dataset file (its first `prompts` rows), or a built-in generator. Default:
     the task's own built-in generator with `seed`, without any prompt the run trains on (required
     for a task from a dataset file)."""

@@ -1,4 +1,5 @@
-"""Datasets of your own (`task.dataset: {path, prompt_key, answer_key}`): JSONL, JSON or Parquet rows
+"""Datasets of your own (`task.dataset: {path, prompt_key, answer_key}`, or a Hub dataset from the
+local Hugging Face cache, `hf:NAME` / `{hf, split, subset, ...}`): JSONL, JSON or Parquet rows
 become tasks whose prompt is chat messages and whose row travels with the sample to the reward.
 
 Every row is checked when the file is read, so a bad file or a missing key stops the run before it
@@ -10,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.common.runconfig import DatasetFile
+from services.common.hf_cache import repo_dir, snapshot
+from services.common.runconfig import DatasetFile, HubDataset
 from services.scheduler.task import Task
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
@@ -84,12 +86,64 @@ def _messages(where: str, value: Any, system: str | None) -> tuple[dict[str, str
     return tuple(out)
 
 
-def file_tasks(spec: DatasetFile, limit: int | None = None) -> list[Task]:
-    """The tasks of a dataset file (the first `limit` rows when given), every row checked."""
-    path = Path(spec.path)
-    rows = read_rows(path)
+def _split_of(rel: Path, split: str) -> bool:
+    """Whether a repository file belongs to `split`: a directory of its name on the way, or a file
+    named after it (`train.jsonl`, `train-00000-of-00001.parquet`), as the Hub's data files are."""
+    if split in rel.parts[:-1]:
+        return True
+    name = rel.name
+    return name.startswith(split) and (len(name) == len(split) or name[len(split)] in "-._")
+
+
+def hub_files(spec: HubDataset) -> list[Path]:
+    """The data files of `spec`'s split (and subset) in the local Hugging Face cache, in name order;
+    a DatasetError says what is missing and where it looked."""
+    where = f"task.dataset hf:{spec.hf}"
+    snap = snapshot(spec.hf, "dataset")
+    if snap is None:
+        raise DatasetError(
+            f"{where}: not in the local Hugging Face cache ({repo_dir(spec.hf, 'dataset')}; nothing is "
+            f"downloaded). Put it there (`huggingface-cli download --repo-type dataset {spec.hf}` on a "
+            "machine with network, then copy the cache), or set HF_HUB_CACHE to the cache that has it"
+        )
+    data = sorted(p.relative_to(snap) for p in snap.rglob("*") if p.suffix.lower() in FORMATS and p.is_file())
+    if spec.subset is not None:
+        data = [p for p in data if p.parts[0] == spec.subset]
+        if not data:
+            raise DatasetError(
+                f"{where}: no subset {spec.subset!r} (no data files under {snap / spec.subset})"
+            )
+    files = [p for p in data if _split_of(p, spec.split)]
+    if not files:
+        splits = sorted(
+            {p.name.split("-")[0].split(".")[0] for p in data} | {d for p in data for d in p.parts[:-1]}
+        )
+        raise DatasetError(
+            f"{where}: no data files of split {spec.split!r} in {snap} (names there: {splits})"
+        )
+    subsets = sorted({p.parts[0] for p in files if len(p.parts) > 1} - {"data", spec.split})
+    if spec.subset is None and len(subsets) > 1:
+        raise DatasetError(f"{where}: the dataset has subsets {subsets}: name one (task.dataset.subset)")
+    return [snap / p for p in files]
+
+
+def _rows(spec: DatasetFile | HubDataset) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+    """The dataset's name (its prompt ids' prefix) and its rows."""
+    if isinstance(spec, DatasetFile):
+        path = Path(spec.path)
+        rows = read_rows(path)
+        if not rows:
+            raise DatasetError(f"{path}: the dataset has no rows")
+        return path.stem, rows
+    rows = [row for f in hub_files(spec) for row in read_rows(f)]
     if not rows:
-        raise DatasetError(f"{path}: the dataset has no rows")
+        raise DatasetError(f"task.dataset hf:{spec.hf}: split {spec.split!r} has no rows")
+    return f"{spec.hf.split('/')[-1]}-{spec.split}", rows
+
+
+def file_tasks(spec: DatasetFile | HubDataset, limit: int | None = None) -> list[Task]:
+    """The tasks of a dataset (the first `limit` rows when given), every row checked."""
+    name, rows = _rows(spec)
     tasks: list[Task] = []
     seen: set[str] = set()
     for i, (where, row) in enumerate(rows[:limit] if limit else rows):
@@ -112,7 +166,7 @@ def file_tasks(spec: DatasetFile, limit: int | None = None) -> list[Task]:
         )
         tasks.append(
             Task(
-                prompt_id=f"{path.stem}-{sample_id}",
+                prompt_id=f"{name}-{sample_id}",
                 question=question,
                 answer=row[spec.answer_key],
                 messages=messages,

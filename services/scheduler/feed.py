@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.runconfig import DatasetFile, ReasoningGymDataset, RunConfig, TaskConfig
+from services.common.runconfig import OWN_DATASETS, ReasoningGymDataset, RunConfig, TaskConfig
 from services.policy.staleness import StalenessBound
 from services.scheduler.datasets import file_tasks
 from services.scheduler.task import Task, builtin_tasks, synthetic_tasks
@@ -104,7 +104,7 @@ class TaskFeed:
 def task_list(task: TaskConfig) -> list[Task]:
     """Every task of the run, in feed order: generated, or read (and checked) from the dataset file."""
     limit = task.num_prompts if "num_prompts" in task.model_fields_set else None
-    if isinstance(task.dataset, DatasetFile):
+    if isinstance(task.dataset, OWN_DATASETS):
         return file_tasks(task.dataset, limit)
     if isinstance(task.dataset, ReasoningGymDataset):
         from services.scheduler.gym_tasks import gym_tasks

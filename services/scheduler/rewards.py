@@ -22,7 +22,7 @@ from services.common import subjects
 from services.common.bus import Bus
 from services.common.contracts import ev
 from services.common.logging import get_logger
-from services.common.runconfig import DatasetFile, ReasoningGymDataset, TaskConfig
+from services.common.runconfig import OWN_DATASETS, ReasoningGymDataset, TaskConfig
 from services.scheduler.agent import PYTHON_BLOCK
 from services.scheduler.plugins import PluginFailure, PluginLoadError, PluginProcess
 from services.scheduler.task import extract_answer
@@ -74,7 +74,7 @@ def reward_ref(task: TaskConfig) -> str | None:
         return task.reward
     if isinstance(task.dataset, ReasoningGymDataset):
         return "reasoning_gym"
-    return "numeric" if isinstance(task.dataset, DatasetFile) else None
+    return "numeric" if isinstance(task.dataset, OWN_DATASETS) else None
 
 
 def code_block(response: str) -> str | None:
