@@ -517,6 +517,15 @@ class TrainingConfig(_Strict):
     """Every this many committed steps the trainer also writes the policy in Hugging Face format to
     `<checkpoint_dir>/hf/step_<n>` (blocking it for the write; 0: never — `libra run` still exports
     the final policy, `job.export_final`)."""
+    checkpoint_every: int = Field(10, ge=1)
+    """Every this many committed steps (and the last) the checkpoint is full, with the optimizer
+    state; the steps between write the weights and the trained ids only (every step stays durable:
+    engines may serve it and the ledger counts it), a third of a full checkpoint under Adam. A
+    trainer resuming from one of those takes the optimizer state of the newest full checkpoint
+    before it (moments up to this many steps old). 1: every step full."""
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
+    """Full checkpoints kept on disk (the newest; older ones are deleted once a newer one is
+    written); the trainer's two newest checkpoints of any kind are always kept as well."""
     checkpoint_dir: str = "runs/{run_id}/checkpoints"
     """Where committed steps are saved (`{run_id}` is replaced); a restarted trainer resumes from it.
     Relative: from the config file's directory when the file sets it (unset: `libra run` puts them

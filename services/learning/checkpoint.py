@@ -5,6 +5,12 @@ so a crash leaves either the previous checkpoint or the new one, never a torn fi
 writer's fencing token: a trainer that lost its lease (paused, partitioned) and writes step n anyway
 cannot overwrite the step n its successor committed. The trained ids travel with the weights they
 produced: after a restart the trainer skips exactly what its weights already saw.
+
+Every committed step is durable (engines may serve its weights, and the ledger says what it
+trained), but only every `training.checkpoint_every`-th (and the last) is *full*, with the
+optimizer state; the others (`step_<n>-e<epoch>-weights.pt`) hold the weights and the bookkeeping
+alone, a third of a full one under Adam. A trainer resuming from those takes the optimizer state
+of the newest full checkpoint before them (moments a few steps old), or a fresh one if none is left.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 
 import torch
 
-_NAME = re.compile(r"^step_(\d{8})(?:-e(\d+))?\.pt$")
+_NAME = re.compile(r"^step_(\d{8})(?:-e(\d+))?(-weights)?\.pt$")
 
 
 @dataclass
@@ -49,6 +55,19 @@ def latest(directory: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def is_full(path: Path) -> bool:
+    """Whether a checkpoint holds the optimizer state too (its name says so)."""
+    m = _NAME.match(path.name)
+    return m is not None and m.group(3) is None
+
+
+def optimizer_source(directory: Path, step: int) -> Path | None:
+    """The full checkpoint whose optimizer state a trainer resuming at `step` takes: the newest at or
+    before it (None: none is left)."""
+    full = [p for p in checkpoints(directory) if is_full(p) and step_of(p) <= step]
+    return full[-1] if full else None
+
+
 def step_of(path: Path) -> int:
     key = _key(path)
     if key is None:
@@ -61,21 +80,27 @@ def newer_than(directory: Path, step: int) -> list[Path]:
     return [p for p in checkpoints(directory) if step_of(p) > step]
 
 
+RECENT = 2
+"""A writer's newest checkpoints always kept, whatever they hold: only its newest can be
+uncommitted (the next is written after the commit), so the last committed one always survives."""
+
+
 def save(
     directory: Path,
     state: TrainerState,
     model_state: dict[str, Any],
-    optimizer_state: dict[str, Any],
+    optimizer_state: dict[str, Any] | None,
     keep: int = 2,
     epoch: int = 0,
 ) -> Path:
-    """Writes `step_<n>-e<epoch>.pt` atomically, then prunes: of this epoch's checkpoints all but the
-    newest `keep`, and, once `keep` of its own are there, any other epoch's older than the oldest
-    kept. Only a writer's newest checkpoint can be uncommitted (the next is written after the
-    commit), so with `keep` ≥ 2 the last committed one always survives; a stale writer lags, so it
+    """Writes `step_<n>-e<epoch>.pt` (full) or, without `optimizer_state`, `...-weights.pt`
+    atomically, then prunes: of this epoch's checkpoints all but its `RECENT` newest and the `keep`
+    newest full ones (of any epoch: where a resume finds its optimizer state), and, once `RECENT` of
+    its own are there, any other epoch's older than the oldest of those. A stale writer lags, so it
     never prunes what its successor wrote since."""
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"step_{state.step:08d}-e{epoch}.pt"
+    suffix = "" if optimizer_state is not None else "-weights"
+    final = directory / f"step_{state.step:08d}-e{epoch}{suffix}.pt"
     tmp = final.with_name(final.name + ".tmp")
     payload = {
         "step": state.step,
@@ -94,10 +119,12 @@ def save(
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    own = [p for p in checkpoints(directory) if (_key(p) or (0, 0))[1] == epoch]
-    kept = own[-keep:]
-    for p in checkpoints(directory):
-        if p not in kept and (p in own or (len(kept) >= keep and step_of(p) < step_of(kept[0]))):
+    every = checkpoints(directory)
+    own = [p for p in every if (_key(p) or (0, 0))[1] == epoch]
+    recent = own[-RECENT:]
+    kept = set(recent) | set([p for p in every if is_full(p)][-keep:])
+    for p in every:
+        if p not in kept and (p in own or (len(recent) >= RECENT and step_of(p) < step_of(recent[0]))):
             p.unlink(missing_ok=True)
     return final
 
@@ -133,12 +160,17 @@ def state_of(payload: dict[str, Any]) -> TrainerState:
     )
 
 
-def restore(path: Path, model: torch.nn.Module, optimizer: Any) -> TrainerState:
-    """Loads a checkpoint into `model` and `optimizer` in place and returns the bookkeeping."""
+def read_resumable(path: Path) -> tuple[dict[str, Any], Path | None]:
+    """A checkpoint's payload with the optimizer state to resume with: its own (full), else that of
+    the newest full checkpoint before it (`optimizer` None when none is left), and where that came
+    from."""
     payload = read(path)
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    return state_of(payload)
+    if payload.get("optimizer") is not None:
+        return payload, path
+    source = optimizer_source(path.parent, step_of(path))
+    if source is not None:
+        payload["optimizer"] = read(source)["optimizer"]
+    return payload, source
 
 
 def optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:

@@ -31,11 +31,10 @@ from services.learning.step import StepAborted, StepStats
 
 
 class Learner:
-    def __init__(self, run: RunConfig, ckpt_dir: Path, keep_checkpoints: int = 2):
+    def __init__(self, run: RunConfig, ckpt_dir: Path):
         torch.set_num_threads(run.training.torch_threads)
         self.run = run
         self.ckpt_dir = ckpt_dir
-        self.keep = keep_checkpoints
         self.tokenizer = load_tokenizer(run.model)
         self.device = compute_device(run)
         self.sharded: ShardedTrainer | None = None
@@ -57,6 +56,9 @@ class Learner:
         self.state = checkpoint.TrainerState()
         self.loaded: Path | None = None
         """The checkpoint the weights in memory are (None: the initial weights)."""
+        self.optimizer_from: Path | None = None
+        """The checkpoint the optimizer state was last restored from: `loaded` when it is full, an
+        earlier full one when `loaded` holds the weights only, None when it was fresh."""
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.group_error = ""
@@ -89,11 +91,20 @@ class Learner:
         return path
 
     def _restore(self, path: Path) -> checkpoint.TrainerState:
-        if self.sharded is None:
-            return checkpoint.restore(path, self.model, self.optimizer)
-        payload = checkpoint.read(path)
-        self.sharded.load(payload)
-        self.optimizer = self.sharded.shards.optimizer
+        """Loads a checkpoint's weights and bookkeeping, with the optimizer state of the newest full
+        checkpoint at or before it (a fresh optimizer when none is left)."""
+        payload, source = checkpoint.read_resumable(path)
+        self.optimizer_from = source
+        fresh = payload.get("optimizer") is None
+        if self.sharded is not None:
+            self.sharded.load(payload, reset_optimizer=fresh)
+            self.optimizer = self.sharded.shards.optimizer
+        else:
+            self.model.load_state_dict(payload["model"])
+            if fresh:
+                self.optimizer = optimizer_for(self.run, self.model)
+            else:
+                self.optimizer.load_state_dict(payload["optimizer"])
         return checkpoint.state_of(payload)
 
     def _full_state(self, optimizer: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -206,10 +217,18 @@ class Learner:
     def commit(self, trajectory_ids: set[str], epoch: int = 0) -> Path:
         """Advances version and step, records the ids that produced them and writes the checkpoint
         under this trainer's epoch (its fencing token)."""
-        s = self.state
+        s, t = self.state, self.run.training
         new = checkpoint.TrainerState(s.step + 1, s.version + 1, s.trained_ids | trajectory_ids)
-        model_state, optimizer_state = self._full_state()
-        path = checkpoint.save(self.ckpt_dir, new, model_state, optimizer_state, keep=self.keep, epoch=epoch)
+        full = new.step % t.checkpoint_every == 0 or new.step >= t.steps
+        model_state, optimizer_state = self._full_state(optimizer=full)
+        path = checkpoint.save(
+            self.ckpt_dir,
+            new,
+            model_state,
+            optimizer_state if full else None,
+            keep=t.keep_checkpoints,
+            epoch=epoch,
+        )
         self.state, self.loaded = new, path
         return path
 

@@ -17,8 +17,6 @@ class TrainerSettings(BaseSettings):
     """How long one fetch waits for trajectories; also how quickly the loop notices a shutdown."""
     resume: bool = True
     """Resume from the newest checkpoint under training.checkpoint_dir when one exists."""
-    keep_checkpoints: int = Field(2, ge=2)
-    """Checkpoints kept on disk; older ones are deleted after each new one is written."""
     assignment_timeout_s: float = Field(30.0, gt=0.0)
     """How long to wait for the planner's "train" assignment before logging again and re-waiting."""
     push_retries: int = Field(3, ge=0, le=20)

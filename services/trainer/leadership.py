@@ -127,7 +127,10 @@ class Leadership:
             path = await asyncio.to_thread(self.learner.rollback, step, named)
         self.rolled_back()
         self.log.warning(
-            "rolled_back", step=self.learner.state.step, checkpoint=str(path or "initial weights")
+            "rolled_back",
+            step=self.learner.state.step,
+            checkpoint=str(path or "initial weights"),
+            optimizer_state=str(self.learner.optimizer_from or "fresh") if path else "fresh",
         )
 
     async def record_commit(self, ids: set[str], checkpoint: str, stop: asyncio.Event | None = None) -> bool:

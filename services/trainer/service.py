@@ -394,7 +394,7 @@ async def serve(
     from services.learning.learner import Learner
 
     ckpt_dir = checkpoint_dir(run.training.checkpoint_dir, common.run_id)
-    learner = await asyncio.to_thread(Learner, run, ckpt_dir, settings.keep_checkpoints)
+    learner = await asyncio.to_thread(Learner, run, ckpt_dir)
     stack.callback(learner.close)
     if settings.resume:
         path = await asyncio.to_thread(learner.resume)
@@ -405,6 +405,7 @@ async def serve(
                 step=learner.state.step,
                 policy_version=learner.state.version,
                 trained=len(learner.state.trained_ids),
+                optimizer_state=str(learner.optimizer_from or "fresh"),
             )
 
     store = common.ownership_store()

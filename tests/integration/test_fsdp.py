@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 def _run(model: ModelConfig, fsdp: int) -> RunConfig:
     training = {"fsdp": fsdp, "micro_batch": 1, "mini_batches": 2, "torch_threads": 1, "kl_coef": 0.05}
-    training |= {"lr": 1e-3, "steps": 4}
+    training |= {"lr": 1e-3, "steps": 4, "checkpoint_every": 1}  # resumes take the optimizer state
     return RunConfig.model_validate({"model": model.model_dump(), "training": training})
 
 

@@ -368,7 +368,8 @@ async def test_trainer_trains_once_pushes_and_resumes(
         await stop_trainer(stop, task, stack)
 
         ckpt = latest(tmp_path / "ckpt" / run_id)
-        assert ckpt is not None and ckpt.name == f"step_00000001-e{lease.token}.pt"  # its epoch
+        # its epoch; weights only: not a full step (checkpoint_every) nor the last
+        assert ckpt is not None and ckpt.name == f"step_00000001-e{lease.token}-weights.pt"
 
         assert await store.renew(lease, 30)  # the planner keeps the lease while the trainer restarts
         stop, task, stack = await start_trainer()

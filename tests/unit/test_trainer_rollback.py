@@ -13,13 +13,20 @@ from services.learning.checkpoint import checkpoints, latest, newer_than
 from services.learning.learner import Learner
 
 
+def _run(model: ModelConfig, keep: int = 2) -> RunConfig:
+    """Every step's checkpoint full (`training.checkpoint_every: 1`), the newest `keep` kept."""
+    return RunConfig.model_validate(
+        {"model": model.model_dump(), "training": {"checkpoint_every": 1, "keep_checkpoints": keep}}
+    )
+
+
 def _names(directory: Path) -> list[str]:
     return [p.name for p in checkpoints(directory)]
 
 
 def test_rollback_to_the_committed_step(tiny_model: ModelConfig, tmp_path: Path) -> None:
-    run = RunConfig(model=tiny_model)
-    learner = Learner(run, tmp_path, keep_checkpoints=3)
+    run = _run(tiny_model, keep=3)
+    learner = Learner(run, tmp_path)
     initial = learner.model.get_input_embeddings().weight.detach().clone()
     learner.commit({"a"}, epoch=4)
     with torch.no_grad():
@@ -39,8 +46,8 @@ def test_rollback_to_the_committed_step(tiny_model: ModelConfig, tmp_path: Path)
 
 
 def test_a_stale_trainer_cannot_clobber_its_successor(tiny_model: ModelConfig, tmp_path: Path) -> None:
-    run = RunConfig(model=tiny_model)
-    old, new = Learner(run, tmp_path, keep_checkpoints=2), Learner(run, tmp_path, keep_checkpoints=2)
+    run = _run(tiny_model)
+    old, new = Learner(run, tmp_path), Learner(run, tmp_path)
     old.commit({"a"}, epoch=5)  # committed under epoch 5
     committed = new.rollback(1, str(tmp_path / "step_00000001-e5.pt"))  # the standby takes over
     assert committed is not None and new.state.trained_ids == {"a"}
@@ -60,12 +67,12 @@ def test_a_stale_trainer_cannot_clobber_its_successor(tiny_model: ModelConfig, t
 def test_pruning_keeps_the_last_committed_checkpoint_of_any_epoch(
     tiny_model: ModelConfig, tmp_path: Path
 ) -> None:
-    run = RunConfig(model=tiny_model)
-    first = Learner(run, tmp_path, keep_checkpoints=2)
+    run = _run(tiny_model)
+    first = Learner(run, tmp_path)
     for ids in ({"a"}, {"b"}, {"c"}):
         first.commit(ids, epoch=1)
     assert _names(tmp_path) == ["step_00000002-e1.pt", "step_00000003-e1.pt"]
-    second = Learner(run, tmp_path, keep_checkpoints=2)
+    second = Learner(run, tmp_path)
     second.rollback(3, str(tmp_path / "step_00000003-e1.pt"))
     second.commit({"d"}, epoch=2)  # not committed yet: epoch 1's step 3 must survive
     assert _names(tmp_path) == ["step_00000002-e1.pt", "step_00000003-e1.pt", "step_00000004-e2.pt"]
