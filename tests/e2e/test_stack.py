@@ -9,6 +9,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -76,6 +78,25 @@ def _config(tmp_path: Path, **sections: dict[str, Any]) -> Path:
 def _run(stack: Stack, config: Path, run_id: str, runs: Path) -> dict[str, Any]:
     cfg = load_run_config(config)
     return run_job(config, cfg, run_id=run_id, runs_dir=runs, timeout_s=600, progress=False, stack=stack)
+
+
+def _project_with_stack(
+    stack: Stack, tmp_path: Path
+) -> tuple[Path, Callable[..., subprocess.CompletedProcess[str]]]:
+    """A project directory where `libra up` started `stack` (its `.libra/stack.json`), and the
+    `libra` command run in a sub-directory of it, `experiments/today`."""
+    project = tmp_path / "project"
+    (project / ".libra").mkdir(parents=True)
+    (project / ".libra" / "stack.json").write_text(json.dumps(stack.state()))  # as `libra up` writes it
+    sub = project / "experiments" / "today"
+    sub.mkdir(parents=True)
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+    def libra(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "tools.cli", *args]
+        return subprocess.run(argv, cwd=sub, env=env, capture_output=True, text=True, timeout=timeout)
+
+    return project, libra
 
 
 def _meanwhile(
@@ -167,7 +188,25 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
     # the second job speculates on the same engines; sampled near-greedily, the random model
     # repeats itself, so its drafts (from its own context and its siblings') are accepted
     spec = {"speculative": {"method": "suffix", "num_tokens": 4, "policy": "fixed"}}
-    second = _run(stack, _config(tmp_path, rollout=spec, task={"temperature": 0.05}), job_b, tmp_path)
+    config_b = _config(tmp_path, rollout=spec, task={"temperature": 0.05})
+    # ...and is started as a user starts it: `libra run` in a sub-directory of the project where
+    # `libra up` started the stack; it finds the stack above it and says which it uses
+    project, libra = _project_with_stack(stack, tmp_path)
+    out = libra("run", str(config_b), "--run-id", job_b)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (
+        f"on the stack {stack.name} that `libra up` started ({project / '.libra' / 'stack.json'})"
+        in out.stderr
+    )
+    assert "--embedded" in out.stderr  # how to pick a stack of its own instead
+    sub = project / "experiments" / "today"
+    second = json.loads((sub / "runs" / job_b / "report.json").read_text())
+    second["report_path"] = str(sub / "runs" / job_b / "report.json")  # what run_job would return
+    assert not (sub / ".libra" / "data").exists()  # no embedded stack's state: none was started
+    status = libra("status")
+    assert status.returncode == 0 and stack.name in status.stdout and str(project) in status.stdout
+    refused = libra("up", "tiny", timeout=120)  # a second stack under the first one's directory
+    assert refused.returncode == 1 and str(project / ".libra" / "stack.json") in refused.stderr
     watcher.join(60)
 
     for report in (first, second):
@@ -217,7 +256,7 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
     assert 0 < w.new_tokens_per_turn.max <= cfg.task.max_new_tokens
     assert w.context_tokens_per_turn.p50 > 0 and w.trained_version >= 0
     assert first["report_path"] != second["report_path"]
-    assert (tmp_path / "latest" / "report.json").resolve() == Path(second["report_path"]).resolve()
+    assert (sub / "runs" / "latest" / "report.json").resolve() == Path(second["report_path"]).resolve()
     # one set of services served both jobs
     assert sorted(first["services"].values()) == sorted(second["services"].values()) == sorted(pids.values())
     assert stack.dead() == {}
@@ -1006,42 +1045,3 @@ def test_a_job_needing_more_engines_than_the_stack_runs_fails_at_once(stack: Sta
     assert "needs 3 rollout engine(s)" in report["reason"] and "runs 2" in report["reason"], report["reason"]
     assert "--rollout.engines 2" in report["reason"]
     assert time.monotonic() - started < 60  # not the 120 s wait for services that never come
-
-
-def test_libra_run_in_a_sub_directory_runs_on_the_stack_libra_up_started_above(
-    stack: Stack, tmp_path: Path
-) -> None:
-    """`libra up` in a project, `libra run` in one of its sub-directories: the job runs on that
-    stack (the CLI says which, and how to pick another), no second stack starts there, and `libra
-    status` there shows the same stack."""
-    import subprocess
-    import sys
-
-    project = tmp_path / "project"
-    (project / ".libra").mkdir(parents=True)
-    (project / ".libra" / "stack.json").write_text(json.dumps(stack.state()))  # as `libra up` writes it
-    sub = project / "experiments" / "today"
-    sub.mkdir(parents=True)
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-
-    def libra(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        argv = [sys.executable, "-m", "tools.cli", *args]
-        return subprocess.run(argv, cwd=sub, env=env, capture_output=True, text=True, timeout=timeout)
-
-    run_id = f"sub-dir-{RUN}"
-    out = libra("run", str(_config(tmp_path)), "--training.steps", "1", "--run-id", run_id)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert (
-        f"on the stack {stack.name} that `libra up` started ({project / '.libra' / 'stack.json'})"
-        in out.stderr
-    )
-    assert "--embedded" in out.stderr  # how to pick a stack of its own
-    report = json.loads((sub / "runs" / run_id / "report.json").read_text())
-    assert report["status"] == "completed" and report["stack"] == stack.name, report["stack"]
-    assert not (sub / ".libra" / "data").exists()  # no embedded stack's state: none was started
-    status = libra("status")
-    assert status.returncode == 0 and stack.name in status.stdout and str(project) in status.stdout
-    refused = libra(
-        "up", "tiny", timeout=120
-    )  # a second stack under the first one's directory: refused, said why
-    assert refused.returncode == 1 and str(project / ".libra" / "stack.json") in refused.stderr
