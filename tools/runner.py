@@ -578,7 +578,7 @@ def run_job(
     """Runs one job on `stack`, on the stack `libra up` started (here or in a directory above;
     not with `embedded`), or on an embedded stack of its own, and writes its report whatever the
     outcome."""
-    from services.common.models import check_reference, resolve_model_dir
+    from services.common.models import check_reference, model_cache, resolve_model_dir
 
     run_id = run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     runs_dir = runs_dir.resolve()
@@ -590,7 +590,9 @@ def run_job(
         cfg, layout = choose_layout(cfg, progress=progress)
         print(summary(layout), file=sys.stderr)
     cfg = with_local_paths(cfg, runs_dir)
-    print(f"preparing model '{cfg.model.source}' (converted once, then cached)…", file=sys.stderr)
+    built = cfg.model.source in ("smollm2", "tiny-random")  # the others: a directory, the HF cache
+    where = f" (built once into {model_cache(cfg.model)}, then cached)" if built else ""
+    print(f"preparing model '{cfg.model.source}'{where}…", file=sys.stderr)
     resolve_model_dir(cfg.model)
     if cfg.training.kl_coef > 0:
         check_reference(cfg.model, cfg.training.reference_model)  # builds it too, like the policy
