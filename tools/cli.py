@@ -436,6 +436,20 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     path, cfg = _load(args.file, args.overrides)  # a bad field exits with its message
     assert isinstance(cfg, RunConfig)
     check_task(cfg)
+    if (up := read_stack_file()) is not None:  # the stack `libra run` here would use
+        services = up.get("services")
+        engines = (
+            [w for w in services if w.startswith("rollout-engine-")] if isinstance(services, dict) else []
+        )
+        if cfg.engines_needed > len(engines):
+            print(
+                f"invalid configuration: rollout.engines: the job needs {cfg.engines_needed} rollout "
+                f"engine(s), the stack {up['name']} `libra run` would use here ({up['stack_file']}) runs "
+                f"{len(engines)}: run with --rollout.engines {len(engines)}, start a stack with `libra up "
+                f"--engines {cfg.engines_needed}`, or `libra run --embedded`",
+                file=sys.stderr,
+            )
+            return 2
     from services.scheduler.feed import task_list
 
     print(

@@ -205,6 +205,9 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
     assert not (sub / ".libra" / "data").exists()  # no embedded stack's state: none was started
     status = libra("status")
     assert status.returncode == 0 and stack.name in status.stdout and str(project) in status.stdout
+    too_big = libra("config", "check", "tiny", "--rollout.engines", "3")  # more than that stack runs
+    assert too_big.returncode == 2 and "rollout.engines: the job needs 3" in too_big.stderr, too_big.stderr
+    assert f"the stack {stack.name}" in too_big.stderr and "runs 2" in too_big.stderr
     refused = libra("up", "tiny", timeout=120)  # a second stack under the first one's directory
     assert refused.returncode == 1 and str(project / ".libra" / "stack.json") in refused.stderr
     watcher.join(60)
