@@ -437,10 +437,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     assert isinstance(cfg, RunConfig)
     check_task(cfg)
     if (up := read_stack_file()) is not None:  # the stack `libra run` here would use
-        services = up.get("services")
-        engines = (
-            [w for w in services if w.startswith("rollout-engine-")] if isinstance(services, dict) else []
-        )
+        engines = Stack.attach(up).engines() or set()
         if cfg.engines_needed > len(engines):
             print(
                 f"invalid configuration: rollout.engines: the job needs {cfg.engines_needed} rollout "
