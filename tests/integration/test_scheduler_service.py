@@ -297,13 +297,17 @@ async def test_lost_and_malformed_turns_are_sent_again_and_bad_input_changes_not
     assert proc.poll() is None
 
 
-@pytest.mark.parametrize("scheduler", [{"engines": 2}], indirect=True)
+@pytest.mark.parametrize("scheduler", [{"engines": 2, "task": {"group_size": 4}}], indirect=True)
 async def test_an_engine_answering_garbage_changes_no_trajectory_and_is_quarantined(scheduler: Any) -> None:
     """A second engine answers every turn with something no engine serving this job's weights
     could make: NaN or positive logprobs, token ids outside the vocabulary, a policy version the
     trainer never made, more tokens than the turn asked for. Each fails its turn (`engine_invalid`)
     and is retried on the honest engine; after three in a row the scheduler takes the engine out
-    of routing. Every trajectory completes with the honest engine's tokens only."""
+    of routing. Every trajectory completes with the honest engine's tokens only.
+
+    Eight trajectories start at once (two groups of four), so least-loaded placement gives the
+    garbage engine at least three first turns; with four, it could get two (the rest of their
+    turns then stay with the honest engine that holds their context) and never reach the streak."""
     proc, h, bus = scheduler
     garbage = h.peer
     assert garbage is not None
@@ -320,7 +324,7 @@ async def test_an_engine_answering_garbage_changes_no_trajectory_and_is_quaranti
         return garbage.result(req, CALL, token_ids=[200] * n, logprobs=[-0.1] * n)
 
     garbage.answer = lie
-    done = await h.completed(bus, 4, timeout=90)
+    done = await h.completed(bus, 8, timeout=90)
     assert all(t.finish == "answer" and not t.HasField("failure") for t in done), [
         (t.finish, t.failure.code, t.failure.message) for t in done
     ]
@@ -329,8 +333,10 @@ async def test_an_engine_answering_garbage_changes_no_trajectory_and_is_quaranti
             if seg.generated:
                 assert list(seg.token_ids) == [200, 201, 202, 203] and seg.policy_version == 0
                 assert all(lp == -0.5 for lp in seg.logprobs)
-    s = await stats(bus, 4)
-    assert s.invalid_results_by_engine[ENGINE2] == len(garbage.requests) >= 3
+    s = await stats(bus, 8)
+    # a turn sent to it before the third refusal is answered after: a quarantined engine's
+    # results are not read (its turns are sent again elsewhere), so that one is not counted
+    assert 3 <= s.invalid_results_by_engine[ENGINE2] <= len(garbage.requests)
     assert ENGINE not in s.invalid_results_by_engine
     assert list(s.engines_quarantined) == [ENGINE2] and list(s.engines) == [ENGINE]
     assert s.trajectories_failed == 0
