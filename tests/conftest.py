@@ -64,3 +64,12 @@ def tiny_model() -> ModelConfig:
     cfg = ModelConfig(source="tiny-random", cache_dir=str(ROOT / ".libra" / "models"))
     resolve_model_dir(cfg)
     return cfg
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The image tests' dependency resolution (network-bound, half a minute or more) starts now, in
+    the background, when the session will run one of them."""
+    if any(item.path.name == "test_images.py" for item in session.items):
+        from tests.integration.test_images import start_resolving
+
+        start_resolving()

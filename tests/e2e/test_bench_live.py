@@ -20,7 +20,7 @@ WORKLOAD = Path(__file__).parent / "workloads" / "tiny_tools.yaml"
 def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path: Path) -> None:
     out = tmp_path / "live"
     args = ["--workload", str(WORKLOAD), "--engines", "4", "--steps", "3", "--groups-per-step", "2"]
-    args += ["--group-size", "2", "--time-scale", "0.5", "--sim-seeds", "2", "--out", str(out)]
+    args += ["--group-size", "2", "--time-scale", "0.25", "--sim-seeds", "2", "--out", str(out)]
     args += [
         "--policies",
         "libra,least_loaded,libra_lend,libra_planned",

