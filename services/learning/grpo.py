@@ -43,13 +43,61 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+CHUNK_BYTES = 64 * 2**20
+"""The float32 working set of one chunk of positions when scoring tokens: a micro-batch's logits
+are [B, T, V], and scoring them whole made several float32 copies of that size (scaled, softmax,
+their gradients; with top_p the sort's too): 2-4 GB for 4 x 640 tokens of a 49k vocabulary, tens
+of GB for a 16k-token micro-batch of a 152k one. In chunks only one chunk's copies are alive."""
 
-def _scaled(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
-    """logits[:, :-1] / temperature in float32; a tensor temperature is per position, [B, T-1]."""
-    scaled = logits[:, :-1, :].float()
+
+def _chunks(logits: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+    """(row, start, logits) of positions start..start+n-1 of each row, together positions 0..T-2,
+    each at most CHUNK_BYTES of float32. Views cut by `unbind` and `split`, whose backward passes
+    put the chunks' gradients together with one allocation (a slice's allocates its whole input)."""
+    b, t, v = logits.shape
+    step = max(1, CHUNK_BYTES // (4 * v))
+    out = []
+    for i, row in enumerate(logits.unbind(0)):
+        for k, piece in enumerate(row.split(step)):
+            start = k * step
+            n = min(piece.shape[0], t - 1 - start)
+            if n > 0:
+                out.append((i, start, piece if n == piece.shape[0] else piece[:n]))
+    return out
+
+
+def _scored(rows: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """Rows of logits / temperature in float32; a tensor temperature is one per row."""
+    scaled = rows.float()
     if isinstance(temperature, torch.Tensor):
         return scaled / temperature.to(scaled.dtype).unsqueeze(-1)
     return scaled / temperature if temperature != 1.0 else scaled
+
+
+def _rows_logprobs(
+    rows: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor, kept: torch.Tensor | None
+) -> torch.Tensor:
+    """Logprob of each target under softmax(row / T), renormalised over `kept` (the nucleus, with
+    the target in it) where given."""
+    scaled = _scored(rows, temperature)
+    nll = F.cross_entropy(scaled, targets, reduction="none")
+    if kept is None:
+        return -nll
+    full = torch.logsumexp(scaled, dim=-1)
+    truncated = torch.logsumexp(scaled.masked_fill(~kept, float("-inf")), dim=-1)
+    return -nll + full - truncated
+
+
+@torch.no_grad()
+def _nucleus_of(
+    rows: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor, top_p: float
+) -> torch.Tensor | None:
+    """The rows' nucleus with each target added (None at top_p 1): computed once, outside the
+    checkpoint (a bool per logit, a quarter of a float32 copy), not sorted again in the backward."""
+    if top_p >= 1.0:
+        return None
+    kept = nucleus_mask(_scored(rows, temperature), top_p)
+    return kept.scatter_(-1, targets.unsqueeze(-1), True)
 
 
 def token_logprobs(
@@ -64,19 +112,25 @@ def token_logprobs(
     whose probability reaches top_p, as services/generation/sampling.py cuts it), so the trainer
     and the engine score a token alike; a token outside this policy's nucleus (the policy moved
     since it was sampled) is scored as if the nucleus held it too, never -inf.
+
+    Scored in chunks of positions (`CHUNK_BYTES`); with gradients on, each chunk is checkpointed
+    (its float32 copies are computed again in the backward pass instead of kept), so the memory
+    beyond the logits and their gradient is one chunk's, whatever the micro-batch.
     """
-    scaled = _scaled(logits, temperature)
-    b, t, v = scaled.shape
-    targets = input_ids[:, 1:]
-    nll = F.cross_entropy(scaled.reshape(b * t, v), targets.reshape(b * t), reduction="none").view(b, t)
-    if top_p >= 1.0:
-        return -nll
-    with torch.no_grad():
-        kept = nucleus_mask(scaled.detach(), top_p)
-        kept.scatter_(-1, targets.unsqueeze(-1), True)
-    full = torch.logsumexp(scaled, dim=-1)
-    truncated = torch.logsumexp(scaled.masked_fill(~kept, float("-inf")), dim=-1)
-    return -nll + full - truncated
+    from torch.utils.checkpoint import checkpoint
+
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    parts = []
+    for i, s, rows in _chunks(logits):
+        e = s + rows.shape[0]
+        temp = temperature[i, s:e] if isinstance(temperature, torch.Tensor) else temperature
+        targets = input_ids[i, s + 1 : e + 1]
+        args = (rows, targets, temp, _nucleus_of(rows.detach(), targets, temp, top_p))
+        parts.append(
+            checkpoint(_rows_logprobs, *args, use_reentrant=False) if grad else _rows_logprobs(*args)
+        )
+    b, t, _ = logits.shape
+    return torch.cat(parts).view(b, t - 1)
 
 
 @torch.no_grad()
@@ -92,17 +146,21 @@ def nucleus_mask(scaled_logits: torch.Tensor, top_p: float) -> torch.Tensor:
 @torch.no_grad()
 def entropy_sum(logits: torch.Tensor, temperature: float | torch.Tensor, mask: torch.Tensor) -> float:
     """Sum over the masked positions ([B, T-1]) of the entropy of softmax(logits / T), in nats.
-    Only the masked rows are materialised: a [B, T, V] copy of the logits is hundreds of MB."""
+    Only the masked rows of one chunk at a time are materialised (a [B, T, V] copy is hundreds of MB)."""
     keep = mask.bool()
-    rows = logits.detach()[:, :-1, :][keep].float()
-    if rows.numel() == 0:
-        return 0.0
-    if isinstance(temperature, torch.Tensor):
-        rows = rows / temperature[keep].to(rows.dtype).unsqueeze(-1)
-    elif temperature != 1.0:
-        rows = rows / temperature
-    logp = torch.log_softmax(rows, dim=-1)
-    return float(-(logp.exp() * logp).sum().item())
+    total = 0.0
+    for i, s, rows in _chunks(logits.detach()):
+        sel = keep[i, s : s + rows.shape[0]]
+        if not bool(sel.any()):
+            continue
+        temp = (
+            temperature[i, s : s + rows.shape[0]][sel]
+            if isinstance(temperature, torch.Tensor)
+            else temperature
+        )
+        logp = torch.log_softmax(_scored(rows[sel], temp), dim=-1)
+        total += float(-(logp.exp() * logp).sum().item())
+    return total
 
 
 @dataclass(frozen=True)

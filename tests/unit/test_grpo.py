@@ -159,6 +159,48 @@ def test_token_logprobs_use_each_positions_temperature() -> None:
             assert out[b, t].item() == pytest.approx(want.item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_tokens_scored_in_chunks_match_the_whole_logits_and_their_gradients(
+    top_p: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks of 3 positions (a row of 7 cut 3 + 3 + 1, its last position predicting nothing): the
+    logprobs, their gradient with respect to the logits, and the entropy are those of the whole
+    [B, T, V] scored at once."""
+    from services.learning import grpo
+
+    torch.manual_seed(1)
+    b, t, v = 2, 8, 13
+    logits = torch.randn(b, t, v, dtype=torch.float64).float()
+    ids = torch.randint(0, v, (b, t))
+    temps = torch.rand(b, t - 1) + 0.5
+    mask = torch.rand(b, t - 1) > 0.3
+
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        scaled = x[:, :-1] / temps.unsqueeze(-1)
+        logp = torch.log_softmax(scaled, dim=-1)
+        if top_p < 1.0:
+            kept = grpo.nucleus_mask(scaled.detach(), top_p).scatter(-1, ids[:, 1:].unsqueeze(-1), True)
+            logp = torch.log_softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
+        return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+    weights = torch.randn(b, t - 1)
+    ref_in = logits.clone().requires_grad_(True)
+    ref = whole(ref_in)
+    (ref * weights).sum().backward()
+    monkeypatch.setattr(grpo, "CHUNK_BYTES", 3 * 4 * v)
+    got_in = logits.clone().requires_grad_(True)
+    got = grpo.token_logprobs(got_in, ids, temps, top_p)
+    (got * weights).sum().backward()
+    assert got.shape == (b, t - 1)
+    assert torch.allclose(got, ref, atol=1e-5)
+    assert got_in.grad is not None and ref_in.grad is not None
+    assert torch.allclose(got_in.grad, ref_in.grad, atol=1e-5)
+    assert torch.all(got_in.grad[:, -1] == 0)  # the last position predicts no token
+    logp = torch.log_softmax(logits[:, :-1] / temps.unsqueeze(-1), dim=-1)
+    want = float(-(logp.exp() * logp).sum(-1)[mask].sum())
+    assert grpo.entropy_sum(logits, temps, mask) == pytest.approx(want, rel=1e-5)
+
+
 def test_entropy_of_uniform_and_of_peaked_distributions() -> None:
     logits = torch.zeros(1, 3, 8)
     logits[0, 1, 0] = 100.0
