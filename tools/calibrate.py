@@ -89,6 +89,9 @@ class Sample:
     context: int = 0
     tokens: int = 0
     bytes: int = 0
+    recompute: bool = False
+    """A train step that recomputed each layer's activations in its backward pass (the trainer's
+    `training.gradient_checkpointing`): one more forward's FLOPs."""
 
 
 def model_spec(model_dir: Path, dtype_bytes: int, params: int = 0) -> ModelSpec:
@@ -428,6 +431,9 @@ def measure_training(
         {"training": {"micro_batch": grid["micro_batch"], "device": device, "precision": "auto"}}
     )
     model.train()
+    recompute = run.training.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable")
+    if recompute:  # as the trainer trains it (services/learning/recipe.py, policy_model)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = optimizer_for(run, model)
     settings = step_settings(run, 0, 0, None, torch.device(device))
     rng = random.Random(1)
@@ -461,7 +467,7 @@ def measure_training(
     for n in grid["sequences"]:
         for length in grid["lengths"]:
             t = min(timed(n, length) for _ in range(REPEATS))
-            out.append(Sample("train", t, batch=n, context=length, tokens=n * length))
+            out.append(Sample("train", t, batch=n, context=length, tokens=n * length, recompute=recompute))
             say(f"train {n:>3} sequences of {length:>5} tokens: {t:.3f} s/step")
     return out
 
@@ -519,8 +525,8 @@ def _shape(m: ModelSpec) -> CostModel:
 
 def _train_flops(m: ModelSpec, s: Sample) -> float:
     """FLOPs of the trainer's step (one mini-batch): forward and backward (three forwards' worth),
-    causal attention, no recomputation (the trainer does not checkpoint activations)."""
-    return _shape(m).train_flops(s.tokens, s.context, passes=3)
+    and one more forward where it recomputed activations, with causal attention."""
+    return _shape(m).train_flops(s.tokens, s.context, passes=4 if s.recompute else 3)
 
 
 def _decode_terms(m: ModelSpec, s: Sample) -> tuple[float, float]:
@@ -642,7 +648,8 @@ def fit(
         decode_overhead_s=over,
         prefill=mult,
         sync_fixed_s=fixed + push_fixed,
-        activation_recompute=not train,  # measured: the trainer's own steps, no recomputation
+        # as the trainer's measured steps ran (none measured: the cost model's default)
+        activation_recompute=any(s.recompute for s in train) if train else True,
     )
     gpu = GPUSpec(**{**asdict(gpu), "net_bw": 1 / slope})
     check = CostModel(gpu, model, calib)

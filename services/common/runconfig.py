@@ -501,6 +501,12 @@ class TrainingConfig(_Strict):
     """Policy versions a trajectory may lag the trainer and still be trained on."""
     micro_batch: int = Field(4, ge=1)
     """Sequences per forward/backward (gradients accumulate over a step's micro-batches)."""
+    gradient_checkpointing: bool = True
+    """Keep only each decoder layer's input through the forward pass and compute the rest again in
+    the backward (the model's `gradient_checkpointing_enable`; verl's and AReaL's default, and what
+    the simulator prices, `Calibration.activation_recompute`). SmolLM2-135M, 4 x 640 tokens on this
+    CPU: the step's peak memory 7.1 -> 4.2 GiB, its time unchanged (19.4 s against 20.4 s); on a GPU
+    it costs about one more forward per micro-batch. `false` keeps every activation."""
     torch_threads: int = Field(2, ge=1, le=256)
     """CPU threads of the trainer's torch."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from services.common.models import load_model
 from services.common.runconfig import RunConfig
 from services.learning.checkpoint import optimizer_state_by_index, optimizer_state_by_name
-from services.learning.recipe import compute_device, optimizer_for
+from services.learning.recipe import compute_device, optimizer_for, policy_model
 from services.learning.step import train_step
 
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
@@ -79,7 +79,7 @@ def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 
 def build(run: RunConfig, device: torch.device) -> Shards:
-    model = load_model(run.model)
+    model = policy_model(run)
     names = [n for n, p in model.named_parameters()]
     first: dict[int, str] = {}
     tied = {}

@@ -25,7 +25,14 @@ from services.learning.fsdp import ShardedTrainer
 from services.learning.hybrid import GroupBroken, TrainerGroup
 from services.learning.lora import is_lora, merged_state
 from services.learning.lora import wrap as wrap_lora
-from services.learning.recipe import compute_device, optimizer_for, reference_for, run_step, step_settings
+from services.learning.recipe import (
+    compute_device,
+    optimizer_for,
+    policy_model,
+    reference_for,
+    run_step,
+    step_settings,
+)
 from services.learning.snapshot import Snapshot, snapshot
 from services.learning.step import StepAborted, StepStats
 
@@ -66,7 +73,7 @@ class Learner:
 
     def _fresh_model(self) -> Any:
         """The initial policy on this trainer's device; with training.lora, wrapped in its adapters."""
-        model = load_model(self.run.model).to(self.device)
+        model = policy_model(self.run).to(self.device)
         lora = self.run.training.lora
         if lora is not None and self.run.training.backend != "emulated":
             return wrap_lora(model, lora)

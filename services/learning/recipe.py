@@ -44,6 +44,16 @@ def optimizer_for(run: RunConfig, model: torch.nn.Module) -> torch.optim.Optimiz
     return torch.optim.AdamW(trainable, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
 
 
+def policy_model(run: RunConfig) -> Any:
+    """The job's model as the trainer trains it (on the host; the caller moves or shards it): with
+    `training.gradient_checkpointing`, each decoder layer's activations are recomputed in the
+    backward pass instead of kept (non-reentrant, so frozen inputs and LoRA need nothing more)."""
+    model = load_model(run.model)
+    if run.training.gradient_checkpointing and run.training.backend != "emulated":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def reference_for(run: RunConfig, device: torch.device) -> torch.nn.Module | None:
     """The frozen policy a KL penalty pulls towards, when one is configured: training.reference_model,
     or the initial weights."""
@@ -132,7 +142,7 @@ def replica_for(run: RunConfig) -> Replica:
     joins a generation) and the trainer's step, without an optimizer (rank 0 alone steps)."""
     torch.set_num_threads(run.training.torch_threads)
     device = compute_device(run)
-    model = load_model(run.model).to(device)
+    model = policy_model(run).to(device)
     ref = reference_for(run, device)
     pad_id = int(load_tokenizer(run.model).pad_token_id)
     return Replica(

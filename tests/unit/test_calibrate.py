@@ -99,9 +99,12 @@ def test_a_profile_loads_as_the_cost_model_it_fitted(tmp_path: Path) -> None:
         load_profile(tmp_path / "bad.yaml")
 
 
-def _gpu_samples(cm: CostModel, train_mfu: float, step_fixed_s: float = 0.0) -> list[Sample]:
+def _gpu_samples(
+    cm: CostModel, train_mfu: float, step_fixed_s: float = 0.0, recompute: bool = False
+) -> list[Sample]:
     """A GPU run's timings: the engine's, its graph-captured projections (weight reads at one
-    token, matmul rate at many) and the trainer's steps: a fixed part, then FLOPs at `train_mfu`."""
+    token, matmul rate at many) and the trainer's steps: a fixed part, then FLOPs at `train_mfu`
+    (`recompute`: steps that recomputed their activations, one more forward)."""
     linear = MODEL.params * MODEL.bytes_per_param
     out = _samples(cm)
     out += [
@@ -115,7 +118,7 @@ def _gpu_samples(cm: CostModel, train_mfu: float, step_fixed_s: float = 0.0) -> 
         for t in (1, 64, 4096)
     ]
     steps = [
-        Sample("train", 0.0, batch=n, context=n_len, tokens=n * n_len)
+        Sample("train", 0.0, batch=n, context=n_len, tokens=n * n_len, recompute=recompute)
         for n in (4, 8)
         for n_len in (256, 1024)
     ]
@@ -126,6 +129,7 @@ def _gpu_samples(cm: CostModel, train_mfu: float, step_fixed_s: float = 0.0) -> 
             s.batch,
             s.context,
             s.tokens,
+            recompute=recompute,
         )
         for s in steps
     ]
@@ -142,7 +146,14 @@ def test_a_gpu_run_gives_its_rates_and_training_mfu_as_shares_of_the_peak() -> N
     assert got["gpu"]["mem_bw"] == pytest.approx(gpu.mem_bw, rel=1e-9)
     assert got["gpu"]["flops"] == pytest.approx(gpu.flops, rel=1e-9)
     assert got["calibration"]["train_mfu"] == pytest.approx(0.3, rel=1e-9)
-    assert got["calibration"]["activation_recompute"] is False  # the trainer measured does not
+    assert got["calibration"]["activation_recompute"] is False  # the trainer measured did not
+    # a trainer that checkpoints activations: its steps' extra forward is counted, not taken for
+    # a lower MFU, and the profile prices the recomputation
+    again = fit(
+        _gpu_samples(truth, 0.3, step_fixed_s=0.5, recompute=True), MODEL, "h200", peak.mem_bytes, peak
+    )
+    assert again["calibration"]["train_mfu"] == pytest.approx(0.3, rel=1e-9)
+    assert again["calibration"]["activation_recompute"] is True
     assert got["fit_error"]["train_step_fixed_s"] == pytest.approx(0.5, rel=1e-3)
     assert got["fit_error"]["train_rel_rms"] < 1e-9
     eff = got["efficiency"]
