@@ -283,7 +283,8 @@ def _forward_logprobs(
     """Logits (in the autocast dtype under bf16) and the float32 logprobs of the sampled tokens."""
     device_type = torch.device(settings.device).type
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=settings.bf16):
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        # no KV cache: nothing is generated (and with checkpointed activations HF would refuse it)
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
     return logits, token_logprobs(logits, mb.input_ids, mb.temperatures, settings.top_p)
 
 
