@@ -226,9 +226,11 @@ def reward_window(steps: list[ev.TrainMetrics]) -> dict[str, Any] | None:
     return {"mean": round(mean, 4), "ci95": [round(mean - h, 4), round(mean + h, 4)], "trajectories": n}
 
 
-def learning_report(trained: list[ev.TrainMetrics]) -> dict[str, Any]:
+def learning_report(trained: list[ev.TrainMetrics], filtered: bool = True) -> dict[str, Any]:
     """What a step learned, per step: rewards (all sampled trajectories, and those trained on),
-    the policy versions that sampled them, the off-policy corrections and the optimizer's state."""
+    the policy versions that sampled them, the off-policy corrections and the optimizer's state.
+    `filtered`: zero-advantage groups were left out (`training.filter_zero_advantage`), so a step
+    without an informative group made no optimizer update at all."""
 
     def col(name: str, digits: int = 5) -> list[float | None]:
         return [None if math.isnan(v := getattr(m, name)) else round(v, digits) for m in trained]
@@ -247,7 +249,12 @@ def learning_report(trained: list[ev.TrainMetrics]) -> dict[str, Any]:
         "steps_without_update": idle,
         "warnings": [
             f"{idle} of {len(trained)} train steps had no group with a non-zero advantage (every "
-            "sample of each group got the same reward): they changed no weight, only the version"
+            "sample of each group got the same reward): "
+            + (
+                "they changed no weight, only the version"
+                if filtered
+                else "no policy gradient (only weight decay and the optimizer's momentum moved the weights)"
+            )
         ]
         if idle
         else [],
@@ -368,7 +375,7 @@ async def build_report(
             e.get("weight_version") == p.committed_version for e in engines if e["serving"]
         ),
         "reward": reward_definition(cfg.task),
-        **learning_report(trained),
+        **learning_report(trained, cfg.filters_zero_advantage),
         "loss_per_step": [round(m.loss, 5) for m in trained],
         "step_s": [round(m.step_s, 2) for m in trained],
         "trajectories_per_step": [m.trajectories for m in trained],

@@ -139,6 +139,9 @@ def test_steps_that_changed_no_weight_are_counted_and_warned_about() -> None:
     assert report["groups_informative_per_step"] == [2, 0, 1, 0] and report["steps_without_update"] == 2
     assert report["warnings"] and "2 of 4 train steps" in report["warnings"][0]
     assert learning_report(steps[:1])["warnings"] == []
+    # zero-advantage groups trained anyway: the optimizer still stepped (weight decay, momentum)
+    kept = learning_report(steps, filtered=False)["warnings"][0]
+    assert "no policy gradient" in kept and "changed no weight" not in kept
 
 
 def test_a_report_with_steps_gets_a_reward_plot(tmp_path) -> None:
