@@ -130,7 +130,7 @@ def token_logprobs(
             checkpoint(_rows_logprobs, *args, use_reentrant=False) if grad else _rows_logprobs(*args)
         )
     b, t, _ = logits.shape
-    return torch.cat(parts).view(b, t - 1)
+    return torch.cat(parts).view(b, t - 1) if parts else logits.new_zeros(b, 0, dtype=torch.float32)
 
 
 @torch.no_grad()

@@ -199,6 +199,7 @@ def test_tokens_scored_in_chunks_match_the_whole_logits_and_their_gradients(
     logp = torch.log_softmax(logits[:, :-1] / temps.unsqueeze(-1), dim=-1)
     want = float(-(logp.exp() * logp).sum(-1)[mask].sum())
     assert grpo.entropy_sum(logits, temps, mask) == pytest.approx(want, rel=1e-5)
+    assert grpo.token_logprobs(logits[:, :1], ids[:, :1], 1.0, top_p).shape == (b, 0)  # nothing to score
 
 
 def test_entropy_of_uniform_and_of_peaked_distributions() -> None:
