@@ -56,6 +56,9 @@ class PlanState:
         self.reason, self.gain, self.decision = reason, gain, decision
         self.dirty = True
 
-    def published(self, version: int) -> None:
-        self.version, self.dirty = version, False
-        self.reason, self.gain, self.decision = "membership", 0.0, None
+    def published(self, plan: ev.Plan) -> None:
+        """`plan` went out. `dirty` is the publisher's, and a change made while it went out keeps
+        its reason: both stay for the next plan."""
+        self.version = plan.plan_version
+        if self.reason == plan.reason:
+            self.reason, self.gain, self.decision = "membership", 0.0, None

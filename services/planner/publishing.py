@@ -3,6 +3,7 @@ lease, then published on the durable `plan` stream and read back."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
@@ -32,6 +33,7 @@ class PlanPublisher:
         self.cfg, self.bus, self.store, self.history, self.state = cfg, bus, store, history, state
         self.worker_id = worker_id
         self.log = get_logger(component="planner")
+        self._one_at_a_time = asyncio.Lock()
 
     async def hold_lease(self) -> bool:
         """Renews the planner's lease, or takes it when free (a new epoch). Without it the planner
@@ -51,7 +53,29 @@ class PlanPublisher:
         return True
 
     async def publish(self) -> bool:
-        """Records and publishes the plan; False (nothing published) without the planner lease."""
+        """Records and publishes the plan; False (nothing published) without the planner lease.
+
+        One publication at a time: a tick and a role move that both find the plan changed would
+        otherwise each publish it (two versions for one change). The plan is taken as it stands
+        when its turn comes; a change made while it goes out makes the plan dirty again, for the
+        next publication, and a plan that did not go out leaves it dirty."""
+        async with self._one_at_a_time:
+            s = self.state
+            if s.lease is None:
+                return False
+            if not s.dirty:
+                return True  # the publication before this one took the change out with it
+            s.dirty = False
+            try:
+                published = await self._publish()
+            except BaseException:
+                s.dirty = True
+                raise
+            if not published:
+                s.dirty = True
+            return published
+
+    async def _publish(self) -> bool:
         s = self.state
         assert s.lease is not None
         plan = ev.Plan(
@@ -101,7 +125,7 @@ class PlanPublisher:
             m.workers.labels(role).set(roles.get(role, 0))
         s.version = plan.plan_version
         await self._publish_plan(plan)
-        s.published(plan.plan_version)
+        s.published(plan)
         self.log.info(
             "plan_published", plan_version=s.version, epoch=plan.planner_epoch, workers=len(s.slots)
         )

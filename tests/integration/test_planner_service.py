@@ -678,3 +678,31 @@ async def test_the_planner_relays_out_engines_when_the_lengths_drift_and_keeps_t
             await b.close()
             await b.nc.close()
         await store.close()
+
+
+async def test_one_change_goes_out_as_one_plan_however_many_publish_it_at_once(rig: dict[str, Any]) -> None:
+    """A role move and the planner's tick that both find the plan changed publish it once: one new
+    version, one line in the plan history; a change made while that plan goes out is the next."""
+    planner, plans, store, watcher = rig["planner"], rig["plans"], rig["store"], rig["watcher"]
+    await _hello_engines(watcher, ["engine-0"])
+    await _until("registered", lambda: plans and "engine-0" in _roles(plans[-1]))
+    await asyncio.sleep(0.3)  # the tick has nothing more to publish
+    state, before = planner.state, planner.state.version
+    kept = await store.r.llen(plans_key(store.run_id))
+
+    state.changed("test:once")
+    results = await asyncio.gather(*(planner.publisher.publish() for _ in range(4)))
+    assert results == [True] * 4 and state.version == before + 1 and not state.dirty
+    await _until("out", lambda: plans[-1].plan_version == before + 1)
+    assert plans[-1].reason == "test:once"
+    assert await store.r.llen(plans_key(store.run_id)) == kept + 1
+
+    first = asyncio.ensure_future(planner.publisher.publish())
+    await asyncio.sleep(0)  # the first publication has taken the plan as it stood
+    state.changed("test:while_out")
+    assert await first
+    await _until("next", lambda: plans[-1].reason == "test:while_out")
+    await asyncio.sleep(0.5)  # ticks meanwhile: nothing more to publish
+    out = [p for p in plans if p.plan_version > before]
+    assert [p.plan_version for p in out] == list(range(before + 1, before + 1 + len(out)))
+    assert [p.reason for p in out].count("test:while_out") == 1 and out[-1].reason == "test:while_out"
