@@ -206,6 +206,11 @@ class CMLFQ:
         if t is not None:
             t.last_engine = engine_id
 
+    def holder(self, traj_id: str) -> str | None:
+        """The engine that served the trajectory's last turn (its context is there)."""
+        t = self.trajs.get(traj_id)
+        return t.last_engine if t else None
+
     def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None:
         """Least-loaded engine with a free slot, biased towards the engine holding the context.
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from services.common.runconfig import BucketConfig
 from services.policy.cmlfq import EngineView, RouteDecision
+from services.policy.placement import LoadIndex, candidates
 from services.policy.prefix_tree import ToolSignal
 from services.policy.routing import POOL, Router, build_router
 
@@ -44,6 +45,9 @@ class EngineSlot:
     engine_id: str
     bucket: str
     capacity: int
+    order: int
+    """Its place in engine order (when it joined): a tie between equally loaded engines goes to
+    the lower."""
     in_flight: int = 0
     free_kv: int = -1
     """KV-cache tokens free: the engine's last report, less what was sent it since (-1: unknown)."""
@@ -66,6 +70,15 @@ class Dispatcher:
         self.default_capacity = default_capacity
         self.pool = pool
         self.engines: dict[str, EngineSlot] = {}
+        """Every serving engine; change one only through the methods below, which keep the load
+        indexes (`by_bucket`, `by_load`) in step."""
+        self.by_bucket: dict[str, LoadIndex] = {}
+        """Each bucket's engines with a free slot, by load."""
+        self.by_load = LoadIndex()
+        """Every engine with a free slot, by load (a bucket without engines borrows from all)."""
+        self.members: dict[str, int] = {}
+        """Engines per bucket."""
+        self._joined = 0
         self.queued: dict[str, str] = {}
         """Waiting trajectory -> the bucket queue it waits in. Which bucket a trajectory belongs to
         has one owner, the router (`bucket_of`)."""
@@ -82,33 +95,61 @@ class Dispatcher:
     def set_engines(self, buckets: dict[str, str]) -> None:
         """The plan's rollout engines (engine id -> bucket); in-flight counts of engines that stay
         are kept, engines that left are forgotten (their turns are re-sent by the caller)."""
-        for wid in list(self.engines):
-            if wid not in buckets:
-                del self.engines[wid]
+        self.forget([wid for wid in self.engines if wid not in buckets])
         for wid, bucket in buckets.items():
             bucket = self.pool or bucket
-            slot = self.engines.setdefault(wid, EngineSlot(wid, bucket, self.default_capacity))
+            slot = self.engines.get(wid)
+            if slot is None:
+                self._joined += 1
+                slot = self.engines[wid] = EngineSlot(wid, bucket, self.default_capacity, self._joined)
+            elif slot.bucket != bucket:
+                self._leave_bucket(slot)
+            else:
+                continue
             slot.bucket = bucket
+            self.members[bucket] = self.members.get(bucket, 0) + 1
+            self._indexed(slot)
 
     def forget(self, engine_ids: list[str]) -> None:
         """Engines that left the plan or restarted: whatever they were running is gone."""
         for wid in engine_ids:
-            self.engines.pop(wid, None)
+            slot = self.engines.pop(wid, None)
+            if slot is not None:
+                self._leave_bucket(slot)
+                self.by_load.remove(wid)
+
+    def _leave_bucket(self, slot: EngineSlot) -> None:
+        self.members[slot.bucket] -= 1
+        self.by_bucket[slot.bucket].remove(slot.engine_id)
+
+    def _indexed(self, slot: EngineSlot) -> None:
+        """The slot's load changed: both indexes learn it."""
+        index = self.by_bucket.get(slot.bucket)
+        if index is None:
+            index = self.by_bucket[slot.bucket] = LoadIndex()
+        for each in (index, self.by_load):
+            each.set(slot.engine_id, slot.order, slot.in_flight, slot.capacity)
 
     def set_capacity(self, engine_id: str, capacity: int, free_kv_tokens: int = -1) -> None:
         """The engine's load report: its batch capacity and its free KV-cache tokens now."""
         slot = self.engines.get(engine_id)
         if slot is None:
             return
-        if capacity > 0:
+        if capacity > 0 and capacity != slot.capacity:
             slot.capacity = capacity
+            self._indexed(slot)
         slot.free_kv = free_kv_tokens
 
     def release(self, engine_id: str) -> None:
         """A turn on the engine ended (answered, failed, lost or timed out)."""
         slot = self.engines.get(engine_id)
-        if slot is not None:
-            slot.in_flight = max(0, slot.in_flight - 1)
+        if slot is not None and slot.in_flight > 0:
+            slot.in_flight -= 1
+            self._indexed(slot)
+
+    def _take(self, slot: EngineSlot, need_tokens: int) -> None:
+        slot.take(need_tokens)
+        self._indexed(slot)
 
     # trajectories --------------------------------------------------------------------------------
 
@@ -131,13 +172,7 @@ class Dispatcher:
             return None
         self.decisions += 1
         bucket = self.router.bucket_of(traj_id)
-        members = [e for e in self.engines.values() if e.bucket == bucket] or list(self.engines.values())
-        if avoid is not None and any(e.engine_id != avoid for e in self.engines.values()):
-            members = [e for e in members if e.engine_id != avoid] or [
-                e for e in self.engines.values() if e.engine_id != avoid
-            ]
-        views = [kv_view(e.engine_id, e.in_flight, e.capacity, e.free_kv, need_tokens) for e in members]
-        engine_id = self.router.pick_engine(bucket, views, traj_id) if views else None
+        engine_id = self._pick(traj_id, bucket, avoid, need_tokens)
         if engine_id is None:
             self.router.enqueue(traj_id, now)
             self.queued[traj_id] = bucket
@@ -145,8 +180,39 @@ class Dispatcher:
             if avoid is not None:
                 self.avoiding[traj_id] = avoid
             return None
-        self.engines[engine_id].take(need_tokens)
+        self._take(self.engines[engine_id], need_tokens)
         return engine_id
+
+    def _pick(self, traj_id: str, bucket: str, avoid: str | None, need_tokens: int) -> str | None:
+        """The policy's engine among the bucket's (all engines where it has none), leaving out
+        `avoid` while any other engine could serve (the bucket's, else any). A policy that places
+        by load is shown two engines found through the indexes (`services.policy.placement`),
+        another every engine."""
+        skip = avoid if avoid is not None and len(self.engines) > (avoid in self.engines) else None
+        own = self.members.get(bucket, 0)
+        if own == 1 and skip in self.engines and self.engines[skip].bucket == bucket:
+            own = 0  # its one engine is the one to avoid: any other engine serves
+        members = self.by_bucket[bucket] if own else self.by_load
+
+        def view(wid: str) -> EngineView:
+            e = self.engines[wid]
+            return kv_view(wid, e.in_flight, e.capacity, e.free_kv, need_tokens)
+
+        if not self.router.least_loaded:
+            views = [
+                view(e.engine_id)
+                for e in self.engines.values()
+                if (not own or e.bucket == bucket) and e.engine_id != skip
+            ]
+            return self.router.pick_engine(bucket, views, traj_id) if views else None
+        least = members.least(lambda wid: wid != skip and kv_fits(self.engines[wid].free_kv, need_tokens))
+        holder = self.router.holder(traj_id)
+        if holder is not None and (
+            holder == skip or holder not in self.engines or (own and self.engines[holder].bucket != bucket)
+        ):
+            holder = None
+        picks = candidates(least, holder, lambda wid: self.engines[wid].order)
+        return self.router.pick_engine(bucket, [view(w) for w in picks], traj_id) if picks else None
 
     def next_for(self, engine_id: str, now: float) -> str | None:
         """The waiting trajectory the policy gives a free slot of this engine, or None."""
@@ -154,7 +220,7 @@ class Dispatcher:
         if slot is None or slot.free <= 0:
             return None
         passed: list[str] = []  # turns this engine's answer was refused for, while others serve
-        others = any(e.bucket == slot.bucket and e.engine_id != engine_id for e in self.engines.values())
+        others = self.members.get(slot.bucket, 0) > 1
         try:
             while True:
                 traj_id = self.router.dequeue(slot.bucket, now)
@@ -178,7 +244,7 @@ class Dispatcher:
         if self.queued.pop(traj_id) != slot.bucket:  # stolen by an idle bucket (the router moved it)
             self.migrations += 1
         self.need.pop(traj_id, None)
-        slot.take(need)
+        self._take(slot, need)
         return traj_id
 
     def tool_return(

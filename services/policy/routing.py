@@ -32,7 +32,16 @@ class Router(Protocol):
 
     def drop(self, traj_id: str) -> None: ...
 
+    least_loaded: bool
+    """Whether `pick_engine` takes the engine with the lowest load, less a bonus for the one in
+    `holder`, the first on a tie: then it only needs to see that engine and the least loaded one
+    (`services.policy.placement`), not every engine."""
+
     def pick_engine(self, bucket: str, engines: Sequence[EngineView], traj_id: str) -> str | None: ...
+
+    def holder(self, traj_id: str) -> str | None:
+        """The engine the policy would like the trajectory's next turn on (its context is there)."""
+        ...
 
     def moved(self, traj_id: str, engine_id: str) -> None:
         """The trajectory's context now lives on `engine_id` (its running turn moved there with its
@@ -81,8 +90,13 @@ def build_router(buckets: Sequence[BucketConfig], policy: str) -> Router:
 
 
 class CMLFQRouter:
+    least_loaded = True
+
     def __init__(self, core: CMLFQ) -> None:
         self.core = core
+
+    def holder(self, traj_id: str) -> str | None:
+        return self.core.holder(traj_id)
 
     def admit(self, traj_id: str, prompt_id: str, now: float, true_tokens: int) -> str:
         return self.core.admit(traj_id, prompt_id, now)
@@ -153,6 +167,10 @@ class StaticRouter:
         self.last: dict[str, str] = {}
         self.queues: dict[str, deque[str]] = {name: deque() for name, _ in self.buckets}
         self._rr = itertools.count()
+        self.least_loaded = mode == "least"  # round robin needs every free engine, in turn
+
+    def holder(self, traj_id: str) -> str | None:
+        return self.last.get(traj_id) if self.sticky else None
 
     def admit(self, traj_id: str, prompt_id: str, now: float, true_tokens: int) -> str:
         bucket = self.buckets[0][0]

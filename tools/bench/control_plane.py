@@ -1,16 +1,22 @@
-"""The scheduler's cost per engine load report, at the scale of issue 51: the real
-`InFlight.engine_load` (the lost-turn check every engine's report triggers, once a second) over
-trajectories in flight spread on engines, 1,024 to 16,384 in flight and 64 to 1,024 engines.
+"""The scheduler's control-plane costs at the scale of issue 51.
 
-Each report names every turn its engine holds (nothing lost), so this is the steady-state cost. The
-ratio of 16,384 in flight on 1,024 engines to 1,024 on 64 (16 turns per engine in both) says
-whether a report's cost grows with the whole job (a scan of every trajectory: 16x) or with its
-engine's own turns only (1x).
+- Per engine load report: the real `InFlight.engine_load` (the lost-turn check every engine's
+  report triggers, once a second) over trajectories in flight spread on engines, 1,024 to 16,384
+  in flight and 64 to 1,024 engines. Each report names every turn its engine holds (nothing lost),
+  so this is the steady-state cost. The ratio of 16,384 in flight on 1,024 engines to 1,024 on 64
+  (16 turns per engine in both) says whether a report's cost grows with the whole job (a scan of
+  every trajectory: 16x) or with its engine's own turns only (1x).
+- Per placement: the real `Dispatcher.place` of a turn (C-MLFQ, one bucket of 64 to 4,096 engines
+  each running a random share of its slots, a third of the turns going back to the engine holding
+  their context), against `ScanningDispatcher`, the placement before the load indexes (every
+  engine shown to the policy), in the same run; both decide the same engines
+  (tests/unit/test_placement.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import statistics
 import time
 from typing import Any
@@ -18,8 +24,8 @@ from typing import Any
 from opentelemetry import trace
 
 from services.common.contracts import ev
-from services.common.runconfig import RunConfig
-from services.policy.dispatch import Dispatcher
+from services.common.runconfig import BucketConfig, RunConfig
+from services.policy.dispatch import Dispatcher, build_dispatcher, kv_view
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.inflight import InFlight, Live
 
@@ -66,8 +72,55 @@ def _per_report_us(trajectories: int, engines: int) -> float:
     return asyncio.run(go())
 
 
+PLACEMENT_ENGINES = (64, 1024, 4096)
+PLACEMENTS = 2000
+
+
+class ScanningDispatcher(Dispatcher):
+    """Placement as it was before the load indexes: every engine of the bucket (or of the stack,
+    where the bucket has none), less the avoided one while another could serve, shown to the
+    policy. The baseline of this benchmark, and the reference the indexed placement is tested
+    against."""
+
+    def _pick(self, traj_id: str, bucket: str, avoid: str | None, need_tokens: int) -> str | None:
+        members = [e for e in self.engines.values() if e.bucket == bucket] or list(self.engines.values())
+        if avoid is not None and any(e.engine_id != avoid for e in self.engines.values()):
+            members = [e for e in members if e.engine_id != avoid] or [
+                e for e in self.engines.values() if e.engine_id != avoid
+            ]
+        views = [kv_view(e.engine_id, e.in_flight, e.capacity, e.free_kv, need_tokens) for e in members]
+        return self.router.pick_engine(bucket, views, traj_id) if views else None
+
+
+def _placement_us(engines: int, scanning: bool) -> float:
+    """Mean µs of one `place` (the slot taken, then freed) on `engines` engines of one bucket."""
+    made = build_dispatcher([BucketConfig(name="all", tensor_parallel=1)], "cmlfq", 16)
+    d = ScanningDispatcher(made.router, 16) if scanning else made
+    d.set_engines({f"e{i}": "all" for i in range(engines)})
+    rng = random.Random(0)
+    for i in range(engines):  # a random share of each engine's slots taken
+        for _ in range(rng.randint(0, 15)):
+            d._take(d.engines[f"e{i}"], 0)
+    trajs = [f"t{i}" for i in range(PLACEMENTS)]
+    for i, traj in enumerate(trajs):
+        d.admit(traj, f"p{i % 64}", 0.0)
+        if i % 3 == 0:  # its last turn ran on some engine: the policy pulls it back there
+            d.router.moved(traj, f"e{rng.randrange(engines)}")
+    start = time.perf_counter()
+    for traj in trajs:
+        engine = d.place(traj, 1.0, None, 256)
+        if engine is not None:
+            d.release(engine)
+    return (time.perf_counter() - start) / len(trajs) * 1e6
+
+
 def run() -> dict[str, Any]:
     us = {(t, e): _per_report_us(t, e) for t, e in SIZES}
+    place = {
+        (n, scanning): min(_placement_us(n, scanning) for _ in range(ROUNDS))
+        for n in PLACEMENT_ENGINES
+        for scanning in (False, True)
+    }
     rows = [
         [
             f"one load report, {t:,} in flight on {e:,} engines",
@@ -86,10 +139,30 @@ def run() -> dict[str, Any]:
     )
     per_s = us[(16384, 1024)] * 1024 / 1e6
     rows.append(["1,024 engines reporting every second", f"{per_s:.3f} CPU-s/s", "at 16,384 in flight"])
+    for n in PLACEMENT_ENGINES:
+        indexed, scanned = place[(n, False)], place[(n, True)]
+        rows.append(
+            [
+                f"one placement, {n:,} engines in the bucket",
+                f"{indexed:.1f} µs",
+                f"scanning every engine: {scanned:.1f} µs ({scanned / indexed:.1f}x); C-MLFQ, the same engines chosen",
+            ]
+        )
+    growth = place[(PLACEMENT_ENGINES[-1], False)] / place[(PLACEMENT_ENGINES[0], False)]
+    rows.append(
+        [
+            f"placement at {PLACEMENT_ENGINES[-1]:,} engines / at {PLACEMENT_ENGINES[0]:,}",
+            f"{growth:.2f}x",
+            f"indexed (O(log n)); a scan grows {PLACEMENT_ENGINES[-1] // PLACEMENT_ENGINES[0]}x with the engines",
+        ]
+    )
     return {
-        "title": "Scheduler cost per engine load report (issue 51)",
+        "title": "Scheduler cost per engine load report and per placement (issue 51)",
         "command": "python -m tools.bench control_plane",
         "rows": rows,
         "results": {f"{t}x{e}": round(us[(t, e)], 2) for t, e in SIZES},
+        "placement_us": {
+            f"{n}{'-scan' if scanning else ''}": round(v, 2) for (n, scanning), v in place.items()
+        },
         "median_us": statistics.median(us.values()),
     }
