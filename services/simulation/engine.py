@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.cost_model import CostModel
@@ -67,6 +68,7 @@ class _Lane:
 class Engine:
     __slots__ = (
         "accepting",
+        "loaded",
         "band",
         "bucket",
         "busy_s",
@@ -121,6 +123,8 @@ class Engine:
         self.kv_used = 0
         self.hybrid = hybrid
         self.accepting = True
+        self.loaded: Callable[[Engine], None] | None = None
+        """Told when the engine's running turns change (its routing key's load index)."""
         self.spec = spec if spec is not None and spec.enabled else None
         self.lanes: dict[float, _Lane] = {}
         self.n = 0
@@ -246,6 +250,8 @@ class Engine:
         lane.n += 1
         lane.s += req.context - lane.v
         self.n += 1
+        if self.loaded is not None:
+            self.loaded(self)
         self.kv_used += req.context + req.tokens
         self._evict()
         self.prompts[prompt_id] = None
@@ -335,6 +341,8 @@ class Engine:
 
     def _release(self, lane: _Lane, req: Request) -> None:
         self.n -= 1
+        if self.loaded is not None:
+            self.loaded(self)
         lane.n -= 1
         lane.s -= req.context - req.start_v
         self.kv_used -= req.context + req.tokens

@@ -5,18 +5,58 @@ as while lent; the allocation must use exactly the cluster's GPUs."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from services.common.cost_model import CostModel
+from services.policy.placement import LoadIndex
 from services.policy.speculation import SpeculationPolicy
 from services.simulation.engine import Engine
 from services.simulation.state import SystemConfig
 
 
+class Members:
+    """The engines of one routing key, in the order they joined it, those with a free slot indexed
+    by load as the live dispatcher indexes them (`services.policy.placement`): each engine tells
+    its members when its running turns change."""
+
+    def __init__(self) -> None:
+        self.engines: list[Engine] = []
+        self.index = LoadIndex()
+        self.order: dict[str, int] = {}
+        self._joined = 0
+
+    def append(self, e: Engine) -> None:
+        self.engines.append(e)
+        self._joined += 1
+        self.order[e.engine_id] = self._joined
+        e.loaded = self.loaded
+        self.loaded(e)
+
+    def remove(self, e: Engine) -> None:
+        self.engines.remove(e)
+        self.index.remove(e.engine_id)
+        del self.order[e.engine_id]
+        e.loaded = None
+
+    def loaded(self, e: Engine) -> None:
+        """`e`'s running turns changed."""
+        self.index.set(e.engine_id, self.order[e.engine_id], e.n, e.max_seqs)
+
+    def __iter__(self) -> Iterator[Engine]:
+        return iter(self.engines)
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def __contains__(self, e: object) -> bool:
+        return isinstance(e, Engine) and e.engine_id in self.order
+
+
 @dataclass
 class Fleet:
     engines: dict[str, Engine] = field(default_factory=dict)
-    by_bucket: dict[str, list[Engine]] = field(default_factory=dict)
+    by_bucket: dict[str, Members] = field(default_factory=dict)
     """Engines by routing key (`routing_key`)."""
     hybrid_ids: list[str] = field(default_factory=list)
     hybrid_bucket: str = "all"
@@ -42,7 +82,7 @@ def build_fleet(s: SystemConfig, cm: CostModel, n_gpus: int, spec: SpeculationPo
     def add(bucket: str, tp: int, hybrid: bool) -> Engine:
         eid = f"e{len(fleet.engines)}"
         e = fleet.engines[eid] = Engine(eid, bucket, tp, cm, s.max_seqs, hybrid, spec)
-        fleet.by_bucket.setdefault(routing_key(s, bucket), []).append(e)
+        fleet.by_bucket.setdefault(routing_key(s, bucket), Members()).append(e)
         return e
 
     for b in s.buckets:

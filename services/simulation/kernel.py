@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from services.common.cost_model import CostModel
 from services.common.synthetic import TrajectorySource
 from services.simulation.engine import Engine
+from services.simulation.fleet import Members
 from services.simulation.ledger import Ledger
 from services.simulation.state import Group, SystemConfig, Traj
 
@@ -52,7 +53,7 @@ class Kernel(Protocol):
     now: float
     version: int
     engines: dict[str, Engine]
-    by_bucket: dict[str, list[Engine]]
+    by_bucket: dict[str, Members]
     trajs: dict[str, Traj]
     groups: dict[int, Group]
     ready: deque[int]

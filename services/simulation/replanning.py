@@ -20,6 +20,7 @@ from services.policy.replan import (
 )
 from services.policy.search import BucketPlan, SearchOptions, WorkloadStats
 from services.simulation.engine import Engine
+from services.simulation.fleet import Members
 from services.simulation.kernel import Kernel
 from services.simulation.ledger import Meter, book_engine
 
@@ -153,7 +154,7 @@ class Replanner:
         if e in sim.by_bucket.get(sim.key(e.bucket), []):
             sim.by_bucket[sim.key(e.bucket)].remove(e)
         e.bucket = bucket
-        sim.by_bucket.setdefault(sim.key(bucket), []).append(e)
+        sim.by_bucket.setdefault(sim.key(bucket), Members()).append(e)
 
     def _stop(self, e: Engine) -> list[str]:
         """The engine stops: its turns stop with their tokens, its GPU-time so far is booked."""

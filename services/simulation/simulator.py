@@ -11,16 +11,16 @@ hybrid workers (`hybrid.py`) and re-planning (`replanning.py`) are its parts.
 from __future__ import annotations
 
 import heapq
-import random
 from collections import deque
 from typing import Any
 
 from services.common.cost_model import CostModel
 from services.common.synthetic import TrajectorySource
-from services.policy.dispatch import kv_view, takes_waiting
+from services.policy.dispatch import kv_fits, kv_view, takes_waiting
+from services.policy.placement import candidates
 from services.simulation.drafting import DRAFTERS
 from services.simulation.engine import Engine, Request
-from services.simulation.fleet import build_fleet, routing_key
+from services.simulation.fleet import Members, build_fleet, routing_key
 from services.simulation.hybrid import HybridWorkers
 from services.simulation.kv_migration import KvMigration
 from services.simulation.ledger import Ledger, book_engine
@@ -61,7 +61,6 @@ class Simulator:
         self.n_gpus = n_gpus
         self.steps = steps
         self.seed = seed
-        self.rng = random.Random(seed)
         self.tick_s = tick_s
         self.progress = progress
         self.B = workload.prompts_per_step
@@ -72,7 +71,7 @@ class Simulator:
         self.n_events = 0
         self.ledger = Ledger()
         self.engines: dict[str, Engine] = {}
-        self.by_bucket: dict[str, list[Engine]] = {}
+        self.by_bucket: dict[str, Members] = {}
         self.trajs: dict[str, Traj] = {}
         self.groups: dict[int, Group] = {}
         self.ready: deque[int] = deque()
@@ -155,30 +154,13 @@ class Simulator:
                 g.trajs.append(tid)
                 self.start_turn(tid)
 
-    def _candidates(self, key: str, tr: Traj) -> list[Engine]:
-        pool = self.by_bucket.get(key, [])
-        n = len(pool)
-        if n <= 24:
-            return pool
-        # Power-of-d choices: a few random engines (plus the one holding the context) is as good
-        # as scanning the whole bucket for least-load routing, and keeps large clusters cheap.
-        r = self.rng.random
-        cands = [pool[int(r() * n)] for _ in range(8)]
-        if tr.engine is not None:
-            last = self.engines[tr.engine]
-            if self.key(last.bucket) == key and last not in cands:
-                cands.append(last)
-        return cands
-
     def start_turn(self, tid: str) -> None:
         tr = self.trajs[tid]
         key = self.key(tr.bucket)
         reserve = tr.spec.turns[tr.turn].output_tokens + KV_RESERVE
         need = tr.context + reserve
         views = [
-            kv_view(e.engine_id, e.n, e.max_seqs, e.free_kv(), need)
-            for e in self._candidates(key, tr)
-            if self.serving(e)
+            kv_view(e.engine_id, e.n, e.max_seqs, e.free_kv(), need) for e in self._candidates(key, tid, need)
         ]
         eid = self.router.pick_engine(key, views, tid) if views else None
         if eid is None:
@@ -187,6 +169,28 @@ class Simulator:
                 tr.queued_at = self.now
             return
         self._run_turn(tid, self.engines[eid])
+
+    def _candidates(self, key: str, tid: str, need: int) -> list[Engine]:
+        """The serving engines of `key` the policy chooses among, as the live dispatcher shows
+        them: a policy that places by load sees the least loaded engine that fits the turn and
+        the one holding its context (`services.policy.placement`), another every engine."""
+        members = self.by_bucket.get(key)
+        if members is None:
+            return []
+        if not self.router.least_loaded:
+            return [e for e in members if self.serving(e)]
+        engines = self.engines
+
+        def takes(eid: str) -> bool:
+            e = engines[eid]
+            return self.serving(e) and kv_fits(e.free_kv(), need)
+
+        holder = self.router.holder(tid)
+        if holder is not None and (holder not in members.order or not self.serving(engines[holder])):
+            holder = None
+        return [
+            engines[eid] for eid in candidates(members.index.least(takes), holder, members.order.__getitem__)
+        ]
 
     def serving(self, e: Engine) -> bool:
         return e.accepting and e.open_since is not None and e.engine_id not in self.draining

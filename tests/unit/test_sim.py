@@ -9,6 +9,7 @@ from services.common.synthetic import Workload
 from services.policy.search import BucketPlan, Plan
 from services.policy.speculation import SpeculationPolicy
 from services.simulation.engine import Engine, Request
+from services.simulation.fleet import Members
 from services.simulation.ledger import CATEGORIES
 from services.simulation.simulator import Simulator
 from services.simulation.state import MOVED
@@ -617,3 +618,28 @@ def test_a_relayout_moves_the_simulated_engines_keeps_their_gpus_and_loses_nothi
     assert all(v >= -1e-6 for v in sim.ledger.totals.values())
     assert finished and max(finished.values()) == 1
     assert sim.version == 4
+
+
+def test_a_buckets_engines_stay_indexed_by_their_running_turns_as_turns_come_and_go(env):
+    """The simulator places through the live dispatcher's load index (`Members`): each engine's
+    running turns reach it as they join and end, and an engine moved away leaves it."""
+    members = Members()
+    engines = [Engine(f"e{i}", "all", 1, env.cm, max_seqs=2) for i in range(3)]
+    for e in engines:
+        e.open(0.0)
+        members.append(e)
+    least = lambda: members.index.least(lambda _: True)  # noqa: E731
+    assert least() == "e0"  # all idle: the first in order
+    engines[0].join(Request("a", 50, 100), 0.0, 100, "p")
+    assert least() == "e1"
+    for i, e in enumerate(engines[1:]):
+        e.join(Request(f"b{i}", 80, 100), 0.0, 100, "p")
+    assert least() == "e0"  # one of two slots each: the first in order again
+    engines[0].join(Request("c", 500, 100), 0.0, 100, "p")
+    assert "e0" not in members.index and least() == "e1"  # full
+    done = engines[0].pop_done(engines[0].next_event())
+    assert [r.traj_id for r in done] == ["a"] and "e0" in members.index
+    members.remove(engines[1])
+    assert engines[1] not in members and len(members) == 2 and least() == "e0"
+    engines[1].pop_done(engines[1].next_event())  # no longer its routing key's: nothing changes
+    assert "e1" not in members.index
