@@ -77,7 +77,8 @@ def candidates(least: str | None, holder: str | None, order: Callable[[str], int
     """The engines a load-placing policy chooses between — the least loaded that takes the turn
     and the one holding the trajectory's context (when it may serve it) — in engine order, as a
     scan would meet them."""
-    out = [e for e in (least, holder) if e is not None]
-    if len(out) == 2 and out[0] == out[1]:
-        out.pop()
-    return sorted(out, key=order)
+    if holder is None or holder == least:
+        return [] if least is None else [least]
+    if least is None:
+        return [holder]
+    return [least, holder] if order(least) < order(holder) else [holder, least]

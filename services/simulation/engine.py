@@ -67,7 +67,7 @@ class _Lane:
 
 class Engine:
     __slots__ = (
-        "accepting",
+        "_accepting",
         "loaded",
         "band",
         "bucket",
@@ -122,9 +122,10 @@ class Engine:
         self.kv_capacity = cm.kv_capacity_tokens(tp)
         self.kv_used = 0
         self.hybrid = hybrid
-        self.accepting = True
         self.loaded: Callable[[Engine], None] | None = None
-        """Told when the engine's running turns change (its routing key's load index)."""
+        """Told when the engine's running turns change, or whether it is open and accepting turns
+        (its routing key's load index)."""
+        self._accepting = True
         self.spec = spec if spec is not None and spec.enabled else None
         self.lanes: dict[float, _Lane] = {}
         self.n = 0
@@ -163,16 +164,31 @@ class Engine:
         self.accept_sum = 0.0
         """Drafted tokens expected to be accepted per decode iteration."""
 
+    @property
+    def accepting(self) -> bool:
+        """False while the engine finishes its turns before leaving rollout (a hybrid worker)."""
+        return self._accepting
+
+    @accepting.setter
+    def accepting(self, value: bool) -> None:
+        self._accepting = value
+        if self.loaded is not None:
+            self.loaded(self)
+
     def open(self, now: float) -> None:
         self.t = max(self.t, now)
         self.resume = max(self.resume, now)
         self.open_since = now
+        if self.loaded is not None:
+            self.loaded(self)
 
     def close(self, now: float) -> None:
         self.advance(now)
         if self.open_since is not None:
             self.opened_s += now - self.open_since
         self.open_since = None
+        if self.loaded is not None:
+            self.loaded(self)
 
     def free_kv(self) -> int:
         return max(0, self.kv_capacity - self.kv_used)

@@ -16,9 +16,10 @@ from services.simulation.state import SystemConfig
 
 
 class Members:
-    """The engines of one routing key, in the order they joined it, those with a free slot indexed
-    by load as the live dispatcher indexes them (`services.policy.placement`): each engine tells
-    its members when its running turns change."""
+    """The engines of one routing key, in the order they joined it, those open with a free slot
+    indexed by load as the live dispatcher indexes them (`services.policy.placement`): each engine
+    tells its members when its running turns change, and when it opens, closes or stops accepting
+    turns (an engine waiting for weights, `draining`, stays indexed and is passed over)."""
 
     def __init__(self) -> None:
         self.engines: list[Engine] = []
@@ -40,8 +41,12 @@ class Members:
         e.loaded = None
 
     def loaded(self, e: Engine) -> None:
-        """`e`'s running turns changed."""
-        self.index.set(e.engine_id, self.order[e.engine_id], e.n, e.max_seqs)
+        """`e`'s running turns changed, or whether it is open and accepting turns: a closed or
+        non-accepting engine leaves the index (the caller still checks every candidate)."""
+        if e.open_since is None or not e.accepting:
+            self.index.remove(e.engine_id)
+        else:
+            self.index.set(e.engine_id, self.order[e.engine_id], e.n, e.max_seqs)
 
     def __iter__(self) -> Iterator[Engine]:
         return iter(self.engines)

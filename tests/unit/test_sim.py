@@ -622,7 +622,8 @@ def test_a_relayout_moves_the_simulated_engines_keeps_their_gpus_and_loses_nothi
 
 def test_a_buckets_engines_stay_indexed_by_their_running_turns_as_turns_come_and_go(env):
     """The simulator places through the live dispatcher's load index (`Members`): each engine's
-    running turns reach it as they join and end, and an engine moved away leaves it."""
+    running turns reach it as they join and end, a closed or non-accepting engine leaves it until
+    it opens or accepts again, and an engine moved away leaves it."""
     members = Members()
     engines = [Engine(f"e{i}", "all", 1, env.cm, max_seqs=2) for i in range(3)]
     for e in engines:
@@ -639,6 +640,12 @@ def test_a_buckets_engines_stay_indexed_by_their_running_turns_as_turns_come_and
     assert "e0" not in members.index and least() == "e1"  # full
     done = engines[0].pop_done(engines[0].next_event())
     assert [r.traj_id for r in done] == ["a"] and "e0" in members.index
+    engines[2].accepting = False  # finishing its turns before it leaves rollout
+    engines[0].close(1.0)
+    assert "e0" not in members.index and "e2" not in members.index and least() == "e1"
+    engines[0].open(2.0)
+    engines[2].accepting = True
+    assert "e0" in members.index and "e2" in members.index
     members.remove(engines[1])
     assert engines[1] not in members and len(members) == 2 and least() == "e0"
     engines[1].pop_done(engines[1].next_event())  # no longer its routing key's: nothing changes
