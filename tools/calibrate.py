@@ -424,16 +424,14 @@ def measure_training(
 
     from services.common.runconfig import RunConfig
     from services.learning.data import Sample as Trajectory
-    from services.learning.recipe import optimizer_for, step_settings
+    from services.learning.recipe import optimizer_for, recompute_activations, step_settings
     from services.learning.step import train_step
 
     run = RunConfig.model_validate(
         {"training": {"micro_batch": grid["micro_batch"], "device": device, "precision": "auto"}}
     )
     model.train()
-    recompute = run.training.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable")
-    if recompute:  # as the trainer trains it (services/learning/recipe.py, policy_model)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    recompute = recompute_activations(run, model)  # as the trainer trains it
     optimizer = optimizer_for(run, model)
     settings = step_settings(run, 0, 0, None, torch.device(device))
     rng = random.Random(1)

@@ -45,13 +45,22 @@ def optimizer_for(run: RunConfig, model: torch.nn.Module) -> torch.optim.Optimiz
 
 
 def policy_model(run: RunConfig) -> Any:
-    """The job's model as the trainer trains it (on the host; the caller moves or shards it): with
-    `training.gradient_checkpointing`, each decoder layer's activations are recomputed in the
-    backward pass instead of kept (non-reentrant, so frozen inputs and LoRA need nothing more)."""
+    """The job's model as the trainer trains it (on the host; the caller moves or shards it), its
+    activations recomputed as `recompute_activations` says."""
     model = load_model(run.model)
-    if run.training.gradient_checkpointing and run.training.backend != "emulated":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if run.training.backend != "emulated":
+        recompute_activations(run, model)
     return model
+
+
+def recompute_activations(run: RunConfig, model: Any) -> bool:
+    """With `training.gradient_checkpointing` (and a model that can), each decoder layer's
+    activations are recomputed in the backward pass instead of kept (non-reentrant, so frozen
+    inputs and LoRA need nothing more); True when they are."""
+    if not (run.training.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable")):
+        return False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return True
 
 
 def reference_for(run: RunConfig, device: torch.device) -> torch.nn.Module | None:
