@@ -43,6 +43,10 @@ class EngineSettings(BaseSettings):
     max_new_tokens_cap: int = Field(4096, ge=1)
     """Upper bound on a request's max_new_tokens beyond the job's own task.max_new_tokens (which
     always passes); larger requests are refused as invalid."""
+    held_context_tokens: int = Field(4_000_000, ge=0)
+    """Tokens of trajectories' contexts it keeps after their turns (4 bytes each, the least
+    recently used dropped first), so the scheduler's next turn of one sends only what is new; 0
+    keeps none (every delta is answered `context_unknown` and sent again whole)."""
     assignment_timeout_s: float = Field(0.0, ge=0.0)
     """Give up when no plan assigns this worker within this time; 0 waits until stopped."""
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)

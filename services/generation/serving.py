@@ -26,6 +26,7 @@ from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import MAX_TEMPERATURE, ev
 from services.common.errors import LibraError, Unavailable, require
+from services.common.held_context import ContextUnknown, HeldContexts
 from services.common.logging import get_logger
 from services.common.metrics import engine_metrics
 from services.common.runconfig import RunConfig
@@ -41,13 +42,21 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 
 
-def validate_turn(req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int) -> GenRequest:
+def validate_turn(
+    req: ev.TurnRequest, backend: Backend, max_new_tokens_cap: int, held: HeldContexts | None = None
+) -> GenRequest:
     """Checks a turn request against the contract and the model; raises InvalidMessage if it breaks
-    either. Generation is clipped so context plus output fits the model's positions."""
+    either, ContextUnknown for a context delta over tokens `held` does not have. Generation is
+    clipped so context plus output fits the model's positions."""
     require(bool(req.request_id), "request_id is empty")
     require(bool(req.trajectory_id), "trajectory_id is empty")
+    require(req.context_offset >= 0, f"context_offset must be >= 0, got {req.context_offset}")
     ctx = list(req.context_token_ids)
     require(len(ctx) > 0, "context_token_ids is empty")
+    if req.context_offset:
+        if held is None:
+            raise ContextUnknown("this engine keeps no contexts")
+        ctx = held.rebuild(req.trajectory_id, req.context_offset, ctx, req.context_digest)
     require(
         0 < req.max_new_tokens <= max_new_tokens_cap,
         f"max_new_tokens must be in 1..{max_new_tokens_cap}, got {req.max_new_tokens}",
@@ -152,6 +161,8 @@ class TurnServer(abc.ABC):
         """Whether it took a turn yet (a TP change before that costs nothing)."""
         self.turns_answered = 0
         """Turns it answered with what it generated (not refusals or errors)."""
+        self.contexts = HeldContexts(settings.held_context_tokens)
+        """Each trajectory's context after its last turn here: the next one comes as a delta."""
 
     @property
     @abc.abstractmethod
@@ -219,7 +230,7 @@ class TurnServer(abc.ABC):
                 raise Unavailable("draining: this engine was taken out of rollout by the planner")
             if not self.holds_lease():  # it may have been replaced: it does not act
                 raise Unavailable("lease_lost: this engine's lease was not renewed; it waits for a new one")
-            gen = validate_turn(req, self.backend, self.max_new_tokens_cap)
+            gen = validate_turn(req, self.backend, self.max_new_tokens_cap, self.contexts)
         except LibraError as err:
             if req.request_id:
                 await self._publish_error(req, err.code, str(err), env.context)
@@ -240,6 +251,7 @@ class TurnServer(abc.ABC):
         with tracer().start_as_current_span("engine.generate", context=parent) as span:
             span.set_attribute("libra.trajectory_id", req.trajectory_id)
             span.set_attribute("libra.context_tokens", len(gen.prompt_ids))
+            span.set_attribute("libra.context_offset", req.context_offset)  # tokens it held already
             ctx = otel_context.get_current()
             try:
                 if self.draining:  # taken away before it started: nothing generated
@@ -296,6 +308,9 @@ class TurnServer(abc.ABC):
                 result.error.CopyFrom(
                     ev.ErrorInfo(code="handed_back", message=f"{self.worker_id} is draining")
                 )
+                self.contexts.forget(req.trajectory_id)
+            else:
+                self.contexts.keep(req.trajectory_id, [*gen.prompt_ids, *out.token_ids])
             await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
             self.answered.append(req.request_id)
             self.turns_answered += 1
@@ -316,7 +331,7 @@ class TurnServer(abc.ABC):
             engine_id=self.worker_id,
             policy_version=self.engine.version,
             finish_reason="error",
-            context_tokens=len(req.context_token_ids),
+            context_tokens=req.context_offset + len(req.context_token_ids),
             error=ev.ErrorInfo(code=code, message=message[:500]),
         )
         with contextlib.suppress(Exception):

@@ -25,6 +25,10 @@ class SchedulerSettings(BaseSettings):
             return self.turn_timeout_s
         return self.turn_timeout_base_s + self.turn_timeout_s_per_token * max_new_tokens
 
+    context_deltas: bool = True
+    """A turn going back to the engine that served the trajectory's last one carries only the
+    tokens after what that engine holds (services/common/held_context.py); False: every turn
+    carries its whole context."""
     max_turn_retries: int = Field(2, ge=0)
     """Re-sends of one turn before the trajectory ends with finish=error."""
     max_invalid_results: int = Field(3, ge=1)

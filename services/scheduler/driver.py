@@ -15,6 +15,7 @@ from opentelemetry import trace
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from services.common.errors import require
+from services.common.held_context import Held
 from services.common.logging import get_logger
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
@@ -177,10 +178,17 @@ class TrajectoryDriver:
                 "turn_failed", trajectory_id=traj_id, code=res.error.code, reason=res.error.message
             )
             live.last_error = f"{res.engine_id}: {res.error.code}: {res.error.message}"
+            if res.error.code == "context_unknown" and live.sent_offset and live.pending_action is not None:
+                # its engine no longer holds what the delta was sent against (restarted, evicted
+                # it): not a failure, no retry spent; the whole context goes again
+                live.held = None
+                await self.inflight.send_turn(live, live.pending_action)
+                return
             if res.error.code == "handed_back" and live.pending_action is not None:
                 # a draining engine gave it back: not a failure, no retry spent; what it generated
-                # so far is kept, and the turn goes on from there
+                # so far is kept, and the turn goes on from there (the engine forgot its context)
                 self.handed_back += 1
+                live.held = None
                 await self.inflight.send_turn(live, await self._continued(live, live.pending_action, res))
                 return
             await self.inflight.retry_or_fail(live)
@@ -192,6 +200,8 @@ class TrajectoryDriver:
             await self.inflight.invalid_result(live, res.engine_id, str(err))
             return
         self.inflight.valid_result(res.engine_id)
+        if live.pending_action is not None:
+            live.held = Held.after(res.engine_id, live.pending_action.context, res.token_ids)
         token_ids, logprobs, text = list(res.token_ids), list(res.logprobs), res.text
         if live.partial is not None:  # the turn began on an engine that handed it back
             part = live.partial

@@ -19,6 +19,7 @@ from opentelemetry import trace
 from services.common import subjects
 from services.common.bus import Bus
 from services.common.contracts import ev
+from services.common.held_context import Held
 from services.common.logging import get_logger
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
@@ -87,6 +88,10 @@ class Live:
     partial: PartialTurn | None = None
     """What its turn generated before an engine handed it back (drained): the turn goes on from
     there on another engine, and these tokens open its result."""
+    held: Held | None = None
+    """The engine that served its last turn, and what of its context it holds since."""
+    sent_offset: int = 0
+    """Its turn in flight went as a delta from this many tokens (TurnRequest.context_offset)."""
     prompt_messages: list[dict[str, Any]] | None = None
     """Its prompt as the messages that made it, where not the task's (a `task.agent`'s first call)."""
     transcript: Transcript = field(default_factory=Transcript)
@@ -413,13 +418,17 @@ class InFlight:
             context=ctx,
             attributes={"libra.turn": traj.turns, "libra.engine_id": engine_id, "libra.bucket": bucket},
         )
+        held = live.held if self.settings.context_deltas else None
+        offset = live.sent_offset = held.offset_for(engine_id, action.context) if held is not None else 0
         req = ev.TurnRequest(
             request_id=live.request_id,
             trajectory_id=traj.trajectory_id,
             turn_index=traj.turns,
             engine_id=engine_id,
             bucket=bucket,
-            context_token_ids=action.context,
+            context_token_ids=action.context[offset:],
+            context_offset=offset,
+            context_digest=held.digest if held is not None and offset else 0,
             max_new_tokens=action.max_new_tokens,
             min_new_tokens=action.min_new_tokens,
             temperature=live.temperature,

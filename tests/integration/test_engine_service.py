@@ -17,6 +17,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
+from services.common.held_context import context_digest
 from services.common.localstack import Server
 from services.common.membership import lease_resource
 from services.common.ownership import OwnershipStore
@@ -182,6 +183,46 @@ async def test_serves_turns_refuses_bad_input_and_keeps_serving(engine: Any) -> 
     res, _ = await h.result("after")
     assert not res.HasField("error") and len(res.token_ids) > 0
     assert proc.poll() is None
+
+
+async def test_a_context_delta_is_served_as_its_whole_context_and_an_unknown_one_is_refused(
+    engine: Any,
+) -> None:
+    """The engine keeps each trajectory's context after its turn: the next turn may carry only
+    the tokens after it (`context_offset`, with the digest of what it holds), and is generated
+    exactly as the whole context would be (greedy, here). A delta over tokens it does not hold
+    (another trajectory, another digest, past its end) is refused `context_unknown`, and the
+    engine keeps serving."""
+    proc, h = engine
+    await h.send(turn("first", temperature=0.0))
+    first, _ = await h.result("first")
+    assert not first.HasField("error")
+    held = [*range(100, 140), *first.token_ids]
+    new = [150, 151, 152]
+    await h.send(
+        turn("delta", trajectory_id="traj-first", temperature=0.0, context_token_ids=new,
+             context_offset=len(held), context_digest=context_digest(held))
+    )  # fmt: skip
+    await h.send(turn("whole", trajectory_id="traj-other", temperature=0.0, context_token_ids=held + new))
+    delta, _ = await h.result("delta")
+    whole, _ = await h.result("whole")
+    assert not delta.HasField("error") and not whole.HasField("error"), (delta.error, whole.error)
+    assert delta.context_tokens == whole.context_tokens == len(held) + len(new)
+    assert list(delta.token_ids) == list(whole.token_ids) and len(delta.token_ids) > 0
+    for rid, kw in (
+        ("nobody", {"trajectory_id": "traj-nobody", "context_offset": 4, "context_digest": 1}),
+        ("digest", {"trajectory_id": "traj-first", "context_offset": len(held), "context_digest": 7}),
+        ("past", {"trajectory_id": "traj-first", "context_offset": 10**6, "context_digest": 1}),
+    ):
+        await h.send(turn(f"unknown-{rid}", context_token_ids=new, **kw))
+        res, _ = await h.result(f"unknown-{rid}")
+        assert (res.finish_reason, res.error.code) == ("error", "context_unknown"), res.error.message
+    await h.send(turn("negative", context_offset=-1))
+    res, _ = await h.result("negative")
+    assert res.error.code == "invalid"
+    await h.send(turn("after-unknown"))
+    res, _ = await h.result("after-unknown")
+    assert not res.HasField("error") and proc.poll() is None
 
 
 async def test_an_engine_that_lost_its_lease_refuses_turns_until_leased_again(

@@ -17,6 +17,7 @@ from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from services.common.facts import read_facts
+from services.common.held_context import context_digest
 from services.common.localstack import Server
 from services.common.runconfig import ModelConfig
 from tests.service_process import pinned_job_env, service_process
@@ -483,3 +484,41 @@ async def test_turns_of_an_engine_moved_out_of_rollout_wait_for_it_to_hand_them_
     assert proc.poll() is None
     s = await stats(bus, 4)
     assert (s.turns_handed_back, s.tokens_kept_on_hand_back) == (1, len(head))
+
+
+@pytest.mark.parametrize("scheduler", [{"env": {"LIBRA_SCHEDULER_MAX_TURN_RETRIES": "0"}}], indirect=True)
+async def test_a_turn_back_on_the_engine_holding_its_context_carries_only_what_is_new(scheduler: Any) -> None:
+    """A trajectory's second turn goes back to the engine that served its first (one engine
+    here): it carries the tokens after what that engine holds (the first turn's context and its
+    generated tokens), with their digest. An engine that no longer holds them answers
+    `context_unknown`, and the turn goes again whole, without a retry spent (none are allowed
+    here: a spent one would fail the trajectory)."""
+    proc, h, bus = scheduler
+    forgot: set[str] = set()
+
+    def forgetful(req: ev.TurnRequest) -> ev.TurnResult | None:
+        if req.context_offset and req.trajectory_id not in forgot and len(forgot) < 2:
+            forgot.add(req.trajectory_id)  # as if it restarted since the first turn
+            return h.result(req, "", finish_reason="error", error=ev.ErrorInfo(code="context_unknown"))
+        return h.normal(req)
+
+    h.answer = forgetful
+    done = await h.completed(bus, 4)
+    assert all(t.finish in ("answer", "truncated") and not t.HasField("failure") for t in done)
+    first = {r.trajectory_id: r for r in h.requests if r.turn_index == 0}
+    deltas = [r for r in h.requests if r.turn_index == 1 and r.context_offset]
+    assert len(deltas) >= len(first), "every second turn went as a delta at least once"
+    for r in deltas:
+        whole = [*first[r.trajectory_id].context_token_ids, 200, 201, 202, 203]  # what it holds
+        assert r.context_offset == len(whole) and r.context_digest == context_digest(whole)
+        assert 0 < len(r.context_token_ids) < r.context_offset  # the tool return and the template's glue
+    again = [
+        r for r in h.requests if r.turn_index == 1 and r.trajectory_id in forgot and not r.context_offset
+    ]
+    assert len(forgot) == 2 and {r.trajectory_id for r in again} == forgot
+    for r in again:  # whole: what it held, then the same new tokens
+        d = next(x for x in deltas if x.trajectory_id == r.trajectory_id)
+        held = [*first[r.trajectory_id].context_token_ids, 200, 201, 202, 203]
+        assert list(r.context_token_ids) == held + list(d.context_token_ids)
+    s = await stats(bus, 4)
+    assert s.trajectories_failed == 0 and proc.poll() is None

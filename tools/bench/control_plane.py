@@ -6,6 +6,9 @@
   so this is the steady-state cost. The ratio of 16,384 in flight on 1,024 engines to 1,024 on 64
   (16 turns per engine in both) says whether a report's cost grows with the whole job (a scan of
   every trajectory: 16x) or with its engine's own turns only (1x).
+- Per trajectory: the bytes of its turn requests (`ev.TurnRequest` as the scheduler builds them)
+  carrying the whole context each turn, against context deltas (only what the engine does not
+  hold yet, services/common/held_context.py), at 8 and 32 turns.
 - Per placement: the real `Dispatcher.place` of a turn (C-MLFQ, one bucket of 64 to 4,096 engines
   each running a random share of its slots, a third of the turns going back to the engine holding
   their context), against `ScanningDispatcher`, the placement before the load indexes (every
@@ -24,6 +27,7 @@ from typing import Any
 from opentelemetry import trace
 
 from services.common.contracts import ev
+from services.common.held_context import Held
 from services.common.runconfig import BucketConfig, RunConfig
 from services.policy.dispatch import Dispatcher, build_dispatcher, kv_view
 from services.scheduler.config import SchedulerSettings
@@ -114,8 +118,34 @@ def _placement_us(engines: int, scanning: bool) -> float:
     return (time.perf_counter() - start) / len(trajs) * 1e6
 
 
+TURN_SHAPES = (8, 32)
+PROMPT_TOKENS, GENERATED_TOKENS, TOOL_TOKENS = 1000, 256, 256
+
+
+def _turn_request_bytes(turns: int, deltas: bool) -> int:
+    """Bytes of one trajectory's turn requests: a prompt, then each turn's generated tokens and
+    a tool return, every turn on the engine that served the one before."""
+    rng = random.Random(turns)
+    context = [rng.randrange(49152) for _ in range(PROMPT_TOKENS)]
+    held: Held | None = None
+    total = 0
+    for _ in range(turns):
+        offset = held.offset_for("e0", context) if deltas and held is not None else 0
+        req = ev.TurnRequest(
+            request_id="r" * 32, trajectory_id="g00001-tasks-1-s3", engine_id="e0", bucket="short",
+            context_token_ids=context[offset:], context_offset=offset,
+            context_digest=held.digest if held is not None and offset else 0, max_new_tokens=GENERATED_TOKENS,
+        )  # fmt: skip
+        total += req.ByteSize()
+        generated = [rng.randrange(49152) for _ in range(GENERATED_TOKENS)]
+        held = Held.after("e0", context, generated)
+        context = [*context, *generated, *(rng.randrange(49152) for _ in range(TOOL_TOKENS))]
+    return total
+
+
 def run() -> dict[str, Any]:
     us = {(t, e): _per_report_us(t, e) for t, e in SIZES}
+    turn_bytes = {(n, d): _turn_request_bytes(n, d) for n in TURN_SHAPES for d in (False, True)}
     place = {
         (n, scanning): min(_placement_us(n, scanning) for _ in range(ROUNDS))
         for n in PLACEMENT_ENGINES
@@ -139,6 +169,16 @@ def run() -> dict[str, Any]:
     )
     per_s = us[(16384, 1024)] * 1024 / 1e6
     rows.append(["1,024 engines reporting every second", f"{per_s:.3f} CPU-s/s", "at 16,384 in flight"])
+    for n in TURN_SHAPES:
+        whole, delta = turn_bytes[(n, False)], turn_bytes[(n, True)]
+        rows.append(
+            [
+                f"turn requests of a {n}-turn trajectory on one engine",
+                f"{delta / 1024:,.0f} KiB",
+                f"whole context every turn: {whole / 1024:,.0f} KiB ({whole / delta:.1f}x); prompt "
+                f"{PROMPT_TOKENS:,}, {GENERATED_TOKENS} generated and {TOOL_TOKENS} tool tokens a turn",
+            ]
+        )
     for n in PLACEMENT_ENGINES:
         indexed, scanned = place[(n, False)], place[(n, True)]
         rows.append(
@@ -157,10 +197,11 @@ def run() -> dict[str, Any]:
         ]
     )
     return {
-        "title": "Scheduler cost per engine load report and per placement (issue 51)",
+        "title": "Scheduler cost per engine load report, per placement, and turn bytes (issue 51)",
         "command": "python -m tools.bench control_plane",
         "rows": rows,
         "results": {f"{t}x{e}": round(us[(t, e)], 2) for t, e in SIZES},
+        "turn_request_bytes": {f"{n}{'-delta' if d else ''}": v for (n, d), v in turn_bytes.items()},
         "placement_us": {
             f"{n}{'-scan' if scanning else ''}": round(v, 2) for (n, scanning), v in place.items()
         },
