@@ -9,7 +9,7 @@ import hashlib
 import math
 import time
 import uuid
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -24,6 +24,7 @@ from services.common.logging import get_logger
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.policy.dispatch import Dispatcher
+from services.policy.quarantine import Quarantine
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.tool_calls import ToolCalls
 from services.scheduler.trajectory import CallTool, Generate, Trajectory
@@ -192,12 +193,9 @@ class InFlight:
         """Engine id -> turns sent to it so far (the last TurnRequest.seq)."""
         self.engine_tokens: dict[str, int] = {}
         """Each engine's fencing token in the current plan (a new one: it restarted)."""
-        self.invalid_results: Counter[str] = Counter()
-        """Engine id -> turn results it sent that failed the checks (services/scheduler/driver.py)."""
-        self._invalid_streak: Counter[str] = Counter()
-        """Engine id -> invalid results since its last valid one."""
-        self.quarantined: dict[str, int] = {}
-        """Engines out of routing for their invalid results -> the fencing token they had then."""
+        self.quarantine = Quarantine(settings.max_invalid_results)
+        """Engines out of routing for their invalid turn results (services/scheduler/driver.py
+        checks each result)."""
         self._plan_engines: dict[str, ev.Assignment] = {}
         self._plan_moved: Mapping[str, int] = {}
         self.decision_us: deque[float] = deque(maxlen=20_000)
@@ -351,27 +349,24 @@ class InFlight:
         await self.send_turn(live, live.pending_action, avoid=avoid)
 
     def valid_result(self, engine_id: str) -> None:
-        self._invalid_streak.pop(engine_id, None)
+        self.quarantine.valid(engine_id)
 
     def count_invalid(self, engine_id: str, reason: str) -> bool:
-        """Counts an invalid result from `engine_id`; True when it makes the engine one to
-        quarantine: `max_invalid_results` in a row, and another engine serves (the last one is
-        kept: its turns fail typed, `engine_invalid`, rather than wait for no engine)."""
-        self.invalid_results[engine_id] += 1
-        self._invalid_streak[engine_id] += 1
+        """Counts an invalid result from `engine_id`; True when it makes the engine one to take
+        out of routing (`services/policy/quarantine.py`)."""
+        q = self.quarantine
+        due = q.invalid_result(
+            engine_id,
+            self.engine_tokens.get(engine_id),
+            len(self.dispatch.engines) > (engine_id in self.dispatch.engines),
+        )
         self.log.warning(
             "turn_result_invalid",
             engine_id=engine_id,
             reason=reason[:300],
-            invalid_results=self.invalid_results[engine_id],
+            invalid_results=q.invalid[engine_id],
         )
-        others = [w for w in self.dispatch.engines if w != engine_id]
-        return (
-            self._invalid_streak[engine_id] >= self.settings.max_invalid_results
-            and engine_id not in self.quarantined
-            and engine_id in self.engine_tokens
-            and bool(others)
-        )
+        return due
 
     async def invalid_result(self, live: Live, engine_id: str, reason: str) -> None:
         """A turn result that failed the scheduler's checks: it touches nothing, the turn fails
@@ -379,15 +374,15 @@ class InFlight:
         results is taken out of routing for the rest of its lease."""
         live.last_error = f"{engine_id}: invalid result: {reason}"
         if self.count_invalid(engine_id, reason):
-            await self.quarantine(engine_id, reason)
+            await self.take_out(engine_id, reason)
         await self.retry_or_fail(live, "engine_invalid", avoid=engine_id)
 
-    async def quarantine(self, engine_id: str, reason: str) -> None:
-        self.quarantined[engine_id] = self.engine_tokens[engine_id]
+    async def take_out(self, engine_id: str, reason: str) -> None:
+        self.quarantine.take_out(engine_id, self.engine_tokens[engine_id])
         self.log.error(
             "engine_quarantined",
             engine_id=engine_id,
-            invalid_results=self.invalid_results[engine_id],
+            invalid_results=self.quarantine.invalid[engine_id],
             last_reason=reason[:300],
             detail="no more turns go to it until it restarts under a new lease",
         )
@@ -505,7 +500,7 @@ class InFlight:
         those wait for that, and are re-sent if they are not back within `handback_wait_s`."""
         plan_engines, current = (
             current,
-            {wid: a for wid, a in current.items() if self.quarantined.get(wid) != a.fencing_token},
+            {wid: a for wid, a in current.items() if self.quarantine.serves(wid, a.fencing_token)},
         )
         gone = [
             wid
