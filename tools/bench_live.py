@@ -278,7 +278,15 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
         "dispatch_p99_us": sched.get("dispatch_p99_us", 0.0),
         "scheduler_cpu_utilisation": sched.get("cpu_utilisation", 0.0),
         "messages_per_s": (sched.get("messages_received", 0) + sched.get("messages_published", 0)) / wall,
+        "context_tokens_held_share": _held_share(report.get("turn_context_tokens") or {}),
     }
+
+
+def _held_share(context: dict[str, int]) -> float:
+    """Of the context tokens its turns needed, the share their engines held already (context
+    deltas: not sent again)."""
+    held, sent = context.get("held_by_engines", 0), context.get("sent", 0)
+    return held / (held + sent) if held + sent else 0.0
 
 
 def _lending(lending: dict[str, Any] | None, scale: float) -> dict[str, Any] | None:

@@ -405,6 +405,10 @@ async def build_report(
         "role_changes": changes,
         "migrations": stats.migrations,
         "handed_back": {"turns": stats.turns_handed_back, "tokens_kept": stats.tokens_kept_on_hand_back},
+        "turn_context_tokens": {
+            "sent": stats.context_tokens_sent,
+            "held_by_engines": stats.context_tokens_held,
+        },
         "invalid_turn_results": {
             "by_engine": dict(stats.invalid_results_by_engine),
             "quarantined": list(stats.engines_quarantined),

@@ -201,6 +201,8 @@ class InFlight:
         self.decision_us: deque[float] = deque(maxlen=20_000)
         """Latency of the most recent routing decisions (the policy's own work, in microseconds;
         not the polls of a queue that found nothing to place)."""
+        self.context_tokens = {"sent": 0, "held": 0}
+        """Context tokens turn requests carried, and those their engines held already."""
         self.dispatch_us: deque[float] = deque(maxlen=20_000)
         """From a routing decision's start to its turn request handed to NATS, in microseconds."""
 
@@ -440,6 +442,8 @@ class InFlight:
                 else live.seed
             ),
         )
+        self.context_tokens["sent"] += len(req.context_token_ids)
+        self.context_tokens["held"] += offset
         await self.bus.publish(
             f"{subjects.TURN_REQUEST}.{engine_id}", req, ctx=trace.set_span_in_context(live.step_span)
         )

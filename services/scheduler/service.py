@@ -186,6 +186,8 @@ class SchedulerService:
             invalid_results_by_engine=dict(inflight.quarantine.invalid),
             engines_quarantined=sorted(inflight.quarantine.out),
             tokens_kept_on_hand_back=self.driver.tokens_kept,
+            context_tokens_sent=inflight.context_tokens["sent"],
+            context_tokens_held=inflight.context_tokens["held"],
             decisions=self.dispatch.decisions,
             decision_p50_us=inflight.decision_quantile(0.5),
             decision_p99_us=inflight.decision_quantile(0.99),

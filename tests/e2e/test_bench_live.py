@@ -52,6 +52,8 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
             abs(m["trajectories_per_s"] - p["trajectories_per_s"]) / p["trajectories_per_s"]
         )
         assert r["p99_error"] is not None
+        # its later turns went back to the engine holding their context, carrying what was new only
+        assert 0.0 < m["context_tokens_held_share"] < 1.0
     assert doc["policies"]["libra"]["migrations"] > 0, "C-MLFQ moved trajectories to the long bucket"
     assert doc["policies"]["least_loaded"]["migrations"] == 0
     # the trainer lent its GPUs' two TP4 engines while it waited, and took them back to train

@@ -135,6 +135,7 @@ def test_run_on_a_stack_reached_by_its_endpoints(tmp_path: Path) -> None:
         assert report["all_engines_on_final_version"], report["engines"]
         assert all(m is None or m < 1e-3 for m in report["logprob_mismatch_per_step"])
         assert report["stack"] == f"remote {stack.nats_url}" and report["logs"] is None
+        assert report["turn_context_tokens"]["sent"] > 0  # (its one-turn trajectories hold nothing)
         final = project / "out" / run_id / "final"
         assert (final / "config.json").is_file()  # exported from the checkpoint
         from safetensors.torch import load_file

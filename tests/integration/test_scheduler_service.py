@@ -522,3 +522,5 @@ async def test_a_turn_back_on_the_engine_holding_its_context_carries_only_what_i
         assert list(r.context_token_ids) == held + list(d.context_token_ids)
     s = await stats(bus, 4)
     assert s.trajectories_failed == 0 and proc.poll() is None
+    assert s.context_tokens_held == sum(r.context_offset for r in h.requests) > 0
+    assert s.context_tokens_sent == sum(len(r.context_token_ids) for r in h.requests)
