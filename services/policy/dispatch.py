@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from services.common.runconfig import BucketConfig
 from services.policy.cmlfq import EngineView, RouteDecision
-from services.policy.placement import LoadIndex, candidates
+from services.policy.placement import LoadIndex, pick
 from services.policy.prefix_tree import ToolSignal
 from services.policy.routing import POOL, Router, build_router
 
@@ -205,13 +205,15 @@ class Dispatcher:
                 if (not own or e.bucket == bucket) and e.engine_id != skip
             ]
             return self.router.pick_engine(bucket, views, traj_id) if views else None
-        least = members.least(lambda wid: wid != skip and kv_fits(self.engines[wid].free_kv, need_tokens))
-        holder = self.router.holder(traj_id)
-        if holder is not None and (
-            holder == skip or holder not in self.engines or (own and self.engines[holder].bucket != bucket)
-        ):
-            holder = None
-        picks = candidates(least, holder, lambda wid: self.engines[wid].order)
+        picks = pick(
+            members,
+            lambda wid: wid != skip and kv_fits(self.engines[wid].free_kv, need_tokens),
+            self.router.holder(traj_id),
+            lambda wid: (
+                wid != skip and wid in self.engines and (not own or self.engines[wid].bucket == bucket)
+            ),
+            lambda wid: self.engines[wid].order,
+        )
         return self.router.pick_engine(bucket, [view(w) for w in picks], traj_id) if picks else None
 
     def next_for(self, engine_id: str, now: float) -> str | None:

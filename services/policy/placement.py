@@ -82,3 +82,18 @@ def candidates(least: str | None, holder: str | None, order: Callable[[str], int
     if least is None:
         return [holder]
     return [least, holder] if order(least) < order(holder) else [holder, least]
+
+
+def pick(
+    index: LoadIndex,
+    takes: Callable[[str], bool],
+    holder: str | None,
+    may_hold: Callable[[str], bool],
+    order: Callable[[str], int],
+) -> list[str]:
+    """The engines a load-placing policy is shown for one turn (`candidates`): the least loaded
+    engine of `index` that `takes` the turn, and `holder` (the engine holding its context) while
+    it `may_hold` it — serves the turn's bucket and is not one to avoid."""
+    if holder is not None and not may_hold(holder):
+        holder = None
+    return candidates(index.least(takes), holder, order)

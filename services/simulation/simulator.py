@@ -17,7 +17,7 @@ from typing import Any
 from services.common.cost_model import CostModel
 from services.common.synthetic import TrajectorySource
 from services.policy.dispatch import kv_fits, kv_view, takes_waiting
-from services.policy.placement import candidates
+from services.policy.placement import pick
 from services.simulation.drafting import DRAFTERS
 from services.simulation.engine import Engine, Request
 from services.simulation.fleet import Members, build_fleet, routing_key
@@ -185,12 +185,11 @@ class Simulator:
             e = engines[eid]
             return self.serving(e) and kv_fits(e.free_kv(), need)
 
-        holder = self.router.holder(tid)
-        if holder is not None and (holder not in members.order or not self.serving(engines[holder])):
-            holder = None
-        return [
-            engines[eid] for eid in candidates(members.index.least(takes), holder, members.order.__getitem__)
-        ]
+        def may_hold(eid: str) -> bool:
+            return eid in members.order and self.serving(engines[eid])
+
+        picks = pick(members.index, takes, self.router.holder(tid), may_hold, members.order.__getitem__)
+        return [engines[eid] for eid in picks]
 
     def serving(self, e: Engine) -> bool:
         return e.accepting and e.open_since is not None and e.engine_id not in self.draining
