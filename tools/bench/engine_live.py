@@ -189,7 +189,9 @@ def run() -> dict[str, Any]:
                 f"{j['lost']} / {j['trained_twice']} / {j['all_engines_on_final_version']}",
                 f"least memory available {j['min_available_mib'] / 1024:.1f} GiB (swap "
                 f"{j['swap_total_mib']:.0f} MiB); logprob mismatch per step "
-                + ", ".join(f"{m:.1e}" for m in mismatch),
+                + ", ".join(f"{m:.1e}" for m in mismatch)
+                + "; prefix-cache hit rate by engine "
+                + ", ".join("n/a" if h is None else f"{h:.2f}" for h in j["prefix_cache_hit_rate"]),
             ]
         )
     return {
