@@ -7,6 +7,9 @@ LIBRA := $(VENV)/bin/libra
 STAMP := $(VENV)/.libra-installed
 CONFIG ?= configs/default.yaml
 PYTEST_ARGS ?=
+# test files run on this many processes at once (pytest-xdist; a file's tests stay on one, so a
+# module's fixture such as a loaded vLLM engine is built once); 0 runs them in this process
+TEST_WORKERS ?= 2
 
 .DEFAULT_GOAL := help
 
@@ -37,7 +40,7 @@ learn-hard: $(STAMP) ## The tool task with one worked example instead of two: he
 	$(LIBRA) run configs/learn-hard.yaml
 
 test: $(STAMP) ## Run unit, integration and e2e tests (real nats-server, redis-server, gRPC, tiny model)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 chaos: $(STAMP) ## Kill -9 each service in turn mid-job, also while lending and on vLLM (LIBRA_LONG_TESTS=1: the long scenarios too)
 	LIBRA_LONG_TESTS=1 $(PY) -m pytest -q -s tests/e2e/test_chaos.py
