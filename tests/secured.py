@@ -7,9 +7,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+import redis.asyncio as aioredis
 
 from services.common.credentials import StackCredentials
 from services.common.localstack import Server, start_nats, start_redis
+from services.common.redis_scope import RunKeys
 
 
 @contextmanager
@@ -29,3 +31,16 @@ def secured_redis(creds: StackCredentials, tmp: pytest.TempPathFactory) -> Itera
         yield srv
     finally:
         srv.stop()
+
+
+async def grant_run(srv: Server, creds: StackCredentials, run_id: str) -> RunKeys:
+    """Grants the stack's service identities their keys of run `run_id`, as `libra run` does before
+    a job (services/common/redis_scope.py); the grant's connection is closed."""
+    auth = creds.redis_admin_auth()
+    assert auth is not None
+    keys = RunKeys(aioredis.from_url(srv.url, **auth), run_id)
+    try:
+        await keys.grant()
+    finally:
+        await keys.r.aclose()
+    return keys

@@ -183,7 +183,11 @@ async def engine_versions(
                     info = await ws_grpc.WeightSyncStub(ch).GetVersion(
                         ws.VersionRequest(), timeout=10, metadata=bearer_metadata(token)
                     )
-                entry.update(weight_version=info.version, checksum=info.checksum)
+                entry.update(
+                    weight_version=info.version,
+                    checksum=info.checksum,
+                    pushes_refused=dict(info.pushes_refused),
+                )
             except grpc.RpcError as err:
                 entry.update(weight_version=None, error=str(err.code()))
         out.append(entry)

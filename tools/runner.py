@@ -22,9 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import redis.asyncio as aioredis
+
 from services.common import control, streams
 from services.common.bus import Bus, close_nats
 from services.common.contracts import ev
+from services.common.redis_scope import RunKeys
 from services.common.runconfig import DatasetFile, ModelConfig, ReasoningGymDataset, RunConfig
 from services.common.tasks import cancel_and_wait
 from tools.job_watch import JobObserver
@@ -42,6 +45,8 @@ up to 30 s, its start, a trainer's checkpoint load; an orchestrator's liveness p
 before the job fails."""
 SINGLETONS = ("planner", "scheduler", "trainer")  # engines and sandboxes are many: the job goes on
 READY_S = 120.0  # how long to wait for the stack's services to be idle and reachable
+KEYS_CHECK_S = 2.0
+"""How often the watch checks that Redis still holds the job's key grants (`JobDriver._keep_keys`)."""
 
 
 class JobEnded(Exception):
@@ -195,6 +200,11 @@ class JobDriver:
         self.targets: dict[str, ev.WorkerStatus] = {}
         self.loggers = StepLoggers(cfg, run_id, out_dir)
         self.watch = JobObserver(run_id, self.loggers, out_dir)
+        self.keys: RunKeys | None = None
+        self._keys_checked = 0.0
+        self._nats_mark: int | None = None
+        """Where nats-server's log ended when the job started (None: not on this machine)."""
+        """The run's Redis keys granted to the services (None: a stack without credentials)."""
 
     async def run(self) -> dict[str, Any]:
         auth = self.stack.nats_auth("cli")
@@ -238,6 +248,7 @@ class JobDriver:
                 silences=self.silences,
             )
             report["replaced_hung"] = dict(self.replaced)
+            report["refused"] = await self._refused(report)
             if self.out_dir is not None:
                 report["samples"] = self._write_samples(self.out_dir)
             dead = sorted(set(self.stack.dead()) & set(self.targets))  # a trainer a standby replaced
@@ -254,6 +265,8 @@ class JobDriver:
             await asyncio.to_thread(self.loggers.close, status)
             await self.bus.close()
             await close_nats(self.nc)
+            if self.keys is not None:
+                await self.keys.r.aclose()
         return report
 
     def _write_samples(self, out_dir: Path) -> dict[str, Any]:
@@ -362,8 +375,10 @@ class JobDriver:
             targets=sorted(self.targets),
             trace_dir=str((self.out_dir / "traces").resolve()) if self.out_dir else "",
         )
-        # only this identity may create them
+        # only this identity may create them, and grant the run's Redis keys
         await streams.provision(self.bus.js, self.run_id, self.cfg.job.feed_ack_wait_s)
+        await self._grant_keys()
+        self._nats_mark = self.stack.nats_log_size()
         acks = await control.command(self.nc, control.JOB_START, spec, sorted(self.targets), timeout_s=30)
         refused = [a for a in acks.values() if not a.ok]
         if refused:
@@ -378,6 +393,55 @@ class JobDriver:
                 file=sys.stderr,
             )
         print(f"job {self.run_id} started on {len(self.targets) - len(silent)} services", file=sys.stderr)
+
+    async def _grant_keys(self) -> None:
+        """Grants each service exactly its Redis keys of this run (services/common/redis_scope.py),
+        as the operator's ACL user; a stack without credentials has no ACL to narrow."""
+        creds = self.stack.credentials
+        if creds is None:
+            return
+        auth = creds.redis_admin_auth()
+        if auth is None:
+            raise JobEnded(
+                "failed",
+                f"could not start the job: the stack's credentials ({creds.root}) have no Redis admin "
+                "user to grant the job its keys (they predate it): write them again with `libra "
+                "credentials DIR` (secrets there are kept) and restart Redis",
+            )
+        options = self.stack.tls.redis_options(self.stack.redis_url) if self.stack.tls is not None else {}
+        self.keys = RunKeys(aioredis.from_url(self.stack.redis_url, **auth, **options), self.run_id)
+        try:
+            await self.keys.grant()
+        except aioredis.RedisError as err:
+            raise JobEnded("failed", f"could not grant the job its Redis keys: {err}") from err
+
+    async def _keep_keys(self) -> None:
+        """A Redis that restarted has only its configuration's users, without the job's keys:
+        granted again (the services' writes were refused meanwhile and are retried)."""
+        if self.keys is None:
+            return
+        with contextlib.suppress(aioredis.RedisError, OSError):  # Redis down: the services say so
+            if await self.keys.ensure():
+                print("Redis had lost the job's key grants (restarted?): granted again", file=sys.stderr)
+
+    async def _refused(self, report: dict[str, Any]) -> dict[str, Any]:
+        """What the stack refused the job's identities: turn results (the scheduler's count),
+        weight pushes (each engine's count, by code), Redis commands and keys (its ACL log, by
+        user and reason) and NATS publishes and subscriptions (nats-server's log, where this
+        process started it)."""
+        redis: dict[str, dict[str, int]] | None = None
+        if self.keys is not None:
+            with contextlib.suppress(aioredis.RedisError, OSError):
+                redis = await self.keys.refused()
+        invalid = report.get("invalid_turn_results") or {}
+        return {
+            "turn_results": dict(invalid.get("by_engine", {})),
+            "weight_pushes": {
+                e["id"]: e["pushes_refused"] for e in report.get("engines", []) if e.get("pushes_refused")
+            },
+            "redis": redis,
+            "nats": self.stack.nats_violations(self._nats_mark),
+        }
 
     async def _watch(self, start: float) -> None:
         from tqdm import tqdm
@@ -401,6 +465,9 @@ class JobDriver:
                 await self._check_participants()
                 await self.watch.poll(self.bus, self.facts.committed)
                 await self.watch.refresh_plots()
+                if time.monotonic() - self._keys_checked > KEYS_CHECK_S:
+                    self._keys_checked = time.monotonic()
+                    await self._keep_keys()
                 p = self.watch.progress
                 bar.n = p.committed_step
                 reward = f"{self.watch.metrics[-1].reward_mean:.3f}" if self.watch.metrics else "-"
@@ -438,6 +505,8 @@ class JobDriver:
                 if self.stack.procs:
                     for name in self.stack.supervise():
                         print(f"service {name} died and was restarted", file=sys.stderr)
+                        if name == "redis-server":  # it came back with its configuration's users only
+                            await self._keep_keys()
                 else:
                     self.stack.refresh()
             except Exception as err:  # a restart that failed is tried again; the job watch goes on

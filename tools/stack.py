@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +46,10 @@ def stack_files() -> list[Path]:
     job started in a sub-directory of a project runs on the project's stack instead of starting a
     second one."""
     return [d / ".libra" / "stack.json" for d in (Path.cwd(), *Path.cwd().parents)]
+
+
+NATS_LOG = "nats-server.log"
+_VIOLATION = re.compile(r'"\$G/user:([^"]+)" - (Publish|Subscription) Violation')
 
 
 def service_commands(n_engines: int, standby_trainers: int = 0) -> list[tuple[str, str]]:
@@ -164,9 +169,7 @@ class Stack:
         for worker_id, module in service_commands(n_engines, standby_trainers):
             self._modules[worker_id] = module
         self.credentials = generate_credentials(data / "secrets", workers=list(self._modules))
-        self.nats = start_nats(
-            data / "nats", self.log_dir / "nats-server.log", config=self.credentials.nats_conf
-        )
+        self.nats = start_nats(data / "nats", self.log_dir / NATS_LOG, config=self.credentials.nats_conf)
         self.redis = start_redis(
             data / "redis", self.log_dir / "redis-server.log", config=self.credentials.redis_conf
         )
@@ -317,6 +320,29 @@ class Stack:
         if self.max_restarts > 0:
             return dict(self.gave_up)
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+
+    def nats_log_size(self) -> int | None:
+        """Where nats-server's log ends now (`nats_violations` counts from there); None where this
+        machine does not have it (a remote stack)."""
+        path = self.log_dir / NATS_LOG
+        if self.remote or not path.exists():
+            return None
+        return path.stat().st_size
+
+    def nats_violations(self, since: int | None) -> dict[str, dict[str, int]] | None:
+        """Publishes and subscriptions nats-server refused, by NATS user, since log offset
+        `since` (its log: `... "$G/user:rollout-engine-1" - Publish Violation - Subject ...`)."""
+        path = self.log_dir / NATS_LOG
+        if since is None or not path.exists():
+            return None
+        with path.open("rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        out: dict[str, dict[str, int]] = {}
+        for user, what in _VIOLATION.findall(text):
+            by = out.setdefault(user, {})
+            by[what.lower()] = by.get(what.lower(), 0) + 1
+        return out
 
     def log_tail(self, worker_id: str, lines: int = 20) -> str:
         path = self.log_dir / f"{worker_id}.log"

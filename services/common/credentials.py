@@ -11,8 +11,10 @@ subjects on which a worker speaks for itself for its own worker id only (hello, 
 turn results: subjects.SPOKEN), the events it consumes to subscribe, its own durable consumer to
 pull, the last-value subjects it reads, its own reply inbox, and replies only to requests it
 received; the JetStream API that makes streams and consumers only for the operator's `cli`.
-`redis/redis.conf` holds a Redis ACL user per identity, allowed only its own keys and its own
-worker lease (no default user), and the healthcheck's user, allowed only PING. `nats/server.conf`
+`redis/redis.conf` holds a Redis ACL user per identity, allowed its role's commands and no key
+until `libra run` grants it exactly the keys it owns in the job's run (services/common/redis_scope.py),
+the operator's ACL user that grants them, no default user, and the healthcheck's user, allowed
+only PING. `nats/server.conf`
 is what a container runs: `nats.conf` and the monitoring endpoint on its loopback (healthcheck).
 Nothing here ever prints a secret.
 """
@@ -205,35 +207,29 @@ REDIS_SERVER_LINES = (
     # plan of a 1,024-engine stack, is ~100 kB; an identity cannot park 64 MB under its own key
     f"proto-max-bulk-len {REDIS_MAX_VALUE}",
 )
-_REDIS_KEYS: dict[str, tuple[str, ...]] = {
-    # `~` read and write, `%R~` read only; keys are libra:<run>:… (services/common/ownership.py);
-    # every worker also renews (and releases) its own lease:worker:<worker_id> (redis_acl)
-    "planner": ("~libra:*:lease:*", "~libra:*:fence:*", "~libra:*:plans", "~libra:*:role_changes"),
-    "trainer": (
-        "~libra:*:trainer:*",
-        "~libra:*:trained",
-        "~libra:*:lease:role:trainer",
-        "%R~libra:*:lease:*",
-    ),
-    "scheduler": ("~libra:*:scheduler:*", "%R~libra:*:lease:*"),
-    "rollout-engine": ("%R~libra:*:lease:*",),
-    "tool-sandbox": ("%R~libra:*:lease:*",),
-    "cli": ("%R~libra:*",),
-}
-"""Each kind's Redis keys: the planner leases and fences workers and keeps the plan history,
-the trainer its commit record and trained set, the scheduler its ledger; a worker reads the
-leases; the operator reads."""
+REDIS_ADMIN_USER = "libra-acl"
+"""The operator's Redis user for granting a job's keys (services/common/redis_scope.py): it may
+change ACL users and read the ACL log, and touches no key. Its password is in the cli directory
+(`libra_redis_admin_password`), mounted by no service."""
+REDIS_ADMIN_FILE = "libra_redis_admin_password"
+_REDIS_ADMIN_COMMANDS = (
+    "-@all +acl|setuser +acl|users +acl|dryrun +acl|log "
+    "+auth +hello +ping +client|setinfo +client|setname +client|getname +client|id"
+)
 
 
 def redis_acl(identity: Identity, password: str) -> str:
-    """The Redis ACL line of `identity` (redis.conf `user` directive)."""
-    keys = list(_REDIS_KEYS[identity.kind])
-    if identity.kind != "cli":  # its own worker lease: exactly its id, or its kind's ids
-        own = identity.name if identity.per_worker else f"{identity.kind}*"
-        keys.append(f"~libra:*:lease:worker:{own}")
-        if identity.kind == "trainer" and identity.per_worker:  # and its own engine's
-            keys.append(f"~libra:*:lease:worker:{trainer_engine_id(identity.name)}")
+    """The Redis ACL line of `identity` (redis.conf `user` directive): the commands of its role and,
+    for a service, no key at all until `libra run` grants it exactly the keys its role owns in the
+    job's run (redis_scope.grant_run): a pattern written here would have to span the run segment
+    (`libra:*:…`), and an identity could create keys under any run name without bound. The
+    operator's `cli` reads every run's keys."""
+    keys = ["%R~libra:*"] if identity.kind == "cli" else []
     return " ".join(("user", identity.name, "on", f">{password}", "resetchannels", *keys, _REDIS_COMMANDS))
+
+
+def redis_admin_acl(password: str) -> str:
+    return " ".join(("user", REDIS_ADMIN_USER, "on", f">{password}", "resetchannels", _REDIS_ADMIN_COMMANDS))
 
 
 REDIS_HEALTH_ACL = f"user {HEALTH_USER} on nopass resetchannels -@all +ping"
@@ -353,6 +349,14 @@ class StackCredentials:
     def weight_sync_token(self) -> str:
         return self.read("cli", "libra_weight_sync_token")
 
+    def redis_admin_auth(self) -> dict[str, str] | None:
+        """redis-py's `username` and `password` of the operator's ACL user (REDIS_ADMIN_USER);
+        None where the cli directory has none (credentials written before it existed)."""
+        path = self.identity_dir("cli") / REDIS_ADMIN_FILE
+        if not path.exists():
+            return None
+        return {"username": REDIS_ADMIN_USER, "password": path.read_text().strip()}
+
 
 def _write_secret(path: Path, value: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -436,7 +440,9 @@ TRAINER_KEYS = "libra_weight_sync_trainers"
 
 
 def _files(identity: Identity) -> tuple[str, ...]:
-    extra = {"trainer": (SIGNING_KEY,), "rollout-engine": (TRAINER_KEYS,)}.get(identity.kind, ())
+    extra = {"trainer": (SIGNING_KEY,), "rollout-engine": (TRAINER_KEYS,), "cli": (REDIS_ADMIN_FILE,)}.get(
+        identity.kind, ()
+    )
     return ("libra_nats_password", "libra_redis_user", *extra)
 
 
@@ -481,8 +487,10 @@ def _write_all(creds: StackCredentials, identities: list[Identity]) -> None:
             _write_secret(d / TRAINER_KEYS, trainer_keys)
     _write_secret(creds.nats_conf, nats_config(passwords))
     _write_secret(creds.nats_server_conf, NATS_SERVER_CONF)
+    admin_password = kept("cli", REDIS_ADMIN_FILE)
+    _write_secret(creds.identity_dir("cli") / REDIS_ADMIN_FILE, admin_password)
     acl = [redis_acl(i, redis_passwords[i]) for i in identities]
-    lines = ["user default off", *acl, REDIS_HEALTH_ACL, *REDIS_SERVER_LINES]
+    lines = ["user default off", *acl, redis_admin_acl(admin_password), REDIS_HEALTH_ACL, *REDIS_SERVER_LINES]
     _write_secret(creds.redis_conf, "\n".join(lines) + "\n")
     layout = {"per_worker": any(i.per_worker for i in identities), "identities": [i.name for i in identities]}
     _write_secret(creds.layout_file, json.dumps(layout))

@@ -22,6 +22,8 @@ from services.common.ownership import Lease, OwnershipStore
 DEFAULT_LEASE_TTL_S = 10.0
 """Until the first plan says otherwise (the run config's job.lease_ttl_s)."""
 TRAINER_ROLE = "role:trainer"
+PLANNER_ROLE = "role:planner"
+"""The planner's lease: the planner that holds it plans and records the plan history."""
 HYBRID_ROLE = "hybrid"
 """An engine in the trainer's data-parallel group (services/learning/hybrid.py)."""
 LENT_ROLE = "lent"

@@ -50,6 +50,15 @@ def trained_key(run_id: str) -> str:
     return f"libra:{run_id}:trained"
 
 
+LEDGER_KEYS = ("feed", "outstanding", "published", "outcomes", "decided", "policy", "eval", "heard_trained")
+"""The scheduler's ledger (services/scheduler/ledger.py): `libra:<run>:scheduler:<name>` each."""
+
+
+def ledger_key(run_id: str, name: str) -> str:
+    assert name in LEDGER_KEYS, name
+    return f"libra:{run_id}:scheduler:{name}"
+
+
 @dataclass(frozen=True)
 class Lease:
     resource: str

@@ -12,9 +12,9 @@ from services.common import subjects
 from services.common.bus import Bus
 from services.common.contracts import ev
 from services.common.facts import FactsOut
+from services.common.membership import PLANNER_ROLE
 from services.common.ownership import OwnershipStore, plans_key, role_changes_key
 
-PLANNER_ROLE = "role:planner"
 KEEP_PLANS = 256
 KEEP_ROLE_CHANGES = 1024
 

@@ -366,6 +366,8 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
         self.record_timeout_s = record_timeout_s
         self.verifier = verifier
         self.highest_token = 0
+        self.refused: dict[str, int] = {}
+        """Pushes refused since the engine started, by code (GetVersion reports them)."""
         self.log = get_logger(component="weight_sync")
 
     def _slots(self) -> dict[str, Any] | None:
@@ -389,6 +391,7 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
             checksum=self.engine.checksum,
             torn=self.engine.torn,
             accepts_deltas=self.accepts_deltas,
+            pushes_refused=self.refused,
         )
 
     async def PushWeights(self, request_iterator: Any, context: Any) -> ws.PushAck:
@@ -401,6 +404,7 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
                 header, relayed = await self._receive(request_iterator.__aiter__(), span)
             except PushRejected as err:
                 span.set_attribute("libra.push_code", err.code)
+                self.refused[err.code] = self.refused.get(err.code, 0) + 1
                 self.log.warning("weights_rejected", code=err.code, reason=str(err), torn=self.engine.torn)
                 return ws.PushAck(
                     accepted=False, version=self.engine.version, code=err.code, message=str(err)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.contracts import ev
+from services.common.ownership import ledger_key
 from services.scheduler.feed import GroupTicket, TaskFeed, group_of
 
 
@@ -42,15 +43,14 @@ class LedgerState:
 class Ledger:
     def __init__(self, redis: Any, run_id: str):
         self.r = redis
-        prefix = f"libra:{run_id}:scheduler"
-        self.feed_key = f"{prefix}:feed"
-        self.outstanding_key = f"{prefix}:outstanding"
-        self.published_key = f"{prefix}:published"
-        self.outcomes_key = f"{prefix}:outcomes"
-        self.decided_key = f"{prefix}:decided"
-        self.policy_key = f"{prefix}:policy"
-        self.eval_key = f"{prefix}:eval"
-        self.trained_key = f"{prefix}:heard_trained"
+        self.feed_key = ledger_key(run_id, "feed")
+        self.outstanding_key = ledger_key(run_id, "outstanding")
+        self.published_key = ledger_key(run_id, "published")
+        self.outcomes_key = ledger_key(run_id, "outcomes")
+        self.decided_key = ledger_key(run_id, "decided")
+        self.policy_key = ledger_key(run_id, "policy")
+        self.eval_key = ledger_key(run_id, "eval")
+        self.trained_key = ledger_key(run_id, "heard_trained")
         """The trajectories the trainer's `trained` outcomes named (the trainer's own set is its own)."""
         self.changed = True
         """Written since the last `facts` (the report's view is re-read only then)."""

@@ -509,10 +509,13 @@ def test_a_trainer_serving_lent_turns_loses_nothing_when_it_or_the_planner_dies(
 def test_a_compromised_engine_cannot_hurt_the_job(tiny_model: Any, tmp_path: Path) -> None:
     """rollout-engine-1 is compromised: it answers every turn with garbage (tests/e2e/rogue_engine.py)
     and, with its own credentials, pushes all-zero weights at version 10^6 into rollout-engine-0
-    (the WeightSync token and the live fencing token are both within its reach) and tries to hold
-    Redis with an endless script. The push and the script are refused, its results are refused
-    and it is taken out of routing, and the job completes: every step trained, every engine on
-    the final version, nothing lost or trained twice, the refused results counted in the report."""
+    (the WeightSync token and the live fencing token are both within its reach), tries to hold
+    Redis with an endless script, to list its keys (SCAN), to watch every key (CLIENT TRACKING),
+    to write keys outside the few it owns in the job (under another run's name, or a longer
+    name) and a 2 MB value, and publishes a forged reply into the planner's inbox. Every one of
+    these is refused, its results are refused and it is taken out of routing, and the job
+    completes: every step trained, every engine on the final version, nothing lost or trained
+    twice; the report counts what was refused (turn results, pushes, Redis, NATS)."""
     config, cfg = _chaos_config(tmp_path, "rogue", steps=4)
     run_id = f"rogue-{int(time.time())}"
     stack = Stack(run_id, tmp_path / "logs", max_restarts=0)
@@ -544,11 +547,25 @@ def test_a_compromised_engine_cannot_hurt_the_job(tiny_model: Any, tmp_path: Pat
                 ]
                 await pusher.close()
                 outcomes[f"push as {sender}"] = result.code
-            try:
-                await r.eval("while true do end", 0)
-                outcomes["eval"] = "ran"
-            except aioredis.ResponseError as err:
-                outcomes["eval"] = str(err)
+            for name, call in (
+                ("eval", r.eval("while true do end", 0)),
+                ("scan", r.scan(0)),
+                ("tracking", r.execute_command("CLIENT", "TRACKING", "ON", "BCAST")),
+                ("another run's key", r.set(f"libra:x{run_id}:lease:worker:{rogue}", "1")),
+                ("a longer key", r.set(f"libra:{run_id}:lease:worker:{rogue}:1", "1")),
+            ):
+                try:
+                    await call
+                    outcomes[name] = "ran"
+                except aioredis.ResponseError as err:
+                    outcomes[name] = str(err)
+            try:  # its own key (the server drops the connection)
+                await r.set(f"libra:{run_id}:lease:worker:{rogue}", "x" * (2 << 20))
+                outcomes["2 MB value"] = "stored"
+            except aioredis.RedisError as err:
+                outcomes["2 MB value"] = type(err).__name__
+            await bus.nc.publish("_INBOX_planner.forged", b"\x00")  # a forged JetStream ack
+            await bus.nc.flush()
         finally:
             await bus.close()
             await r.aclose()
@@ -566,12 +583,10 @@ def test_a_compromised_engine_cannot_hurt_the_job(tiny_model: Any, tmp_path: Pat
         trained = _redis(stack).scard(trained_key(run_id))
     finally:
         stack.stop()
-    assert outcomes == {
-        "push as trainer": "unauthorized",
-        f"push as {rogue}": "unauthorized",
-        "eval": outcomes["eval"],
-    }
-    assert "permission" in outcomes["eval"].lower(), outcomes
+    assert outcomes.pop("push as trainer") == outcomes.pop(f"push as {rogue}") == "unauthorized"
+    assert outcomes.pop("2 MB value") != "stored"
+    assert set(outcomes) == {"eval", "scan", "tracking", "another run's key", "a longer key"}, outcomes
+    assert all("permission" in why.lower() for why in outcomes.values()), outcomes
     assert report["status"] == "completed", report["reason"]
     assert report["train_steps"] == cfg.training.steps
     assert report["all_engines_on_final_version"], report["engines"]
@@ -580,6 +595,12 @@ def test_a_compromised_engine_cannot_hurt_the_job(tiny_model: Any, tmp_path: Pat
     invalid = report["invalid_turn_results"]
     assert invalid["by_engine"].get(rogue, 0) >= 3 and "rollout-engine-0" not in invalid["by_engine"], invalid
     assert invalid["quarantined"] == [rogue], invalid
+    refused = report["refused"]  # only the rogue was refused anything, and all of it is counted
+    print(f"refused: {refused}")
+    assert refused["turn_results"] == invalid["by_engine"]
+    assert refused["weight_pushes"] == {"rollout-engine-0": {"unauthorized": 2}}, refused
+    assert set(refused["redis"]) == {rogue} and sum(refused["redis"][rogue].values()) >= 5, refused
+    assert set(refused["nats"]) == {rogue} and refused["nats"][rogue]["publish"] >= 1, refused
 
 
 @LONG

@@ -40,7 +40,7 @@ from services.common.streams import SCHEDULER_FEED, TRAINER_FEED
 from services.common.weight_signing import HeaderSigner, HeaderVerifier, new_signing_key
 from services.learning.snapshot import snapshot
 from services.trainer.weight_push import WeightPusher
-from tests.secured import secured_nats, secured_redis
+from tests.secured import grant_run, secured_nats, secured_redis
 from tests.weight_rig import nudged_weights, weight_sync_rig
 from tools.report import engine_versions
 
@@ -82,6 +82,7 @@ async def test_no_identity_parks_a_large_value_even_under_its_own_key(
 ) -> None:
     """A value over 1 MB is refused whoever writes it and wherever (the server bounds every bulk
     argument and drops the sender's connection); the key keeps its value, others are served."""
+    await grant_run(secure_redis, creds, run_id)
     me = aioredis.from_url(secure_redis.url, **creds.redis_auth("rollout-engine"))
     own = f"libra:{run_id}:lease:worker:rollout-engine-0"
     await me.set(own, b"x" * 1000)  # its own key: allowed
@@ -420,10 +421,11 @@ async def test_redis_wants_the_password(secure_redis: Server, creds: StackCreden
     with pytest.raises(Exception, match="(?i)auth|invalid"):
         await wrong.ping()
     await wrong.aclose()
+    await grant_run(secure_redis, creds, run_id)
     store = OwnershipStore.from_url(
         secure_redis.url, run_id, planner["password"], username=planner["username"]
     )
-    assert await store.acquire("probe", "me", 5) is not None
+    assert await store.acquire("worker:rollout-engine-0", "me", 5) is not None
     await store.close()
 
 
@@ -436,7 +438,7 @@ _WRITERS = {
     "scheduler:heard_trained": ("scheduler",),
     "plans": ("planner",),
     "role_changes": ("planner",),
-    "fence:worker:engine-0": ("planner",),
+    "fence:worker:rollout-engine-0": ("planner",),
     "lease:role:planner": ("planner",),
 }
 
@@ -449,6 +451,7 @@ async def test_each_identity_writes_only_its_own_redis_keys(
     as it was), and nothing server-wide (FLUSHALL, KEYS, CONFIG, ACL) is allowed; nor is anything
     that could hold the server or list what others keep: scripts (EVAL, SCRIPT, FUNCTION), SCAN,
     RANDOMKEY, DBSIZE, another database, CLIENT TRACKING. Its own keys are."""
+    await grant_run(secure_redis, creds, run_id)
     admin: dict[str, aioredis.Redis] = {
         i: aioredis.from_url(secure_redis.url, decode_responses=True, **creds.redis_auth(i))
         for i in IDENTITIES
@@ -499,7 +502,7 @@ async def test_each_identity_writes_only_its_own_redis_keys(
     assert renewed == can_renew, identity
     if identity != "planner":  # the planner alone hands out fencing tokens
         with pytest.raises(Exception, match="(?i)permission"):
-            await me.incr(f"libra:{run_id}:fence:worker:engine-0")
+            await me.incr(f"libra:{run_id}:fence:worker:rollout-engine-0")
     for r in admin.values():
         await r.aclose()
 
@@ -508,6 +511,7 @@ async def test_each_identity_writes_only_its_own_redis_keys(
 async def engine_rig(
     tiny_model: ModelConfig, secure_redis: Server, creds: StackCredentials, run_id: str
 ) -> AsyncIterator[dict[str, Any]]:
+    await grant_run(secure_redis, creds, run_id)
     async with weight_sync_rig(
         tiny_model,
         secure_redis.url,

@@ -19,7 +19,7 @@ from services.common.bus import Bus, Envelope, connect_nats
 from services.common.contracts import ev
 from services.common.credentials import StackCredentials, generate
 from services.common.localstack import Server
-from tests.secured import secured_nats, secured_redis
+from tests.secured import grant_run, secured_nats, secured_redis
 
 pytestmark = pytest.mark.integration
 
@@ -173,6 +173,7 @@ async def test_a_worker_renews_only_its_own_lease(
     creds: StackCredentials, tmp_path_factory: pytest.TempPathFactory, run_id: str
 ) -> None:
     with secured_redis(creds, tmp_path_factory) as srv:
+        await grant_run(srv, creds, run_id)
         clients = {
             w: aioredis.from_url(srv.url, decode_responses=True, **creds.redis_auth(w))
             for w in ("planner", "rollout-engine-0", "rollout-engine-1", "tool-sandbox")
@@ -196,6 +197,51 @@ async def test_a_worker_renews_only_its_own_lease(
             assert await clients["planner"].get(lease.format(whose)) == f"{whose}:1"
             assert await clients[who].get(lease.format(whose)) == f"{whose}:1"  # reading is fine
         for c in clients.values():
+            await c.aclose()
+
+
+async def test_a_worker_writes_only_the_keys_it_owns_in_the_running_job(
+    creds: StackCredentials, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Before a job a service may write no key at all; once `libra run` grants run A, each worker
+    writes exactly its own keys of A and nothing under another run's name or a longer key name
+    (so it cannot make unbounded keys: what it may write is a fixed set, each value at most 1 MB);
+    granting run B takes A's keys away. Every refusal is in Redis's ACL log, as the job's report
+    counts them."""
+    mine = "libra:{run}:lease:worker:rollout-engine-0"
+    with secured_redis(creds, tmp_path_factory) as srv:
+        engine = aioredis.from_url(srv.url, decode_responses=True, **creds.redis_auth("rollout-engine-0"))
+        sched = aioredis.from_url(srv.url, decode_responses=True, **creds.redis_auth("scheduler"))
+        with pytest.raises(Exception, match="(?i)permission"):
+            await engine.set(mine.format(run="a"), "1")
+        await grant_run(srv, creds, "a")
+        assert await engine.set(mine.format(run="a"), "1")
+        assert await sched.hset("libra:a:scheduler:feed", "k", "v") == 1
+        for key in (
+            mine.format(run="b"),
+            mine.format(run="a") + ":x",
+            mine.format(run="a:x"),
+            "libra:a:lease:worker:rollout-engine-1",
+            "libra:a:scheduler:feed",
+            "libra:a:anything",
+        ):
+            with pytest.raises(Exception, match="(?i)permission"):
+                await engine.set(key, "2")
+        for key in ("libra:a:scheduler:feed:x", "libra:a:scheduler:other", "libra:b:scheduler:feed"):
+            with pytest.raises(Exception, match="(?i)permission"):
+                await sched.hset(key, "k", "v")
+        keys = await grant_run(srv, creds, "b")
+        assert {u.name for u in keys.users} == set(WORKERS)
+        with pytest.raises(Exception, match="(?i)permission"):
+            await engine.set(mine.format(run="a"), "3")
+        assert await engine.set(mine.format(run="b"), "1")
+        admin = aioredis.from_url(srv.url, **creds.redis_admin_auth())  # type: ignore[arg-type]
+        keys.r = admin
+        assert await keys.granted()
+        assert (await keys.refused()) == {"rollout-engine-0": {"key": 1}}  # since the grant of b
+        with pytest.raises(Exception, match="(?i)permission"):
+            await admin.set("libra:b:plans", "x")  # the operator's ACL user touches no key
+        for c in (engine, sched, admin):
             await c.aclose()
 
 

@@ -50,6 +50,7 @@ def test_a_trainer_may_speak_for_its_own_engine_and_read_its_turns_but_no_other_
     `trainer-0-engine`, which its identity may speak for and take turn requests of; not for any
     other trainer's engine, nor for a rollout engine."""
     from services.common.credentials import Identity, publish_allowed, redis_acl, subscribe_allowed
+    from services.common.redis_scope import run_key_patterns
 
     me = Identity("trainer-0", per_worker=True)
     pub, sub = set(publish_allowed(me)), set(subscribe_allowed(me))
@@ -62,7 +63,9 @@ def test_a_trainer_may_speak_for_its_own_engine_and_read_its_turns_but_no_other_
     assert not any(
         s.startswith(run + subjects.TURN_REQUEST) and not s.endswith("trainer-0-engine") for s in sub
     )
-    acl = redis_acl(me, "pw").split()
-    assert "~libra:*:lease:worker:trainer-0-engine" in acl and "~libra:*:lease:worker:trainer-0" in acl
+    assert not any(w.startswith(("~", "%R~")) for w in redis_acl(me, "pw").split())  # keys come per job
+    keys = run_key_patterns(me, "r1", [me])
+    assert "~libra:r1:lease:worker:trainer-0-engine" in keys and "~libra:r1:lease:worker:trainer-0" in keys
+    assert not any("rollout-engine" in k or "trainer-1" in k for k in keys)
     engine = Identity("rollout-engine-0", per_worker=True)
     assert not any("trainer" in p for p in publish_allowed(engine))

@@ -109,15 +109,24 @@ class VersionRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("engine_id", "version", "checksum", "torn", "accepts_deltas")
+    __slots__ = ("engine_id", "version", "checksum", "torn", "accepts_deltas", "pushes_refused")
+    class PushesRefusedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TORN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_REFUSED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     version: int
     checksum: str
     torn: bool
     accepts_deltas: bool
-    def __init__(self, engine_id: _Optional[str] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ..., torn: bool = ..., accepts_deltas: bool = ...) -> None: ...
+    pushes_refused: _containers.ScalarMap[str, int]
+    def __init__(self, engine_id: _Optional[str] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ..., torn: bool = ..., accepts_deltas: bool = ..., pushes_refused: _Optional[_Mapping[str, int]] = ...) -> None: ...
