@@ -216,6 +216,14 @@ class Dispatcher:
         )
         return self.router.pick_engine(bucket, [view(w) for w in picks], traj_id) if picks else None
 
+    def free_engines(self) -> list[str]:
+        """The engines `next_for` may give a waiting turn now: those with a free slot, in engine
+        order, and none while no turn waits (a scheduler tick then walks no engine: at 1,024
+        engines a walk of all of them on every tick is what the scheduler would spend its time on)."""
+        if not self.queued:
+            return []
+        return sorted(self.by_load.engines(), key=lambda wid: self.engines[wid].order)
+
     def next_for(self, engine_id: str, now: float) -> str | None:
         """The waiting trajectory the policy gives a free slot of this engine, or None."""
         slot = self.engines.get(engine_id)

@@ -54,6 +54,10 @@ class LoadIndex:
     def remove(self, engine_id: str) -> None:
         self._live.pop(engine_id, None)
 
+    def engines(self) -> list[str]:
+        """Every engine with a free slot (no order)."""
+        return list(self._live)
+
     def least(self, takes: Callable[[str], bool]) -> str | None:
         """The least loaded engine with a free slot that `takes` the turn, or None."""
         passed: list[tuple[float, int, int, str]] = []

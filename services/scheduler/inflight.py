@@ -317,7 +317,8 @@ class InFlight:
             await self._dispatch(live, engine_id, began)
 
     async def drain_all(self) -> None:
-        for engine_id in list(self.dispatch.engines):
+        """`drain` of every engine with a free slot, while turns wait in the queues."""
+        for engine_id in self.dispatch.free_engines():
             await self.drain(engine_id)
 
     def turn_answered(self, request_id: str, engine_id: str) -> Live | None:

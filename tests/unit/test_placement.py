@@ -57,7 +57,8 @@ def _scanning(policy: str) -> Dispatcher:
 def test_indexed_placement_decides_what_a_scan_of_every_engine_decides(policy: str, seed: int) -> None:
     """Two dispatchers, one placing through the indexes and one scanning, driven by the same random
     plan changes, load reports (capacity, free KV), turns placed (some avoiding an engine), turns
-    ended, slots handed to waiting turns and tool returns: every decision is the same."""
+    ended, slots handed to waiting turns and tool returns: every decision is the same, and the
+    engines a scheduler tick drains are those with a free slot while a turn waits."""
     rng = random.Random(seed)
     indexed, scanning = build_dispatcher(THREE, policy, 4), _scanning(policy)
     both = (indexed, scanning)
@@ -127,5 +128,8 @@ def test_indexed_placement_decides_what_a_scan_of_every_engine_decides(policy: s
         assert {w: (e.in_flight, e.bucket) for w, e in indexed.engines.items()} == {
             w: (e.in_flight, e.bucket) for w, e in scanning.engines.items()
         }
+        # a tick drains exactly the engines a turn could be given to: with a free slot, in order
+        free = sorted((e.order, w) for w, e in indexed.engines.items() if e.free > 0)
+        assert indexed.free_engines() == ([w for _, w in free] if indexed.queued else [])
     assert indexed.decisions == scanning.decisions > 500
     assert indexed.migrations == scanning.migrations
