@@ -27,6 +27,7 @@ from services.scheduler.inflight import InFlight, Live, PartialTurn
 from services.scheduler.plugins import PluginFailure
 from services.scheduler.prompting import Prompter
 from services.scheduler.rewards import SandboxClient
+from services.scheduler.roster import Roster
 from services.scheduler.task import Task
 from services.scheduler.trajectory import (
     Action,
@@ -53,6 +54,7 @@ class TrajectoryDriver:
         prompter: Prompter,
         dispatch: Dispatcher,
         inflight: InFlight,
+        roster: Roster,
         episode: Episode,
         completion: Completion,
         sandbox: SandboxClient,
@@ -66,6 +68,8 @@ class TrajectoryDriver:
         self.run_id, self.cfg, self.bus, self.prompter = common_run_id, cfg, bus, prompter
         self.vocab_size, self.newest_version = vocab_size, newest_version
         self.dispatch, self.inflight, self.episode, self.completion = dispatch, inflight, episode, completion
+        self.roster = roster
+        """The engines: where an engine's invalid results are counted."""
         self.sandbox, self.workload, self.metrics = sandbox, workload, metrics
         self.log = get_logger(component="scheduler")
         self.turns = 0
@@ -197,9 +201,9 @@ class TrajectoryDriver:
         try:
             await self._check_result(live, res, versions)
         except ValueError as err:
-            await self.inflight.invalid_result(live, res.engine_id, str(err))
+            await self.roster.invalid_result(live, res.engine_id, str(err))
             return
-        self.inflight.valid_result(res.engine_id)
+        self.roster.valid_result(res.engine_id)
         if live.pending_action is not None:
             live.held = Held.after(res.engine_id, live.pending_action.context, res.token_ids)
         token_ids, logprobs, text = list(res.token_ids), list(res.logprobs), res.text
@@ -271,7 +275,7 @@ class TrajectoryDriver:
             self.log.warning(
                 "handed_back_tokens_malformed", trajectory_id=live.trajectory_id, reason=str(err)
             )
-            self.inflight.count_invalid(res.engine_id, str(err))
+            self.roster.count_invalid(res.engine_id, str(err))
             return action
         if len(res.token_ids) >= action.max_new_tokens:
             return action  # cannot happen (the engine ends a turn at its budget): start it again

@@ -4,13 +4,12 @@ what was lost. It alone changes these; the rest of the shell asks it (`holds`, `
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -24,7 +23,6 @@ from services.common.logging import get_logger
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.policy.dispatch import Dispatcher
-from services.policy.quarantine import Quarantine
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.tool_calls import ToolCalls
 from services.scheduler.trajectory import CallTool, Generate, Trajectory
@@ -186,18 +184,11 @@ class InFlight:
         self.log = get_logger(component="scheduler")
         self.bucket_level = {b.name: i for i, b in enumerate(cfg.rollout.buckets)}
         self._live: dict[str, Live] = {}
-        self._by_request = Outstanding()
+        self.requests = Outstanding()
         """Engine request id -> the trajectory whose turn it is (absent: answered, lost, given up),
         indexed by engine too: an engine's load report looks at its own turns only."""
         self._sent_to: dict[str, int] = {}
         """Engine id -> turns sent to it so far (the last TurnRequest.seq)."""
-        self.engine_tokens: dict[str, int] = {}
-        """Each engine's fencing token in the current plan (a new one: it restarted)."""
-        self.quarantine = Quarantine(settings.max_invalid_results)
-        """Engines out of routing for their invalid turn results (services/scheduler/driver.py
-        checks each result)."""
-        self._plan_engines: dict[str, ev.Assignment] = {}
-        self._plan_moved: Mapping[str, int] = {}
         self.decision_us: deque[float] = deque(maxlen=20_000)
         """Latency of the most recent routing decisions (the policy's own work, in microseconds;
         not the polls of a queue that found nothing to place)."""
@@ -217,13 +208,16 @@ class InFlight:
     def add(self, live: Live) -> None:
         self._live[live.trajectory_id] = live
 
+    def get(self, trajectory_id: str) -> Live | None:
+        return self._live.get(trajectory_id)
+
     def holds(self, live: Live) -> bool:
         """Still in flight (False: it ended meanwhile, e.g. its group could no longer be trained)."""
         return self._live.get(live.trajectory_id) is live
 
     def abort(self, live: Live) -> None:
         """Gives up whatever it waits for (its engine slot frees at once); `end` follows."""
-        self._forget_turn(live)
+        self.forget_turn(live)
         self.calls.forget(live.call_id)
         if live.step_span is not None:
             live.step_span.end()
@@ -239,7 +233,7 @@ class InFlight:
             return "scoring"
         if live.call_id and live.call_id in self.calls:
             return "tool"
-        if live.request_id and live.request_id in self._by_request:
+        if live.request_id and live.request_id in self.requests:
             return "generating"
         if live.trajectory_id in self.dispatch.queued:
             return "queued"
@@ -253,7 +247,7 @@ class InFlight:
                 trajectory_id=lv.trajectory_id,
                 group_id=lv.traj.group_id,
                 state=self.state_of(lv),
-                engine_id=lv.engine_id if lv.request_id in self._by_request else "",
+                engine_id=lv.engine_id if lv.request_id in self.requests else "",
                 turns=lv.traj.turns,
                 age_s=now - lv.traj.started_at,
                 idle_s=now - lv.sent_at if lv.sent_at else 0.0,
@@ -324,7 +318,7 @@ class InFlight:
     def turn_answered(self, request_id: str, engine_id: str) -> Live | None:
         """The trajectory whose turn `engine_id` answers (its engine slot frees), or None: a late
         answer to a request already re-sent, another run's, or one sent to another engine."""
-        traj_id = self._by_request.get(request_id)
+        traj_id = self.requests.get(request_id)
         if traj_id is None:
             return None
         live = self._live[traj_id]
@@ -336,7 +330,7 @@ class InFlight:
                 from_=engine_id,
             )
             return None
-        self._forget_turn(live)
+        self.forget_turn(live)
         return live
 
     async def retry_or_fail(
@@ -351,49 +345,9 @@ class InFlight:
             return
         await self.send_turn(live, live.pending_action, avoid=avoid)
 
-    def valid_result(self, engine_id: str) -> None:
-        self.quarantine.valid(engine_id)
-
-    def count_invalid(self, engine_id: str, reason: str) -> bool:
-        """Counts an invalid result from `engine_id`; True when it makes the engine one to take
-        out of routing (`services/policy/quarantine.py`)."""
-        q = self.quarantine
-        due = q.invalid_result(
-            engine_id,
-            self.engine_tokens.get(engine_id),
-            len(self.dispatch.engines) > (engine_id in self.dispatch.engines),
-        )
-        self.log.warning(
-            "turn_result_invalid",
-            engine_id=engine_id,
-            reason=reason[:300],
-            invalid_results=q.invalid[engine_id],
-        )
-        return due
-
-    async def invalid_result(self, live: Live, engine_id: str, reason: str) -> None:
-        """A turn result that failed the scheduler's checks: it touches nothing, the turn fails
-        (`engine_invalid`) and is retried on another engine; an engine that keeps sending such
-        results is taken out of routing for the rest of its lease."""
-        live.last_error = f"{engine_id}: invalid result: {reason}"
-        if self.count_invalid(engine_id, reason):
-            await self.take_out(engine_id, reason)
-        await self.retry_or_fail(live, "engine_invalid", avoid=engine_id)
-
-    async def take_out(self, engine_id: str, reason: str) -> None:
-        self.quarantine.take_out(engine_id, self.engine_tokens[engine_id])
-        self.log.error(
-            "engine_quarantined",
-            engine_id=engine_id,
-            invalid_results=self.quarantine.invalid[engine_id],
-            last_reason=reason[:300],
-            detail="no more turns go to it until it restarts under a new lease",
-        )
-        await self.set_engines(self._plan_engines, self._plan_moved)
-
-    def _forget_turn(self, live: Live) -> None:
+    def forget_turn(self, live: Live) -> None:
         """The turn in flight is over (answered, lost or timed out): its engine slot frees."""
-        if self._by_request.pop(live.request_id, None) is not None:
+        if self.requests.pop(live.request_id, None) is not None:
             self.dispatch.release(live.engine_id)
 
     async def _dispatch(self, live: Live, engine_id: str, began: float) -> None:
@@ -409,7 +363,7 @@ class InFlight:
         live.seq = self._sent_to[engine_id] = self._sent_to.get(engine_id, 0) + 1
         live.answered_at = 0.0
         live.deadline = time.monotonic() + self.settings.turn_timeout(action.max_new_tokens)
-        self._by_request.add(live.request_id, traj.trajectory_id, engine_id)
+        self.requests.add(live.request_id, traj.trajectory_id, engine_id)
         ctx = trace.set_span_in_context(live.span)
         live.step_span = tracer().start_span(
             "turn.generate",
@@ -493,100 +447,6 @@ class InFlight:
         traj_id = self.calls.answered(ret)
         return None if traj_id is None else self._live.get(traj_id)
 
-    # engines ------------------------------------------------------------------------------------
-
-    async def set_engines(
-        self, current: dict[str, ev.Assignment], moved: Mapping[str, int] | None = None
-    ) -> None:
-        """The plan's serving engines. An engine that left the plan, or came back under a new
-        lease (it restarted), has lost whatever turns it was running: they are re-sent at once.
-        One still in the plan under the same lease but out of rollout (`moved`: worker id ->
-        fencing token of those drained, parked, in training) hands its turns back itself, running ones with the tokens they generated:
-        those wait for that, and are re-sent if they are not back within `handback_wait_s`."""
-        plan_engines, current = (
-            current,
-            {wid: a for wid, a in current.items() if self.quarantine.serves(wid, a.fencing_token)},
-        )
-        gone = [
-            wid
-            for wid in self.dispatch.engines
-            if wid not in current or current[wid].fencing_token != self.engine_tokens.get(wid)
-        ]
-        moved = moved or {}
-        handing_back = {wid for wid in gone if wid in moved and moved[wid] == self.engine_tokens.get(wid)}
-        self._plan_engines, self._plan_moved = plan_engines, moved
-        self.dispatch.forget(gone)  # a restarted engine comes back with no turns in flight
-        self.dispatch.set_engines({wid: a.bucket for wid, a in current.items()})
-        self.engine_tokens = {wid: a.fencing_token for wid, a in current.items()}
-        self.log.info(
-            "engines_updated",
-            engines={wid: e.bucket for wid, e in sorted(self.dispatch.engines.items())},
-        )
-        waiting: list[tuple[str, str]] = []
-        for live in list(self._live.values()):
-            if live.engine_id in gone and live.request_id in self._by_request and live.pending_action:
-                if live.engine_id in handing_back:
-                    waiting.append((live.trajectory_id, live.request_id))
-                    continue
-                self._by_request.pop(live.request_id, None)
-                self.log.info("turn_redispatched", trajectory_id=live.trajectory_id, engine_id=live.engine_id)
-                await self.send_turn(live, live.pending_action)
-        if waiting:
-            self.bus.spawn(self._unless_handed_back(waiting))
-        await self.drain_all()
-
-    async def _unless_handed_back(self, turns: list[tuple[str, str]]) -> None:
-        """Re-sends the turns an engine moved out of rollout has not handed back in time."""
-        await asyncio.sleep(self.settings.handback_wait_s)
-        for traj_id, request_id in turns:
-            live = self._live.get(traj_id)
-            if self._by_request.get(request_id) != traj_id or live is None or live.pending_action is None:
-                continue  # handed back (or finished) meanwhile
-            self._by_request.pop(request_id, None)
-            self.log.warning("turn_not_handed_back", trajectory_id=traj_id, engine_id=live.engine_id)
-            await self.send_turn(live, live.pending_action)
-
-    async def engine_load(self, load: ev.EngineLoad) -> None:
-        """A turn the engine does not hold, two reports in a row, was lost on the way there or back
-        (a NATS restart, a dropped message): re-sent now rather than after the turn timeout. Only
-        once the engine has read past it (`last_seq`), and once `answered_grace_s` has passed since
-        the engine first said it answered it (`answered_ids`): an engine too busy to read its
-        requests, or a scheduler too busy to read the results, for a while has lost nothing."""
-        if load.engine_id not in self.dispatch.engines:
-            return
-        self.dispatch.set_capacity(load.engine_id, load.capacity_seqs, load.free_kv_tokens)
-        held = set(load.request_ids)
-        answered = set(load.answered_ids)
-        now = time.monotonic()
-        for request_id, traj_id in list(self._by_request.on(load.engine_id).items()):
-            live = self._live.get(traj_id)
-            if live is None or live.request_id != request_id or request_id not in self._by_request:
-                continue  # (a turn re-sent or ended while an earlier one was handled)
-            unread = load.last_seq < live.seq
-            if live.request_id in held or unread or now - live.sent_at < self.settings.lost_turn_grace_s:
-                live.missing = 0
-                continue
-            if live.request_id in answered:  # its result is on the way, unless NATS dropped it
-                live.answered_at = live.answered_at or now
-                if now - live.answered_at < self.settings.answered_grace_s:
-                    live.missing = 0
-                    continue
-            live.missing += 1
-            if live.missing >= 2 and live.pending_action is not None:
-                self._forget_turn(live)
-                live.missing = 0
-                live.lost += 1
-                self.log.warning(
-                    "turn_lost", trajectory_id=live.trajectory_id, engine_id=load.engine_id, times=live.lost
-                )
-                if live.lost == 1:  # a dropped message: re-sent at once, no retry spent
-                    await self.send_turn(live, live.pending_action)
-                else:  # lost again: an engine may never take it, so each further loss spends a retry
-                    live.last_error = (
-                        f"{load.engine_id}: turns lost {live.lost} times (not in its load reports)"
-                    )
-                    await self.retry_or_fail(live)
-
     async def watchdog(self, now: float) -> None:
         """What passed its deadline: a tool call no sandbox answered is sent again (or fails its
         trajectory), a turn no engine answered is retried elsewhere (or fails it)."""
@@ -603,7 +463,7 @@ class InFlight:
                     await self.send_tool(live, live.pending_tool)  # the sandbox may have died: again
                 else:
                     await self.fail(live, "tool_sandbox_unavailable", "no tool-sandbox answered in time")
-            elif live.request_id in self._by_request or (live.pending_action and not live.request_id):
-                self._forget_turn(live)
+            elif live.request_id in self.requests or (live.pending_action and not live.request_id):
+                self.forget_turn(live)
                 self.log.warning("turn_timeout", trajectory_id=live.trajectory_id, engine_id=live.engine_id)
                 await self.retry_or_fail(live)

@@ -35,6 +35,7 @@ from services.scheduler.inflight import InFlight, Live
 from services.scheduler.ledger import Ledger, durably, ledger_facts
 from services.scheduler.prompting import Prompter
 from services.scheduler.rewards import SandboxClient, Scorer, reward_ref
+from services.scheduler.roster import Roster
 from services.scheduler.tool_calls import ToolCalls
 from services.scheduler.trajectory import doomed_groups
 from services.scheduler.workload import WorkloadWindow
@@ -100,6 +101,7 @@ class SchedulerService:
         self.inflight = InFlight(
             bus, self.dispatch, settings, cfg, stop_strings, fail=self._fail, calls=calls
         )
+        self.roster = Roster(self.inflight, settings)
         self.driver = TrajectoryDriver(
             common.run_id,
             cfg,
@@ -107,6 +109,7 @@ class SchedulerService:
             prompter,
             self.dispatch,
             self.inflight,
+            self.roster,
             self.episode,
             self.completion,
             sandbox,
@@ -155,10 +158,10 @@ class SchedulerService:
         serving = {a.worker_id: a for a in plan.assignments if a.role in SERVING_ROLES}
         # out of rollout under the same lease: the engine hands its turns back itself
         moved = {a.worker_id: a.fencing_token for a in plan.assignments if a.role not in SERVING_ROLES}
-        await self.inflight.set_engines(serving, moved)
+        await self.roster.set_engines(serving, moved)
 
     async def _on_engine_load(self, load: ev.EngineLoad, _: Envelope) -> None:
-        await self.inflight.engine_load(load)
+        await self.roster.engine_load(load)
 
     async def _on_weights(self, msg: ev.WeightsUpdated, _: Envelope) -> None:
         if msg.version > self.trained_version:
@@ -183,8 +186,8 @@ class SchedulerService:
             failures_by_code=dict(done.failure_codes),
             migrations=self.dispatch.migrations,
             turns_handed_back=self.driver.handed_back,
-            invalid_results_by_engine=dict(inflight.quarantine.invalid),
-            engines_quarantined=sorted(inflight.quarantine.out),
+            invalid_results_by_engine=dict(self.roster.quarantine.invalid),
+            engines_quarantined=sorted(self.roster.quarantine.out),
             tokens_kept_on_hand_back=self.driver.tokens_kept,
             context_tokens_sent=inflight.context_tokens["sent"],
             context_tokens_held=inflight.context_tokens["held"],

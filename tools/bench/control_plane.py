@@ -1,6 +1,6 @@
 """The scheduler's control-plane costs at the scale of issue 51.
 
-- Per engine load report: the real `InFlight.engine_load` (the lost-turn check every engine's
+- Per engine load report: the real `Roster.engine_load` (the lost-turn check every engine's
   report triggers, once a second) over trajectories in flight spread on engines, 1,024 to 16,384
   in flight and 64 to 1,024 engines. Each report names every turn its engine holds (nothing lost),
   so this is the steady-state cost. The ratio of 16,384 in flight on 1,024 engines to 1,024 on 64
@@ -32,14 +32,15 @@ from services.common.runconfig import BucketConfig, RunConfig
 from services.policy.dispatch import Dispatcher, build_dispatcher, kv_view
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.inflight import InFlight, Live
+from services.scheduler.roster import Roster
 
 NAME = "control_plane"
 SIZES = ((1024, 64), (16384, 1024), (16384, 64))
 ROUNDS = 3
 
 
-def _inflight(trajectories: int, engines: int) -> tuple[InFlight, list[ev.EngineLoad]]:
-    """An InFlight holding `trajectories` turns, one per trajectory, over `engines` engines, and each
+def _inflight(trajectories: int, engines: int) -> tuple[Roster, list[ev.EngineLoad]]:
+    """The roster of an InFlight holding `trajectories` turns, one per trajectory, over `engines` engines, and each
     engine's report of them. Only the state `engine_load` reads is built: the trajectories carry
     no task (the report never looks at one)."""
     dispatch = Dispatcher(router=None, default_capacity=64)  # type: ignore[arg-type]  # not routed
@@ -52,24 +53,24 @@ def _inflight(trajectories: int, engines: int) -> tuple[InFlight, list[ev.Engine
         live = Live(traj=None, span=trace.INVALID_SPAN, temperature=1.0)  # type: ignore[arg-type]
         live.request_id, live.engine_id, live.sent_at, live.seq = f"r{t}", engine, now, len(held[engine]) + 1
         flight._live[f"t{t}"] = live
-        flight._by_request.add(live.request_id, f"t{t}", engine)
+        flight.requests.add(live.request_id, f"t{t}", engine)
         held[engine].append(live.request_id)
     reports = [
         ev.EngineLoad(engine_id=e, capacity_seqs=64, request_ids=ids, last_seq=len(ids))
         for e, ids in held.items()
     ]
-    return flight, reports
+    return Roster(flight, SchedulerSettings()), reports
 
 
 def _per_report_us(trajectories: int, engines: int) -> float:
-    flight, reports = _inflight(trajectories, engines)
+    roster, reports = _inflight(trajectories, engines)
 
     async def go() -> float:
         rounds = []
         for _ in range(ROUNDS):
             start = time.perf_counter()
             for load in reports:
-                await flight.engine_load(load)
+                await roster.engine_load(load)
             rounds.append((time.perf_counter() - start) / len(reports))
         return min(rounds) * 1e6
 
