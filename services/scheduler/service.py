@@ -7,37 +7,34 @@ import asyncio
 import contextlib
 import math
 import time
-import uuid
-from collections.abc import Collection
 
 from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.config import CommonSettings
 from services.common.contracts import ev
 from services.common.errors import UserCodeBroken
-from services.common.facts import FactsOut, read_facts
+from services.common.facts import FactsOut
 from services.common.logging import get_logger
 from services.common.membership import SERVING_ROLES, Membership
 from services.common.metrics import scheduler_metrics
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
-from services.common.streams import SCHEDULER_FEED
 from services.policy.dispatch import build_dispatcher
-from services.policy.staleness import StalenessBound
 from services.scheduler.agent import STOP_STRINGS
 from services.scheduler.completion import Completion
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.driver import TrajectoryDriver
 from services.scheduler.episode_kinds import build_episode
 from services.scheduler.evaluation import Evaluator
-from services.scheduler.feed import GroupTicket, build_feed
+from services.scheduler.feed import build_feed
+from services.scheduler.groups import Groups
 from services.scheduler.inflight import InFlight, Live
 from services.scheduler.ledger import Ledger, durably, ledger_facts
 from services.scheduler.prompting import Prompter
 from services.scheduler.rewards import SandboxClient, Scorer, reward_ref
 from services.scheduler.roster import Roster
 from services.scheduler.tool_calls import ToolCalls
-from services.scheduler.trajectory import doomed_groups
+from services.scheduler.versions import TrainedVersion
 from services.scheduler.workload import WorkloadWindow
 
 
@@ -64,10 +61,7 @@ class SchedulerService:
         self.feed = build_feed(cfg)
         self.dispatch = build_dispatcher(cfg.rollout.buckets, cfg.rollout.policy, cfg.rollout.max_batch)
         self._policy_saved = time.monotonic()
-        self.aborted_groups = 0
-        """Groups ended early because the trainer could no longer take them (`_abort_hopeless`)."""
-        self._committed_checked = float("-inf")
-        self.trained_version = 0
+        self.versions = TrainedVersion(bus, self.log)
         self.metrics = scheduler_metrics()
         task = cfg.task
         stop_strings = STOP_STRINGS if task.stop_strings is None else task.stop_strings
@@ -84,7 +78,6 @@ class SchedulerService:
         self._facts_read = float("-inf")
         self.evaluator = Evaluator(cfg) if cfg.eval.every > 0 else None
         """Held-out evaluation rounds (`eval`), when configured."""
-        self._eval_nonce = uuid.uuid4().hex[:6]
         self.broken = asyncio.Event()
         """Set when the job's own code fails on every call (`Completion.broken` says why)."""
         self.episode = build_episode(cfg, prompter, bus.spawn, (settings.agent_host, settings.agent_port))
@@ -116,7 +109,10 @@ class SchedulerService:
             self.workload,
             self.metrics,
             vocab_size=vocab_size,
-            newest_version=self._newest_version,
+            newest_version=self.versions.newest,
+        )
+        self.groups = Groups(
+            cfg, bus, self.feed, self.ledger, self.episode, self.driver, self.completion, self.versions
         )
         self.membership = Membership(
             bus,
@@ -136,17 +132,17 @@ class SchedulerService:
     async def start(self) -> None:
         self._cpu_mark = (time.monotonic(), time.process_time())
         await self.bus.bind_stream("TRAJ")  # where completed trajectories go
-        self.outcomes, _ = await self.bus.bind_consumer(SCHEDULER_FEED)
+        await self.groups.bind()
         await self.bus.subscribe(subjects.TURN_RESULT, ev.TurnResult, self.driver.on_turn_result)
         await self.bus.subscribe(subjects.TOOL_RETURN, ev.ToolReturn, self.driver.on_tool_return)
         await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_engine_load)
-        await self.bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self._on_weights)
+        await self.bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self.versions.on_weights)
         await self.bus.subscribe(subjects.SCHEDULER_STATS, ev.StatsRequest, self._on_stats)
         if self.completion.scorer is not None:
             await self.completion.scorer.start()  # a reward that cannot be imported stops the scheduler now
         await self.episode.start()  # so does an environment
         await self.facts.start()
-        await self._resume()
+        await self.groups.resume(self.evaluator, self.prompter)
         await self._load_policy()
         await self.membership.start()
         self.bus.spawn(self._loop())
@@ -163,10 +159,9 @@ class SchedulerService:
     async def _on_engine_load(self, load: ev.EngineLoad, _: Envelope) -> None:
         await self.roster.engine_load(load)
 
-    async def _on_weights(self, msg: ev.WeightsUpdated, _: Envelope) -> None:
-        if msg.version > self.trained_version:
-            self.trained_version = msg.version
-            self.log.info("policy_version", version=msg.version)
+    @property
+    def trained_version(self) -> int:
+        return self.versions.version
 
     async def _on_stats(self, _: ev.StatsRequest, __: Envelope) -> ev.SchedulerStats:
         done, inflight = self.completion, self.inflight
@@ -232,17 +227,16 @@ class SchedulerService:
             self.log.error("user_code_broken", reason=self.completion.broken)
             self.broken.set()  # `serve` ends the job failed with the reason
             return
-        await self._consume_outcomes()
-        if time.monotonic() - self._committed_checked > 2.0:
-            await self._check_committed()
-        await self._abort_hopeless()
+        await self.groups.consume_outcomes()
+        await self.versions.tick()
+        await self.groups.abort_hopeless(self.inflight)
         tickets = self.feed.take(self.trained_version)
         if tickets:
             await durably(self.ledger.launched(self.feed, tickets), self.log)
         for ticket in tickets:
-            self._launch_group(ticket)
+            self.groups.launch(ticket)
         if self.evaluator is not None and (version := self.evaluator.due(self.trained_version)) is not None:
-            self._launch_eval(version)
+            self.groups.launch_eval(self.evaluator, self.prompter, version)
         await self.inflight.drain_all()
         await self.inflight.watchdog(time.monotonic())
         if time.monotonic() - self._stats_published > self.settings.stats_interval_s:
@@ -264,25 +258,6 @@ class SchedulerService:
             m.queued.labels(b.name).set(queued.get(b.name, 0))
             m.running.labels(b.name).set(running.get(b.name, 0))
 
-    async def _abort_hopeless(self) -> None:
-        """Ends the in-flight trajectories of groups the trainer can no longer take: a member's
-        first tokens are older than the staleness bound allows at the trained version (the bound
-        only tightens), so the whole group would be dropped when it completes. They end as failed
-        (`stale`, never trained), their engine slots free at once, and the feed replaces the group,
-        instead of the group running to the end for nothing (the simulator aborts them the same way)."""
-        trajs = [lv.traj for lv in self.inflight.all() if not lv.evaluation]
-        version, bound = self.trained_version, self.cfg.training.max_staleness
-        doomed = doomed_groups(trajs, version, StalenessBound(bound))
-        if not doomed:
-            return
-        await self.driver.abort_groups(
-            doomed,
-            lambda group: (
-                f"group {group} can no longer be trained at version {version} (max_staleness {bound})"
-            ),
-        )
-        self.aborted_groups += len(doomed)
-
     async def _load_policy(self) -> None:
         """What an earlier scheduler of this job learned (C-MLFQ's prefix trees), if it saved any."""
         try:
@@ -302,116 +277,6 @@ class SchedulerService:
         stats.running_turns_by_bucket.update(self.dispatch.running_by_bucket())
         with contextlib.suppress(Exception):  # NATS away: the next one goes out in a few seconds
             await self.bus.publish(subjects.WORKLOAD_STATS, stats)
-
-    async def _committed_version(self) -> int:
-        """The version of the trainer's last committed step, as its facts say (0: none yet)."""
-        facts = await read_facts(self.bus, subjects.FACTS_TRAINER, ev.TrainerFacts)
-        return facts.version if facts is not None else 0
-
-    async def _newest_version(self, claimed: int) -> int:
-        """The newest version the trainer has made, read again from its facts when a turn result
-        claims a newer one (at most twice a second, however many such results come)."""
-        if claimed > self.trained_version + 1 and time.monotonic() - self._committed_checked > 0.5:
-            await self._check_committed()
-        return self.trained_version
-
-    async def _check_committed(self) -> None:
-        """The trainer's commit record is the floor of the trained version: a `weights.updated`
-        missed while this scheduler was down (core NATS keeps none) costs a few seconds, not the job."""
-        self._committed_checked = time.monotonic()
-        try:
-            version = await self._committed_version()
-        except Exception as err:
-            self.log.warning("commit_record_unavailable", error=str(err))
-            return
-        if version > self.trained_version:
-            self.trained_version = version
-            self.log.info("policy_version", version=version, source="commit_record")
-
-    async def _resume(self) -> None:
-        """Continues an earlier scheduler's run of this job from the ledger, if there was one."""
-        if self.evaluator is not None:
-            self.evaluator.done.update(await self.ledger.load_eval())
-        state = await self.ledger.load()
-        if state is None:
-            return
-        outstanding = self.feed.restore(
-            launched=state.launched,
-            replaced=state.replaced,
-            total_groups=state.total_groups,
-            outstanding=list(state.outstanding.values()),
-            outcomes=state.outcomes,
-        )
-        self.completion.completed, self.completion.failed = state.completed, state.failed
-        self.trained_version = await self._committed_version()
-        reissued = 0
-        for ticket in outstanding:
-            reissued += self._launch_group(ticket, skip=state.published)
-        self.log.info(
-            "scheduler_resumed",
-            groups_launched=state.launched,
-            groups_outstanding=len(outstanding),
-            trajectories_reissued=reissued,
-            trained_version=self.trained_version,
-        )
-
-    async def _consume_outcomes(self) -> None:
-        try:
-            fetched = await self.bus.fetch(self.outcomes, ev.GroupOutcome, 64, 0.01)
-        except Exception as err:  # NATS reconnecting: the outcomes stay on the stream
-            self.log.warning("outcome_fetch_failed", error=str(err))
-            return
-        for out, raw in fetched:
-            trained = list(out.trained_ids) if out.outcome == "trained" else []
-            if out.group_id in self.feed.outstanding:
-                replaced = self.feed.resolve(out.group_id, out.outcome)
-                await durably(self.ledger.resolved(self.feed, out.group_id, out.outcome, trained), self.log)
-                if replaced:
-                    self.log.info(
-                        "group_replaced", group_id=out.group_id, outcome=out.outcome, reason=out.reason
-                    )
-            elif trained:
-                await durably(self.ledger.heard_trained(trained), self.log)
-            with contextlib.suppress(Exception):
-                await raw.ack()
-
-    def _launch_group(self, ticket: GroupTicket, skip: Collection[str] = ()) -> int:
-        """Starts the group's trajectories (but those in `skip`, already with the trainer)."""
-        size = self.cfg.task.group_size
-        members = self.episode.members(ticket, self.trained_version, size)
-        launched = 0
-        for i, member in enumerate(members):
-            if ticket.trajectory_id(i) in skip:
-                continue
-            launched += 1
-            self.driver.start(
-                (ticket.trajectory_id(i), ticket.group_id, i, size),
-                ticket.task,
-                member.prompt_ids,
-                member.script,
-                self.trained_version,
-                self.cfg.task.temperature,
-            )
-        return launched
-
-    def _launch_eval(self, version: int) -> None:
-        """An evaluation round of the policy at `version`: `eval.samples` trajectories per held-out
-        prompt, each its own group of one, whose turns wait for engines that hold that version."""
-        assert self.evaluator is not None
-        rnd = self.evaluator.start(version, self._eval_nonce)
-        for i in range(rnd.total):
-            task = self.evaluator.tasks[i // rnd.samples]
-            tid = rnd.trajectory_id(i)
-            self.driver.start(
-                (tid, tid, 0, 1),
-                task,
-                self.prompter.prompt_ids(task),
-                None,
-                version,
-                self.evaluator.temperature,
-                evaluation=True,
-            )
-        self.log.info("eval_started", policy_version=version, prompts=rnd.total)
 
 
 async def serve(
