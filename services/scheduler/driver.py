@@ -23,9 +23,10 @@ from services.policy.dispatch import Dispatcher
 from services.policy.prefix_tree import ToolSignal, map_sandbox_status, size_class
 from services.scheduler.completion import Completion
 from services.scheduler.episodes import Episode, SampledTurn
-from services.scheduler.inflight import InFlight, Live, PartialTurn
+from services.scheduler.inflight import InFlight, Live
 from services.scheduler.plugins import PluginFailure
 from services.scheduler.prompting import Prompter
+from services.scheduler.results import TurnResults
 from services.scheduler.rewards import SandboxClient
 from services.scheduler.roster import Roster
 from services.scheduler.task import Task
@@ -64,9 +65,9 @@ class TrajectoryDriver:
         newest_version: Callable[[int], Awaitable[int]] | None = None,
     ):
         """`vocab_size` and `newest_version` (the newest weight version the trainer has made, asked
-        with the version a result claims) bound what an engine's turn result may say."""
+        with the version a result claims) bound what an engine's turn result may say (`results`)."""
         self.run_id, self.cfg, self.bus, self.prompter = common_run_id, cfg, bus, prompter
-        self.vocab_size, self.newest_version = vocab_size, newest_version
+        self.results = TurnResults(roster, vocab_size, newest_version)
         self.dispatch, self.inflight, self.episode, self.completion = dispatch, inflight, episode, completion
         self.roster = roster
         """The engines: where an engine's invalid results are counted."""
@@ -75,8 +76,6 @@ class TrajectoryDriver:
         self.turns = 0
         self.handed_back = 0
         """Turns a draining engine gave back."""
-        self.tokens_kept = 0
-        """Tokens those turns had made, kept and continued from."""
         self.tool_statuses: Counter[str] = Counter()
         for status in (*KNOWN_TOOL_STATUSES, "other"):  # every series exists from the start, at 0
             self.metrics.tool_calls.labels(status)
@@ -193,13 +192,15 @@ class TrajectoryDriver:
                 # so far is kept, and the turn goes on from there (the engine forgot its context)
                 self.handed_back += 1
                 live.held = None
-                await self.inflight.send_turn(live, await self._continued(live, live.pending_action, res))
+                await self.inflight.send_turn(
+                    live, await self.results.continued(live, live.pending_action, res)
+                )
                 return
             await self.inflight.retry_or_fail(live)
             return
         versions = list(res.token_versions) or [res.policy_version] * len(res.token_ids)
         try:
-            await self._check_result(live, res, versions)
+            await self.results.check(live, res, versions)
         except ValueError as err:
             await self.roster.invalid_result(live, res.engine_id, str(err))
             return
@@ -242,53 +243,6 @@ class TrajectoryDriver:
             cut=res.finish_reason == "length",
         )
         await self._execute(live, action)
-
-    async def _check_result(self, live: Live, res: ev.TurnResult, versions: list[int]) -> None:
-        """Raises ValueError for a result no engine serving this job's weights could have made:
-        ids outside the vocabulary, logprobs that are no log-probabilities, more tokens than the
-        turn asked for, or versions the trainer has not made. A push follows the trainer's commit,
-        but the scheduler may hear of the commit after the engine's first tokens at it: one
-        version beyond the newest known passes (the trainer checks exactly what it trains on)."""
-        budget = live.pending_action.max_new_tokens if live.pending_action is not None else None
-        check_turn(
-            list(res.token_ids),
-            list(res.logprobs),
-            versions,
-            res.temperature,
-            vocab_size=self.vocab_size,
-            max_tokens=budget,
-        )
-        claimed = max(versions, default=0)
-        if self.newest_version is not None and claimed > (newest := await self.newest_version(claimed)) + 1:
-            raise ValueError(f"policy version {claimed}: the trainer's newest is {newest}")
-
-    async def _continued(self, live: Live, action: Generate, res: ev.TurnResult) -> Generate:
-        """The rest of a turn an engine handed back with `res.token_ids` generated: its context
-        followed by them, the budget less them. Tokens that do not check out are dropped (the
-        turn restarts from its own context)."""
-        if not res.token_ids:
-            return action
-        versions = list(res.token_versions) or [res.policy_version] * len(res.token_ids)
-        try:
-            await self._check_result(live, res, versions)
-        except ValueError as err:
-            self.log.warning(
-                "handed_back_tokens_malformed", trajectory_id=live.trajectory_id, reason=str(err)
-            )
-            self.roster.count_invalid(res.engine_id, str(err))
-            return action
-        if len(res.token_ids) >= action.max_new_tokens:
-            return action  # cannot happen (the engine ends a turn at its budget): start it again
-        live.partial = live.partial or PartialTurn()
-        live.partial.add(res, versions)
-        n = len(res.token_ids)
-        self.tokens_kept += n
-        self.log.info(
-            "turn_continued", trajectory_id=live.trajectory_id, kept_tokens=len(live.partial.token_ids)
-        )
-        return Generate(
-            action.context + list(res.token_ids), action.max_new_tokens - n, max(0, action.min_new_tokens - n)
-        )
 
     async def _reply(self, live: Live, action: Reply) -> None:
         """The environment's observation goes into the context; the router sees it as a small,

@@ -183,7 +183,7 @@ class SchedulerService:
             turns_handed_back=self.driver.handed_back,
             invalid_results_by_engine=dict(self.roster.quarantine.invalid),
             engines_quarantined=sorted(self.roster.quarantine.out),
-            tokens_kept_on_hand_back=self.driver.tokens_kept,
+            tokens_kept_on_hand_back=self.driver.results.tokens_kept,
             context_tokens_sent=inflight.context_tokens["sent"],
             context_tokens_held=inflight.context_tokens["held"],
             decisions=self.dispatch.decisions,
