@@ -36,6 +36,7 @@ from services.trainer.intake import Intake
 from services.trainer.leadership import Leadership
 from services.trainer.lending import Lender
 from services.trainer.serving import TrainerEngine
+from services.trainer.step_report import step_metrics, trace_into_trajectories
 from services.trainer.weight_push import WeightPusher
 
 if TYPE_CHECKING:
@@ -264,7 +265,7 @@ class TrainerService:
                 self.log.info("policy_saved", step=self.learner.state.step, path=str(saved))
             span.set_attribute("libra.weight_version", self.version)
             span.set_attribute("libra.data_parallel", stats.data_parallel)
-            self._trace_into_trajectories(span, pendings)
+            trace_into_trajectories(span, pendings, self.learner.state.step, self.version)
             self.log.info(
                 "train_step",
                 step=self.learner.state.step,
@@ -293,44 +294,16 @@ class TrainerService:
         self, stats: StepStats, push_s: float, push_bytes: int, filtered: int, sampled: list[float]
     ) -> None:
         done = self.finished and self.weights.all_synced()
-        self.last_metrics = ev.TrainMetrics(
+        self.last_metrics = step_metrics(
+            stats,
             step=self.learner.state.step,
-            weight_version=self.version,
-            loss=stats.loss,
-            reward_mean=stats.reward_mean,
-            reward_std=stats.reward_std,
-            trajectories=stats.trajectories,
-            tokens=stats.tokens,
-            step_s=stats.seconds,
-            kl=stats.kl,
-            clip_fraction=stats.clip_fraction,
-            push_s=push_s,
-            push_bytes=push_bytes,
+            version=self.version,
+            push=(push_s, push_bytes),
             done=done,
-            data_parallel=stats.data_parallel,
             groups_ready=await self.intake.groups_ready(),
-            entropy=stats.entropy,
-            is_weight_mean=stats.is_weight_mean,
-            is_weight_max=stats.is_weight_max,
-            is_truncated_fraction=stats.is_truncated_fraction,
-            dual_clip_fraction=stats.dual_clip_fraction,
-            logprob_mismatch=stats.logprob_mismatch,
-            mismatch_tokens=stats.mismatch_tokens,
-            lr=stats.lr,
-            grad_norm=stats.grad_norm,
-            groups_filtered=filtered,
-            policy_versions=list(stats.policy_versions),
-            stale_token_fraction=stats.stale_token_fraction,
-            ref_kl=stats.ref_kl,
-            sampled_reward_mean=statistics.fmean(sampled) if sampled else 0.0,
-            sampled_reward_std=statistics.pstdev(sampled) if sampled else 0.0,
-            sampled_trajectories=len(sampled),
-            groups_informative=stats.trained_groups,
-            overlong_filtered=stats.overlong_filtered,
-            lends=self.lender.lends,
-            reclaims=self.lender.reclaims,
-            early_reclaims=self.lender.early_reclaims,
-            seconds_lent=self.lender.seconds_lent,
+            filtered=filtered,
+            sampled=sampled,
+            lender=self.lender,
             lent_turns_answered=self.own_engine.turns_answered if self.own_engine else 0,
         )
         await self.bus.publish(subjects.TRAIN_METRICS, self.last_metrics)
@@ -343,20 +316,6 @@ class TrainerService:
             m.reward.set(statistics.fmean(sampled))
         if done:
             self._announce_done()
-
-    def _trace_into_trajectories(self, step_span: trace.Span, pendings: list[Pending[Msg]]) -> None:
-        """The step in each trained trajectory's own trace too (a `train.step` child spanning the
-        step, linked to the step's span), so one trace shows a trajectory from launch to the step
-        that consumed it; the step's span links back to every trajectory."""
-        start = getattr(step_span, "start_time", None)
-        link = [trace.Link(step_span.get_span_context())]
-        attrs = {"libra.train_step": self.learner.state.step, "libra.weight_version": self.version}
-        for p in pendings:
-            if trace.get_current_span(p.context).get_span_context().is_valid:
-                child = tracer().start_span(
-                    "train.step", context=p.context, links=link, attributes=attrs, start_time=start
-                )
-                child.end()
 
     async def _resync(self) -> None:
         """Brings engines that lack the current weights up to date; then, if finished, announces done.
