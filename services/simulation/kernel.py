@@ -22,6 +22,8 @@ class TrainingPart(Protocol):
 
     def maybe_train(self) -> None: ...
 
+    def group_complete(self) -> None: ...
+
     def evict(self, e: Engine) -> list[str]: ...
 
 
@@ -37,6 +39,10 @@ class KvPart(Protocol):
     def target(self, tid: str, exclude: set[str]) -> Engine | None: ...
 
     def move(self, tid: str, src: Engine, dst: Engine) -> None: ...
+
+
+class LivesPart(Protocol):
+    def admit(self, n_groups: int) -> None: ...
 
 
 class Kernel(Protocol):
@@ -69,6 +75,13 @@ class Kernel(Protocol):
     trained_staleness: list[int]
     trained_oldest_staleness: list[int]
     trained_token_staleness: list[float]
+    seed: int
+    spec: Any
+    """The system's speculation settings (None: no drafter)."""
+    siblings: Any
+    latencies: list[float]
+    waits: list[tuple[float, float]]
+    finished: int
 
     @property
     def training(self) -> TrainingPart: ...
@@ -79,13 +92,14 @@ class Kernel(Protocol):
     @property
     def kvm(self) -> KvPart: ...
 
+    @property
+    def lives(self) -> LivesPart: ...
+
     def push(self, t: float, kind: int, payload: Any, gen: int = 0) -> None: ...
 
     def key(self, bucket: str) -> str: ...
 
     def serving(self, e: Engine) -> bool: ...
-
-    def admit(self, n_groups: int) -> None: ...
 
     def log(self, *decision: Any) -> None: ...
 

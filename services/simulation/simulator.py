@@ -41,6 +41,7 @@ from services.simulation.state import (
     Traj,
 )
 from services.simulation.training import Training
+from services.simulation.trajectories import Trajectories
 
 
 class Simulator:
@@ -106,6 +107,7 @@ class Simulator:
         self.recent: deque[Traj] = deque(maxlen=4 * self.B * workload.group_size)
         """The most recently admitted trajectories: the re-fit's length sample (`length_sample`)."""
         self.kvm = KvMigration(self)
+        self.lives = Trajectories(self)
         self.replanner = Replanner(self, system.replan) if system.replan is not None else None
         self._build()
 
@@ -133,26 +135,6 @@ class Simulator:
     def log(self, *decision: Any) -> None:
         if self.decisions is not None:
             self.decisions.append(decision)
-
-    def admit(self, n_groups: int) -> None:
-        if n_groups > 0:
-            self.log("admit", self.version, n_groups)
-        for _ in range(n_groups):
-            gid = self.admitted_groups
-            self.admitted_groups += 1
-            pid = f"p{gid}"
-            # Common random numbers: group k is the same draw in every system, whatever the timing.
-            specs = self.wl.group_for(self.seed, gid, self.version, pid)
-            g = Group(self.version, len(specs), [])
-            self.groups[gid] = g
-            for k, spec in enumerate(specs):
-                tid = f"{pid}s{k}"
-                bucket = self.router.admit(tid, pid, self.now, spec.output_tokens)
-                tr = Traj(spec, gid, self.now, bucket, self.version, context=spec.prompt_tokens)
-                self.recent.append(tr)
-                self.trajs[tid] = tr
-                g.trajs.append(tid)
-                self.start_turn(tid)
 
     def start_turn(self, tid: str) -> None:
         tr = self.trajs[tid]
@@ -259,7 +241,7 @@ class Simulator:
         if gen != e.gen:
             return
         for req in e.pop_done(self.now):
-            self._turn_done(req)
+            self.lives.turn_done(req)
         if e.n == 0 and eid in self.draining:
             self.load_weights(e)
         self.fill(e)
@@ -282,61 +264,6 @@ class Simulator:
                 self.router.enqueue(tid, self.now)
                 return
             self._run_turn(tid, e)
-
-    def _turn_done(self, req: Request) -> None:
-        tr = self.trajs[req.traj_id]
-        turn = tr.spec.turns[tr.turn]
-        if tr.engine is not None:
-            tr.attribute(turn.output_tokens, self.engines[tr.engine].version)
-        tr.attributed = 0
-        tr.tokens += turn.output_tokens
-        tr.context += turn.output_tokens
-        tr.partial = 0
-        if self.spec is not None:
-            self.siblings.turn_done(self.groups[tr.group], tr.turn, tr.engine)
-        tr.turn += 1
-        if turn.tool is None:
-            if tr.engine is not None:
-                self.engines[tr.engine].forget(req.traj_id)
-            self._finish(req.traj_id)
-            return
-        tr.in_tool = True
-        self.push(self.now + turn.tool.latency_s, TOOL, req.traj_id)
-
-    def _on_tool(self, tid: str) -> None:
-        tr = self.trajs.get(tid)
-        if tr is None:
-            return  # aborted while in its tool: its group can no longer be trained
-        tr.in_tool = False
-        call = tr.spec.turns[tr.turn - 1].tool
-        assert call is not None
-        tr.tool_s += call.latency_s
-        tr.context += call.payload_tokens
-        d = self.router.on_tool_return(tid, call.signal, tr.tokens, tr.context, self.now)
-        tr.bucket = d.bucket
-        self.start_turn(tid)
-
-    def _finish(self, tid: str) -> None:
-        tr = self.trajs.pop(tid)
-        self.log("done", tr.group, tid, tr.oldest_version, len(self.groups[tr.group].trajs), self.version)
-        self.router.finish(tid, tr.tokens, self.now)
-        self.latencies.append(self.now - tr.admitted)
-        self.waits.append((tr.queue_s, tr.tool_s))
-        tr.finished = True
-        self.finished += 1
-        g = self.groups[tr.group]
-        g.left -= 1
-        g.tokens += tr.spec.context_tokens
-        g.max_context = max(g.max_context, tr.spec.context_tokens)
-        g.gen_tokens += tr.gen_tokens
-        g.version_tokens += tr.version_tokens
-        if tr.oldest_version is not None and (
-            g.oldest_version is None or tr.oldest_version < g.oldest_version
-        ):
-            g.oldest_version = tr.oldest_version
-        if g.left == 0:
-            self.ready.append(tr.group)
-            self.training.group_complete()
 
     # ---- ticks and the main loop --------------------------------------------------------------
 
@@ -383,7 +310,7 @@ class Simulator:
             if kind == ENGINE:
                 self._on_engine(payload, gen)
             elif kind == TOOL:
-                self._on_tool(payload)
+                self.lives.on_tool(payload)
             elif kind == TRAIN_DONE:
                 self.training.on_done(gen)
             elif kind == SYNC_DONE:

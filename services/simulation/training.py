@@ -310,7 +310,7 @@ class Training:
         groups up to the batch times the over-provision ratio, counting the groups carried."""
         sim = self.sim
         if not sim.sys.partial_rollout:
-            sim.admit(sim.B)
+            sim.lives.admit(sim.B)
             return
         carried, self.carried = self.carried, []
         for tid in carried:
@@ -322,7 +322,7 @@ class Training:
         # AReaL's admission rule bounds it too: with v·B groups trained and the dropped ones
         # replaced, (v + η + 1)·B admitted means at most (η + 1)·B in flight.
         target = min(math.ceil(sim.sys.partial_rollout * sim.B), self.bound.in_flight_limit(sim.B))
-        sim.admit(max(0, target - len(sim.groups)))
+        sim.lives.admit(max(0, target - len(sim.groups)))
 
     def admit_async(self) -> None:
         """Bounded staleness at admission (AReaL's rule): at most (version + staleness + 1) batches
@@ -332,4 +332,4 @@ class Training:
         if sim.sys.job_groups is not None:
             allowed = min(allowed, sim.sys.job_groups + sim.dropped_groups)
         if sim.admitted_groups < allowed:
-            sim.admit(allowed - sim.admitted_groups)
+            sim.lives.admit(allowed - sim.admitted_groups)

@@ -64,7 +64,7 @@ def test_the_live_stack_and_the_simulator_draw_the_same_groups_for_the_same_seed
         "s", "async", 8, 2, [BucketPlan("all", 1, 2, float("inf"))], build_router([], "least_loaded")
     )
     sim = Simulator(system, live.workload, load_presets("H100", "qwen3-14b"), 10, 1, seed=3)
-    sim.admit(3)
+    sim.lives.admit(3)
     for k, ticket in enumerate(tickets):
         simulated = [sim.trajs[tid].spec for tid in sim.groups[k].trajs]
         drawn = live.group(ticket, 0)
