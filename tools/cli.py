@@ -294,6 +294,9 @@ def print_summary(report: dict[str, Any]) -> int:
     if invalid.get("by_engine"):
         out = f", quarantined {invalid['quarantined']}" if invalid.get("quarantined") else ""
         print(f"{'invalid_turn_results':<24} {invalid['by_engine']}{out}")
+    refused = report.get("refused") or {}  # what the stack refused an identity (docs/security.md)
+    if said := {what: by for what in ("weight_pushes", "redis", "nats") if (by := refused.get(what))}:
+        print(f"{'refused':<24} " + "; ".join(f"{what} {by}" for what, by in said.items()))
     for e in report.get("engines") or []:
         hits = e.get("prefix_cache_hit_rate")
         cached = f", prefix cache hits {hits:.0%}" if hits is not None else ""
