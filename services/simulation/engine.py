@@ -65,21 +65,101 @@ class _Lane:
         """The policy threshold `draft` and `rate` were set for."""
 
 
+class PrefixCache:
+    """What an engine keeps of paused trajectories' contexts (their blocks stay while they wait in a
+    tool; the least recently used go first when running turns need the KV) and the prompts it saw
+    lately (a group's siblings find their shared prompt)."""
+
+    __slots__ = ("entries", "prompts", "tokens")
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[str, int] = OrderedDict()
+        """Trajectories paused in a tool whose context is still cached -> tokens."""
+        self.tokens = 0
+        self.prompts: dict[str, None] = {}
+
+    def keep(self, traj_id: str, tokens: int) -> None:
+        self.entries[traj_id] = tokens
+        self.tokens += tokens
+
+    def take(self, traj_id: str) -> bool:
+        """Claim a paused trajectory's cached context (True) or report that it was evicted."""
+        tokens = self.entries.pop(traj_id, None)
+        if tokens is None:
+            return False
+        self.tokens -= tokens
+        return True
+
+    def forget(self, traj_id: str) -> None:
+        self.take(traj_id)
+
+    def clear(self) -> None:
+        """Forget every cached prefix (new weights, or the GPU leaves rollout)."""
+        self.entries.clear()
+        self.tokens = 0
+        self.prompts.clear()
+
+    def evict(self, room: int) -> None:
+        """Drops the least recently used contexts until the cache fits in `room` tokens."""
+        while self.entries and self.tokens > room:
+            _, tokens = self.entries.popitem(last=False)
+            self.tokens -= tokens
+
+    def saw_prompt(self, prompt_id: str) -> None:
+        self.prompts[prompt_id] = None
+        if len(self.prompts) > 64:
+            self.prompts.pop(next(iter(self.prompts)))
+
+
+class Drafting:
+    """An engine's speculation policy at work: the draft length of each lane, decided again when
+    the batch size or its mean context moved by more than `BAND` since the last decision, as
+    engines tune draft lengths per batch-size bucket (TLT; vLLM's
+    num_speculative_tokens_per_batch_size); the step is priced exactly anyway."""
+
+    __slots__ = ("band", "policy", "threshold")
+
+    def __init__(self, policy: SpeculationPolicy) -> None:
+        self.policy = policy
+        self.band = (0.0, 0.0)
+        """Batch size and mean context at the last decision."""
+        self.threshold = 0.0
+        """The policy's last decision (`SpeculationPolicy.threshold`)."""
+
+    def choose(self, lanes: list[_Lane], n: int, avg_ctx: float, cm: CostModel, tp: int) -> tuple[int, float]:
+        """Sets each lane's draft length and rate; returns the batch's drafted tokens per verify
+        step and the tokens expected to be accepted of them (`cm` prices a verify step of a TP-`tp`
+        engine when the policy decides again)."""
+        n0, ctx0 = self.band
+        if not (n0 / BAND <= n <= n0 * BAND and ctx0 / BAND <= avg_ctx <= ctx0 * BAND):
+            self.band = (n, avg_ctx)
+            cost = cm.verify_cost(n, avg_ctx, tp)
+            self.threshold = self.policy.threshold([Lane(ln.n, ln.acceptance) for ln in lanes], cost)
+        theta = self.threshold
+        drafted, accept = 0, 0.0
+        for ln in lanes:
+            if ln.theta != theta:
+                ln.theta = theta
+                ln.draft = self.policy.draft_length(ln.acceptance, theta)
+                ln.rate = expected_tokens(ln.acceptance, ln.draft)
+            drafted += ln.n * ln.draft
+            accept += ln.n * (ln.rate - 1.0)
+        return drafted, accept
+
+
 class Engine:
     __slots__ = (
         "_accepting",
         "loaded",
-        "band",
         "bucket",
         "busy_s",
-        "cache",
-        "cached_tokens",
         "cm",
         "engine_id",
         "drafted",
         "accepted",
         "accept_sum",
         "draft_sum",
+        "drafting",
         "gen",
         "hybrid",
         "kv_capacity",
@@ -90,7 +170,7 @@ class Engine:
         "open_since",
         "opened_s",
         "pace",
-        "prompts",
+        "prefix",
         "resume",
         "seq",
         "seq_iters",
@@ -99,7 +179,6 @@ class Engine:
         "step_s",
         "sync_s",
         "t",
-        "threshold",
         "tp",
         "version",
     )
@@ -127,6 +206,7 @@ class Engine:
         (its routing key's load index)."""
         self._accepting = True
         self.spec = spec if spec is not None and spec.enabled else None
+        self.drafting = Drafting(self.spec) if self.spec is not None else None
         self.lanes: dict[float, _Lane] = {}
         self.n = 0
         self.t = 0.0
@@ -135,10 +215,6 @@ class Engine:
         self.stale = False
         """Membership changed since `step_s` was priced (priced lazily: a burst of joins at one
         instant prices the batch once)."""
-        self.band = (0.0, 0.0)
-        """Batch size and mean context at the last speculation decision (see `_price`)."""
-        self.threshold = 0.0
-        """The speculation policy's last decision (`SpeculationPolicy.threshold`)."""
         self.pace = 1.0
         """Its iterations' cost over their cost alone (engines sharing a host: `set_pace`)."""
         self.seq = 0
@@ -147,10 +223,7 @@ class Engine:
         self.sync_s = 0.0
         self.opened_s = 0.0
         self.open_since: float | None = None
-        self.prompts: dict[str, None] = {}
-        self.cache: OrderedDict[str, int] = OrderedDict()
-        """Trajectories paused in a tool whose context is still in the prefix cache -> tokens."""
-        self.cached_tokens = 0
+        self.prefix = PrefixCache()
         self.version = 0
         """Weight version this engine serves."""
         self.seq_iters = 0.0
@@ -226,29 +299,8 @@ class Engine:
         if sync:
             self.sync_s += seconds
 
-    def take_cached(self, traj_id: str) -> bool:
-        """Claim a paused trajectory's cached context (True) or report that it was evicted."""
-        tokens = self.cache.pop(traj_id, None)
-        if tokens is None:
-            return False
-        self.cached_tokens -= tokens
-        return True
-
-    def forget(self, traj_id: str) -> None:
-        tokens = self.cache.pop(traj_id, None)
-        if tokens is not None:
-            self.cached_tokens -= tokens
-
     def drop_cache(self) -> None:
-        """Forget every cached prefix (new weights, or the GPU leaves rollout)."""
-        self.cache.clear()
-        self.cached_tokens = 0
-        self.prompts.clear()
-
-    def _evict(self) -> None:
-        while self.cache and self.kv_used + self.cached_tokens > self.kv_capacity:
-            _, tokens = self.cache.popitem(last=False)
-            self.cached_tokens -= tokens
+        self.prefix.clear()
 
     def join(self, req: Request, now: float, prefill_tokens: int, prompt_id: str) -> None:
         self.advance(now)
@@ -269,10 +321,9 @@ class Engine:
         if self.loaded is not None:
             self.loaded(self)
         self.kv_used += req.context + req.tokens
-        self._evict()
-        self.prompts[prompt_id] = None
-        if len(self.prompts) > 64:
-            self.prompts.pop(next(iter(self.prompts)))
+        if (prefix := self.prefix).tokens > self.kv_capacity - self.kv_used:
+            prefix.evict(self.kv_capacity - self.kv_used)
+        self.prefix.saw_prompt(prompt_id)
         self._retime()
 
     def _retime(self) -> None:
@@ -297,29 +348,12 @@ class Engine:
         for ln in lanes:
             total += ln.s + ln.n * ln.v
         avg_ctx = total / n
-        spec = self.spec
-        if spec is None:
+        if self.drafting is None:
             self.step_s = self.pace * self.cm.decode_step_s(n, avg_ctx, self.tp)
             return
-        # The policy decides again when the batch size or its mean context moved by more than
-        # `BAND` since the last decision, as engines tune draft lengths per batch-size bucket
-        # (TLT; vLLM's num_speculative_tokens_per_batch_size); the step is priced exactly anyway.
-        n0, ctx0 = self.band
-        if not (n0 / BAND <= n <= n0 * BAND and ctx0 / BAND <= avg_ctx <= ctx0 * BAND):
-            self.band = (n, avg_ctx)
-            cost = self.cm.verify_cost(n, avg_ctx, self.tp)
-            self.threshold = spec.threshold([Lane(ln.n, ln.acceptance) for ln in lanes], cost)
-        theta = self.threshold
-        accept = 0.0
-        for ln in lanes:
-            if ln.theta != theta:
-                ln.theta = theta
-                ln.draft = spec.draft_length(ln.acceptance, theta)
-                ln.rate = expected_tokens(ln.acceptance, ln.draft)
-            query += ln.n * ln.draft
-            accept += ln.n * (ln.rate - 1.0)
-        self.draft_sum = query - n
-        self.accept_sum = accept
+        drafted, self.accept_sum = self.drafting.choose(lanes, n, avg_ctx, self.cm, self.tp)
+        query += drafted
+        self.draft_sum = drafted
         self.step_s = self.pace * self.cm.verify_step_s(n, avg_ctx, self.tp, query)
 
     def next_event(self) -> float | None:
@@ -346,12 +380,12 @@ class Engine:
             while lane.heap and lane.heap[0][0] <= lane.v + 1e-6:
                 _, _, req = heapq.heappop(lane.heap)
                 self._release(lane, req)
-                self.cache[req.traj_id] = req.context + req.tokens
-                self.cached_tokens += req.context + req.tokens
+                self.prefix.keep(req.traj_id, req.context + req.tokens)
                 done.append(req)
             if not lane.n:
                 del self.lanes[key]
-        self._evict()
+        if (prefix := self.prefix).tokens > self.kv_capacity - self.kv_used:
+            prefix.evict(self.kv_capacity - self.kv_used)
         self._retime()
         return done
 
@@ -367,7 +401,7 @@ class Engine:
         """Remove running sequences of trajectories that will never be trained (and their cache)."""
         self.advance(now)
         for tid in traj_ids:
-            self.forget(tid)
+            self.prefix.forget(tid)
         gone: list[Request] = []
         for key, lane in list(self.lanes.items()):
             out = [item for item in lane.heap if item[2].traj_id in traj_ids]

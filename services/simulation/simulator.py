@@ -187,14 +187,14 @@ class Simulator:
         if tr.partial:
             prefill = context  # its engine went back to training mid-turn: nothing is cached
             self.reprefill_tokens += context
-        elif tr.engine == e.engine_id and e.take_cached(tid):
+        elif tr.engine == e.engine_id and e.prefix.take(tid):
             prefill = context - self._whole_blocks(context - new)
         else:
             if tr.engine is not None and tr.engine != e.engine_id:
                 old = self.engines[tr.engine]
-                old.forget(tid)
+                old.prefix.forget(tid)
                 self.migrations += old.bucket != e.bucket
-            cached = self._whole_blocks(tr.spec.prompt_tokens) if tr.spec.prompt_id in e.prompts else 0
+            cached = self._whole_blocks(tr.spec.prompt_tokens) if tr.spec.prompt_id in e.prefix.prompts else 0
             prefill = context - cached
             if tr.turn > 0:
                 self.reprefill_tokens += prefill - new

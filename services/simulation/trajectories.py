@@ -49,7 +49,7 @@ class Trajectories:
         tr.turn += 1
         if turn.tool is None:
             if tr.engine is not None:
-                sim.engines[tr.engine].forget(req.traj_id)
+                sim.engines[tr.engine].prefix.forget(req.traj_id)
             self.finish(req.traj_id)
             return
         tr.in_tool = True

@@ -210,10 +210,10 @@ def test_a_paused_trajectory_keeps_its_context_cached_until_weights_change(env):
     e.open(0.0)
     e.join(Request("t", 100, 2000), 0.0, 2000, "p")
     done = e.pop_done(e.next_event())
-    assert [r.traj_id for r in done] == ["t"] and e.cached_tokens == 2100
+    assert [r.traj_id for r in done] == ["t"] and e.prefix.tokens == 2100
     e.load_weights(e.t, 1.0, version=1)
-    assert e.cached_tokens == 0 and not e.prompts and e.version == 1
-    assert not e.take_cached("t")  # the next turn must re-prefill its whole context
+    assert e.prefix.tokens == 0 and not e.prefix.prompts and e.version == 1
+    assert not e.prefix.take("t")  # the next turn must re-prefill its whole context
 
 
 def test_an_engine_beside_busy_ones_runs_at_its_pace_from_then_on(env):
@@ -249,10 +249,10 @@ def test_prefix_cache_evicts_least_recently_paused_when_running_sequences_need_k
     e.join(Request("old", 10, cap // 3), 0.0, 1, "p")
     e.join(Request("new", 10, cap // 3), 0.0, 1, "p")
     e.pop_done(e.next_event() + 1.0)
-    assert set(e.cache) == {"old", "new"}
+    assert set(e.prefix.entries) == {"old", "new"}
     e.join(Request("big", 10, cap // 2), e.t, 1, "q")
-    assert "old" not in e.cache and "new" in e.cache
-    assert e.kv_used + e.cached_tokens <= cap
+    assert "old" not in e.prefix.entries and "new" in e.prefix.entries
+    assert e.kv_used + e.prefix.tokens <= cap
 
 
 def test_recompute_updates_re_prefill_and_drain_updates_wait(env):

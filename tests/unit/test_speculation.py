@@ -116,7 +116,7 @@ def test_speculating_engine_emits_every_token_and_verifies_at_most_k_plus_one_pe
                 done[r.traj_id] = t
                 assert r.tokens == next(x[1] for x in reqs if x[0] == r.traj_id)  # lengths unchanged
         ends[e.engine_id] = done
-        assert e.kv_used == 0 and e.cached_tokens == sum(x[1] + x[2] for x in reqs)
+        assert e.kv_used == 0 and e.prefix.tokens == sum(x[1] + x[2] for x in reqs)
     assert set(ends["e0"]) == set(ends["e1"])
     # The sequence without a draft is no faster; the drafted ones finish sooner (memory-bound).
     assert all(ends["e1"][t] < ends["e0"][t] for t in ends["e0"] if t != "t0")
