@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from services.common.cost_model import CostModel
 from services.common.synthetic import TrajectorySource
+from services.policy.staleness import StalenessBound
 from services.simulation.engine import Engine
 from services.simulation.fleet import Members
 from services.simulation.ledger import Ledger
@@ -43,6 +44,8 @@ class KvPart(Protocol):
 
 class LivesPart(Protocol):
     def admit(self, n_groups: int) -> None: ...
+
+    def abort_hopeless(self, bound: StalenessBound) -> None: ...
 
 
 class Kernel(Protocol):

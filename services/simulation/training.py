@@ -216,11 +216,11 @@ class Training:
             return
         if sim.sys.mode == "sync":
             if self.bounded:
-                self.abort_hopeless()
+                sim.lives.abort_hopeless(self.bound)
             self.meter.set("switch", sim.now)
             sim.push(sim.now + self.switch_s(), SYNC_DONE, "to_rollout")
             return
-        self.abort_hopeless()
+        sim.lives.abort_hopeless(self.bound)
         self.meter.set("train_sync", sim.now)
         self.syncing = True
         for e in sim.engines.values():
@@ -233,40 +233,6 @@ class Training:
             sim.wake(e)
         share = sim.sys.push_share if sim.version > 1 else 1.0  # the first push is whole
         sim.push(sim.now + sim.cm.weight_sync_s(cross_node=True, share=share), SYNC_DONE, "async")
-
-    def abort_hopeless(self) -> None:
-        """Cancel in-flight groups with a token already past the staleness bound: they could never
-        be trained, and every system here frees their engine slots (AReaL bounds staleness at
-        admission; the rest drop such groups, which is the same once they are replaced). The live
-        scheduler aborts them the same way (`doomed_groups`)."""
-        sim = self.sim
-        ready = set(sim.ready)
-        oldest: dict[int, list[int | None]] = {}
-        for t in sim.trajs.values():
-            oldest.setdefault(t.group, []).append(t.oldest_version)
-        doomed = [
-            gid
-            for gid, g in sim.groups.items()
-            if gid not in ready
-            and self.bound.group_is_stale([g.oldest_version, *oldest.get(gid, ())], sim.version)
-        ]
-        for gid in doomed:
-            g = sim.groups.pop(gid)
-            sim.dropped_groups += 1
-            sim.log("abort", gid, sim.version)
-            by_engine: dict[str, set[str]] = {}
-            for tid in g.trajs:
-                tr = sim.trajs.pop(tid, None)
-                if tr is None:
-                    continue
-                sim.aborted_trajectories += 1
-                sim.router.drop(tid)
-                if tr.engine is not None:
-                    by_engine.setdefault(tr.engine, set()).add(tid)
-            for eid, tids in by_engine.items():
-                e = sim.engines[eid]
-                e.abort(sim.now, tids)
-                sim.wake(e)
 
     def on_sync_done(self, what: str) -> None:
         sim = self.sim

@@ -4,6 +4,7 @@ trajectory's finish, which completes its group for a training step."""
 
 from __future__ import annotations
 
+from services.policy.staleness import StalenessBound
 from services.simulation.engine import Request
 from services.simulation.kernel import Kernel
 from services.simulation.state import TOOL, Group, Traj
@@ -91,3 +92,37 @@ class Trajectories:
         if g.left == 0:
             sim.ready.append(tr.group)
             sim.training.group_complete()
+
+    def abort_hopeless(self, bound: StalenessBound) -> None:
+        """Cancel in-flight groups with a token already past the staleness bound: they could never
+        be trained, and every system here frees their engine slots (AReaL bounds staleness at
+        admission; the rest drop such groups, which is the same once they are replaced). The live
+        scheduler aborts them the same way (`doomed_groups`)."""
+        sim = self.sim
+        ready = set(sim.ready)
+        oldest: dict[int, list[int | None]] = {}
+        for t in sim.trajs.values():
+            oldest.setdefault(t.group, []).append(t.oldest_version)
+        doomed = [
+            gid
+            for gid, g in sim.groups.items()
+            if gid not in ready
+            and bound.group_is_stale([g.oldest_version, *oldest.get(gid, ())], sim.version)
+        ]
+        for gid in doomed:
+            g = sim.groups.pop(gid)
+            sim.dropped_groups += 1
+            sim.log("abort", gid, sim.version)
+            by_engine: dict[str, set[str]] = {}
+            for tid in g.trajs:
+                tr = sim.trajs.pop(tid, None)
+                if tr is None:
+                    continue
+                sim.aborted_trajectories += 1
+                sim.router.drop(tid)
+                if tr.engine is not None:
+                    by_engine.setdefault(tr.engine, set()).add(tid)
+            for eid, tids in by_engine.items():
+                e = sim.engines[eid]
+                e.abort(sim.now, tids)
+                sim.wake(e)
