@@ -179,6 +179,8 @@ async def scheduler(
     if engines > 1:
         peer_bus = await Bus.connect(nats_server.url, run_id, "rollout-engine", ENGINE2)
         harness.peer = Harness(peer_bus, ENGINE2)
+        if (answer := param.get("peer_answer")) is not None:  # before the scheduler sends a turn
+            harness.peer.answer = answer(harness.peer)
         await harness.peer.start()
     plan = ev.Plan(
         plan_version=1,
@@ -298,20 +300,8 @@ async def test_lost_and_malformed_turns_are_sent_again_and_bad_input_changes_not
     assert proc.poll() is None
 
 
-@pytest.mark.parametrize("scheduler", [{"engines": 2, "task": {"group_size": 4}}], indirect=True)
-async def test_an_engine_answering_garbage_changes_no_trajectory_and_is_quarantined(scheduler: Any) -> None:
-    """A second engine answers every turn with something no engine serving this job's weights
-    could make: NaN or positive logprobs, token ids outside the vocabulary, a policy version the
-    trainer never made, more tokens than the turn asked for. Each fails its turn (`engine_invalid`)
-    and is retried on the honest engine; after three in a row the scheduler takes the engine out
-    of routing. Every trajectory completes with the honest engine's tokens only.
-
-    Eight trajectories start at once (two groups of four), so least-loaded placement gives the
-    garbage engine at least three first turns; with four, it could get two (the rest of their
-    turns then stay with the honest engine that holds their context) and never reach the streak."""
-    proc, h, bus = scheduler
-    garbage = h.peer
-    assert garbage is not None
+def _lying(garbage: Harness) -> Callable[[ev.TurnRequest], ev.TurnResult]:
+    """Answers for an engine that makes what no engine serving this job's weights could."""
 
     def lie(req: ev.TurnRequest) -> ev.TurnResult:
         kind = len(garbage.requests) % 4
@@ -324,7 +314,25 @@ async def test_an_engine_answering_garbage_changes_no_trajectory_and_is_quaranti
         n = req.max_new_tokens + 1
         return garbage.result(req, CALL, token_ids=[200] * n, logprobs=[-0.1] * n)
 
-    garbage.answer = lie
+    return lie
+
+
+@pytest.mark.parametrize(
+    "scheduler", [{"engines": 2, "task": {"group_size": 4}, "peer_answer": _lying}], indirect=True
+)
+async def test_an_engine_answering_garbage_changes_no_trajectory_and_is_quarantined(scheduler: Any) -> None:
+    """A second engine answers every turn with something no engine serving this job's weights
+    could make: NaN or positive logprobs, token ids outside the vocabulary, a policy version the
+    trainer never made, more tokens than the turn asked for. Each fails its turn (`engine_invalid`)
+    and is retried on the honest engine; after three in a row the scheduler takes the engine out
+    of routing. Every trajectory completes with the honest engine's tokens only.
+
+    Eight trajectories start at once (two groups of four), so least-loaded placement gives the
+    garbage engine at least three first turns; with four, it could get two (the rest of their
+    turns then stay with the honest engine that holds their context) and never reach the streak."""
+    proc, h, bus = scheduler
+    garbage = h.peer  # lying from before the scheduler's first turn (`_lying`)
+    assert garbage is not None
     done = await h.completed(bus, 8, timeout=90)
     assert all(t.finish == "answer" and not t.HasField("failure") for t in done), [
         (t.finish, t.failure.code, t.failure.message) for t in done
