@@ -180,6 +180,12 @@ def settle(ns: argparse.Namespace) -> None:
         ns.time_scale = 1.0 if real else 0.12
     if ns.long_tp is None:
         ns.long_tp = 1 if real else 2
+    if ns.engines_per_host < 1:
+        raise ValueError("--engines-per-host must be at least 1")
+    if real and ns.engines_per_host > 1:
+        raise ValueError(
+            "--engines-per-host: a host serves emulated engines only (a real one has a device of its own)"
+        )
     if not real:
         if ns.trainer != "emulated":
             raise ValueError("--trainer torch needs real engines (--backend vllm|hf)")
@@ -437,6 +443,13 @@ def parser() -> argparse.ArgumentParser:
         help="training: emulated (priced from the cost model, default) or the real torch trainer",
     )
     p.add_argument("--engines", type=int, help="rollout engines (default 16 emulated, 2 real)")
+    p.add_argument(
+        "--engines-per-host",
+        type=int,
+        default=1,
+        help="emulated engines served by one process (default 1; hundreds of engines fit this machine "
+        "only as hosts of many)",
+    )
     p.add_argument("--out", required=True, type=Path, help="directory for live.json, configs and logs")
     p.add_argument(
         "--time-scale", type=float, help="wall seconds per emulated second (default 0.12; real engines: 1)"
@@ -518,7 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     iteration_dir = out / "iterations"
     if ns.backend == "vllm":  # every iteration the engines run, to set against the cost model
         env["LIBRA_ROLLOUT_ENGINE_ITERATION_LOG"] = str(iteration_dir.resolve())
-    stack = Stack(f"bench-live-{int(time.time())}", out / "logs", extra_env=env)
+    stack = Stack(
+        f"bench-live-{int(time.time())}", out / "logs", extra_env=env, engines_per_host=ns.engines_per_host
+    )
     windows: dict[str, tuple[float, float]] = {}
     results: dict[str, Any] = {}
     stack.start_infra(max(cfg.engines_needed for _, cfg in configs.values()))

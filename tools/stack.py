@@ -49,6 +49,8 @@ def stack_files() -> list[Path]:
 
 
 NATS_LOG = "nats-server.log"
+HOST = "engine-host"
+HOST_MODULE = "services.rollout_engine.host"
 _VIOLATION = re.compile(r'"\$G/user:([^"]+)" - (Publish|Subscription) Violation')
 
 
@@ -111,7 +113,13 @@ class Stack:
     cwd: Path = field(default_factory=Path.cwd)
     """Where the services start (the directory of `libra up`/`libra run`): their `.libra/` model
     cache is this directory's."""
+    engines_per_host: int = 1
+    """Emulated engines served by one process (services/rollout_engine/host.py): above 1, the
+    engines run in hosts `engine-host-<n>` of this many identities each, so that hundreds of
+    them fit one machine (`libra bench live --engines-per-host`)."""
     _modules: dict[str, str] = field(default_factory=dict)
+    _hosts: dict[str, list[str]] = field(default_factory=dict)
+    """Each engine host's process name and the engine worker ids it serves."""
     _due: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -166,8 +174,7 @@ class Stack:
         user per worker) on free loopback ports; `start_services` then starts its workers."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         data = state_dir() / "data" / self.name
-        for worker_id, module in service_commands(n_engines, standby_trainers):
-            self._modules[worker_id] = module
+        self.plan_processes(n_engines, standby_trainers)
         self.credentials = generate_credentials(data / "secrets", workers=list(self._modules))
         self.nats = start_nats(data / "nats", self.log_dir / NATS_LOG, config=self.credentials.nats_conf)
         self.redis = start_redis(
@@ -215,17 +222,52 @@ class Stack:
         env.update(self.extra_env)
         return env
 
-    def start_services(self) -> None:
-        for worker_id in self._modules:
-            self.metrics_ports.setdefault(worker_id, free_port())
-            self._spawn(worker_id)
+    def plan_processes(self, n_engines: int, standby_trainers: int = 0) -> None:
+        """The workers of a stack of `n_engines` engines, and the engine hosts that serve them."""
+        for worker_id, module in service_commands(n_engines, standby_trainers):
+            self._modules[worker_id] = module
+        if self.engines_per_host > 1:
+            engines = [w for w in self._modules if w.startswith("rollout-engine-")]
+            k = self.engines_per_host
+            self._hosts = {f"{HOST}-{i // k}": engines[i : i + k] for i in range(0, len(engines), k)}
 
-    def _spawn(self, worker_id: str) -> None:
-        log = open(self.log_dir / f"{worker_id}.log", "ab")
-        self.procs[worker_id] = subprocess.Popen(
-            [sys.executable, "-m", self._modules[worker_id]],
+    def processes(self) -> list[str]:
+        """The stack's service processes in start order: a worker each, or an engine host for each
+        `engines_per_host` engines."""
+        hosted = {w for ws in self._hosts.values() for w in ws}
+        out: list[str] = []
+        for worker_id in self._modules:
+            if worker_id not in hosted:
+                out.append(worker_id)
+            elif worker_id == self._hosts[self.process_of(worker_id)][0]:
+                out.append(self.process_of(worker_id))
+        return out
+
+    def process_of(self, worker_id: str) -> str:
+        """The process that serves `worker_id`: its own, or its engine host."""
+        return next((h for h, ws in self._hosts.items() if worker_id in ws), worker_id)
+
+    def start_services(self) -> None:
+        for name in self.processes():
+            self.metrics_ports.setdefault(name, free_port())
+            self._spawn(name)
+
+    def _host_env(self, name: str) -> dict[str, str]:
+        env = self.env(name)
+        env.pop("LIBRA_SECRETS_DIR", None)
+        env.pop("LIBRA_WORKER_ID")
+        env["LIBRA_ENGINE_HOST_WORKERS"] = ",".join(self._hosts[name])
+        if self.credentials is not None:
+            env["LIBRA_ENGINE_HOST_SECRETS_ROOT"] = str(self.credentials.root)
+        return env
+
+    def _spawn(self, name: str) -> None:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        hosted = name in self._hosts
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", HOST_MODULE if hosted else self._modules[name]],
             cwd=self.cwd,
-            env=self.env(worker_id),
+            env=self._host_env(name) if hosted else self.env(name),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -259,6 +301,7 @@ class Stack:
         """SIGKILLs a service that is hung (alive, but silent past its liveness timeout) where a
         supervisor will start it again: this stack's (restarts on), or `libra up`'s, which this
         stack follows. False where nothing would replace it (restarts off, given up, reached only)."""
+        worker_id = self.process_of(worker_id)  # an engine's host: all of its engines go
         if worker_id in self.gave_up:
             return False
         proc = self.procs.get(worker_id)
@@ -318,8 +361,15 @@ class Stack:
                 out.update({n: None for n, pid in self.pids.items() if not pid_alive(pid)})
             return out
         if self.max_restarts > 0:
-            return dict(self.gave_up)
-        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+            return self._by_worker(self.gave_up)
+        return self._by_worker({n: p.returncode for n, p in self.procs.items() if p.poll() is not None})
+
+    def _by_worker(self, processes: dict[str, int | None]) -> dict[str, int | None]:
+        """Processes by the workers they served: a dead engine host is each of its engines."""
+        out: dict[str, int | None] = {}
+        for name, code in processes.items():
+            out.update({w: code for w in self._hosts.get(name, [name])})
+        return out
 
     def nats_log_size(self) -> int | None:
         """Where nats-server's log ends now (`nats_violations` counts from there); None where this
@@ -345,7 +395,7 @@ class Stack:
         return out
 
     def log_tail(self, worker_id: str, lines: int = 20) -> str:
-        path = self.log_dir / f"{worker_id}.log"
+        path = self.log_dir / f"{self.process_of(worker_id)}.log"
         if not path.exists():
             return ""
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

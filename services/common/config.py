@@ -22,13 +22,16 @@ from services.common.weight_signing import HeaderSigner, HeaderVerifier
 
 S = TypeVar("S", bound=BaseSettings)
 
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+"""A run id or worker id: a token of the subjects and keys it scopes."""
+
 
 class CommonSettings(BaseSettings):
     """Where the stack is and how to report; read from LIBRA_* variables."""
 
     model_config = SettingsConfigDict(env_prefix="LIBRA_", extra="ignore", use_attribute_docstrings=True)
 
-    run_id: str = Field("local", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    run_id: str = Field("local", pattern=ID_PATTERN)
     """Run scope of every NATS subject and Redis key (letters, digits, '-', '_')."""
     nats_url: str = "nats://127.0.0.1:4222"
     """NATS server URL."""
@@ -50,7 +53,7 @@ class CommonSettings(BaseSettings):
     otlp_endpoint: str | None = None
     """OTLP gRPC endpoint (e.g. http://jaeger:4317; https:// is TLS, verified with tls_ca_file or
     the system's roots); unset keeps spans in-process only."""
-    worker_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    worker_id: str | None = Field(None, pattern=ID_PATTERN)
     """Stable id of this process; defaults to the one its credentials name (a stack with an
     identity per worker), else <service>-<hostname>-<pid>. It is the last token of the subjects it
     speaks on, so letters, digits, `-` and `_` only."""

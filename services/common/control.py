@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
+import re
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from nats.aio.msg import Msg
 
 from services.common.bus import M, close_nats, decode, said_by
 from services.common.bus import connect_nats as connect
-from services.common.config import CommonSettings, ConfigFileError, load_settings
+from services.common.config import ID_PATTERN, CommonSettings, ConfigFileError
 from services.common.contracts import ev
 from services.common.errors import ForgedSender, LibraError, MalformedMessage
 from services.common.logging import get_logger
@@ -46,12 +48,18 @@ HEARTBEAT_S = 2.0
 Serve = Callable[[CommonSettings, RunConfig, asyncio.Event, contextlib.AsyncExitStack], Awaitable[None]]
 """One job of a service: its settings, the job's parsed run config, the stop event, the exit stack."""
 
-_detail: dict[str, str] = {}
+_detail: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("libra_job_detail")
+"""The detail of the agent whose task this is: one per agent, so that the agents of an engine host
+(services/rollout_engine/host.py), each in its own task, report their own."""
+
+RUN_ID = re.compile(ID_PATTERN)
 
 
 def set_detail(**values: object) -> None:
     """What the running job's service wants a watcher to see (shown in stall reports, not trusted)."""
-    _detail.update({k: str(v) for k, v in values.items()})
+    detail = _detail.get(None)
+    if detail is not None:
+        detail.update({k: str(v) for k, v in values.items()})
 
 
 @dataclass
@@ -67,18 +75,31 @@ class Job:
 class JobAgent:
     """A service's side of the control plane: idle → running one job → idle, until the process stops."""
 
-    def __init__(self, service: str, common: CommonSettings, serve: Serve, *, grace_s: float = 10.0):
+    def __init__(
+        self,
+        service: str,
+        common: CommonSettings,
+        serve: Serve,
+        *,
+        grace_s: float = 10.0,
+        trace_files: bool = True,
+    ):
         assert common.worker_id is not None
         self.service = service
         self.worker_id = common.worker_id
         self.common = common
         self.serve = serve
         self.grace_s = grace_s
+        self.trace_files = trace_files
+        """Write each job's spans to the file its spec names (the process's one trace file: off
+        where several agents share a process, whose spans then go to OTLP only)."""
         self.job: Job | None = None
+        self.detail: dict[str, str] = {}
         self.log = get_logger(component="control")
         self.nc: NATS | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
+        _detail.set(self.detail)  # this task's: its subscriptions and jobs inherit it
         self.nc = await connect(
             self.common.nats_url,
             f"{self.service}:{self.worker_id}:control",
@@ -111,7 +132,7 @@ class JobAgent:
         st.state = "failed" if job.error else "stopping" if job.stop.is_set() else "running"
         if job.error is not None:
             st.error.CopyFrom(job.error)
-        st.detail.update(_detail)
+        st.detail.update(self.detail)
         return st
 
     async def _publish_status(self) -> None:
@@ -170,25 +191,28 @@ class JobAgent:
             self.log.warning("job_refused", run_id=spec.run_id, reason=err.message)
             await self._reply(self._ack(spec.run_id, ev.ErrorInfo(code="invalid", message=err.message)))
             return
-        _detail.clear()
+        self.detail.clear()
         self.job = job
         job.task = asyncio.ensure_future(self._run(job))
         await self._reply(self._ack(spec.run_id))
 
     def _prepare(self, spec: ev.JobSpec) -> Job:
-        """Validates the job's run id and parses its config, once: `serve` gets the parsed config."""
+        """Validates the job's run id and parses its config, once: `serve` gets the parsed config
+        and this agent's settings (its own credentials) scoped to the job's run."""
+        if not RUN_ID.fullmatch(spec.run_id):
+            raise ConfigFileError(f"run id {spec.run_id!r}: letters, digits, '-' and '_' only, at most 64")
         where = f"job {spec.run_id!r} config ({spec.config_name or 'sent over the bus'})"
         run = parse_run_config(spec.config_yaml, where)
-        common = load_settings(
-            CommonSettings, run_id=spec.run_id, config=None, worker_id=self.worker_id
-        )  # validates the run id like LIBRA_RUN_ID
+        common = self.common.model_copy(update={"run_id": spec.run_id, "config": None})
         return Job(spec, common, run)
 
     async def _run(self, job: Job) -> None:
         structlog.contextvars.bind_contextvars(run_id=job.spec.run_id)
         self.log.info("job_started", config=job.spec.config_name)
-        trace_file = Path(job.spec.trace_dir) / f"{self.worker_id}.jsonl" if job.spec.trace_dir else None
-        set_trace_file(trace_file)
+        traced = self.trace_files and job.spec.trace_dir
+        trace_file = Path(job.spec.trace_dir) / f"{self.worker_id}.jsonl" if traced else None
+        if self.trace_files:
+            set_trace_file(trace_file)
         try:
             async with contextlib.AsyncExitStack() as stack:
                 await self.serve(job.common, job.run, job.stop, stack)

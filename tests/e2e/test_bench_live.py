@@ -29,7 +29,7 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
         "--lend-tp",
         "4",
     ]
-    args += ["--max-engines", "4"]
+    args += ["--max-engines", "4", "--engines-per-host", "2"]  # two engine hosts of two engines each
     assert main(args) == 0
     doc = json.loads((out / "live.json").read_text())
     assert doc["emulated"] is True and doc["engines"] == 4

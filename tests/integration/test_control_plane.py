@@ -140,3 +140,48 @@ async def test_a_job_that_fails_inside_the_service_is_reported(
     st = status()
     assert st.state == "failed" and st.error.code == "user_code" and "TypeError" in st.error.message
     assert (await _stop(nc, "run-u")).ok
+
+
+async def test_agents_sharing_a_process_each_run_their_own_job(nats_server: Server) -> None:
+    """As in an engine host: two agents in one event loop, each in its own task, report their own
+    job's detail and give `serve` their own settings."""
+    seen: dict[str, CommonSettings] = {}
+
+    async def serve(
+        common: CommonSettings, run: RunConfig, stop: asyncio.Event, stack: contextlib.AsyncExitStack
+    ) -> None:
+        assert common.worker_id is not None
+        seen[common.worker_id] = common
+        control.set_detail(mine=common.worker_id)
+        await stop.wait()
+
+    agents = [
+        control.JobAgent(
+            "scheduler", CommonSettings(nats_url=nats_server.url, worker_id=w, redis_user=w), serve
+        )
+        for w in ("svc-a", "svc-b")
+    ]
+    stop = asyncio.Event()
+    tasks = [asyncio.ensure_future(a.run(stop)) for a in agents]
+    nc = await control.connect(nats_server.url, "test")
+    try:
+        for _ in range(50):
+            if len({s.worker_id for s in await control.discover(nc, 0.1)} & {"svc-a", "svc-b"}) == 2:
+                break
+        spec = ev.JobSpec(run_id="run-h", config_yaml=GOOD, targets=["svc-a", "svc-b"])
+        acks = await control.command(nc, control.JOB_START, spec, ["svc-a", "svc-b"], timeout_s=5)
+        assert all(a.ok for a in acks.values()) and set(acks) == {"svc-a", "svc-b"}
+        for _ in range(50):
+            if len(seen) == 2 and all(a.status().detail for a in agents):
+                break
+            await asyncio.sleep(0.05)
+        assert {w: (c.run_id, c.redis_user) for w, c in seen.items()} == {
+            "svc-a": ("run-h", "svc-a"),
+            "svc-b": ("run-h", "svc-b"),
+        }
+        assert [dict(a.status().detail) for a in agents] == [{"mine": "svc-a"}, {"mine": "svc-b"}]
+        await control.command(nc, control.JOB_STOP, ev.JobStop(run_id="run-h"), ["svc-a", "svc-b"], 5)
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        await close_nats(nc)
