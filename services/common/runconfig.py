@@ -359,8 +359,9 @@ class SpeculativeConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
-    engines: int = Field(2, ge=1, le=64)
-    """Rollout-engine processes `libra up` starts."""
+    engines: int = Field(2, ge=1, le=4096)
+    """Rollout engines of the job (`libra up` starts a process for each, or engine hosts of many
+    emulated ones)."""
     backend: Literal["hf", "vllm", "emulated"] = "hf"
     """`hf`: transformers on CPU/GPU with Libra's continuous batching; `vllm`: vLLM's AsyncLLM
     (its CPU build in the default install, the `gpu` extra on GPU nodes); `emulated`: timings from
@@ -687,7 +688,7 @@ class LendingConfig(_Strict):
     generated and continue elsewhere). Emulated engines pay the cost model's role switch
     (`colocated_switch_s`) each way; other backends pay what the move really costs."""
 
-    engines: int = Field(0, ge=0, le=64)
+    engines: int = Field(0, ge=0, le=4096)
     """Engines on the training GPUs (0: no lending), e.g. training GPUs / `tensor_parallel`."""
     tensor_parallel: int = Field(1, ge=1, le=64)
     """TP of each lent engine (emulated engines pretend to span this many GPUs)."""
@@ -718,7 +719,7 @@ class LayoutConfig(_Strict):
     """Search the layout at job start (`libra config plan CONFIG` prints what it would choose)."""
     gpus: int = Field(0, ge=0, le=4096)
     """GPUs to lay out (0: those of the config's own layout, its engines' and training's)."""
-    max_engines: int = Field(32, ge=1, le=64)
+    max_engines: int = Field(32, ge=1, le=4096)
     """Most engine processes a proposal may need (rollout and lent ones): the machine's limit."""
     budget_s: float = Field(120.0, gt=0.0)
     """Wall seconds the search may take; proposals not scored by then are left out."""

@@ -126,11 +126,13 @@ class ContinuousEngine(VersionGate):
         item = _Request(req, time.monotonic())
         heapq.heappush(self._queue, (req.priority, next(self._order), item))
         self._wake.set()
+        self.backend.interrupt()
         return await item.future
 
     async def swap_weights(self, state_dict: dict[str, Any], version: int, checksum: str) -> bool:
         """Applies new weights between two iterations; False (nothing changed) if `version` is not
         newer. Running requests continue on the new weights."""
+        self.backend.interrupt()
         async with self._step:
             if version <= self.version:
                 return False
@@ -149,6 +151,7 @@ class ContinuousEngine(VersionGate):
     ) -> bool:
         """New weights written in place between two iterations (see `Engine.apply_update`);
         running requests continue on them."""
+        self.backend.interrupt()
         async with self._step:
             if version <= self.version:
                 return False
@@ -163,6 +166,7 @@ class ContinuousEngine(VersionGate):
     async def adopt(self, version: int) -> None:
         """Its backend serves a model whose owner changed the weights to `version` in place (the
         trainer's own, `HFBackend(model=...)`): tokens from here on are that version's."""
+        self.backend.interrupt()
         async with self._step:
             if version == self.version:
                 return
@@ -174,6 +178,7 @@ class ContinuousEngine(VersionGate):
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
         """No iteration runs inside (the backend's model is its owner's meanwhile, e.g. to train)."""
+        self.backend.interrupt()
         async with self._step:
             yield
 
@@ -183,6 +188,7 @@ class ContinuousEngine(VersionGate):
         none), so the turn can continue elsewhere from there. Returns how many; requests sent
         afterwards are served as before."""
         n = 0
+        self.backend.interrupt()
         async with self._step:
             now = time.monotonic()
             while self._queue:

@@ -575,3 +575,47 @@ async def test_an_hf_backend_over_a_given_model_serves_its_own_parameters_as_the
     after = await _generate(shared, reqs)
     assert [o.token_ids for o in after] != [o.token_ids for o in loaded]
     assert [o.token_ids for o in await _generate(hf_backend, reqs)] == [o.token_ids for o in loaded]
+
+
+async def _emulated_run(coalesce: int, monkeypatch: pytest.MonkeyPatch) -> tuple[float, int, list[int]]:
+    from services.generation.backends import emulated
+
+    monkeypatch.setattr(emulated, "MAX_COALESCED", coalesce)
+    backend = EmulatedBackend(EngineSettings(seed=0), EmulatedConfig(time_scale=0.0005))
+    engine = ContinuousEngine(backend, max_batch=4)
+    engine.start()
+    lengths = (5, 40, 100, 130)
+    done = await asyncio.gather(
+        *(engine.submit(GenRequest([1] * (10 + n), n, min_new_tokens=n)) for n in lengths)
+    )
+    await engine.close(timeout=1)
+    return backend.emulated_s, engine.iterations, [len(d.output.token_ids) for d in done]
+
+
+async def test_emulated_iterations_run_in_one_step_until_a_row_ends_at_the_same_emulated_cost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hundreds of emulated engines fit two cores because an engine sleeps once for the iterations
+    up to its first row's end, not once per token: the same iterations, priced the same."""
+    one_at_a_time = await _emulated_run(1, monkeypatch)
+    coalesced = await _emulated_run(64, monkeypatch)
+    assert one_at_a_time[2] == coalesced[2] == [5, 40, 100, 130]
+    assert coalesced[0] == pytest.approx(one_at_a_time[0], rel=1e-9)
+    assert one_at_a_time[1] >= 130 and coalesced[1] <= 10, (one_at_a_time[1], coalesced[1])
+
+
+async def test_a_request_stops_an_emulated_multi_iteration_step_at_the_running_iterations_end() -> None:
+    """A request that arrives while an emulated engine sleeps through many iterations joins at the
+    end of the iteration running then, as it would one iteration at a time."""
+    backend = EmulatedBackend(EngineSettings(seed=0), EmulatedConfig(time_scale=1.0))
+    engine = ContinuousEngine(backend, max_batch=4)
+    engine.start()
+    long = asyncio.create_task(engine.submit(GenRequest([1] * 10, 500, min_new_tokens=500)))
+    await _until(lambda: backend._woken is not None)  # asleep through up to 64 iterations
+    short = await engine.submit(GenRequest([2] * 10, 3, min_new_tokens=3))
+    assert len(short.output.token_ids) == 3
+    (running,) = engine._running.values()
+    assert 0 < len(running.ids) < 64, "the short request joined before the long row's 64-token step ended"
+    await engine.close(timeout=0)
+    with pytest.raises(EngineClosed):
+        await long

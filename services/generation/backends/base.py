@@ -174,6 +174,11 @@ class StepBackend(Backend):
         tokens of KV (the engine's batch size limit applies on top)."""
         return True
 
+    def interrupt(self) -> None:
+        """Work waits for the step to end (a request, new weights, a hand-back): a backend whose
+        step runs several iterations (`EmulatedBackend`) ends it at the end of the iteration
+        running now. A backend that runs one iteration per step has nothing to do."""
+
 
 class EngineClosed(Exception):
     """The engine stopped before the request finished; the caller hands it back."""

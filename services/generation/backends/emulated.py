@@ -23,6 +23,7 @@ synthetic task asks): the last token is EOS ("stop"), unless the length drawn is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 from collections import OrderedDict
@@ -38,6 +39,8 @@ from services.generation.config import EngineSettings
 VOCAB_SIZE = 49152
 EOS = 0
 BLOCK = 16
+MAX_COALESCED = 64
+"""Most iterations one step runs (while no row ends and the engine has no news for it)."""
 """KV-cache block size in tokens (vLLM's default): the prefix cache's unit."""
 
 
@@ -69,6 +72,9 @@ class EmulatedBackend(StepBackend):
         self.weights_local = False
         """On the trainer's GPUs (lent): new weights come at no network cost, as the simulator has it."""
         self._clock = float("-inf")
+        self._news = False
+        """The engine has work for the step's end (`interrupt`) since it began."""
+        self._woken: asyncio.Event | None = None
 
     def set_tensor_parallel(self, tp: int) -> None:
         """The TP this replica pretends to span: its bucket's, once the planner assigns one."""
@@ -132,18 +138,31 @@ class EmulatedBackend(StepBackend):
             least = min(budget, j.request.min_new_tokens) if j.request is not None else 1
             n = self.rng.randint(max(1, least), budget)
             self.rows[j.slot] = _Row(len(j.context), n, n < budget, list(j.context))
-        seconds = self.iteration_s(new_tokens, decoding, cached)
-        self.emulated_s += seconds
-        await self._advance(seconds)
+        self._news = False  # what the engine sent before this step, this step has admitted
+        durations = [self.iteration_s(new_tokens, decoding, cached)]
+        if self.rows and not drafts:  # the iterations after it, until the first row ends
+            n = min(MAX_COALESCED, min(row.left for row in self.rows.values()))
+            mean = sum(row.held for row in self.rows.values()) / len(self.rows)
+            durations += [self.cm.decode_step_s(len(self.rows), mean + i, self.tp) for i in range(1, n)]
+        done = await self._advance(durations)
+        self.emulated_s += sum(durations[:done])
         lp = -math.log(VOCAB_SIZE)
         out: dict[int, list[tuple[int, float]]] = {}
         for slot, row in self.rows.items():
-            row.held += 1
-            row.left -= 1
-            token = EOS if row.left <= 0 and row.eos_at_end else self.rng.randrange(1, VOCAB_SIZE)
-            row.ids.append(token)
-            out[slot] = [(token, lp)]
+            emitted = []
+            for _ in range(done):
+                row.held += 1
+                row.left -= 1
+                token = EOS if row.left <= 0 and row.eos_at_end else self.rng.randrange(1, VOCAB_SIZE)
+                row.ids.append(token)
+                emitted.append((token, lp))
+            out[slot] = emitted
         return out
+
+    def interrupt(self) -> None:
+        self._news = True
+        if self._woken is not None:
+            self._woken.set()
 
     def _hashes(self, ids: list[int]) -> list[int]:
         """Chained hashes of the full KV blocks of a token sequence (vLLM's prefix-cache keys)."""
@@ -173,17 +192,40 @@ class EmulatedBackend(StepBackend):
         while len(self.cache) > room:
             self.cache.popitem(last=False)
 
-    async def _advance(self, seconds: float) -> None:
-        """Sleeps until the replica's own clock has moved `seconds` (times time_scale) past where
-        the previous iteration ended, so the event loop's wake-up delays and this process's own
-        work do not add up into a slower replica than the one it pretends to be. A clock more than
-        a second behind (the engine was idle, or the machine could not keep up) starts afresh."""
+    async def _advance(self, durations: list[float]) -> int:
+        """Sleeps until the replica's own clock has moved past the iterations of `durations`
+        (emulated seconds each, times time_scale) from where the previous one ended, so the event
+        loop's wake-up delays and this process's own work do not add up into a slower replica than
+        the one it pretends to be. A clock more than a second behind (the engine was idle, or the
+        machine could not keep up) starts afresh. When the engine has news for it (`interrupt`),
+        it stops at the end of the iteration running then. Returns the iterations it ran (>= 1).
+
+        Running the iterations up to the first row's end in one sleep, rather than a wake-up per
+        token, is what lets hundreds of emulated engines share two cores: the same iterations, at
+        the same times, as one at a time (tests/unit/test_engine_batching.py)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         if self._clock < now - 1.0:
             self._clock = now
-        self._clock += seconds * self.config.time_scale
+        ends, at = [], self._clock
+        for d in durations:
+            at += d * self.config.time_scale
+            ends.append(at)
+        done = len(ends)
+        if len(ends) > 1 and not self._news:
+            self._woken = asyncio.Event()
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._woken.wait(), max(0.0, ends[-1] - loop.time()))
+            finally:
+                self._woken = None
+            now = loop.time()  # the iteration running now ends before the step does
+            done = min(len(ends), 1 + sum(1 for e in ends if e <= now))
+        elif len(ends) > 1:
+            done = 1
+        self._clock = ends[done - 1]
         await asyncio.sleep(max(0.0, self._clock - loop.time()))
+        return done
 
     def admits(self, running_tokens: int, context: int) -> bool:
         return running_tokens + context <= self.kv_capacity
@@ -202,7 +244,7 @@ class EmulatedBackend(StepBackend):
         # lent by the trainer, the weights are its own GPUs' (the lending switch reshards them)
         self.load_s = 0.0 if self.weights_local else self.cm.engine_load_s(self.tp)
         self.emulated_s += self.load_s
-        await self._advance(self.load_s)
+        await self._advance([self.load_s])
 
     def decode(self, token_ids: list[int]) -> str:
         return f"<emulated {len(token_ids)} tokens>"
