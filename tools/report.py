@@ -441,7 +441,7 @@ async def build_report(
         "services": {wid: st.pid for wid, st in sorted(targets.items())},
         "restarts": {
             n: c
-            for n, c in sorted(stack.restarts.items())
+            for n, c in sorted(stack.worker_restarts().items())
             if n in targets or n in ("nats-server", "redis-server")
         },
         "rejoined": dict(sorted(rejoined.items())),

@@ -294,7 +294,7 @@ class JobDriver:
                 continue
             tail = self.stack.log_tail(name)
             how = f"exited with code {code}" if code is not None else "exited"
-            n = self.stack.restarts.get(name, 0)
+            n = self.stack.worker_restarts().get(name, 0)
             after = (
                 f" (after {n} restart(s); no more)"
                 if n

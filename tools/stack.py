@@ -364,6 +364,10 @@ class Stack:
             return self._by_worker(self.gave_up)
         return self._by_worker({n: p.returncode for n, p in self.procs.items() if p.poll() is not None})
 
+    def worker_restarts(self) -> dict[str, int]:
+        """Restarts by worker: an engine host's count for each of its engines."""
+        return {w: n for name, n in self.restarts.items() for w in self._hosts.get(name, [name])}
+
     def _by_worker(self, processes: dict[str, int | None]) -> dict[str, int | None]:
         """Processes by the workers they served: a dead engine host is each of its engines."""
         out: dict[str, int | None] = {}

@@ -659,3 +659,65 @@ def test_a_vllm_engine_killed_mid_job_comes_back_and_leaves_no_process_behind(
     groups = cfg.training.steps * cfg.training.groups_per_step
     assert trained == groups * cfg.task.group_size and report["trajectories_trained_twice"] == 0
     assert report["trajectories_lost"] == 0, report["trajectories_accounting"]
+
+
+def test_a_killed_engine_host_comes_back_with_all_its_engines_and_the_job_completes(
+    tmp_path: Path,
+) -> None:
+    """An engine host (services/rollout_engine/host.py) is one process for several engines:
+    kill -9 it mid-job and all of its engines go at once. The supervisor restarts the host, each of
+    its engines rejoins the job under its own identity, their turns are re-sent, and the job
+    completes with every group trained once and nothing lost."""
+    workload = Path(__file__).parent / "workloads" / "slow_tools.yaml"
+    data = {
+        "name": "host-chaos",
+        "model": {"source": "tiny-random"},
+        "task": {"dataset": "synthetic", "workload": str(workload), "group_size": 2, "num_prompts": 10_000},
+        "rollout": {"engines": 4, "backend": "emulated", "max_batch": 8, "emulated": {"time_scale": 0.3}},
+        "training": {
+            "backend": "emulated",
+            "steps": 5,
+            "groups_per_step": 2,
+            "checkpoint_dir": str(tmp_path / "ckpt" / "{run_id}"),
+        },
+        "job": {"feed_ack_wait_s": 6.0},
+        "planner": {"replan": False},
+    }
+    config = tmp_path / "host-chaos.yaml"
+    config.write_text(yaml.safe_dump(data))
+    cfg = load_run_config(config)
+    run_id = f"host-chaos-{int(time.time())}"
+    stack = Stack(run_id, tmp_path / "logs", max_restarts=3, engines_per_host=2)
+    hosted = ["rollout-engine-0", "rollout-engine-1"]
+    back: list[float] = []
+
+    async def kill_a_host() -> None:
+        bus = await Bus.connect(stack.nats_url, run_id, "cli", "chaos", stack.nats_auth("cli"))
+        try:
+            deadline = time.monotonic() + 120
+            while _committed_step(stack, run_id) < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            os.kill(stack.procs["engine-host-0"].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            await asyncio.sleep(1.5)
+            while time.monotonic() - killed < 120:
+                found = await control.discover(bus.nc, 0.3)
+                if all(any(st.worker_id == w and st.run_id == run_id for st in found) for w in hosted):
+                    back.append(time.monotonic() - killed)
+                    return
+                await asyncio.sleep(0.2)
+        finally:
+            await bus.close()
+
+    try:
+        report = _job_with_faults(stack, config, run_id, kill_a_host, timeout_s=600, join_s=60)
+        trained = _redis(stack).scard(trained_key(run_id))
+    finally:
+        stack.stop()
+    assert back, "the host's engines never rejoined the job"
+    print(f"\nkill -9 engine-host-0 (2 engines): both back in the job after {back[0]:.1f} s")
+    assert report["status"] == "completed", report["reason"]
+    assert report["train_steps"] == cfg.training.steps
+    assert {w: report["restarts"].get(w) for w in hosted} == {w: 1 for w in hosted}, report["restarts"]
+    _trained_exactly_once(report, trained, cfg)
+    assert report["all_engines_on_final_version"], report["engines"]
