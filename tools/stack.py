@@ -257,6 +257,7 @@ class Stack:
         env.pop("LIBRA_SECRETS_DIR", None)
         env.pop("LIBRA_WORKER_ID")
         env["LIBRA_ENGINE_HOST_WORKERS"] = ",".join(self._hosts[name])
+        env["LIBRA_ENGINE_HOST_NAME"] = name
         if self.credentials is not None:
             env["LIBRA_ENGINE_HOST_SECRETS_ROOT"] = str(self.credentials.root)
         return env

@@ -18,7 +18,9 @@ Configured like the engine service (`LIBRA_ROLLOUT_ENGINE_*`, shared by the host
 - `LIBRA_ENGINE_HOST_WORKERS`: the worker ids it serves, comma-separated;
 - `LIBRA_ENGINE_HOST_SECRETS_ROOT`: the stack's credentials directory, in which each worker's
   identity has its own (`<root>/<worker_id>/`, as `libra credentials` writes them); unset with
-  `--insecure` only.
+  `--insecure` only;
+- `LIBRA_ENGINE_HOST_NAME`: its name in its log lines (`libra bench live` names them
+  `engine-host-<n>`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class EngineHostSettings(BaseSettings):
     """Worker ids of the engines this host serves, comma-separated (rollout-engine-<n>, ...)."""
     secrets_root: str | None = None
     """Directory holding one credentials directory per worker id (`<root>/<worker_id>/`)."""
+    name: str = Field("", pattern=r"^[A-Za-z0-9_-]{0,64}$")
+    """The host's name in its log lines (a stack names its hosts `engine-host-<n>`); empty:
+    `engine-host-<first worker's number>`."""
 
     @field_validator("workers")
     @classmethod
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.rollout_engine.weight_sync import limit_malloc_arenas
 
     limit_malloc_arenas()
-    host_id = f"engine-host-{host.worker_ids()[0].removeprefix(SERVICE + '-')}"
+    host_id = host.name or f"engine-host-{host.worker_ids()[0].removeprefix(SERVICE + '-')}"
     configure_logging(SERVICE, fmt=base.log_format, level=base.log_level, host=host_id)
     configure_tracing(
         SERVICE, run_id=None, worker_id=host_id, otlp_endpoint=base.otlp_endpoint, ca_file=base.tls_ca_file
