@@ -279,6 +279,8 @@ class PushStats:
     dense_bytes: int = 0
     delta_bytes: int = 0
     delta_engines: int = 0
+    probed: int = 0
+    """Engines asked their weights first (those this pusher had not last left in sync)."""
     encodings: dict[str, float] = field(default_factory=dict)
 
 
@@ -319,6 +321,11 @@ class WeightPusher:
         self.last = PushStats()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._encoded: dict[tuple[int, int], Encoded] = {}
+        self._known: dict[str, EngineState] = {}
+        """What each engine held after this pusher's last push that reached it: the next push
+        asks only the others (at 1,024 engines, asking each one's version every step took the
+        trainer seconds). An engine whose weights changed since (a restart) refuses the delta as
+        `base_mismatch` and is sent the whole version."""
         limit = max(8 << 20, chunk_bytes + (1 << 20))
         self._options = [
             ("grpc.max_send_message_length", limit),
@@ -365,7 +372,10 @@ class WeightPusher:
         """Pushes `snap` to all `addrs`: a delta from `base` to the engines that hold it, dense to
         the rest, each kind down its relay tree; never raises for an engine's failure, reports it."""
         self.last = PushStats()
-        probes = dict(await asyncio.gather(*(self._probe(a) for a in addrs)))
+        unknown = [a for a in addrs if a not in self._known]
+        probes: dict[str, EngineState | str | None] = {a: self._known[a] for a in addrs if a in self._known}
+        probes.update(await asyncio.gather(*(self._probe(a) for a in unknown)))
+        self.last.probed = len(unknown)
         results: dict[str, PushResult] = {}
         delta_addrs, dense_addrs = [], []
         for addr in addrs:
@@ -396,6 +406,12 @@ class WeightPusher:
             results.update(await self._push_group(enc, dense_addrs, fencing_token))
             for a in refused:  # its weights were not what it said a moment ago: the whole version
                 results[a] = await self._push_one(a, enc, fencing_token)
+        for addr, r in results.items():
+            state = probes.get(addr)
+            if r.in_sync and isinstance(state, EngineState):
+                self._known[addr] = EngineState(snap.version, snap.checksum, False, state.accepts_deltas)
+            else:  # asked again next time
+                self._known.pop(addr, None)
         return results
 
     async def _push_group(self, enc: Encoded, addrs: Sequence[str], token: int) -> dict[str, PushResult]:

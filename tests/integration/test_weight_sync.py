@@ -337,6 +337,7 @@ async def test_a_relay_tree_reaches_every_engine_with_one_upload(
         snap = snapshot(perturbed(backend, 9), 1)
         results = await pusher.push(snap, lease.token, addrs)
         assert all(r.in_sync for r in results.values()), results
+        assert pusher.last.probed == 4
         assert [results[a].via for a in addrs] == ["", addrs[0], addrs[0], addrs[0]]
         assert pusher.last.uploaded == pusher.last.dense_bytes  # one upload for four engines
         assert all(e.version == 1 and e.checksum == snap.checksum for e in engines)
@@ -346,15 +347,26 @@ async def test_a_relay_tree_reaches_every_engine_with_one_upload(
         results = await pusher.push(v2, lease.token, addrs, base=snap)
         assert all(r.in_sync for r in results.values()) and pusher.last.delta_engines == 4
         assert pusher.last.uploaded == pusher.last.delta_bytes and pusher.last.dense_bytes == 0
+        assert pusher.last.probed == 0, "it left every engine in sync: it asks none of them again"
+
+        # weights changed behind the pusher's back (a restarted engine): the delta it sends from
+        # what it last left there is refused, and the whole version follows
+        assert await engines[3].swap_weights(perturbed(backend, 12), 5, "elsewhere")
+        v2b = snapshot(perturbed(backend, 13), 6)
+        results = await pusher.push(v2b, lease.token, addrs, base=v2)
+        assert all(r.in_sync for r in results.values()), results
+        assert pusher.last.probed == 0 and pusher.last.dense_bytes > 0
+        assert all(e.version == 6 and e.checksum == v2b.checksum for e in engines)
+        snap = v2b
 
         # the second engine of the chain is gone: the relay through it fails, and the engines
         # below it are pushed directly
         await servers[1][0].stop(grace=0)
-        v3 = snapshot(perturbed(backend, 11), 3)
+        v3 = snapshot(perturbed(backend, 11), 7)
         results = await pusher.push(v3, lease.token, addrs)
         assert [results[a].in_sync for a in addrs] == [True, False, True, True]
         assert results[addrs[2]].via == "" and results[addrs[3]].via == ""
-        assert [e.version for e in engines] == [3, 2, 3, 3]
+        assert [e.version for e in engines] == [7, 6, 7, 7]
     finally:
         await pusher.close()
         for server, _ in servers:
