@@ -9,8 +9,8 @@ event loop instead of K. The planner, the scheduler and the trainer cannot tell 
 
 What the engines of a host share: the process (killing it kills all of them; its supervisor
 restarts them together), its Prometheus exporter (counters add up over its engines) and its
-tracer (spans go to OTLP only: the per-job span files are written per process, and a host's
-engines would overwrite each other's). A host holds the secrets of all of its identities, so a
+tracer: a job's spans of all of its engines go to one file, named after its first engine
+(`<trace_dir>/rollout-engine-<first>.jsonl`; `libra trace` reads every file of the job). A host holds the secrets of all of its identities, so a
 compromised host speaks for its K engines, never for another kind or another host's engines.
 
 Configured like the engine service (`LIBRA_ROLLOUT_ENGINE_*`, shared by the host's engines) plus:
@@ -109,11 +109,13 @@ async def serve_all(commons: list[CommonSettings], stop: asyncio.Event) -> None:
     from services.common.control import JobAgent
     from services.rollout_engine.service import serve
 
-    async def one(common: CommonSettings) -> None:
+    async def one(common: CommonSettings, first: bool) -> None:
         structlog.contextvars.bind_contextvars(worker_id=common.worker_id)
-        await JobAgent(SERVICE, common, serve, trace_files=False).run(stop)
+        await JobAgent(SERVICE, common, serve, trace_files=first).run(stop)
 
-    tasks = [asyncio.ensure_future(one(c)) for c in commons]
+    # the process has one trace file: the first engine's agent opens it for each job (all of the
+    # host's engines' spans go there) and closes it when that engine's job ends
+    tasks = [asyncio.ensure_future(one(c, i == 0)) for i, c in enumerate(commons)]
     try:
         await asyncio.gather(*tasks)
     finally:

@@ -199,6 +199,7 @@ class SchedulerService:
         )
 
     async def close(self) -> None:
+        await self.driver.published(timeout_s=10.0)
         if self.completion.scorer is not None:
             await self.completion.scorer.close()
         await self.episode.close()
