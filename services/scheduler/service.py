@@ -289,7 +289,10 @@ async def serve(
     settings = load_settings(SchedulerSettings)
     cfg = run
     assert common.worker_id is not None
-    prompter = Prompter(load_tokenizer(cfg.model), cfg.task.dataset, cfg.task.worked_examples)
+    # off the event loop: loading the tokenizer took 30-36 s on a CPU busy with 1,024 engines
+    # starting, and the job's heartbeats (this loop) must go on meanwhile, or it looks hung
+    tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model)
+    prompter = Prompter(tokenizer, cfg.task.dataset, cfg.task.worked_examples)
     bus = await Bus.connect(
         common.nats_url, common.run_id, "scheduler", common.worker_id, common.nats_auth(), common.nats_tls()
     )
