@@ -116,7 +116,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        stack.start_infra(engines, args.standby_trainers)
+        stack.start_infra(engines, args.standby_trainers, args.standby_schedulers)
         stack.start_services()
         state_file = stack_file()
         state_file.parent.mkdir(parents=True, exist_ok=True)
@@ -543,6 +543,13 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="trainers that stand by and take over when the active one's lease runs out (default 0)",
+    )
+    up.add_argument(
+        "--standby-schedulers",
+        type=int,
+        default=0,
+        help="schedulers that stand by, warm, and take over when the active one's lease runs out "
+        "(default 0: a dead scheduler is restarted)",
     )
     up.add_argument(
         "--max-restarts",

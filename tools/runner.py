@@ -44,6 +44,8 @@ REPLACE_S = 150.0
 up to 30 s, its start, a trainer's checkpoint load; an orchestrator's liveness probe of 3 x 20 s)
 before the job fails."""
 SINGLETONS = ("planner", "scheduler", "trainer")  # engines and sandboxes are many: the job goes on
+STANDING_BY = ("trainer", "scheduler")
+"""The kinds a job takes every live worker of: one holds the role, the others stand by."""
 READY_S = 120.0  # how long to wait for the stack's services to be idle and reachable
 KEYS_CHECK_S = 2.0
 """How often the watch checks that Redis still holds the job's key grants (`JobDriver._keep_keys`)."""
@@ -305,16 +307,17 @@ class JobDriver:
             raise JobEnded("failed", f"service {name} {how}{after}; last log lines:\n{tail}")
 
     def _has_standby(self, name: str, dead: dict[str, int | None]) -> bool:
-        """A dead trainer is not the end of the job while another trainer of it lives (a standby
-        takes the role when the dead one's lease runs out)."""
+        """A dead trainer or scheduler is not the end of the job while another of its kind in the
+        job lives (a standby takes the role when the dead one's lease runs out)."""
         st = self.targets.get(name)
-        if st is None or st.service != "trainer":
+        if st is None or st.service not in STANDING_BY:
             return False
-        return any(w not in dead for w, o in self.targets.items() if o.service == "trainer" and w != name)
+        kind = st.service
+        return any(w not in dead for w, o in self.targets.items() if o.service == kind and w != name)
 
     async def _choose_workers(self) -> None:
-        """Picks idle services for the job: one planner and scheduler, every trainer (the planner
-        gives one the role, the others stand by), every tool sandbox and exactly `rollout.engines`
+        """Picks idle services for the job: one planner, every scheduler and trainer (the planner
+        gives one of each the role, the others stand by), every tool sandbox and exactly `rollout.engines`
         engines plus `planner.lending.engines` (those stand for the training GPUs);
         waits for them while the stack is starting."""
         need_engines = self.cfg.engines_needed
@@ -345,15 +348,15 @@ class JobDriver:
             for st in sorted(found, key=lambda s: s.worker_id):
                 by_kind.setdefault(st.service, []).append(st)
             missing = [k for k in SERVICES_NEEDED if not by_kind.get(k)]
-            # every live trainer of the stack takes part (standbys too: a dead trainer is then not
-            # the end of the job), so wait for those still starting
-            trainers = {st.worker_id for st in by_kind.get("trainer", [])}
-            starting = self.stack.trainers() - trainers - set(self.stack.dead())
-            missing += sorted(starting)
+            # every live trainer and scheduler of the stack takes part (standbys too: a dead one is
+            # then not the end of the job), so wait for those still starting
+            for kind in STANDING_BY:
+                up = {st.worker_id for st in by_kind.get(kind, [])}
+                missing += sorted(self.stack.of_kind(kind) - up - set(self.stack.dead()))
             engines = by_kind.get("rollout-engine", [])
             if not missing and len(engines) >= need_engines:
-                chosen = [by_kind[k][0] for k in ("planner", "scheduler")]
-                chosen += by_kind["trainer"] + by_kind["tool-sandbox"] + engines[:need_engines]
+                chosen = [by_kind["planner"][0], *by_kind["scheduler"], *by_kind["trainer"]]
+                chosen += by_kind["tool-sandbox"] + engines[:need_engines]
                 self.targets = {st.worker_id: st for st in chosen}
                 self.pids = {st.worker_id: st.pid for st in chosen}
                 now = time.monotonic()

@@ -54,13 +54,16 @@ HOST_MODULE = "services.rollout_engine.host"
 _VIOLATION = re.compile(r'"\$G/user:([^"]+)" - (Publish|Subscription) Violation')
 
 
-def service_commands(n_engines: int, standby_trainers: int = 0) -> list[tuple[str, str]]:
+def service_commands(
+    n_engines: int, standby_trainers: int = 0, standby_schedulers: int = 0
+) -> list[tuple[str, str]]:
     """(worker id, module) for every process of a stack, in start order."""
     cmds = [("planner", "services.planner"), ("tool-sandbox", "services.tool_sandbox")]
     cmds += [(f"rollout-engine-{i}", "services.rollout_engine") for i in range(n_engines)]
     cmds += [("trainer", "services.trainer")]
     cmds += [(f"trainer-standby-{i}", "services.trainer") for i in range(standby_trainers)]
     cmds += [("scheduler", "services.scheduler")]
+    cmds += [(f"scheduler-standby-{i}", "services.scheduler") for i in range(standby_schedulers)]
     return cmds
 
 
@@ -168,13 +171,13 @@ class Stack:
         fresh = Stack.attach(state)
         self.pids, self.restarts, self.gave_up = fresh.pids, fresh.restarts, fresh.gave_up
 
-    def start_infra(self, n_engines: int, standby_trainers: int = 0) -> None:
+    def start_infra(self, n_engines: int, standby_trainers: int = 0, standby_schedulers: int = 0) -> None:
         """Generates the credentials of a stack of `n_engines` engines (an identity per worker)
         and starts nats-server (a user per worker, allowed what its role needs) and Redis (an ACL
         user per worker) on free loopback ports; `start_services` then starts its workers."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         data = state_dir() / "data" / self.name
-        self.plan_processes(n_engines, standby_trainers)
+        self.plan_processes(n_engines, standby_trainers, standby_schedulers)
         self.credentials = generate_credentials(data / "secrets", workers=list(self._modules))
         self.nats = start_nats(data / "nats", self.log_dir / NATS_LOG, config=self.credentials.nats_conf)
         self.redis = start_redis(
@@ -222,9 +225,9 @@ class Stack:
         env.update(self.extra_env)
         return env
 
-    def plan_processes(self, n_engines: int, standby_trainers: int = 0) -> None:
+    def plan_processes(self, n_engines: int, standby_trainers: int = 0, standby_schedulers: int = 0) -> None:
         """The workers of a stack of `n_engines` engines, and the engine hosts that serve them."""
-        for worker_id, module in service_commands(n_engines, standby_trainers):
+        for worker_id, module in service_commands(n_engines, standby_trainers, standby_schedulers):
             self._modules[worker_id] = module
         if self.engines_per_host > 1:
             engines = [w for w in self._modules if w.startswith("rollout-engine-")]
@@ -348,10 +351,11 @@ class Stack:
         names = set(self._modules) or set(self.pids)
         return {n for n in names if n.startswith("rollout-engine")} if names else None
 
-    def trainers(self) -> set[str]:
-        """The worker ids of the trainers this stack runs (the active one and its standbys)."""
+    def of_kind(self, kind: str) -> set[str]:
+        """The worker ids of the `kind` services this stack runs (a trainer or a scheduler: the
+        active one and its standbys)."""
         names = set(self._modules) or set(self.pids)
-        return {n for n in names if n == "trainer" or n.startswith("trainer-")}
+        return {n for n in names if n == kind or n.startswith(f"{kind}-")}
 
     def dead(self) -> dict[str, int | None]:
         """Services that exited and stay down: all of them without supervision, else those the

@@ -31,7 +31,7 @@ from services.common.bus import M, close_nats, decode, said_by
 from services.common.bus import connect_nats as connect
 from services.common.config import ID_PATTERN, CommonSettings, ConfigFileError
 from services.common.contracts import ev
-from services.common.errors import ForgedSender, LibraError, MalformedMessage
+from services.common.errors import FencedOut, ForgedSender, LibraError, MalformedMessage
 from services.common.logging import get_logger
 from services.common.runconfig import RunConfig, parse_run_config
 from services.common.tasks import cancel_and_wait
@@ -214,8 +214,7 @@ class JobAgent:
         if self.trace_files:
             set_trace_file(trace_file)
         try:
-            async with contextlib.AsyncExitStack() as stack:
-                await self.serve(job.common, job.run, job.stop, stack)
+            await self._serve(job)
         except asyncio.CancelledError:
             raise
         except ConfigFileError as err:  # a SystemExit: caught here, or asyncio would end the process
@@ -233,6 +232,19 @@ class JobAgent:
                 await self._publish_status()
         else:
             self.log.info("job_finished")
+
+    async def _serve(self, job: Job) -> None:
+        """The job, from the start again (everything it held closed first) each time this worker is
+        fenced out of its role: it rejoins as a standby, its successor's state being the job's."""
+        while True:
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    await self.serve(job.common, job.run, job.stop, stack)
+                return
+            except FencedOut as err:
+                if job.stop.is_set():
+                    return
+                self.log.warning("job_rejoined_as_standby", reason=str(err))
 
     async def _on_stop(self, msg: Msg) -> None:
         spec = self._decoded(msg, ev.JobStop)

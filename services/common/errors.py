@@ -50,6 +50,14 @@ class UserCodeBroken(LibraError):
     code = "user_code"
 
 
+class FencedOut(LibraError):
+    """This worker's role lease is no longer its own (it was paused or cut off past the lease and a
+    standby took the role): nothing it holds is the job's any more. Its job starts over in the same
+    process, as a standby (`services/common/control.py`)."""
+
+    code = "fenced_out"
+
+
 class Unavailable(LibraError):
     code = "unavailable"
 

@@ -24,6 +24,12 @@ DEFAULT_LEASE_TTL_S = 10.0
 TRAINER_ROLE = "role:trainer"
 PLANNER_ROLE = "role:planner"
 """The planner's lease: the planner that holds it plans and records the plan history."""
+SCHEDULER_ROLE = "role:scheduler"
+"""The scheduler's lease: the scheduler that holds it runs the job's trajectories and writes its
+ledger; further schedulers stand by (services/scheduler/leadership.py)."""
+ROLE_LEASES = {"train": TRAINER_ROLE, "schedule": SCHEDULER_ROLE}
+"""The roles one worker holds at a time: leased as the role itself, so a standby takes it only once
+the holder's lease has run out."""
 HYBRID_ROLE = "hybrid"
 """An engine in the trainer's data-parallel group (services/learning/hybrid.py)."""
 LENT_ROLE = "lent"
@@ -40,8 +46,9 @@ group, services/learning/hybrid.py)."""
 
 
 def lease_resource(role: str, worker_id: str) -> str:
-    """The trainer's lease is the role itself (one trainer owner at a time); others lease themselves."""
-    return TRAINER_ROLE if role == "train" else f"worker:{worker_id}"
+    """The trainer's and the scheduler's lease is the role itself (one owner at a time, `ROLE_LEASES`);
+    other workers lease themselves."""
+    return ROLE_LEASES.get(role, f"worker:{worker_id}")
 
 
 class Membership:

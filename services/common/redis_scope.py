@@ -29,7 +29,7 @@ from services.common.credentials import (
     kind_of,
     trainer_engine_id,
 )
-from services.common.membership import PLANNER_ROLE, TRAINER_ROLE
+from services.common.membership import PLANNER_ROLE, SCHEDULER_ROLE, TRAINER_ROLE
 from services.common.ownership import (
     LEDGER_KEYS,
     committed_key,
@@ -71,21 +71,22 @@ def run_key_patterns(identity: Identity, run_id: str, users: Sequence[Identity])
     """The ACL key patterns of `identity` in run `run_id` (`~` read and write, `%R~` read):
     every worker's own lease; the planner every worker's and role lease, their fencing counters
     and the plan history; the trainer its role lease, commit record and trained set; the
-    scheduler its ledger; every service reads the run's leases."""
+    scheduler its role lease and ledger; every service reads the run's leases."""
     run = f"libra:{run_id}"
     own = [f"~{run}:lease:worker:{w}" for w in _workers(identity)]
     reads = [f"%R~{run}:lease:*"]
     kind = identity.kind
     if kind == "planner":
         workers = [w for u in users for w in _workers(u)]
-        resources = [*(f"worker:{w}" for w in workers), TRAINER_ROLE, PLANNER_ROLE]
+        resources = [*(f"worker:{w}" for w in workers), TRAINER_ROLE, SCHEDULER_ROLE, PLANNER_ROLE]
         leases = [f"~{run}:{space}:{r}" for space in ("lease", "fence") for r in resources]
         return [*dict.fromkeys(leases), f"~{plans_key(run_id)}", f"~{role_changes_key(run_id)}", *reads]
     if kind == "trainer":
         owned = [f"~{committed_key(run_id)}", f"~{trained_key(run_id)}", f"~{run}:lease:{TRAINER_ROLE}"]
         return [*owned, *own, *reads]
     if kind == "scheduler":
-        return [*(f"~{ledger_key(run_id, k)}" for k in LEDGER_KEYS), *own, *reads]
+        ledger = [f"~{ledger_key(run_id, k)}" for k in LEDGER_KEYS]
+        return [*ledger, f"~{run}:lease:{SCHEDULER_ROLE}", *own, *reads]
     return [*own, *reads]
 
 

@@ -1,6 +1,6 @@
 """Workers joining the plan and leaving it: a hello gets a role (`StaticAssigner`) and a leased,
-fenced slot in Redis; a worker whose lease ran out leaves the plan; a standby trainer takes the
-trainer role when it is free."""
+fenced slot in Redis; a worker whose lease ran out leaves the plan; a standby trainer or scheduler
+takes its kind's role when it is free."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from services.common.contracts import ev
 from services.common.credentials import TRAINER_ENGINE_SUFFIX
 from services.common.errors import require
 from services.common.logging import get_logger
-from services.common.membership import LENT_ROLE, PARKED_ROLE, SPARE_ROLE, TRAINER_ROLE, lease_resource
+from services.common.membership import LENT_ROLE, PARKED_ROLE, SPARE_ROLE, lease_resource
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
 from services.planner.plan_state import PlanState
-from services.policy.assign import Slot, StaticAssigner
+from services.policy.assign import ROLE_BY_KIND, SINGLE_ROLES, Slot, StaticAssigner
 
 KINDS = ("rollout-engine", "trainer", "tool-sandbox", "scheduler")
 
@@ -150,21 +150,28 @@ class Registration:
                 self.log.warning("worker_lease_expired", worker_id=slot.worker_id, role=slot.role)
 
     async def promote_standby(self) -> None:
-        """The trainer's lease expired (dead, paused, cut off): a standby trainer takes the role under
-        a new token and resumes from the last committed checkpoint; the old one, if it comes back,
-        is fenced out and becomes a standby itself."""
+        """A trainer's or a scheduler's lease expired (dead, paused, cut off): a standby of its kind
+        takes the role under a new token and resumes from what the job recorded (the committed
+        checkpoint, the scheduler's ledger); the old one, if it comes back, is fenced out."""
+        for role in SINGLE_ROLES:
+            await self._promote(role)
+
+    async def _promote(self, role: str) -> None:
         s = self.state
-        if any(slot.role == "train" for slot in s.slots.values()):
+        if any(slot.role == role for slot in s.slots.values()):
             return
+        kind = next(k for k, r in ROLE_BY_KIND.items() if r == role)
         for slot in sorted(s.slots.values(), key=lambda slot: slot.worker_id):
-            if slot.role != "standby":
+            if slot.role != "standby" or slot.kind != kind:
                 continue
             lease = await self.store.acquire(
-                TRAINER_ROLE, slot.worker_id, self.cfg.job.lease_ttl_s, meta="train"
+                lease_resource(role, slot.worker_id), slot.worker_id, self.cfg.job.lease_ttl_s, meta=role
             )
             if lease is None:
-                return  # the role is still leased (the old trainer's lease has not run out)
-            slot.role, slot.fencing_token = "train", lease.token
+                return  # the role is still leased (the old holder's lease has not run out)
+            slot.role, slot.fencing_token = role, lease.token
             s.dirty = True
-            self.log.warning("standby_promoted", worker_id=slot.worker_id, fencing_token=lease.token)
+            self.log.warning(
+                "standby_promoted", worker_id=slot.worker_id, kind=kind, fencing_token=lease.token
+            )
             return

@@ -16,6 +16,9 @@ ROLE_BY_KIND = {
     "tool-sandbox": "tool",
     "scheduler": "schedule",
 }
+SINGLE_ROLES = ("train", "schedule")
+"""Roles one worker holds at a time: a further worker of the kind stands by (role `standby`) until
+the holder's lease runs out (the planner's `promote_standby`)."""
 
 
 @dataclass
@@ -60,15 +63,15 @@ class StaticAssigner:
         addr: str = "",
         tp: int = 1,
     ) -> Slot | None:
-        """A slot for a new worker, or None for an unknown kind. One trainer holds the train role;
-        further trainers stand by. Engines take their preferred bucket, else the one with the
+        """A slot for a new worker, or None for an unknown kind. One trainer holds the train role and
+        one scheduler the schedule role; further ones stand by. Engines take their preferred bucket, else the one with the
         fewest for its share (the first of those): the buckets fill in proportion; with matched
         TPs, only among the buckets of the engine's TP."""
         role = ROLE_BY_KIND.get(kind)
         if role is None:
             return None
         bucket = ""
-        if role == "train" and any(s.role == "train" for s in current.values() if s.worker_id != worker_id):
+        if role in SINGLE_ROLES and any(s.role == role for s in current.values() if s.worker_id != worker_id):
             role = "standby"
         if role == "rollout":
             fitting = self.fitting(tp)

@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
-from services.common.errors import require
+from services.common.errors import FencedOut, require
 from services.common.held_context import Held
 from services.common.logging import get_logger
 from services.common.runconfig import RunConfig
@@ -347,9 +347,17 @@ class TrajectoryDriver:
         engines, and on the turn results' path every result behind it waited (seconds at 1,024)."""
         self.inflight.end(live, time.monotonic())
         self.episode.forget(live)
-        task = self.bus.spawn(self.completion.publish(live, fin))
+        task = self.bus.spawn(self._hand_over(live, fin))
         self.publishing.add(task)
         task.add_done_callback(self.publishing.discard)
+
+    async def _hand_over(self, live: Live, fin: Finish) -> None:
+        try:
+            await self.completion.publish(live, fin)
+        except FencedOut:  # its successor re-issues it from the ledger
+            self.log.warning(
+                "trajectory_not_handed_over", trajectory_id=live.trajectory_id, reason="fenced out"
+            )
 
     async def published(self, timeout_s: float) -> None:
         """Waits (at most `timeout_s`) for the trajectories being handed to the trainer."""

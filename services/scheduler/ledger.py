@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.contracts import ev
+from services.common.errors import FencedOut
 from services.common.ownership import ledger_key
 from services.scheduler.feed import GroupTicket, TaskFeed, group_of
 
 
 async def durably(write: Awaitable[Any], log: Any) -> None:
-    """A ledger write; if Redis is away the run goes on, only a restart could not resume it."""
+    """A ledger write; if Redis is away the run goes on, only a restart could not resume it. One
+    refused because this scheduler no longer surely holds the role (`FencedOut`) is raised."""
     try:
         await write
+    except FencedOut:
+        raise
     except Exception as err:
         log.warning("ledger_write_failed", error=f"{type(err).__name__}: {err}")
 
@@ -41,8 +45,11 @@ class LedgerState:
 
 
 class Ledger:
-    def __init__(self, redis: Any, run_id: str):
+    def __init__(self, redis: Any, run_id: str, guard: Callable[[], None] = lambda: None):
+        """`guard` is called before every write and raises to refuse it: the scheduler's role
+        lease (`services/scheduler/leadership.py`), so that one paused past it writes nothing."""
         self.r = redis
+        self.guard = guard
         self.feed_key = ledger_key(run_id, "feed")
         self.outstanding_key = ledger_key(run_id, "outstanding")
         self.published_key = ledger_key(run_id, "published")
@@ -57,6 +64,7 @@ class Ledger:
 
     async def save_policy(self, state: dict[str, Any]) -> None:
         """What the routing policy learned (C-MLFQ's prefix trees), for a restarted scheduler."""
+        self.guard()
         await self.r.set(self.policy_key, json.dumps(state))
 
     async def load_policy(self) -> dict[str, Any] | None:
@@ -65,6 +73,7 @@ class Ledger:
 
     async def eval_done(self, version: int, summary: dict[str, Any]) -> None:
         """A finished evaluation round (services/scheduler/evaluation.py), by policy version."""
+        self.guard()
         self.changed = True
         await self.r.hset(self.eval_key, str(version), json.dumps(summary))
 
@@ -92,6 +101,7 @@ class Ledger:
 
     async def launched(self, feed: TaskFeed, tickets: list[GroupTicket]) -> None:
         """Written before the groups' trajectories start."""
+        self.guard()
         self.changed = True
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self.feed_key, mapping=self._cursor(feed))
@@ -99,6 +109,7 @@ class Ledger:
             await p.execute()
 
     async def resolved(self, feed: TaskFeed, group_id: str, outcome: str, trained: list[str]) -> None:
+        self.guard()
         self.changed = True
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self.feed_key, mapping=self._cursor(feed))
@@ -111,10 +122,12 @@ class Ledger:
 
     async def heard_trained(self, trained: list[str]) -> None:
         """Trained members of a group already decided (the trainer re-announces those delivered again)."""
+        self.guard()
         self.changed = True
         await self.r.sadd(self.trained_key, *trained)
 
     async def published(self, trajectory_id: str, failed: bool) -> None:
+        self.guard()
         self.changed = True
         async with self.r.pipeline(transaction=True) as p:
             p.sadd(self.published_key, trajectory_id)

@@ -12,7 +12,7 @@ from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.config import CommonSettings
 from services.common.contracts import ev
-from services.common.errors import UserCodeBroken
+from services.common.errors import FencedOut, UserCodeBroken
 from services.common.facts import FactsOut
 from services.common.logging import get_logger
 from services.common.membership import SERVING_ROLES, Membership
@@ -29,6 +29,7 @@ from services.scheduler.evaluation import Evaluator
 from services.scheduler.feed import build_feed
 from services.scheduler.groups import Groups
 from services.scheduler.inflight import InFlight, Live
+from services.scheduler.leadership import Leadership
 from services.scheduler.ledger import Ledger, durably, ledger_facts
 from services.scheduler.prompting import Prompter
 from services.scheduler.rewards import SandboxClient, Scorer, reward_ref
@@ -58,6 +59,14 @@ class SchedulerService:
         self.bus, self.store, self.prompter = bus, store, prompter
         self._cpu_mark = (time.monotonic(), time.process_time())
         self.log = get_logger(component="scheduler")
+        self.membership = Membership(
+            bus,
+            store,
+            ev.WorkerHello(worker_id=bus.worker_id, kind="scheduler"),
+            on_plan=self._on_plan,
+        )
+        self.leadership = Leadership(self.membership, store, self.log)
+        """Whether this scheduler acts for the job or stands by (`stand_by`)."""
         self.feed = build_feed(cfg)
         self.dispatch = build_dispatcher(cfg.rollout.buckets, cfg.rollout.policy, cfg.rollout.max_batch)
         self._policy_saved = time.monotonic()
@@ -72,7 +81,7 @@ class SchedulerService:
         self.started = time.monotonic()
         self.workload = WorkloadWindow(settings.stats_window_s)
         self._stats_published = 0.0
-        self.ledger = Ledger(store.r, common.run_id)
+        self.ledger = Ledger(store.r, common.run_id, guard=self.leadership.require)
         self.facts = FactsOut(bus, subjects.FACTS_SCHEDULER)
         """The ledger's accounting and evaluation rounds, for the job's report."""
         self._facts_read = float("-inf")
@@ -91,6 +100,7 @@ class SchedulerService:
             lambda: self.trained_version,
             cfg.task,
         )
+        self.started = False
         self.inflight = InFlight(
             bus, self.dispatch, settings, cfg, stop_strings, fail=self._fail, calls=calls
         )
@@ -114,12 +124,6 @@ class SchedulerService:
         self.groups = Groups(
             cfg, bus, self.feed, self.ledger, self.episode, self.driver, self.completion, self.versions
         )
-        self.membership = Membership(
-            bus,
-            store,
-            ev.WorkerHello(worker_id=bus.worker_id, kind="scheduler"),
-            on_plan=self._on_plan,
-        )
 
     async def _fail(self, live: Live, code: str, message: str) -> None:
         await self.driver.fail(live, code, message)
@@ -129,7 +133,15 @@ class SchedulerService:
         wall0, cpu0 = self._cpu_mark
         return (time.process_time() - cpu0) / max(1e-9, time.monotonic() - wall0)
 
+    async def stand_by(self, stop: asyncio.Event) -> bool:
+        """Joins the plan and waits, warm, until this scheduler holds the role (at once for the
+        job's only scheduler; a standby when the holder's lease runs out). False: stopped first."""
+        await self.membership.start()
+        return await self.leadership.wait_for_role(stop)
+
     async def start(self) -> None:
+        """Takes the job up: from its ledger when an earlier scheduler of it left one."""
+        self.started = True
         self._cpu_mark = (time.monotonic(), time.process_time())
         await self.bus.bind_stream("TRAJ")  # where completed trajectories go
         await self.groups.bind()
@@ -144,7 +156,6 @@ class SchedulerService:
         await self.facts.start()
         await self.groups.resume(self.evaluator, self.prompter)
         await self._load_policy()
-        await self.membership.start()
         self.bus.spawn(self._loop())
 
     async def _on_plan(self, plan: ev.Plan) -> None:
@@ -199,6 +210,8 @@ class SchedulerService:
         )
 
     async def close(self) -> None:
+        if not self.started:  # a standby: nothing was started
+            return
         await self.driver.published(timeout_s=10.0)
         if self.completion.scorer is not None:
             await self.completion.scorer.close()
@@ -209,6 +222,8 @@ class SchedulerService:
         started = False
         while True:
             await asyncio.sleep(self.settings.tick_s)
+            if not await self.leadership.still_leading():
+                continue  # unsure whether the role is still this scheduler's, or fenced out
             # at the start it waits (up to engine_wait_s) for the configured engines; once it has
             # begun, an engine that leaves (drained, dead) slows the run but never pauses it
             enough = started or len(self.dispatch.engines) >= self.cfg.rollout.engines
@@ -301,12 +316,16 @@ async def serve(
     stack.push_async_callback(store.close)
     svc = SchedulerService(common, settings, cfg, bus, store, prompter, model_vocabulary(cfg))
     stack.push_async_callback(svc.close)
+    if not await svc.stand_by(stop):
+        return  # the job ended while this scheduler stood by
     await svc.start()
     get_logger().info("scheduler_ready", prompts=cfg.task.num_prompts, group_size=cfg.task.group_size)
-    stopped, broken = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(svc.broken.wait())
-    await asyncio.wait({stopped, broken}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    broken.cancel()
+    waits = [asyncio.ensure_future(e.wait()) for e in (stop, svc.broken, svc.leadership.fenced)]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    if svc.leadership.fenced.is_set() and not stop.is_set():
+        raise FencedOut("another scheduler holds the role: this one stands by")
     if svc.broken.is_set() and not stop.is_set():
         raise UserCodeBroken(svc.completion.broken or "the job's own code fails on every call")
 

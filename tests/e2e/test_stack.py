@@ -992,6 +992,75 @@ def test_a_standby_trainer_takes_over_a_dead_one(tiny_model: Any, tmp_path: Path
     assert Path(report["checkpoint"]).name.startswith("step_00000012-e")
 
 
+def _events(log: Path, *names: str) -> list[dict[str, Any]]:
+    """The JSON log lines of a service log whose event is one of `names`."""
+    out = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if row.get("event") in names:
+                out.append(row)
+    return out
+
+
+def test_a_standby_scheduler_takes_over_and_the_paused_one_is_fenced_out(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    """Restarts off, one standby scheduler: the active one is paused (SIGSTOP) past its 4 s lease.
+    The planner gives the role to the standby, which resumes the job from the ledger; the paused
+    one, woken, finds its lease gone, writes nothing more and stands by itself. The job completes,
+    nothing lost or trained twice, no process died."""
+    own = Stack(f"e2e-sched-standby-{int(time.time())}", tmp_path / "logs", max_restarts=0)
+    own.start_infra(load_run_config(TINY).rollout.engines, standby_schedulers=1)
+    run_id = f"job-sched-standby-{RUN}"
+    paused: dict[str, float] = {}
+    try:
+        own.start_services()
+        config = _config(tmp_path, training={"steps": 30}, job={"lease_ttl_s": 4})
+
+        async def pause_scheduler(buses: dict[str, Bus]) -> None:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # once a few steps are committed
+                with contextlib.suppress(Exception):
+                    stats = await buses["cli"].request(
+                        subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, 2
+                    )
+                    if stats.trained_version >= 2:
+                        break
+                await asyncio.sleep(0.2)
+            pid = own.procs["scheduler"].pid
+            os.kill(pid, signal.SIGSTOP)
+            paused["at"] = time.time()
+            try:
+                await asyncio.sleep(14)  # 3.5 leases: the standby has the role
+            finally:
+                os.kill(pid, signal.SIGCONT)
+
+        intruder = _meanwhile(own, run_id, pause_scheduler, on="scheduler")
+        report = _run(own, config, run_id, tmp_path)
+        intruder.join(60)
+    finally:
+        own.stop()
+    assert report["status"] == "completed", report["reason"]
+    assert report["train_steps"] == 30 and report["services_dead"] == []
+    assert report["trajectories_trained_twice"] == 0 and report["trajectories_lost"] == 0
+    logs = tmp_path / "logs"
+    led = _events(logs / "scheduler-standby-0.log", "scheduler_leading")
+    assert len(led) == 1, led  # the standby took the role once, while the other was paused
+    took_over_s = _timestamp(led[0]) - paused["at"]
+    assert 0 < took_over_s < 14, took_over_s
+    print(f"standby scheduler leading {took_over_s:.1f} s after the active one was paused")
+    original = _events(logs / "scheduler.log", "scheduler_fenced_out", "job_rejoined_as_standby")
+    assert [e["event"] for e in original][-1] == "job_rejoined_as_standby", original
+    assert _timestamp(original[0]) > paused["at"] + 14  # only once it was woken
+
+
+def _timestamp(row: dict[str, Any]) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(row["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
 def test_an_engine_killed_while_joining_training_costs_one_attempt_and_the_job_goes_on(
     tiny_model: Any, tmp_path: Path
 ) -> None:

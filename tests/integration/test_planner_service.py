@@ -1,5 +1,5 @@
 """The planner shell on real NATS and Redis: it leases workers, publishes plans with buckets, hands
-the trainer role to a standby when the lease runs out, and outlives a Redis restart."""
+the trainer's and the scheduler's role to a standby when the lease runs out, and outlives a Redis restart."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from services.common.bus import Bus, Envelope, Refused
 from services.common.contracts import ev
 from services.common.facts import read_facts
 from services.common.localstack import Server, start_redis
-from services.common.membership import TRAINER_ROLE, lease_resource
+from services.common.membership import SCHEDULER_ROLE, TRAINER_ROLE, lease_resource
 from services.common.ownership import Lease, OwnershipStore, plans_key, role_changes_key
 from services.common.runconfig import RunConfig
 from services.planner.config import PlannerSettings
@@ -82,14 +82,21 @@ def _roles(plan: ev.Plan) -> dict[str, str]:
 
 async def test_standby_takes_the_trainer_role_and_the_planner_outlives_redis(rig: dict[str, Any]) -> None:
     watcher, plans, store = rig["watcher"], rig["plans"], rig["store"]
-    for wid in ("trainer-a", "trainer-b", "engine-0"):
-        kind = "rollout-engine" if wid.startswith("engine") else "trainer"
+    kinds = {"engine": "rollout-engine", "trainer": "trainer", "scheduler": "scheduler"}
+    for wid in ("trainer-a", "trainer-b", "engine-0", "scheduler-a", "scheduler-b"):
+        kind = kinds[wid.split("-")[0]]
         await speak(
             watcher, subjects.WORKER_HELLO, ev.WorkerHello(worker_id=wid, kind=kind, weight_sync_addr="x:1")
         )
-    await _until("plan", lambda: plans and len(plans[-1].assignments) == 3)
+    await _until("plan", lambda: plans and len(plans[-1].assignments) == 5)
     plan = plans[-1]
-    assert _roles(plan) == {"trainer-a": "train", "trainer-b": "standby", "engine-0": "rollout"}
+    assert _roles(plan) == {
+        "trainer-a": "train",
+        "trainer-b": "standby",
+        "engine-0": "rollout",
+        "scheduler-a": "schedule",
+        "scheduler-b": "standby",
+    }
     assert [(b.name, b.tensor_parallel) for b in plan.buckets] == [("short", 1)] and plan.lease_ttl_s == 2.0
 
     # Redis goes away and comes back (same port and data): the planner's loop lives on
@@ -98,26 +105,33 @@ async def test_standby_takes_the_trainer_role_and_the_planner_outlives_redis(rig
     await asyncio.sleep(0.5)  # a few ticks fail meanwhile
     rig["redis"].restart()
 
-    # the engine and the standby keep renewing what the latest plan gives them; trainer-a does not
-    # (it died): its lease runs out and trainer-b takes the role under a new token
+    # the engine and the standbys keep renewing what the latest plan gives them; trainer-a and
+    # scheduler-a do not (they died): their leases run out and each standby takes its kind's role
+    # under a new token
     async def live_workers() -> None:
         while True:
             for a in plans[-1].assignments:
-                if a.worker_id in ("engine-0", "trainer-b"):
+                if a.worker_id in ("engine-0", "trainer-b", "scheduler-b"):
                     lease = Lease(lease_resource(a.role, a.worker_id), a.worker_id, a.fencing_token)
                     await store.renew(lease, 2.0)
             await asyncio.sleep(0.3)
 
     keeper = asyncio.create_task(live_workers())
     try:
-        await _until("takeover", lambda: _roles(plans[-1]).get("trainer-b") == "train", timeout=20)
+        await _until(
+            "takeover",
+            lambda: (
+                _roles(plans[-1]) == {"trainer-b": "train", "engine-0": "rollout", "scheduler-b": "schedule"}
+            ),
+            timeout=20,
+        )
     finally:
         keeper.cancel()
     final = plans[-1]
-    assert _roles(final) == {"trainer-b": "train", "engine-0": "rollout"}
-    held = await store.holder(TRAINER_ROLE)
-    token_b = next(a.fencing_token for a in final.assignments if a.worker_id == "trainer-b")
-    assert held is not None and held.owner == "trainer-b" and held.token == token_b
+    for role, worker in ((TRAINER_ROLE, "trainer-b"), (SCHEDULER_ROLE, "scheduler-b")):
+        held = await store.holder(role)
+        token = next(a.fencing_token for a in final.assignments if a.worker_id == worker)
+        assert held is not None and held.owner == worker and held.token == token
 
 
 async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replaced_planner_goes_quiet(

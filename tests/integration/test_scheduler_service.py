@@ -19,6 +19,8 @@ from services.common.contracts import ev
 from services.common.facts import read_facts
 from services.common.held_context import context_digest
 from services.common.localstack import Server
+from services.common.membership import SCHEDULER_ROLE
+from services.common.ownership import OwnershipStore
 from services.common.runconfig import ModelConfig
 from tests.service_process import pinned_job_env, service_process
 
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.integration
 
 ENGINE = "engine-s1"
 ENGINE2 = "engine-s2"
+SCHEDULER = "scheduler-t1"
 CALL = "<calc>2+3</calc>"
 ANSWER = "The sum is <answer>5</answer>"
 
@@ -166,7 +169,7 @@ async def scheduler(
         nats_server.url,
         redis_server.url,
         run_id,
-        "scheduler-t1",
+        SCHEDULER,
         LIBRA_SCHEDULER_TICK_S="0.05",
         LIBRA_SCHEDULER_LOST_TURN_GRACE_S="0.5",
         LIBRA_SCHEDULER_ANSWERED_GRACE_S="1",
@@ -182,12 +185,19 @@ async def scheduler(
         if (answer := param.get("peer_answer")) is not None:  # before the scheduler sends a turn
             harness.peer.answer = answer(harness.peer)
         await harness.peer.start()
+    # the scheduler acts once the plan gives it the role and Redis holds its lease, as the planner
+    # would have it (services/scheduler/leadership.py)
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    lease = await store.acquire(SCHEDULER_ROLE, SCHEDULER, 30)
+    await store.close()
+    assert lease is not None
     plan = ev.Plan(
         plan_version=1,
         assignments=[
             ev.Assignment(worker_id=w, role="rollout", bucket="short", fencing_token=1 + i)
             for i, w in enumerate(names)
-        ],
+        ]
+        + [ev.Assignment(worker_id=SCHEDULER, role="schedule", fencing_token=lease.token)],
     )
     await bus.publish_durable(subjects.PLAN, plan, msg_id=f"{run_id}-plan-1")
     try:

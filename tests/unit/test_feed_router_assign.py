@@ -39,6 +39,11 @@ def test_static_assigner_roles_and_buckets() -> None:
     slots["t1"] = t1
     t2 = a.assign("t2", "trainer", "", slots)
     assert t2 is not None and t2.role == "standby"
+    s1 = a.assign("s1", "scheduler", "", slots)
+    assert s1 is not None and s1.role == "schedule"
+    slots["s1"] = s1
+    s2 = a.assign("s2", "scheduler", "", slots)
+    assert s2 is not None and s2.role == "standby"  # one scheduler acts, the next stands by
     assert a.assign("x", "mystery", "", slots) is None
 
 

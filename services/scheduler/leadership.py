@@ -1,0 +1,99 @@
+"""Which of a job's schedulers acts: the one the plan gives the `schedule` role, under the role's
+lease (`SCHEDULER_ROLE`). Further schedulers stand by, warm (connected, tokenizer loaded, the plan
+followed), and the planner gives one of them the role when the holder's lease runs out (killed,
+paused, cut off); it resumes from the ledger as a restarted scheduler does.
+
+The scheduler that held the role acts only while its lease is surely its own: renewed less than a
+lease ago (`Membership.holds_lease`, a local clock check that needs no Redis round trip), for the
+token it started under. A scheduler paused past its lease wakes with that check false and writes
+nothing more to the ledger or the trainer's stream; once Redis says its token is gone it is fenced
+out (`FencedOut`) and its job starts over in the same process, as a standby.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from services.common.errors import FencedOut
+from services.common.membership import SCHEDULER_ROLE, Membership
+from services.common.ownership import OwnershipStore
+
+ROLE = "schedule"
+POLL_S = 0.2
+
+
+class Leadership:
+    def __init__(self, membership: Membership, store: OwnershipStore, log: Any):
+        self.membership, self.store, self.log = membership, store, log
+        self.token = 0
+        """The role lease's fencing token this scheduler acts under (0: it has not taken the role)."""
+        self.fenced = asyncio.Event()
+        """Set when another scheduler holds the role: `serve` ends the job with `FencedOut`."""
+
+    async def wait_for_role(self, stop: asyncio.Event) -> bool:
+        """Stands by until the plan gives this scheduler the role and Redis confirms its lease
+        (False: the job stopped first)."""
+        standing_by = False
+        while not stop.is_set():
+            a = self.membership.assignment
+            if a is not None and a.role == ROLE and self.membership.holds_lease():
+                if await self._current(a.fencing_token):
+                    self.token = a.fencing_token
+                    self.log.info("scheduler_leading", fencing_token=self.token)
+                    return True
+            elif a is not None and not standing_by:
+                standing_by = True
+                self.log.info("scheduler_standing_by", role=a.role)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), POLL_S)
+        return False
+
+    def acting(self) -> bool:
+        """The role is this scheduler's under its token, its lease renewed less than a lease ago."""
+        a = self.membership.assignment
+        return (
+            self.token > 0
+            and a is not None
+            and a.role == ROLE
+            and a.fencing_token == self.token
+            and self.membership.holds_lease()
+        )
+
+    def require(self) -> None:
+        """Before a write the job keeps (the ledger, a trajectory for the trainer): refused unless
+        acting. A refusal ends this scheduler's turn at the role (`fenced`): a lease not renewed
+        for its whole length may already be another's, and what this process holds is re-issued
+        from the ledger by whichever scheduler holds the role next, this one included."""
+        if not self.acting():
+            self.fence("its lease was not renewed for a whole lease_ttl_s")
+            raise FencedOut("the scheduler's role lease is not confirmed: writes refused")
+
+    async def still_leading(self) -> bool:
+        """Each tick: True while acting. False to skip the tick while unsure (a renewal late, Redis
+        away); once Redis says the token is not current, fenced out."""
+        if self.acting():
+            return True
+        if self.fenced.is_set():
+            return False
+        try:
+            current = await self.store.is_current(SCHEDULER_ROLE, self.token)
+        except Exception as err:  # Redis away: act on nothing until it answers
+            self.log.warning("scheduler_lease_unconfirmed", error=f"{type(err).__name__}: {err}")
+            return False
+        if not current:
+            self.fence("another scheduler holds the role")
+        return False
+
+    def fence(self, why: str) -> None:
+        if not self.fenced.is_set():
+            self.log.warning("scheduler_fenced_out", fencing_token=self.token, reason=why)
+            self.fenced.set()
+
+    async def _current(self, token: int) -> bool:
+        try:
+            return bool(await self.store.is_current(SCHEDULER_ROLE, token))
+        except Exception as err:
+            self.log.warning("scheduler_lease_unconfirmed", error=f"{type(err).__name__}: {err}")
+            return False
