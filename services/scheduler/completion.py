@@ -134,7 +134,7 @@ class Completion:
         live.span.set_attribute("libra.finish", fin.reason)
         live.span.set_attribute("libra.reward", fin.reward)
         live.span.set_attribute("libra.turns", traj.turns)
-        self.ledger.guard()  # a scheduler fenced out of its role hands the trainer nothing
+        await self.ledger.guard()  # a scheduler fenced out of its role hands the trainer nothing
         await self.bus.publish_durable_until_stored(
             subjects.TRAJ_COMPLETED,
             msg,

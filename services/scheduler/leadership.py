@@ -3,11 +3,12 @@ lease (`SCHEDULER_ROLE`). Further schedulers stand by, warm (connected, tokenize
 followed), and the planner gives one of them the role when the holder's lease runs out (killed,
 paused, cut off); it resumes from the ledger as a restarted scheduler does.
 
-The scheduler that held the role acts only while its lease is surely its own: renewed less than a
-lease ago (`Membership.holds_lease`, a local clock check that needs no Redis round trip), for the
-token it started under. A scheduler paused past its lease wakes with that check false and writes
-nothing more to the ledger or the trainer's stream; once Redis says its token is gone it is fenced
-out (`FencedOut`) and its job starts over in the same process, as a standby.
+The scheduler that held the role writes only while its lease is surely its own: renewed less than
+a lease ago (`Membership.holds_lease`, a local clock check that needs no Redis round trip), for the
+token it acts under. A scheduler paused past its lease wakes with that check false and writes
+nothing more to the ledger or the trainer's stream until Redis confirms the role; once another
+scheduler holds it, it is fenced out (`FencedOut`) and its job starts over in the same process,
+as a standby.
 """
 
 from __future__ import annotations
@@ -61,29 +62,43 @@ class Leadership:
             and self.membership.holds_lease()
         )
 
-    def require(self) -> None:
-        """Before a write the job keeps (the ledger, a trajectory for the trainer): refused unless
-        acting. A refusal ends this scheduler's turn at the role (`fenced`): a lease not renewed
-        for its whole length may already be another's, and what this process holds is re-issued
-        from the ledger by whichever scheduler holds the role next, this one included."""
-        if not self.acting():
-            self.fence("its lease was not renewed for a whole lease_ttl_s")
-            raise FencedOut("the scheduler's role lease is not confirmed: writes refused")
+    async def require(self) -> None:
+        """Before a write the job keeps (the ledger, a trajectory for the trainer): goes ahead while
+        acting. While the lease is not confirmed (a renewal late, Redis slow, the lease lapsed with
+        nobody else holding the role) it waits, writing nothing; once another scheduler holds the
+        role it raises `FencedOut`: what this process holds is re-issued from the ledger."""
+        while not self.acting():
+            if not self.fenced.is_set():
+                await self.still_leading()
+                if self.acting():
+                    return
+            if self.fenced.is_set():
+                raise FencedOut("another scheduler holds the role: writes refused")
+            await asyncio.sleep(POLL_S)
 
     async def still_leading(self) -> bool:
-        """Each tick: True while acting. False to skip the tick while unsure (a renewal late, Redis
-        away); once Redis says the token is not current, fenced out."""
+        """Each tick: True while acting. False to skip the tick while unsure; fenced out once Redis
+        says another scheduler holds the role. A lease that lapsed (its renewals late: a loop
+        or a Redis busy past the lease) and that the planner leased to this same scheduler again
+        is taken up under the new token when nobody held the role in between (the fencing
+        counter moved by one): at a thousand engines on a busy machine lapses happen, and
+        restarting the job's scheduler for each would cost every trajectory in flight."""
         if self.acting():
             return True
         if self.fenced.is_set():
             return False
         try:
-            current = await self.store.is_current(SCHEDULER_ROLE, self.token)
+            held = await self.store.holder(SCHEDULER_ROLE)
         except Exception as err:  # Redis away: act on nothing until it answers
             self.log.warning("scheduler_lease_unconfirmed", error=f"{type(err).__name__}: {err}")
             return False
-        if not current:
-            self.fence("another scheduler holds the role")
+        if held is None or held.token == self.token:
+            return False  # lapsed with nobody holding it, or a renewal late: wait
+        if held.owner == self.membership.hello.worker_id and held.token == self.token + 1:
+            self.log.warning("scheduler_lease_retaken", old_token=self.token, fencing_token=held.token)
+            self.token = held.token
+            return self.acting()
+        self.fence(f"{held.owner} holds the role under token {held.token}")
         return False
 
     def fence(self, why: str) -> None:
@@ -92,6 +107,7 @@ class Leadership:
             self.fenced.set()
 
     async def _current(self, token: int) -> bool:
+        """Whether Redis holds the role lease under `token`."""
         try:
             return bool(await self.store.is_current(SCHEDULER_ROLE, token))
         except Exception as err:

@@ -32,6 +32,10 @@ async def durably(write: Awaitable[Any], log: Any) -> None:
         log.warning("ledger_write_failed", error=f"{type(err).__name__}: {err}")
 
 
+async def _always() -> None:
+    """Every write goes ahead (a ledger read back, or one in a test)."""
+
+
 @dataclass
 class LedgerState:
     launched: int
@@ -45,11 +49,11 @@ class LedgerState:
 
 
 class Ledger:
-    def __init__(self, redis: Any, run_id: str, guard: Callable[[], None] = lambda: None):
-        """`guard` is called before every write and raises to refuse it: the scheduler's role
+    def __init__(self, redis: Any, run_id: str, guard: Callable[[], Awaitable[None]] | None = None):
+        """`guard` is awaited before every write, and raises to refuse it: the scheduler's role
         lease (`services/scheduler/leadership.py`), so that one paused past it writes nothing."""
         self.r = redis
-        self.guard = guard
+        self.guard = guard or _always
         self.feed_key = ledger_key(run_id, "feed")
         self.outstanding_key = ledger_key(run_id, "outstanding")
         self.published_key = ledger_key(run_id, "published")
@@ -64,7 +68,7 @@ class Ledger:
 
     async def save_policy(self, state: dict[str, Any]) -> None:
         """What the routing policy learned (C-MLFQ's prefix trees), for a restarted scheduler."""
-        self.guard()
+        await self.guard()
         await self.r.set(self.policy_key, json.dumps(state))
 
     async def load_policy(self) -> dict[str, Any] | None:
@@ -73,7 +77,7 @@ class Ledger:
 
     async def eval_done(self, version: int, summary: dict[str, Any]) -> None:
         """A finished evaluation round (services/scheduler/evaluation.py), by policy version."""
-        self.guard()
+        await self.guard()
         self.changed = True
         await self.r.hset(self.eval_key, str(version), json.dumps(summary))
 
@@ -101,7 +105,7 @@ class Ledger:
 
     async def launched(self, feed: TaskFeed, tickets: list[GroupTicket]) -> None:
         """Written before the groups' trajectories start."""
-        self.guard()
+        await self.guard()
         self.changed = True
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self.feed_key, mapping=self._cursor(feed))
@@ -109,7 +113,7 @@ class Ledger:
             await p.execute()
 
     async def resolved(self, feed: TaskFeed, group_id: str, outcome: str, trained: list[str]) -> None:
-        self.guard()
+        await self.guard()
         self.changed = True
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self.feed_key, mapping=self._cursor(feed))
@@ -122,12 +126,12 @@ class Ledger:
 
     async def heard_trained(self, trained: list[str]) -> None:
         """Trained members of a group already decided (the trainer re-announces those delivered again)."""
-        self.guard()
+        await self.guard()
         self.changed = True
         await self.r.sadd(self.trained_key, *trained)
 
     async def published(self, trajectory_id: str, failed: bool) -> None:
-        self.guard()
+        await self.guard()
         self.changed = True
         async with self.r.pipeline(transaction=True) as p:
             p.sadd(self.published_key, trajectory_id)
