@@ -71,6 +71,8 @@ class Membership:
         self._valid_until = 0.0
         self._renew_now = asyncio.Event()
         self._plan_applied = asyncio.Event()
+        self._retaken = 0
+        """A token of this worker's role lease learnt from Redis before any plan named it (`retaken`)."""
 
     @property
     def lease_ttl_s(self) -> float:
@@ -143,6 +145,11 @@ class Membership:
                 return
         self.plan = plan
         mine = next((a for a in plan.assignments if a.worker_id == self.hello.worker_id), None)
+        if mine is not None and self._retaken:
+            if mine.role == self.assignment.role and mine.fencing_token < self._retaken:  # type: ignore[union-attr]
+                mine = None  # a plan from before the retake: the token it names is gone
+            else:
+                self._retaken = 0  # the planner's plan names the retaken token (or moved the role)
         if mine is not None:
             changed = self.assignment is None or (mine.role, mine.bucket, mine.fencing_token) != (
                 self.assignment.role,
@@ -161,6 +168,22 @@ class Membership:
         self._plan_applied.set()
         if self.on_plan is not None:
             await self.on_plan(plan)
+
+    def retaken(self, token: int) -> None:
+        """This worker's role lease lapsed and Redis shows the planner leased it to this worker
+        again under `token`, before the plan saying so has come (a plan of a thousand engines
+        reaches a busy worker seconds late): the lease is renewed under `token` meanwhile, or it
+        would lapse again before the plan arrives. Plans that still name an older token are not
+        followed for this assignment until one names `token`."""
+        a = self.assignment
+        if a is None or token <= a.fencing_token:
+            return
+        self.assignment = ev.Assignment()
+        self.assignment.CopyFrom(a)
+        self.assignment.fencing_token = token
+        self._retaken = token
+        self._valid_until = time.monotonic() + self.lease_ttl_s / 4  # Redis holds it: renewed now
+        self._renew_now.set()
 
     async def _hello_loop(self) -> None:
         """Announces the worker until it is in a plan, then every few seconds as a liveness beacon."""

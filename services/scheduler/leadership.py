@@ -97,6 +97,7 @@ class Leadership:
         if held.owner == self.membership.hello.worker_id and held.token == self.token + 1:
             self.log.warning("scheduler_lease_retaken", old_token=self.token, fencing_token=held.token)
             self.token = held.token
+            self.membership.retaken(held.token)
             return self.acting()
         self.fence(f"{held.owner} holds the role under token {held.token}")
         return False

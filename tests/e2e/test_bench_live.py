@@ -5,6 +5,7 @@ engines runs both policies, the simulator predicts both, and live.json says how 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,21 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
     assert 0 < sched["cpu_utilisation"] < 2
     assert sched["messages_per_s"] > 0
     assert (out / "config-libra.yaml").exists() and (out / "config-least_loaded.yaml").exists()
+
+
+@pytest.mark.skipif(
+    os.environ.get("LIBRA_LONG_TESTS") != "1",
+    reason="a long scenario: `make chaos` runs it (LIBRA_LONG_TESTS=1), `make test` does not",
+)
+def test_bench_live_kills_the_scheduler_and_says_when_the_job_was_back(tmp_path: Path) -> None:
+    """`--kill-scheduler-at-step 1` with a standby: the job completes with nothing lost, and
+    live.json's `fault` says how long it was out of service."""
+    out = tmp_path / "live"
+    args = ["--workload", str(WORKLOAD), "--engines", "4", "--steps", "4", "--groups-per-step", "2"]
+    args += ["--group-size", "2", "--time-scale", "0.25", "--sim-seeds", "1", "--out", str(out)]
+    args += ["--policies", "libra", "--standby-schedulers", "1", "--kill-scheduler-at-step", "1"]
+    assert main(args) == 0
+    fault = json.loads((out / "live.json").read_text())["policies"]["libra"]["fault"]
+    assert fault["after_step"] == 1 and fault["status"] == "completed", fault
+    assert fault["recovered_s"] is not None and fault["recovered_s"] > 0
+    assert fault["trajectories_lost"] == 0 and fault["trajectories_trained_twice"] == 0

@@ -25,6 +25,12 @@ class FakeMembership:
     def holds_lease(self) -> bool:
         return self.assignment is not None and self.valid
 
+    def retaken(self, token: int) -> None:
+        """As `Membership.retaken`: the assignment takes the token Redis holds, renewed at once."""
+        assert self.assignment is not None
+        self.assignment = _assign(self.assignment.role, token)
+        self.valid = True
+
 
 class FakeStore:
     """The role lease: held by `owner` under `current_token` (0: nobody holds it)."""
@@ -120,10 +126,10 @@ async def test_a_lapsed_lease_leased_again_to_the_same_scheduler_is_taken_up() -
     m.valid = False
     write = asyncio.ensure_future(lead.require())
     await asyncio.sleep(0.3)
-    store.current_token = 3  # re-leased to this scheduler
-    m.assignment, m.valid = _assign("schedule", 3), True  # the plan says so, the renewal confirms it
+    store.current_token = 3  # re-leased to this scheduler; the plan saying so has not come yet
     await asyncio.wait_for(write, 2)
     assert lead.token == 3 and lead.acting() and not lead.fenced.is_set()
+    assert m.assignment is not None and m.assignment.fencing_token == 3  # renewed under 3 meanwhile
     m.valid = False
     store.current_token = 5  # its own again, but token 4 was someone's in between
     assert not await lead.still_leading() and lead.fenced.is_set()
