@@ -47,6 +47,10 @@ KNOWN_TOOL_STATUSES = ("ok", "error", "timeout", "killed", "rejected")
 """Tool statuses with their own metric label (anything else a sandbox sends counts as `other`)."""
 
 
+HANDOVERS = 8
+"""Finished trajectories being stored in JetStream at once (`TrajectoryDriver._finish`)."""
+
+
 class TrajectoryDriver:
     def __init__(
         self,
@@ -79,6 +83,7 @@ class TrajectoryDriver:
         """Turns a draining engine gave back."""
         self.publishing: set[asyncio.Task[None]] = set()
         """Finished trajectories on their way to the trainer (`_finish`)."""
+        self._handing = asyncio.Semaphore(HANDOVERS)
         self.tool_statuses: Counter[str] = Counter()
         for status in (*KNOWN_TOOL_STATUSES, "other"):  # every series exists from the start, at 0
             self.metrics.tool_calls.labels(status)
@@ -344,7 +349,9 @@ class TrajectoryDriver:
     async def _finish(self, live: Live, fin: Finish) -> None:
         """Ends the trajectory here and hands it to the trainer in a task of its own: JetStream
         storing a long trajectory (hundreds of kB of tokens and logprobs) took 0.1-0.6 s at 512
-        engines, and on the turn results' path every result behind it waited (seconds at 1,024)."""
+        engines, and on the turn results' path every result behind it waited (seconds at 1,024).
+        At most `HANDOVERS` at once: unbounded, hundreds of stores at 1,024 engines timed out and
+        were retried together, and the scheduler, busy with them, dropped turn results."""
         self.inflight.end(live, time.monotonic())
         self.episode.forget(live)
         task = self.bus.spawn(self._hand_over(live, fin))
@@ -353,7 +360,8 @@ class TrajectoryDriver:
 
     async def _hand_over(self, live: Live, fin: Finish) -> None:
         try:
-            await self.completion.publish(live, fin)
+            async with self._handing:
+                await self.completion.publish(live, fin)
         except FencedOut:  # its successor re-issues it from the ledger
             self.log.warning(
                 "trajectory_not_handed_over", trajectory_id=live.trajectory_id, reason="fenced out"
