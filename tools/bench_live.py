@@ -224,6 +224,12 @@ class Watch:
     failed: int = 0
     step_ends: dict[int, float] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
+    kill_at_step: int = 0
+    """Kill -9 the (active) scheduler once this step is committed (0: no fault)."""
+    killed_at: float | None = None
+    """Wall time of that kill."""
+    recovered_s: float | None = None
+    """From the kill to the first trajectory a scheduler completed after it: the job back in service."""
 
 
 def _watch(stack: Stack, run_id: str, watch: Watch) -> threading.Thread:
@@ -231,6 +237,8 @@ def _watch(stack: Stack, run_id: str, watch: Watch) -> threading.Thread:
         bus = await Bus.connect(stack.nats_url, run_id, "cli", "bench-live", stack.nats_auth("cli"))
 
         async def on_traj(m: ev.CompletedTrajectory, _: Any) -> None:
+            if watch.killed_at is not None and watch.recovered_s is None and m.completed_at > watch.killed_at:
+                watch.recovered_s = m.completed_at - watch.killed_at
             if m.failure.code:
                 watch.failed += 1
             else:
@@ -240,6 +248,12 @@ def _watch(stack: Stack, run_id: str, watch: Watch) -> threading.Thread:
         async def on_step(m: ev.TrainMetrics, _: Any) -> None:
             if m.step > 0 and m.step not in watch.step_ends:
                 watch.step_ends[m.step] = time.monotonic()
+            if watch.kill_at_step and m.step >= watch.kill_at_step and watch.killed_at is None:
+                proc = stack.procs.get("scheduler")
+                if proc is not None and proc.poll() is None:
+                    proc.kill()  # the supervisor restarts it; a standby may take the role first
+                    watch.killed_at = time.time()
+                    print(f"bench live: killed the scheduler (-9) after step {m.step}", flush=True)
 
         await bus.subscribe(subjects.TRAJ_COMPLETED, ev.CompletedTrajectory, on_traj)
         await bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, on_step)
@@ -285,6 +299,20 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
         "scheduler_cpu_utilisation": sched.get("cpu_utilisation", 0.0),
         "messages_per_s": (sched.get("messages_received", 0) + sched.get("messages_published", 0)) / wall,
         "context_tokens_held_share": _held_share(report.get("turn_context_tokens") or {}),
+    }
+
+
+def _fault(watch: Watch, report: dict[str, Any]) -> dict[str, Any]:
+    """What a scheduler killed mid-job cost: when the job was back in service, and what was lost."""
+    return {
+        "killed": "scheduler",
+        "after_step": watch.kill_at_step if watch.killed_at is not None else None,
+        "recovered_s": watch.recovered_s,
+        "restarts": report.get("restarts", {}),
+        "status": report.get("status"),
+        "trajectories_lost": report.get("trajectories_lost"),
+        "trajectories_trained_twice": report.get("trajectories_trained_twice"),
+        "groups_replaced": report.get("groups_replaced"),
     }
 
 
@@ -483,6 +511,19 @@ def parser() -> argparse.ArgumentParser:
         default=20.0,
         help="wall seconds between the re-plans of libra_refit and libra_relayout (default 20)",
     )
+    p.add_argument(
+        "--standby-schedulers",
+        type=int,
+        default=0,
+        help="schedulers standing by to take the job over (default 0)",
+    )
+    p.add_argument(
+        "--kill-scheduler-at-step",
+        type=int,
+        default=0,
+        help="a fault: kill -9 the scheduler once this step is committed; live.json's `fault` says "
+        "when the job was back in service and what was lost (default 0: none)",
+    )
     p.add_argument("--sim-seeds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -536,13 +577,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     windows: dict[str, tuple[float, float]] = {}
     results: dict[str, Any] = {}
-    stack.start_infra(max(cfg.engines_needed for _, cfg in configs.values()))
+    stack.start_infra(
+        max(cfg.engines_needed for _, cfg in configs.values()), standby_schedulers=ns.standby_schedulers
+    )
     try:
         stack.start_services()
         for name in policies:
             path, cfg = configs[name]
             run_id = f"live-{name}-{int(time.time())}"
-            watch = Watch()
+            watch = Watch(kill_at_step=ns.kill_scheduler_at_step)
             watcher = _watch(stack, run_id, watch)
             print(
                 f"bench live: {name} ({cfg.rollout.policy}) on {cfg.engines_needed} {ns.backend} engines, "
@@ -569,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
                 "report": report.get("report_path"),
                 "host_cpu": {"cores": os.cpu_count(), "by_role": cpu.usage},
             }
+            if watch.kill_at_step:
+                results[name]["fault"] = _fault(watch, report)
     finally:
         stack.stop()
 
@@ -636,6 +681,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':>12}  mean s per trajectory, measured {_fmt(m['latency_breakdown_mean_s'])}")
         print(f"{'':>12}  mean s per trajectory, predicted {_fmt(pr['latency_breakdown_mean_s'])}")
         print(f"{'':>12}  host CPU over the job, cores: {host_cpu.line(r['host_cpu']['by_role'])}")
+        if (f := r.get("fault")) is not None:
+            back = f"{f['recovered_s']:.1f} s" if f["recovered_s"] is not None else "never"
+            print(
+                f"{'':>12}  scheduler killed after step {f['after_step']}: back in service after {back}; "
+                f"lost {f['trajectories_lost']}, trained twice {f['trajectories_trained_twice']}, "
+                f"restarts {f['restarts']}"
+            )
         if r.get("iterations"):
             a, fitted = r["iterations"]["all"], r.get("predicted_live_fit")
             print(
