@@ -44,7 +44,8 @@ test: $(STAMP) ## Run unit, integration and e2e tests (real nats-server, redis-s
 
 chaos: $(STAMP) ## Kill -9 each service in turn mid-job, also while lending, on vLLM and under bench live (LIBRA_LONG_TESTS=1: the long scenarios too)
 	LIBRA_LONG_TESTS=1 $(PY) -m pytest -q -s tests/e2e/test_chaos.py \
-		tests/e2e/test_bench_live.py::test_bench_live_kills_the_scheduler_and_says_when_the_job_was_back
+		tests/e2e/test_bench_live.py::test_bench_live_kills_the_scheduler_and_says_when_the_job_was_back \
+		tests/e2e/test_stack.py::test_a_standby_scheduler_takes_over_and_the_paused_one_is_fenced_out
 
 lint: $(STAMP) ## ruff format check, ruff check, mypy on services/ and tools/, the architecture contracts
 	$(VENV)/bin/ruff format --check services tools tests examples

@@ -81,8 +81,6 @@ class TrajectoryDriver:
         self.turns = 0
         self.handed_back = 0
         """Turns a draining engine gave back."""
-        self.publishing: set[asyncio.Task[None]] = set()
-        """Finished trajectories on their way to the trainer (`_finish`)."""
         self._handing = asyncio.Semaphore(HANDOVERS)
         self.tool_statuses: Counter[str] = Counter()
         for status in (*KNOWN_TOOL_STATUSES, "other"):  # every series exists from the start, at 0
@@ -351,12 +349,12 @@ class TrajectoryDriver:
         storing a long trajectory (hundreds of kB of tokens and logprobs) took 0.1-0.6 s at 512
         engines, and on the turn results' path every result behind it waited (seconds at 1,024).
         At most `HANDOVERS` at once: unbounded, hundreds of stores at 1,024 engines timed out and
-        were retried together, and the scheduler, busy with them, dropped turn results."""
+        were retried together, and the scheduler, busy with them, dropped turn results. One still on
+        its way when the scheduler stops is not waited for: the ledger does not name it published,
+        so the job's next scheduler re-issues it (the job's end needs it no more)."""
         self.inflight.end(live, time.monotonic())
         self.episode.forget(live)
-        task = self.bus.spawn(self._hand_over(live, fin))
-        self.publishing.add(task)
-        task.add_done_callback(self.publishing.discard)
+        self.bus.spawn(self._hand_over(live, fin))
 
     async def _hand_over(self, live: Live, fin: Finish) -> None:
         try:
@@ -366,8 +364,3 @@ class TrajectoryDriver:
             self.log.warning(
                 "trajectory_not_handed_over", trajectory_id=live.trajectory_id, reason="fenced out"
             )
-
-    async def published(self, timeout_s: float) -> None:
-        """Waits (at most `timeout_s`) for the trajectories being handed to the trainer."""
-        if self.publishing:
-            await asyncio.wait(set(self.publishing), timeout=timeout_s)

@@ -212,7 +212,6 @@ class SchedulerService:
     async def close(self) -> None:
         if not self.started:  # a standby: nothing was started
             return
-        await self.driver.published(timeout_s=10.0)
         if self.completion.scorer is not None:
             await self.completion.scorer.close()
         await self.episode.close()
