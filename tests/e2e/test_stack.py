@@ -955,6 +955,17 @@ def test_a_killed_service_fails_the_job_with_a_report(tiny_model: Any, tmp_path:
     assert not [p for p in report["services"].values() if pid_alive(p)], "orphan service processes"
 
 
+async def _until_trained_version(cli: Bus, version: int, timeout: float = 120) -> None:
+    """Until the scheduler has heard of trained version `version` or newer (or `timeout` passed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            stats = await cli.request(subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, 2)
+            if stats.trained_version >= version:
+                return
+        await asyncio.sleep(0.2)
+
+
 def test_a_standby_trainer_takes_over_a_dead_one(tiny_model: Any, tmp_path: Path) -> None:
     """Restarts off, one standby: the trainer is killed mid-job; when its lease runs out the planner
     gives the role to the standby, which resumes from the last committed checkpoint."""
@@ -966,15 +977,7 @@ def test_a_standby_trainer_takes_over_a_dead_one(tiny_model: Any, tmp_path: Path
         config = _config(tmp_path, training={"steps": 12}, job={"lease_ttl_s": 4})
 
         async def kill_trainer(buses: dict[str, Bus]) -> None:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:  # once a few steps are committed
-                with contextlib.suppress(Exception):
-                    stats = await buses["cli"].request(
-                        subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, 2
-                    )
-                    if stats.trained_version >= 3:
-                        break
-                await asyncio.sleep(0.2)
+            await _until_trained_version(buses["cli"], 3)  # once a few steps are committed
             os.kill(own.procs["trainer"].pid, signal.SIGKILL)
 
         intruder = _meanwhile(own, run_id, kill_trainer, on="trainer")
@@ -1023,15 +1026,7 @@ def test_a_standby_scheduler_takes_over_and_the_paused_one_is_fenced_out(
         config = _config(tmp_path, training={"steps": 30}, job={"lease_ttl_s": 4})
 
         async def pause_scheduler(buses: dict[str, Bus]) -> None:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:  # once a few steps are committed
-                with contextlib.suppress(Exception):
-                    stats = await buses["cli"].request(
-                        subjects.SCHEDULER_STATS, ev.StatsRequest(), ev.SchedulerStats, 2
-                    )
-                    if stats.trained_version >= 2:
-                        break
-                await asyncio.sleep(0.2)
+            await _until_trained_version(buses["cli"], 2)  # once a few steps are committed
             pid = own.procs["scheduler"].pid
             os.kill(pid, signal.SIGSTOP)
             paused["at"] = time.time()

@@ -1,7 +1,10 @@
 import asyncio
+from typing import Any
 
 import pytest
 
+from services.common.contracts import ev
+from services.common.membership import TRAINER_ROLE, Membership
 from services.common.ownership import OwnershipStore
 
 pytestmark = pytest.mark.integration
@@ -59,4 +62,54 @@ async def test_commit_record_is_written_only_under_the_current_token(redis_serve
         record = await store.committed()
         assert record["step"] == "2" and record["trained_twice"] == "1"  # "y" was trained before
     finally:
+        await store.close()
+
+
+async def _renewing(store: OwnershipStore, lease_ttl_s: float, worker: str, token: int) -> Membership:
+    """A worker following a plan that gives it the trainer role under `token`, its lease renewing."""
+    unused: Any = None  # renewing reads the store only
+    m = Membership(unused, store, ev.WorkerHello(worker_id=worker, kind="trainer"))
+    plan = ev.Plan(plan_version=1, planner_epoch=1, lease_ttl_s=lease_ttl_s)
+    plan.assignments.add(worker_id=worker, role="train", fencing_token=token)
+    await m._apply(plan)
+    return m
+
+
+async def test_a_lapsed_lease_leased_again_to_its_worker_is_taken_up_before_the_plan_says_so(
+    redis_server, run_id
+) -> None:
+    """A renewal comes too late, the planner leases the role to the same worker again (token + 1):
+    the worker renews under the new token at once rather than waiting for the plan naming it. A
+    lease another worker took meanwhile is lost, not taken."""
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    renewing: list[asyncio.Task[None]] = []
+    try:
+        first = await store.acquire(TRAINER_ROLE, "trainer-a", ttl_s=5)
+        assert first is not None
+        m = await _renewing(store, 1.0, "trainer-a", first.token)
+        renewing.append(asyncio.create_task(m._renew_loop()))
+        await asyncio.sleep(0.3)
+        assert m.holds_lease()
+        await store.r.delete(store._key(TRAINER_ROLE))  # lapsed: its renewals were late
+        again = await store.acquire(TRAINER_ROLE, "trainer-a", ttl_s=5)  # the planner re-leases it
+        assert again is not None and again.token == first.token + 1
+        async with asyncio.timeout(5):
+            while m.assignment is None or m.assignment.fencing_token != again.token:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        assert m.holds_lease() and m.lease_lost == 0
+        assert await store.is_current(TRAINER_ROLE, again.token)
+
+        await store.r.delete(store._key(TRAINER_ROLE))
+        other = await store.acquire(TRAINER_ROLE, "trainer-b", ttl_s=5)  # the standby's now
+        assert other is not None and other.token == again.token + 1
+        async with asyncio.timeout(5):
+            while m.lease_lost == 0:
+                await asyncio.sleep(0.05)
+        assert not m.holds_lease() and m.assignment is not None
+        assert m.assignment.fencing_token == again.token
+        assert await store.holder(TRAINER_ROLE) == other
+    finally:
+        for t in renewing:
+            t.cancel()
         await store.close()
