@@ -61,4 +61,4 @@ def service_main(
         _load(before)()
     from services.common.lifecycle import run_service
 
-    return run_service(service, importlib.import_module(module).serve)
+    return run_service(service, module)
