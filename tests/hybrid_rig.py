@@ -1,8 +1,10 @@
 """A hybrid worker's training side as its own process (tests/integration/test_hybrid_group.py):
-`python -m tests.hybrid_rig PORT GENERATION KEY RANK WORLD MODEL_DIR OUT [die-after-join]`. It joins one
+`python -m tests.hybrid_rig PORT GENERATION KEY RANK WORLD MODEL_DIR OUT [die-after-join]
+[timeout=S]`. It joins one
 generation of the trainer's group, follows it until the trainer closes it and writes its weights
 and the number of steps it computed to OUT; with `die-after-join` it exits hard once it has the
-weights, mid-generation, as a killed worker would."""
+weights, mid-generation, as a killed worker would; `timeout=S`: how long it waits for the
+generation to form (20 s)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import torch
 
 def main(argv: list[str]) -> None:
     port, gen, key, rank, world = int(argv[0]), int(argv[1]), argv[2], int(argv[3]), int(argv[4])
-    model_dir, out, die = argv[5], Path(argv[6]), argv[7:] == ["die-after-join"]
+    model_dir, out, die = argv[5], Path(argv[6]), "die-after-join" in argv[7:]
+    # how long its side waits for the generation to form (the trainer's is its own)
+    timeout_s = next((float(a.split("=", 1)[1]) for a in argv[7:] if a.startswith("timeout=")), 20.0)
     from services.common.runconfig import RunConfig
     from services.learning.recipe import replica_for
 
@@ -31,7 +35,7 @@ def main(argv: list[str]) -> None:
         if die:
             os._exit(3)
 
-    outcome = replica.serve("127.0.0.1", port, gen, key, rank, world, 20.0, joined)
+    outcome = replica.serve("127.0.0.1", port, gen, key, rank, world, timeout_s, joined)
     torch.save(
         {k: v.detach().clone() for k, v in replica.model.state_dict().items()}, out / f"replica-{rank}.pt"
     )

@@ -42,7 +42,7 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
     project.mkdir()
     cache = ROOT / ".libra" / "models"  # the tiny model the session already built
     out = _libra(
-        "run", "tiny", "--training.steps", "3", "task.max_turns=1", "--training.save_every=2",
+        "run", "tiny", "--training.steps", "2", "task.max_turns=1", "--training.save_every=2",
         "--task.top_p", "0.9", "training.filter_zero_advantage=false", f"--model.cache_dir={cache}",
         "--training.fsdp", "2", "--rollout.backend", "vllm", "--rollout.engines", "1",
         "--output-dir", "out", "--run-id", RUN, cwd=project,
@@ -51,16 +51,16 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
     run = project / "out" / RUN
     assert (project / ".libra" / "data" / f"embedded-{RUN}").is_dir()  # the stack's state is the caller's
     report = json.loads((run / "report.json").read_text())
-    assert report["train_steps"] == 3 and report["final_weight_version"] == 3
+    assert report["train_steps"] == 2 and report["final_weight_version"] == 2
     assert report["rollout_backend"] == "vllm" and report["all_engines_on_final_version"]
     assert any(w["delta_engines"] for w in report["weight_push"]), "vLLM takes deltas after the first push"
     (engine,) = report["engines"]  # what it generated, and how much of its prompts vLLM found cached
     assert engine["tokens_generated"] > 0 and 0.0 <= engine["prefix_cache_hit_rate"] <= 1.0, engine
     assert (report["trajectories_lost"], report["trajectories_trained_twice"]) == (0, 0)
     trainer_log = (run / "logs" / "trainer.log").read_text()
-    assert trainer_log.count('"data_parallel": 2') == 3  # every step on both FSDP ranks
+    assert trainer_log.count('"data_parallel": 2') == 2  # every step on both FSDP ranks
     sent = yaml.safe_load((run / "config.yaml").read_text())
-    assert sent["training"]["steps"] == 3 and sent["task"]["max_turns"] == 1
+    assert sent["training"]["steps"] == 2 and sent["task"]["max_turns"] == 1
     # top_p reached vLLM and the trainer alike: both score tokens under the nucleus, so on step 1
     # (same weights, float32) they agree (scoring the full distribution gave log(1 / nucleus
     # mass), about 0.1 here, before the trainer knew top_p)
@@ -74,8 +74,9 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
     for name, tensor in policy.state_dict().items():
         assert torch.equal(tensor, trained[name]), name
     assert transformers.AutoTokenizer.from_pretrained(str(run / "final")).eos_token_id is not None
-    assert json.loads((run / "final" / "libra.json").read_text())["step"] == 3
-    # training.save_every=2: the trainer wrote step 2's policy itself (and no other)
+    assert json.loads((run / "final" / "libra.json").read_text())["step"] == 2
+    # training.save_every=2: the trainer wrote step 2's policy itself (and no other), as well as
+    # the final one `libra run` exports
     (saved,) = (run / "checkpoints" / "hf").iterdir()
     assert saved.name == "step_00000002" and json.loads((saved / "libra.json").read_text())["step"] == 2
     assert (

@@ -974,7 +974,7 @@ def test_a_standby_trainer_takes_over_a_dead_one(tiny_model: Any, tmp_path: Path
     run_id = f"job-standby-{RUN}"
     try:
         own.start_services()
-        config = _config(tmp_path, training={"steps": 12}, job={"lease_ttl_s": 4})
+        config = _config(tmp_path, training={"steps": 8}, job={"lease_ttl_s": 4})
 
         async def kill_trainer(buses: dict[str, Bus]) -> None:
             await _until_trained_version(buses["cli"], 3)  # once a few steps are committed
@@ -988,11 +988,11 @@ def test_a_standby_trainer_takes_over_a_dead_one(tiny_model: Any, tmp_path: Path
     finally:
         own.stop()
     assert report["status"] == "completed", report["reason"]
-    assert report["train_steps"] == 12 and report["all_engines_on_final_version"], report["engines"]
+    assert report["train_steps"] == 8 and report["all_engines_on_final_version"], report["engines"]
     assert report["services_dead"] == ["trainer"]
     assert record["worker_id"] == "trainer-standby-0", record  # the standby committed the last steps
     assert report["trajectories_trained_twice"] == 0 and report["trajectories_lost"] == 0
-    assert Path(report["checkpoint"]).name.startswith("step_00000012-e")
+    assert Path(report["checkpoint"]).name.startswith("step_00000008-e")
 
 
 def _events(log: Path, *names: str) -> list[dict[str, Any]]:

@@ -110,7 +110,7 @@ def test_a_member_that_never_comes_to_the_join_fails_the_generation_not_the_trai
     trainer = _learner(tiny_model, tmp_path / "trainer")
     group = TrainerGroup("127.0.0.1", 0, timeout_s=5)
     gen = group.next_generation(["engine-1", "engine-2"], [7, 8])
-    lonely = _replica(group, 1, 3, tiny_model, tmp_path)
+    lonely = _replica(group, 1, 3, tiny_model, tmp_path, "timeout=6")  # gives up soon, as the trainer
     try:
         with pytest.raises(GroupBroken):
             group.form(trainer.model)
