@@ -4,6 +4,7 @@ loopback ports. Used by `libra up` and by the test fixtures, so both run the sam
 from __future__ import annotations
 
 import importlib.util
+import random
 import shutil
 import socket
 import subprocess
@@ -23,9 +24,33 @@ def die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+LISTEN_PORTS = range(20000, 32768)
+"""Where `free_port` picks: below Linux's default ephemeral range (32768-60999), from which the
+kernel also picks the local port of every outgoing connection. A port from that range, free when
+picked, was taken by a client connection before the service bound it (seen in a test of the k8s
+manifests: an engine's gRPC port, bound at its job's start)."""
+
+
+_GIVEN: set[int] = set()
+"""Ports this process handed out: not handed out twice, though nothing may have bound them yet."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    """A port free on every interface now, for a process that binds it later."""
+    pick = random.SystemRandom()
+    for _ in range(64):
+        port = pick.choice(LISTEN_PORTS)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # all tried were taken: any the kernel gives
+        s.bind(("", 0))
         return int(s.getsockname()[1])
 
 
