@@ -181,6 +181,15 @@ def idle_workers(
     return asyncio.run(_discover(tls, creds, url, set(want), workers))
 
 
+def scheduler_roles(logs: Path, names: Iterable[str]) -> list[str]:
+    """What each scheduler did in the job, from its log: `leading` or `standing_by` (sorted)."""
+    said = []
+    for name in names:
+        text = (logs / f"{name}.log").read_text(errors="replace")
+        said += [e for e in ("leading", "standing_by") if f"scheduler_{e}" in text]
+    return sorted(said)
+
+
 def tls_flags(argv: list[str], mounts: dict[str, Path]) -> TlsFiles:
     """The `--tls-*` files of a `libra run` command line, mapped here."""
     files = {f: map_paths(argv[argv.index(f) + 1], mounts) for f in argv if f.startswith("--tls-")}

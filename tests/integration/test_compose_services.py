@@ -31,6 +31,7 @@ from tests.deploy_rig import (
     idle_workers,
     local_environment,
     readable_as,
+    scheduler_roles,
     start_nats_as,
     tls_flags,
 )
@@ -172,3 +173,6 @@ def test_every_compose_service_starts_as_compose_starts_it_and_runs_a_job(
     assert report["status"] == "completed", report["reason"]
     assert report["train_steps"] == 2 and report["all_engines_on_final_version"], report["engines"]
     assert report["trajectories_lost"] == 0 and report["trajectories_trained_twice"] == 0
+    # two schedulers: the planner gave one the job, the other stood by, warm
+    schedulers = [n for n in SERVICES if n.startswith("scheduler")]
+    assert scheduler_roles(logs, schedulers) == ["leading", "standing_by"], schedulers

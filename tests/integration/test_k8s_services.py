@@ -39,6 +39,7 @@ from tests.deploy_rig import (
     local_environment,
     map_paths,
     readable_as,
+    scheduler_roles,
     start_nats_as,
     tls_flags,
 )
@@ -255,3 +256,6 @@ def test_every_k8s_service_starts_as_its_pod_and_the_job_runs_on_them(
     assert report["status"] == "completed", report["reason"]
     assert report["train_steps"] == 2 and report["all_engines_on_final_version"], report["engines"]
     assert report["trajectories_lost"] == 0 and report["trajectories_trained_twice"] == 0
+    # the scheduler's two replicas: the planner gave one the job, the other stood by, warm
+    schedulers = [p for p, kind in pods.items() if kind == "scheduler"]
+    assert len(schedulers) == 2 and scheduler_roles(logs, schedulers) == ["leading", "standing_by"]

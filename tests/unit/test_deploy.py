@@ -414,11 +414,11 @@ def test_the_images_give_uid_10001_a_home_and_carry_the_shipped_examples() -> No
 
 def test_a_task_of_your_own_is_one_read_only_directory_for_every_container_that_reads_it() -> None:
     """./task, mounted at /app/task into the containers that load a user's dataset, reward,
-    environment or tool plugins (the scheduler, the sandbox) and the job (`libra run` checks
+    environment or tool plugins (the schedulers, the sandbox) and the job (`libra run` checks
     them before it starts): one place, the same path everywhere."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     having = {n for n, s in compose["services"].items() if "./task:/app/task:ro" in s.get("volumes", [])}
-    assert having == {"scheduler", "tool-sandbox", "job"}
+    assert having == {"scheduler", "scheduler-standby", "tool-sandbox", "job"}
     # Kubernetes: the libra-task ConfigMap (optional: a shipped config needs none) at the same path
     k8s = set()
     for f in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")):
