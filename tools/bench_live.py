@@ -39,6 +39,8 @@ import yaml
 from services.common import subjects
 from services.common.bus import Bus, close_nats
 from services.common.contracts import ev
+from services.common.membership import SCHEDULER_ROLE
+from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
 from services.common.synthetic import Workload
 from services.simulation.live import job_gpus, simulate
@@ -230,6 +232,22 @@ class Watch:
     """Wall time of that kill."""
     recovered_s: float | None = None
     """From the kill to the first trajectory a scheduler completed after it: the job back in service."""
+    killed: str = ""
+    """Which scheduler was killed (the one acting then)."""
+
+
+async def _acting_scheduler(stack: Stack, run_id: str) -> str:
+    """The scheduler holding the job's role lease: the first to register acts, which may be a
+    standby (`scheduler-standby-<i>`) as well as `scheduler`."""
+    auth = stack.redis_auth()
+    store = OwnershipStore.from_url(
+        stack.redis_url, run_id, auth.get("password"), stack.tls, username=auth.get("username")
+    )
+    try:
+        held = await store.holder(SCHEDULER_ROLE)
+    finally:
+        await store.close()
+    return held.owner if held is not None else "scheduler"
 
 
 def _watch(stack: Stack, run_id: str, watch: Watch) -> threading.Thread:
@@ -249,11 +267,15 @@ def _watch(stack: Stack, run_id: str, watch: Watch) -> threading.Thread:
             if m.step > 0 and m.step not in watch.step_ends:
                 watch.step_ends[m.step] = time.monotonic()
             if watch.kill_at_step and m.step >= watch.kill_at_step and watch.killed_at is None:
-                proc = stack.procs.get("scheduler")
+                acting = await _acting_scheduler(stack, run_id)
+                proc = stack.procs.get(acting)
                 if proc is not None and proc.poll() is None:
                     proc.kill()  # the supervisor restarts it; a standby may take the role first
-                    watch.killed_at = time.time()
-                    print(f"bench live: killed the scheduler (-9) after step {m.step}", flush=True)
+                    watch.killed_at, watch.killed = time.time(), acting
+                    print(
+                        f"bench live: killed {acting}, the acting scheduler (-9), after step {m.step}",
+                        flush=True,
+                    )
 
         await bus.subscribe(subjects.TRAJ_COMPLETED, ev.CompletedTrajectory, on_traj)
         await bus.subscribe(subjects.TRAIN_METRICS, ev.TrainMetrics, on_step)
@@ -305,7 +327,7 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
 def _fault(watch: Watch, report: dict[str, Any]) -> dict[str, Any]:
     """What a scheduler killed mid-job cost: when the job was back in service, and what was lost."""
     return {
-        "killed": "scheduler",
+        "killed": watch.killed or None,
         "after_step": watch.kill_at_step if watch.killed_at is not None else None,
         "recovered_s": watch.recovered_s,
         "restarts": report.get("restarts", {}),

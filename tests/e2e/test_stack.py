@@ -1016,20 +1016,24 @@ def test_a_standby_scheduler_takes_over_and_the_paused_one_is_fenced_out(
     """Restarts off, one standby scheduler: the active one is paused (SIGSTOP) past its 4 s lease.
     The planner gives the role to the standby, which resumes the job from the ledger; the paused
     one, woken, finds its lease gone, writes nothing more and stands by itself. The job completes,
-    nothing lost or trained twice, no process died."""
+    nothing lost or trained twice, no process died. Which of the two acts first is the planner's
+    choice (the first to register), so the test pauses the one whose log says it leads."""
     own = Stack(f"e2e-sched-standby-{int(time.time())}", tmp_path / "logs", max_restarts=0)
     own.start_infra(load_run_config(TINY).rollout.engines, standby_schedulers=1)
     run_id = f"job-sched-standby-{RUN}"
-    paused: dict[str, float] = {}
+    logs = tmp_path / "logs"
+    schedulers = ["scheduler", "scheduler-standby-0"]
+    paused: dict[str, Any] = {}
     try:
         own.start_services()
         config = _config(tmp_path, training={"steps": 30}, job={"lease_ttl_s": 4})
 
         async def pause_scheduler(buses: dict[str, Bus]) -> None:
             await _until_trained_version(buses["cli"], 2)  # once a few steps are committed
-            pid = own.procs["scheduler"].pid
+            (active,) = [n for n in schedulers if _events(logs / f"{n}.log", "scheduler_leading")]
+            pid = own.procs[active].pid
             os.kill(pid, signal.SIGSTOP)
-            paused["at"] = time.time()
+            paused.update(who=active, at=time.time())
             try:
                 await asyncio.sleep(14)  # 3.5 leases: the standby has the role
             finally:
@@ -1043,13 +1047,13 @@ def test_a_standby_scheduler_takes_over_and_the_paused_one_is_fenced_out(
     assert report["status"] == "completed", report["reason"]
     assert report["train_steps"] == 30 and report["services_dead"] == []
     assert report["trajectories_trained_twice"] == 0 and report["trajectories_lost"] == 0
-    logs = tmp_path / "logs"
-    led = _events(logs / "scheduler-standby-0.log", "scheduler_leading")
+    (standby,) = [n for n in schedulers if n != paused["who"]]
+    led = _events(logs / f"{standby}.log", "scheduler_leading")
     assert len(led) == 1, led  # the standby took the role once, while the other was paused
     took_over_s = _timestamp(led[0]) - paused["at"]
     assert 0 < took_over_s < 14, took_over_s
     print(f"standby scheduler leading {took_over_s:.1f} s after the active one was paused")
-    original = _events(logs / "scheduler.log", "scheduler_fenced_out", "job_rejoined_as_standby")
+    original = _events(logs / f"{paused['who']}.log", "scheduler_fenced_out", "job_rejoined_as_standby")
     assert [e["event"] for e in original][-1] == "job_rejoined_as_standby", original
     assert _timestamp(original[0]) > paused["at"] + 14  # only once it was woken
 
