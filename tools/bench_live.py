@@ -154,7 +154,10 @@ def live_config(
             "micro_batch": 64 if ns.trainer == "emulated" else 4,
             "torch_threads": 1,
         },
-        "job": {"stall_timeout_s": 600},
+        "job": {
+            "stall_timeout_s": 600,
+            **({"lease_ttl_s": ns.lease_ttl_s} if getattr(ns, "lease_ttl_s", None) else {}),
+        },
         "planner": planner,
     }
 
@@ -545,6 +548,12 @@ def parser() -> argparse.ArgumentParser:
         default=0,
         help="a fault: kill -9 the scheduler once this step is committed; live.json's `fault` says "
         "when the job was back in service and what was lost (default 0: none)",
+    )
+    p.add_argument(
+        "--lease-ttl-s",
+        type=float,
+        help="job.lease_ttl_s of the jobs (default: the run config's, 10 s); hundreds of engines on "
+        "a few cores renew late, and a lease that lapses costs a re-plan sent to every engine",
     )
     p.add_argument("--sim-seeds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

@@ -25,6 +25,10 @@ class SchedulerSettings(BaseSettings):
             return self.turn_timeout_s
         return self.turn_timeout_base_s + self.turn_timeout_s_per_token * max_new_tokens
 
+    handovers: int = Field(8, ge=1)
+    """Finished trajectories stored in JetStream for the trainer at once, off the turn-result path.
+    Unbounded, hundreds of stores at 1,024 engines on 2 cores timed out together and the
+    subscriptions overflowed; one at a time, every result waited behind a store (0.1-0.6 s each)."""
     context_deltas: bool = True
     """A turn going back to the engine that served the trajectory's last one carries only the
     tokens after what that engine holds (services/common/held_context.py); False: every turn

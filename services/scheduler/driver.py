@@ -47,10 +47,6 @@ KNOWN_TOOL_STATUSES = ("ok", "error", "timeout", "killed", "rejected")
 """Tool statuses with their own metric label (anything else a sandbox sends counts as `other`)."""
 
 
-HANDOVERS = 8
-"""Finished trajectories being stored in JetStream at once (`TrajectoryDriver._finish`)."""
-
-
 class TrajectoryDriver:
     def __init__(
         self,
@@ -68,9 +64,11 @@ class TrajectoryDriver:
         metrics: Any,
         vocab_size: int | None = None,
         newest_version: Callable[[int], Awaitable[int]] | None = None,
+        handovers: int = 8,
     ):
         """`vocab_size` and `newest_version` (the newest weight version the trainer has made, asked
-        with the version a result claims) bound what an engine's turn result may say (`results`)."""
+        with the version a result claims) bound what an engine's turn result may say (`results`);
+        `handovers`: finished trajectories stored for the trainer at once (SchedulerSettings)."""
         self.run_id, self.cfg, self.bus, self.prompter = common_run_id, cfg, bus, prompter
         self.results = TurnResults(roster, vocab_size, newest_version)
         self.dispatch, self.inflight, self.episode, self.completion = dispatch, inflight, episode, completion
@@ -81,7 +79,7 @@ class TrajectoryDriver:
         self.turns = 0
         self.handed_back = 0
         """Turns a draining engine gave back."""
-        self._handing = asyncio.Semaphore(HANDOVERS)
+        self._handing = asyncio.Semaphore(handovers)
         self.tool_statuses: Counter[str] = Counter()
         for status in (*KNOWN_TOOL_STATUSES, "other"):  # every series exists from the start, at 0
             self.metrics.tool_calls.labels(status)
@@ -348,8 +346,9 @@ class TrajectoryDriver:
         """Ends the trajectory here and hands it to the trainer in a task of its own: JetStream
         storing a long trajectory (hundreds of kB of tokens and logprobs) took 0.1-0.6 s at 512
         engines, and on the turn results' path every result behind it waited (seconds at 1,024).
-        At most `HANDOVERS` at once: unbounded, hundreds of stores at 1,024 engines timed out and
-        were retried together, and the scheduler, busy with them, dropped turn results. One still on
+        At most `handovers` at once (`LIBRA_SCHEDULER_HANDOVERS`): unbounded, hundreds of stores
+        at 1,024 engines timed out and were retried together, and the scheduler, busy with them,
+        dropped turn results. One still on
         its way when the scheduler stops is not waited for: the ledger does not name it published,
         so the job's next scheduler re-issues it (the job's end needs it no more)."""
         self.inflight.end(live, time.monotonic())

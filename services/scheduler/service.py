@@ -120,6 +120,7 @@ class SchedulerService:
             self.metrics,
             vocab_size=vocab_size,
             newest_version=self.versions.newest,
+            handovers=settings.handovers,
         )
         self.groups = Groups(
             cfg, bus, self.feed, self.ledger, self.episode, self.driver, self.completion, self.versions

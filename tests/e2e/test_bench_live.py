@@ -31,6 +31,7 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
         "4",
     ]
     args += ["--max-engines", "4", "--engines-per-host", "2"]  # two engine hosts of two engines each
+    args += ["--lease-ttl-s", "12"]
     assert main(args) == 0
     doc = json.loads((out / "live.json").read_text())
     assert doc["emulated"] is True and doc["engines"] == 4
@@ -93,6 +94,7 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
     assert 0 < sched["cpu_utilisation"] < 2
     assert sched["messages_per_s"] > 0
     assert (out / "config-libra.yaml").exists() and (out / "config-least_loaded.yaml").exists()
+    assert yaml.safe_load((out / "config-libra.yaml").read_text())["job"]["lease_ttl_s"] == 12
 
 
 @pytest.mark.skipif(
