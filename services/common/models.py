@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -178,20 +179,47 @@ def _built(cache: Path, target: Path, build: Callable[[Path], None], marker: str
     return target
 
 
+BUILT_TOKENIZER_CLASS = "TokenizersBackend"
+"""The class of the tokenizers Libra writes itself (`tiny-random`, `smollm2`), which AutoTokenizer
+returns for them. Loaded as that class directly: AutoTokenizer's module imports transformers'
+modeling code and torch, 3-4 s of CPU in every scheduler that starts a job (the scheduler needs
+no torch)."""
+
+
 def load_tokenizer(cfg: ModelConfig) -> Any:
     import transformers
 
-    tok = transformers.AutoTokenizer.from_pretrained(str(resolve_model_dir(cfg)))
+    where = resolve_model_dir(cfg)
+    if cfg.source in ("tiny-random", "smollm2") and _tokenizer_class(where) == BUILT_TOKENIZER_CLASS:
+        tok = getattr(transformers, BUILT_TOKENIZER_CLASS).from_pretrained(str(where))
+    else:  # any other model: its class as the Hub and transformers resolve it
+        tok = transformers.AutoTokenizer.from_pretrained(str(where))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
+def _tokenizer_class(model_dir: Path) -> str | None:
+    try:
+        return json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+
+
 def vocabulary_size(cfg: ModelConfig) -> int:
-    """The vocabulary of a model's config, read without loading its weights."""
+    """The vocabulary of a model's config, read without loading its weights: `vocab_size` of its
+    config.json where it has one at the top (AutoConfig's import costs seconds, torch included),
+    else as transformers reads it (a nested text config, say)."""
+    where = resolve_model_dir(cfg)
+    try:
+        vocab = json.loads((where / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        vocab = None
+    if isinstance(vocab, int) and vocab > 0:
+        return vocab
     import transformers
 
-    return int(transformers.AutoConfig.from_pretrained(str(resolve_model_dir(cfg))).vocab_size)
+    return int(transformers.AutoConfig.from_pretrained(str(where)).vocab_size)
 
 
 def check_reference(policy: ModelConfig, reference: ModelConfig | None) -> None:

@@ -56,3 +56,40 @@ def test_tiny_random_needs_only_the_tokenizer_of_smollm2(
     assert (built / "model.safetensors").read_bytes() == (
         resolve_model_dir(tiny_model) / "model.safetensors"
     ).read_bytes()
+
+
+def test_a_built_models_tokenizer_loads_as_autotokenizer_loads_it_without_torch(
+    tiny_model: ModelConfig,
+) -> None:
+    """The tokenizers Libra writes are loaded as their class directly (no modeling code, no
+    torch, in the scheduler): the same class, ids and special tokens AutoTokenizer gives."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    from services.common.models import vocabulary_size
+
+    ours = load_tokenizer(tiny_model)
+    auto = transformers.AutoTokenizer.from_pretrained(str(resolve_model_dir(tiny_model)))
+    assert type(ours) is type(auto)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3? <calc>2+3</calc>"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == auto.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
+    assert ours("héllo wörld 123")["input_ids"] == auto("héllo wörld 123")["input_ids"]
+    assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (
+        auto.eos_token_id,
+        auto.bos_token_id,
+        len(auto),
+    )
+    config = transformers.AutoConfig.from_pretrained(str(resolve_model_dir(tiny_model)))
+    assert vocabulary_size(tiny_model) == config.vocab_size
+    probe = (
+        "import sys; from services.common.models import load_tokenizer, vocabulary_size; "
+        "from services.common.runconfig import ModelConfig; "
+        f"m = ModelConfig(source='tiny-random', cache_dir={str(tiny_model.cache_dir)!r}); "
+        "load_tokenizer(m); vocabulary_size(m); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
