@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeGuard
 
 from services.common import subjects
 from services.common.bus import Bus, Envelope
@@ -49,6 +50,12 @@ def lease_resource(role: str, worker_id: str) -> str:
     """The trainer's and the scheduler's lease is the role itself (one owner at a time, `ROLE_LEASES`);
     other workers lease themselves."""
     return ROLE_LEASES.get(role, f"worker:{worker_id}")
+
+
+def leased_again(held: Lease | None, owner: str, token: int) -> TypeGuard[Lease]:
+    """Whether `held` is a lapsed lease of `owner` under `token` that the planner leased to it again,
+    nobody holding it in between: the same owner, the next fencing token."""
+    return held is not None and held.owner == owner and held.token == token + 1
 
 
 class Membership:
@@ -194,7 +201,7 @@ class Membership:
             held = await self.store.holder(lease.resource)
         except Exception:  # Redis away: the lease counts as lost until it answers
             return False
-        if held is None or held.owner != lease.owner or held.token != lease.token + 1:
+        if not leased_again(held, lease.owner, lease.token):
             return False
         self.log.warning("lease_retaken", old_token=lease.token, fencing_token=held.token)
         self.retaken(held.token)

@@ -190,7 +190,10 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     import transformers
 
     where = resolve_model_dir(cfg)
-    if cfg.source in ("tiny-random", "smollm2") and _tokenizer_class(where) == BUILT_TOKENIZER_CLASS:
+    if (
+        cfg.source in ("tiny-random", "smollm2")
+        and _json_key(where / "tokenizer_config.json", "tokenizer_class") == BUILT_TOKENIZER_CLASS
+    ):
         tok = getattr(transformers, BUILT_TOKENIZER_CLASS).from_pretrained(str(where))
     else:  # any other model: its class as the Hub and transformers resolve it
         tok = transformers.AutoTokenizer.from_pretrained(str(where))
@@ -199,10 +202,11 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     return tok
 
 
-def _tokenizer_class(model_dir: Path) -> str | None:
+def _json_key(path: Path, key: str) -> Any:
+    """`key` at the top of the JSON file `path` (None: no such file, key or valid JSON)."""
     try:
-        return json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError):
+        return json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
         return None
 
 
@@ -211,10 +215,7 @@ def vocabulary_size(cfg: ModelConfig) -> int:
     config.json where it has one at the top (AutoConfig's import costs seconds, torch included),
     else as transformers reads it (a nested text config, say)."""
     where = resolve_model_dir(cfg)
-    try:
-        vocab = json.loads((where / "config.json").read_text()).get("vocab_size")
-    except (OSError, ValueError):
-        vocab = None
+    vocab = _json_key(where / "config.json", "vocab_size")
     if isinstance(vocab, int) and vocab > 0:
         return vocab
     import transformers

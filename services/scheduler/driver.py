@@ -348,9 +348,9 @@ class TrajectoryDriver:
         engines, and on the turn results' path every result behind it waited (seconds at 1,024).
         At most `handovers` at once (`LIBRA_SCHEDULER_HANDOVERS`): unbounded, hundreds of stores
         at 1,024 engines timed out and were retried together, and the scheduler, busy with them,
-        dropped turn results. One still on
-        its way when the scheduler stops is not waited for: the ledger does not name it published,
-        so the job's next scheduler re-issues it (the job's end needs it no more)."""
+        dropped turn results. One still on its way when the scheduler stops is not waited for: the
+        ledger does not name it published, so the job's next scheduler re-issues it (the job's end
+        needs it no more)."""
         self.inflight.end(live, time.monotonic())
         self.episode.forget(live)
         self.bus.spawn(self._hand_over(live, fin))

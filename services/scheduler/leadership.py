@@ -18,7 +18,7 @@ import contextlib
 from typing import Any
 
 from services.common.errors import FencedOut
-from services.common.membership import SCHEDULER_ROLE, Membership
+from services.common.membership import SCHEDULER_ROLE, Membership, leased_again
 from services.common.ownership import OwnershipStore
 
 ROLE = "schedule"
@@ -94,7 +94,7 @@ class Leadership:
             return False
         if held is None or held.token == self.token:
             return False  # lapsed with nobody holding it, or a renewal late: wait
-        if held.owner == self.membership.hello.worker_id and held.token == self.token + 1:
+        if leased_again(held, self.membership.hello.worker_id, self.token):
             self.log.warning("scheduler_lease_retaken", old_token=self.token, fencing_token=held.token)
             self.token = held.token
             self.membership.retaken(held.token)
