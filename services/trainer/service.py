@@ -173,6 +173,10 @@ class TrainerService:
             return
         if not await self.lead.adopt(stop):
             return
+        if self.intake.groups_complete() < self.run.training.groups_per_step:
+            # the GPUs go to rollout before the trainer blocks on its next delivery, not after it
+            # (a job's first batch: the whole first rollout)
+            await self._wait_for_batch()
         try:
             fetched = await self.intake.fetch()
         except Exception as err:  # NATS reconnecting: what is buffered stays, deliveries come back
