@@ -48,7 +48,7 @@ def requests(b: HFBackend) -> list[GenRequest]:
             out.append(
                 GenRequest(
                     p,
-                    max_new_tokens=24 + 17 * k + 9 * i,
+                    max_new_tokens=16 + 12 * k + 6 * i,
                     temperature=0.0,
                     stop=["</calc>"] if i == 0 and k == 1 else [],
                     min_new_tokens=12 if i == 2 and k == 0 else 0,
