@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from tests import in_process
 from tools.stack import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -88,7 +89,7 @@ def test_run_with_overrides_writes_a_policy_transformers_loads(tmp_path: Path) -
     assert again.returncode == 0, again.stderr
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"))
     assert all(torch.equal(t, trained[n]) for n, t in exported.state_dict().items())
-    missing = _libra("export", "no-such-run", "--runs-dir", str(tmp_path))
+    missing = in_process.libra("export", "no-such-run", "--runs-dir", str(tmp_path))
     assert missing.returncode == 2 and "no run at" in missing.stderr
 
 

@@ -28,6 +28,7 @@ from services.common.contracts import ev
 from services.common.ownership import committed_key
 from services.common.runconfig import load_run_config
 from services.common.streams import STREAMS
+from tests import in_process
 from tests.otlp_receiver import OtlpReceiver
 from tools.runner import run_job
 from tools.stack import ROOT, Stack, pid_alive
@@ -203,12 +204,13 @@ def test_two_jobs_one_after_the_other_on_one_stack(stack: Stack, otlp: OtlpRecei
     second = json.loads((sub / "runs" / job_b / "report.json").read_text())
     second["report_path"] = str(sub / "runs" / job_b / "report.json")  # what run_job would return
     assert not (sub / ".libra" / "data").exists()  # no embedded stack's state: none was started
-    status = libra("status")
+    # (these three in this process: the same `libra` found the stack above `sub` as a process does)
+    status = in_process.libra("status", cwd=sub, clean=False)
     assert status.returncode == 0 and stack.name in status.stdout and str(project) in status.stdout
-    too_big = libra("config", "check", "tiny", "--rollout.engines", "3")  # more than that stack runs
+    too_big = in_process.libra("config", "check", "tiny", "--rollout.engines", "3", cwd=sub, clean=False)
     assert too_big.returncode == 2 and "rollout.engines: the job needs 3" in too_big.stderr, too_big.stderr
     assert f"the stack {stack.name}" in too_big.stderr and "runs 2" in too_big.stderr
-    refused = libra("up", "tiny", timeout=120)  # a second stack under the first one's directory
+    refused = in_process.libra("up", "tiny", cwd=sub, clean=False)  # a second stack under the first one's
     assert refused.returncode == 1 and str(project / ".libra" / "stack.json") in refused.stderr
     watcher.join(60)
 
@@ -974,10 +976,10 @@ def test_a_standby_trainer_takes_over_a_dead_one(tiny_model: Any, tmp_path: Path
     run_id = f"job-standby-{RUN}"
     try:
         own.start_services()
-        config = _config(tmp_path, training={"steps": 8}, job={"lease_ttl_s": 4})
+        config = _config(tmp_path, training={"steps": 6}, job={"lease_ttl_s": 4})
 
         async def kill_trainer(buses: dict[str, Bus]) -> None:
-            await _until_trained_version(buses["cli"], 3)  # once a few steps are committed
+            await _until_trained_version(buses["cli"], 2)  # once a few steps are committed
             os.kill(own.procs["trainer"].pid, signal.SIGKILL)
 
         intruder = _meanwhile(own, run_id, kill_trainer, on="trainer")
@@ -988,11 +990,11 @@ def test_a_standby_trainer_takes_over_a_dead_one(tiny_model: Any, tmp_path: Path
     finally:
         own.stop()
     assert report["status"] == "completed", report["reason"]
-    assert report["train_steps"] == 8 and report["all_engines_on_final_version"], report["engines"]
+    assert report["train_steps"] == 6 and report["all_engines_on_final_version"], report["engines"]
     assert report["services_dead"] == ["trainer"]
     assert record["worker_id"] == "trainer-standby-0", record  # the standby committed the last steps
     assert report["trajectories_trained_twice"] == 0 and report["trajectories_lost"] == 0
-    assert Path(report["checkpoint"]).name.startswith("step_00000008-e")
+    assert Path(report["checkpoint"]).name.startswith("step_00000006-e")
 
 
 def _events(log: Path, *names: str) -> list[dict[str, Any]]:

@@ -3,25 +3,20 @@
 
 Every entry point is started as its own process at least once here (`python -m services.<name>`
 without credentials, `python -m tools.cli run` of a missing file, a hidden vLLM, an installed
-tool package); the other cases run the same entry points in this process (`_service`, `_libra`),
-which checks the same code in a fraction of the time an interpreter takes to start on a busy
-machine."""
+tool package); the other cases run the same entry points in this process (`tests/in_process.py`)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-import runpy
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from services.common.localstack import Server
+from tests.in_process import Exited, libra, service
 from tests.installed_tool import install_tool_package
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,47 +32,16 @@ def _run(args: list[str], env: dict[str, str], cwd: Path = ROOT) -> subprocess.C
     )
 
 
-@dataclass
-class Exited:
-    """What an entry point run in this process left: as `subprocess.CompletedProcess` has it."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def _in_process(main: object, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Exited:
-    """Runs `main()` with the environment a fresh process would have (no inherited LIBRA_*
-    variables, `env` added) from the repository root; its exit code and output."""
-    for key in [k for k in os.environ if k.startswith("LIBRA_")]:
-        monkeypatch.delenv(key)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.chdir(ROOT)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main()  # type: ignore[operator]
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return Exited(code, out.getvalue(), err.getvalue())
-
-
 def _service(module: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Exited:
-    """`python -m services.<module>` (its `__main__`, as the interpreter runs it) in this process."""
-    monkeypatch.setattr(sys, "argv", [f"services/{module}"])
+    """`python -m services.<module>` in this process."""
     # the engine's process-wide allocator set-up is the process's, not this test runner's
     monkeypatch.setattr("services.rollout_engine.weight_sync.limit_malloc_arenas", lambda: None)
-    return _in_process(
-        lambda: runpy.run_module(f"services.{module}", run_name="__main__", alter_sys=False), env, monkeypatch
-    )
+    return service(module, env)
 
 
-def _libra(args: list[str], monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None = None) -> Exited:
-    """`libra ARGS` (`tools.cli.main`) in this process."""
-    from tools.cli import main
-
-    return _in_process(lambda: main(args), env or {}, monkeypatch)
+def _libra(args: list[str]) -> Exited:
+    """`libra ARGS` in this process, from the repository root."""
+    return libra(*args)
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -133,8 +97,7 @@ def test_a_worker_with_someone_elses_credentials_refuses_to_start(
     ]
     for module, identity, env, said in cases:
         secrets = {"LIBRA_SECRETS_DIR": str(creds.identity_dir(identity))}
-        with monkeypatch.context() as patched:
-            out = _service(module, nowhere | secrets | env, patched)
+        out = _service(module, nowhere | secrets | env, monkeypatch)
         assert out.returncode == 2, (module, identity, out.stderr)
         assert said in out.stderr and "Traceback" not in out.stderr, out.stderr
 
@@ -177,12 +140,12 @@ def test_insecure_runs_a_service_without_credentials(nats_server: Server) -> Non
     ],
 )
 def test_libra_run_rejects_a_bad_config_before_starting_anything(
-    text: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    text: str, expected: str, tmp_path: Path
 ) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
     runs = tmp_path / "runs"
-    out = _libra(["run", str(bad)], monkeypatch)
+    out = _libra(["run", str(bad)])
     assert out.returncode == 2, out.stderr
     assert expected in out.stderr
     assert "Traceback" not in out.stderr
@@ -195,14 +158,12 @@ def test_libra_run_missing_config_is_a_clear_error(tmp_path: Path) -> None:
     assert "not found" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_libra_run_tls_files_are_checked_before_anything_connects(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_libra_run_tls_files_are_checked_before_anything_connects(tmp_path: Path) -> None:
     tiny = str(ROOT / "configs" / "tiny.yaml")
     remote = ["--nats-url", "nats://127.0.0.1:1", "--redis-url", "redis://127.0.0.1:1/0"]
-    out = _libra(["run", tiny, *remote, "--tls-ca-file", str(tmp_path / "ca.pem")], monkeypatch)
+    out = _libra(["run", tiny, *remote, "--tls-ca-file", str(tmp_path / "ca.pem")])
     assert out.returncode == 2 and "ca_file" in out.stderr and "not a file" in out.stderr, out.stderr
-    out = _libra(["run", tiny, "--tls-ca-file", str(tmp_path / "ca.pem")], monkeypatch)
+    out = _libra(["run", tiny, "--tls-ca-file", str(tmp_path / "ca.pem")])
     assert out.returncode == 2 and "remote stack" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
@@ -218,7 +179,7 @@ def test_libra_run_tls_files_are_checked_before_anything_connects(
     ],
 )
 def test_a_bad_dataset_or_reward_stops_libra_run_and_config_check(
-    task: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    task: str, expected: str, tmp_path: Path
 ) -> None:
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "a", "answer": 1, "solution": 1}\n{"prompt": "b", "answer": 2}\n')
@@ -226,7 +187,7 @@ def test_a_bad_dataset_or_reward_stops_libra_run_and_config_check(
     bad.write_text("model: {source: tiny-random}\ntask:\n" + task.replace("DATA", str(data)))
     expected = expected.replace("DATA", str(data))
     for args in (["run", str(bad), "--run-id", "never"], ["config", "check", str(bad)]):
-        out = _libra(args, monkeypatch)
+        out = _libra(args)
         assert out.returncode == 2, out.stderr
         assert expected in out.stderr and "Traceback" not in out.stderr
     assert not (ROOT / "runs" / "never").exists()
@@ -286,12 +247,12 @@ def test_the_reward_precheck_gives_the_reward_the_answer_under_answer_key(
         f"  plugin_paths: [{tmp_path}]\n"
     )
     monkeypatch.setattr(sys, "path", list(sys.path))  # the plugin path the check adds stays its own
-    out = _libra(["config", "check", str(cfg)], monkeypatch)
+    out = _libra(["config", "check", str(cfg)])
     assert out.returncode == 0, out.stderr
 
 
-def test_config_check_accepts_the_shipped_custom_example(monkeypatch: pytest.MonkeyPatch) -> None:
-    out = _libra(["config", "check", "configs/custom_example.yaml"], monkeypatch)
+def test_config_check_accepts_the_shipped_custom_example() -> None:
+    out = _libra(["config", "check", "configs/custom_example.yaml"])
     assert out.returncode == 0, out.stderr
     assert "48 prompts × 4 samples" in out.stdout
 
@@ -302,13 +263,13 @@ def test_an_installed_package_adds_its_tools(tmp_path: Path) -> None:
     install_tool_package(site, "convert")
     cfg = tmp_path / "job.yaml"
     cfg.write_text("model: {source: tiny-random}\ntask:\n  tools: [convert, calculator]\n")
-    bare = _run(["-m", "tools.cli", "config", "check", str(cfg)], {})
+    bare = _libra(["config", "check", str(cfg)])  # the package is not on the path
     assert bare.returncode == 2 and "task.tools: unknown ['convert']" in bare.stderr
     out = _run(["-m", "tools.cli", "config", "check", str(cfg)], {"PYTHONPATH": str(site)})
     assert out.returncode == 0, out.stderr
 
 
-def test_config_check_accepts_the_shipped_environment_example(monkeypatch: pytest.MonkeyPatch) -> None:
-    out = _libra(["config", "check", "configs/guess_example.yaml"], monkeypatch)
+def test_config_check_accepts_the_shipped_environment_example() -> None:
+    out = _libra(["config", "check", "configs/guess_example.yaml"])
     assert out.returncode == 0, out.stderr
     assert "64 prompts × 4 samples" in out.stdout
