@@ -55,7 +55,12 @@ def _convert_smollm2(out: Path) -> None:
     import transformers
 
     src = smollm2_gguf_dir()
-    tok = transformers.AutoTokenizer.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF)
+    built = out.parent / SMOLLM2_TOKENIZER_DIR  # the tokenizer tiny-random uses, converted before
+    tok = (
+        transformers.AutoTokenizer.from_pretrained(str(built))
+        if (built / "tokenizer.json").is_file()
+        else transformers.AutoTokenizer.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF)
+    )  # (converting it from the GGUF again takes 14 s)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(src), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
     )
