@@ -37,7 +37,12 @@ class EngineSettings(BaseSettings):
     tensor_parallel: int = Field(1, ge=1, le=64)
     """GPUs this replica spans (vllm backend); reported to the planner."""
     load_report_interval_s: float = Field(1.0, gt=0.0, le=60.0)
-    """Period of EngineLoad reports the scheduler routes by."""
+    """How often the engine looks whether what the scheduler routes by (running and waiting
+    requests, the turns it holds, the last one read and answered, weights, bucket) changed, and
+    if so publishes an EngineLoad report."""
+    load_heartbeat_s: float = Field(5.0, gt=0.0, le=300.0)
+    """An EngineLoad (and a MetricSample) at least this often, changed or not: it refreshes the
+    engine's tokens/s and KV use, and bounds how long a lost turn goes unnoticed (two reports)."""
     max_wait_for_weights_s: float = Field(60.0, ge=0.0, le=3600.0)
     """How long a request whose min_policy_version is ahead of the engine waits for newer weights."""
     max_new_tokens_cap: int = Field(4096, ge=1)

@@ -160,6 +160,8 @@ class TurnServer(abc.ABC):
         self.served_any = False
         """Whether it took a turn yet (a TP change before that costs nothing)."""
         self.turns_answered = 0
+        self.load_reports = 0
+        """EngineLoad reports published (on a change of routing state, or a heartbeat)."""
         """Turns it answered with what it generated (not refusals or errors)."""
         self.contexts = HeldContexts(settings.held_context_tokens)
         """Each trajectory's context after its last turn here: the next one comes as a delta."""
@@ -369,15 +371,41 @@ class TurnServer(abc.ABC):
         m.free_kv_tokens.set(load.free_kv_tokens)
         return load
 
+    def _routing_state(self) -> tuple[object, ...]:
+        """What the scheduler routes and reconciles by, cheaply: a load report goes out when it
+        changes. A decoding engine's KV use grows without it changing; the heartbeat covers that."""
+        e = self.engine
+        return (
+            e.running,
+            e.waiting + self.held,
+            len(self.holding),
+            self.last_seq,
+            self.answered[-1] if self.answered else None,
+            e.version,
+            self.bucket,
+            e.max_batch,
+        )
+
     async def _load_loop(self) -> None:
+        """Every `load_report_interval_s` a look at the routing state; an EngineLoad and a
+        MetricSample when it changed or `load_heartbeat_s` after the last ones. An engine idle or
+        decoding steadily says so every few seconds, not every second: at 1,024 engines those are
+        most of the bus's messages. Its last turn answered changes the state, so what a job's
+        report reads from the last sample (tokens generated) is complete."""
+        s = self.settings
         last_t, last_tokens = time.monotonic(), self.engine.tokens_generated
+        reported: tuple[object, ...] | None = None
         while True:
-            await asyncio.sleep(self.settings.load_report_interval_s)
-            now, tokens = time.monotonic(), self.engine.tokens_generated
+            await asyncio.sleep(s.load_report_interval_s)
+            now, state = time.monotonic(), self._routing_state()
+            if state == reported and now - last_t < s.load_heartbeat_s:
+                continue
+            tokens = self.engine.tokens_generated
             rate = (tokens - last_tokens) / max(now - last_t, 1e-9)
-            last_t, last_tokens = now, tokens
+            last_t, last_tokens, reported = now, tokens, state
             with contextlib.suppress(Exception):
                 await self.bus.publish(subjects.ENGINE_LOAD, self.load_report(rate))
+                self.load_reports += 1
                 await self.bus.publish(subjects.METRICS, self.metrics(rate))
 
     def metrics(self, tokens_per_s: float) -> ev.MetricSample:
@@ -390,6 +418,7 @@ class TurnServer(abc.ABC):
             "tokens_total": float(self.engine.tokens_generated),
             "weight_version": float(self.engine.version),
             "rejected": float(self.bus.rejected),
+            "load_reports": float(self.load_reports),
         }
         if (c := spec_counters(self.engine)) is not None:
             values.update(c.values())

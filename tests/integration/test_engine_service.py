@@ -120,6 +120,7 @@ async def engine(
         run_id,
         WORKER,
         LIBRA_ROLLOUT_ENGINE_LOAD_REPORT_INTERVAL_S="0.2",
+        LIBRA_ROLLOUT_ENGINE_LOAD_HEARTBEAT_S="1",
         LIBRA_ROLLOUT_ENGINE_MAX_WAIT_FOR_WEIGHTS_S="1",
         LIBRA_ROLLOUT_ENGINE_SEED="0",
     )
@@ -149,6 +150,9 @@ async def test_serves_turns_refuses_bad_input_and_keeps_serving(engine: Any) -> 
     proc, h = engine
     load = h.loads[-1]
     assert (load.engine_id, load.bucket, load.weight_version) == (WORKER, "short", 0)
+    before = len(h.loads)  # idle, it reports once a heartbeat (1 s here), not every look (0.2 s)
+    await asyncio.sleep(2.5)
+    assert 1 <= len(h.loads) - before <= 4, len(h.loads) - before
 
     parent = trace.set_span_in_context(
         NonRecordingSpan(SpanContext(TRACE_ID, 0xABCDEF, is_remote=True, trace_flags=TraceFlags(1)))
@@ -534,6 +538,7 @@ async def test_a_vllm_engine_serves_hands_back_with_tokens_and_dies_with_its_pro
     env = pinned_job_env(
         tmp_path, run, nats_server.url, redis_server.url, run_id, worker,
         LIBRA_ROLLOUT_ENGINE_LOAD_REPORT_INTERVAL_S="0.2",
+        LIBRA_ROLLOUT_ENGINE_LOAD_HEARTBEAT_S="1",
     )  # fmt: skip
     bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
     store = OwnershipStore.from_url(redis_server.url, run_id)
