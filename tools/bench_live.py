@@ -323,7 +323,9 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
         "dispatch_p99_us": sched.get("dispatch_p99_us", 0.0),
         "scheduler_cpu_utilisation": sched.get("cpu_utilisation", 0.0),
         "messages_per_s": (sched.get("messages_received", 0) + sched.get("messages_published", 0)) / wall,
+        "engine_load_reports_per_s": sum(e.get("load_reports", 0) for e in report.get("engines", [])) / wall,
         "context_tokens_held_share": _held_share(report.get("turn_context_tokens") or {}),
+        "bus_bytes_per_turn": (report.get("turn_bus_bytes") or {}).get("per_turn"),
     }
 
 
@@ -698,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
             "dispatch_p99_us": first["dispatch_p99_us"],
             "cpu_utilisation": first["scheduler_cpu_utilisation"],
             "messages_per_s": first["messages_per_s"],
+            "engine_load_reports_per_s": first["engine_load_reports_per_s"],
+            "bus_bytes_per_turn": first["bus_bytes_per_turn"],
         },
     }
     (out / "live.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -712,6 +716,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':>12}  mean s per trajectory, measured {_fmt(m['latency_breakdown_mean_s'])}")
         print(f"{'':>12}  mean s per trajectory, predicted {_fmt(pr['latency_breakdown_mean_s'])}")
         print(f"{'':>12}  host CPU over the job, cores: {host_cpu.line(r['host_cpu']['by_role'])}")
+        print(
+            f"{'':>12}  scheduler: {m['decisions_per_s']:.1f} decisions/s, dispatch p99 "
+            f"{m['dispatch_p99_us'] / 1000:.1f} ms, {m['scheduler_cpu_utilisation']:.2f} core, "
+            f"{m['messages_per_s']:.0f} messages/s; engine load reports {m['engine_load_reports_per_s']:.1f}/s; "
+            f"bus bytes per turn {m['bus_bytes_per_turn']}"
+        )
         if (f := r.get("fault")) is not None:
             back = f"{f['recovered_s']:.1f} s" if f["recovered_s"] is not None else "never"
             print(

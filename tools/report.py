@@ -341,6 +341,8 @@ async def build_report(
         values = watch.worker_values.get(e["id"], {})
         if "tokens_total" in values:
             e["tokens_generated"] = int(values["tokens_total"])
+        if "load_reports" in values:  # EngineLoad reports it published (on change, or a heartbeat)
+            e["load_reports"] = int(values["load_reports"])
         if "prefix_cache_hit_rate" in values:  # vllm: prompt tokens found in its prefix cache
             e["prefix_cache_hit_rate"] = round(values["prefix_cache_hit_rate"], 4)
     stats = watch.stats or ev.SchedulerStats()
@@ -412,6 +414,13 @@ async def build_report(
         "turn_context_tokens": {
             "sent": stats.context_tokens_sent,
             "held_by_engines": stats.context_tokens_held,
+        },
+        "turn_bus_bytes": {
+            "requests": stats.turn_request_bytes,
+            "results": stats.turn_result_bytes,
+            "per_turn": round((stats.turn_request_bytes + stats.turn_result_bytes) / stats.turns)
+            if stats.turns
+            else None,
         },
         "invalid_turn_results": {
             "by_engine": dict(stats.invalid_results_by_engine),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -109,6 +110,11 @@ async def connect_nats(
     )
 
 
+def _kind(suffix: str) -> str:
+    """A subject's kind: its first two parts (`turn.request.<engine>` -> `turn.request`)."""
+    return ".".join(suffix.split(".", 2)[:2])
+
+
 def decode(msg_type: type[M], data: bytes) -> M:
     try:
         out = msg_type()
@@ -160,6 +166,10 @@ class Bus:
         """Core-NATS messages this bus published (replies included)."""
         self.received = 0
         """Messages handed to this bus's subscription handlers."""
+        self.bytes_out: Counter[str] = Counter()
+        """Payload bytes published, by kind of subject (its first two parts: `turn.request`)."""
+        self.bytes_in: Counter[str] = Counter()
+        """Payload bytes handed to subscription handlers, by the kind of subject subscribed."""
 
     @classmethod
     async def connect(
@@ -185,10 +195,10 @@ class Bus:
     async def publish(
         self, suffix: str, msg: Message, *, ctx: otel_context.Context | None = None, reply: str = ""
     ) -> None:
-        await self.nc.publish(
-            self.outgoing(suffix), msg.SerializeToString(), reply=reply, headers=inject_headers(ctx)
-        )
+        data = msg.SerializeToString()
+        await self.nc.publish(self.outgoing(suffix), data, reply=reply, headers=inject_headers(ctx))
         self.published += 1
+        self.bytes_out[_kind(suffix)] += len(data)
 
     async def request(self, suffix: str, msg: Message, resp_type: type[M], timeout: float = 5.0) -> M:
         """Asks and decodes the answer; a refusal (the handler's typed error, sent as an ErrorEvent
@@ -206,9 +216,11 @@ class Bus:
         On a spoken subject it hears every worker, and only what each says for itself."""
         spoken = suffix in subjects.SPOKEN
         subj = self.subject(f"{suffix}.*.*" if spoken else suffix)
+        kind = _kind(suffix)
 
         async def on_msg(raw: Msg) -> None:
             self.received += 1
+            self.bytes_in[kind] += len(raw.data)
             out = await self._dispatch(raw, msg_type, handler, spoken)
             if raw.reply and out is not None:
                 refused = isinstance(out, ev.ErrorEvent) and out.error.code

@@ -198,6 +198,8 @@ class SchedulerService:
             tokens_kept_on_hand_back=self.driver.results.tokens_kept,
             context_tokens_sent=inflight.context_tokens["sent"],
             context_tokens_held=inflight.context_tokens["held"],
+            turn_request_bytes=self.bus.bytes_out[subjects.TURN_REQUEST],
+            turn_result_bytes=self.bus.bytes_in[subjects.TURN_RESULT],
             decisions=self.dispatch.decisions,
             decision_p50_us=inflight.decision_quantile(0.5),
             decision_p99_us=inflight.decision_quantile(0.99),

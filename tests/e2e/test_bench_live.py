@@ -92,7 +92,8 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
     # a placement's whole cost (policy, request, protobuf, NATS client) is more than the policy's
     assert sched["dispatch_p99_us"] >= sched["dispatch_p50_us"] >= sched["decision_p50_us"]
     assert 0 < sched["cpu_utilisation"] < 2
-    assert sched["messages_per_s"] > 0
+    assert sched["messages_per_s"] > 0 and sched["engine_load_reports_per_s"] > 0
+    assert sched["bus_bytes_per_turn"] > 0  # requests carry new tokens, results the generated ones
     assert (out / "config-libra.yaml").exists() and (out / "config-least_loaded.yaml").exists()
     assert yaml.safe_load((out / "config-libra.yaml").read_text())["job"]["lease_ttl_s"] == 12
 

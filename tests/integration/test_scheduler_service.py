@@ -542,3 +542,6 @@ async def test_a_turn_back_on_the_engine_holding_its_context_carries_only_what_i
     assert s.trajectories_failed == 0 and proc.poll() is None
     assert s.context_tokens_held == sum(r.context_offset for r in h.requests) > 0
     assert s.context_tokens_sent == sum(len(r.context_token_ids) for r in h.requests)
+    # the turns' bytes on the bus: every request it sent, every result it heard, payload for payload
+    assert s.turn_request_bytes == sum(r.ByteSize() for r in h.requests) > 0
+    assert s.turn_result_bytes == h.bus.bytes_out[subjects.TURN_RESULT] > 0
