@@ -104,24 +104,71 @@ def _tools(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
     return _save(plt, fig, out / "tools.png")
 
 
+MAX_ENGINE_LINES = 12
+"""Engines drawn one line each; a larger fleet is drawn as its spread and its total (1,024 lines
+and a legend of 1,024 names say nothing, and cost the watching command seconds of CPU a redraw)."""
+FLEET_BINS = 240
+
+
+def _fleet(by_engine: dict[str, list[dict[str, Any]]]) -> tuple[list[float], list[list[float]], list[float]]:
+    """On a grid of FLEET_BINS times: each reporting engine's last utilisation (running over batch
+    slots) and the fleet's tokens/s, each engine's last report carried forward (reports come on
+    change, so an engine holds its state until its next one)."""
+    end = max(xs[-1]["t"] for xs in by_engine.values())
+    grid = [end * i / (FLEET_BINS - 1) for i in range(FLEET_BINS)]
+    util: list[list[float]] = [[] for _ in grid]
+    total = [0.0] * len(grid)
+    for xs in by_engine.values():
+        j, last = 0, None
+        for i, t in enumerate(grid):
+            while j < len(xs) and xs[j]["t"] <= t:
+                last, j = xs[j], j + 1
+            if last is not None:
+                util[i].append(last["running"] / max(1, last["capacity"]))
+                total[i] += last["tokens_per_s"]
+    return grid, util, total
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float:
+    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))]
+
+
 def _engines(timeline: dict[str, Any], title: str, out: Path) -> Path | None:
     loads = timeline.get("engines") or []
     if not loads:
         return None
     plt = _plt()
     by_engine: dict[str, list[dict[str, Any]]] = {}
-    for x in loads:
+    for x in sorted(loads, key=lambda x: x["t"]):
         by_engine.setdefault(x["engine"], []).append(x)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    for engine, xs in sorted(by_engine.items()):
-        ts = [x["t"] for x in xs]
-        top.step(ts, [x["running"] / max(1, x["capacity"]) for x in xs], where="post", label=engine)
-        bottom.plot(ts, [x["tokens_per_s"] for x in xs], lw=1, label=engine)
+    if len(by_engine) <= MAX_ENGINE_LINES:
+        for engine, xs in sorted(by_engine.items()):
+            ts = [x["t"] for x in xs]
+            top.step(ts, [x["running"] / max(1, x["capacity"]) for x in xs], where="post", label=engine)
+            bottom.plot(ts, [x["tokens_per_s"] for x in xs], lw=1, label=engine)
+        top.legend(fontsize=8, loc="upper right")
+        bottom.set_ylabel("tokens / s")
+    else:
+        grid, util, total = _fleet(by_engine)
+        kept = [(t, sorted(u)) for t, u in zip(grid, util, strict=True) if u]
+        ts = [t for t, _ in kept]
+        top.fill_between(
+            ts,
+            [_quantile(u, 0.1) for _, u in kept],
+            [_quantile(u, 0.9) for _, u in kept],
+            step="post",
+            alpha=0.3,
+            label="p10-p90 of engines",
+        )
+        top.step(ts, [sum(u) / len(u) for _, u in kept], where="post", label="mean")
+        top.step(ts, [u[-1] for _, u in kept], where="post", lw=0.8, ls=":", label="busiest")
+        top.legend(fontsize=8, loc="upper right", title=f"{len(by_engine)} engines", title_fontsize=8)
+        bottom.step(grid, total, where="post", lw=1)
+        bottom.set_ylabel("tokens / s, all engines")
     top.set_ylabel("running / batch slots")
     top.set_ylim(0, 1.05)
     top.set_title(f"{title}: engine utilisation")
-    top.legend(fontsize=8, loc="upper right")
-    bottom.set_ylabel("tokens / s")
     bottom.set_ylim(bottom=0)  # from zero: a steady rate must not read as a swing of 127.84-127.92
     bottom.set_xlabel("seconds since the job started")
     return _save(plt, fig, out / "engines.png")

@@ -2,6 +2,7 @@
 what each role change cost."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -273,6 +274,38 @@ def test_a_timeline_gets_throughput_tool_and_engine_plots(tmp_path) -> None:
         {"samples": samples[:5], "engines": engines, "steps": []}, "r", tmp_path / "early"
     )
     assert "throughput.png" in {p.name for p in early}  # before the first step: rollout alone
+
+
+def test_a_fleet_too_large_for_a_line_each_is_drawn_as_its_spread_and_total(tmp_path) -> None:
+    from tools.run_plots import FLEET_BINS, MAX_ENGINE_LINES, _fleet, write_run_plots
+
+    def load(t: float, e: int, running: int, rate: float) -> dict[str, Any]:
+        return {
+            "t": t,
+            "engine": f"e{e}",
+            "running": running,
+            "waiting": 0,
+            "capacity": 4,
+            "tokens_per_s": rate,
+        }
+
+    # reports come on change: e0 busy from 0 s, idle from 50 s; e1 reports only from 60 s, at 100 s
+    by_engine = {
+        "e0": [load(0.0, 0, 4, 10.0), load(50.0, 0, 0, 0.0)],
+        "e1": [load(60.0, 1, 2, 5.0), load(100.0, 1, 2, 5.0)],
+    }
+    grid, util, total = _fleet(by_engine)
+    assert len(grid) == FLEET_BINS and grid[0] == 0.0 and grid[-1] == 100.0
+    at = {round(t): (u, tot) for t, u, tot in zip(grid, util, total, strict=True)}
+    assert at[0] == ([1.0], 10.0)  # e1 has not reported yet: not counted as idle
+    assert at[100] == ([0.0, 0.5], 5.0)  # e0's last report carried forward
+    many = [load(float(t), e, (t + e) % 5, 1.0) for t in range(30) for e in range(MAX_ENGINE_LINES + 1)]
+    (png,) = [
+        p
+        for p in write_run_plots({"samples": [], "engines": many, "steps": []}, "r", tmp_path)
+        if p.name == "engines.png"
+    ]
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_speculation_totals_survive_an_engine_restart_and_split_by_step() -> None:
