@@ -322,16 +322,20 @@ class TrainerService:
             self._announce_done()
 
     async def _resync(self) -> None:
-        """Brings engines that lack the current weights up to date; then, if finished, announces done.
-        Only the trainer holding the role does: a standby's weights are not the job's."""
+        """Asks the engines their versions in the background, so that those lacking the current
+        weights get them; if finished and every engine has them, announces done. Only the trainer
+        holding the role does: a standby's weights are not the job's."""
         if not self.lead.leading:
             return
         now = time.monotonic()
         if now - self._last_resync < self.settings.resync_interval_s:
             return
         self._last_resync = now
-        await self.weights.refresh()
-        if self.finished and not self.done_published and self.weights.all_synced():
+        if not self.finished or self.done_published:
+            self.weights.refresh_soon()
+            return
+        await self.weights.refresh()  # the job's end waits for what the engines say they hold
+        if self.weights.all_synced():
             final = ev.TrainMetrics()
             if self.last_metrics is not None:
                 final.CopyFrom(self.last_metrics)
