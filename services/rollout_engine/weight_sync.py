@@ -308,6 +308,7 @@ class Relay:
                         version=ack.version,
                         code=ack.code,
                         message=ack.message,
+                        accepts_deltas=ack.accepts_deltas,
                     )
                 )
                 out.extend(ack.relayed)
@@ -407,7 +408,11 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
                 self.refused[err.code] = self.refused.get(err.code, 0) + 1
                 self.log.warning("weights_rejected", code=err.code, reason=str(err), torn=self.engine.torn)
                 return ws.PushAck(
-                    accepted=False, version=self.engine.version, code=err.code, message=str(err)
+                    accepted=False,
+                    version=self.engine.version,
+                    code=err.code,
+                    message=str(err),
+                    accepts_deltas=self.accepts_deltas,
                 )
             except Exception as err:  # the boundary: a bad push must never take the server down
                 self.log.exception("weights_push_failed")
@@ -428,7 +433,12 @@ class WeightSyncServicer(ws_grpc.WeightSyncServicer):
                 apply_s=round(apply_s, 4),
             )
             return ws.PushAck(
-                accepted=True, version=header.version, code="ok", apply_s=apply_s, relayed=relayed
+                accepted=True,
+                version=header.version,
+                code="ok",
+                apply_s=apply_s,
+                relayed=relayed,
+                accepts_deltas=self.accepts_deltas,
             )
 
     async def _receive(self, it: Any, span: Any) -> tuple[ws.WeightHeader, list[ws.RelayResult]]:

@@ -269,6 +269,8 @@ class PushResult:
     via: str = ""
     """The engine the trainer streamed to whose relay tree carried it ('' when the trainer pushed
     it to this engine itself)."""
+    accepts_deltas: bool | None = None
+    """What the engine's answer said of it (PushAck.accepts_deltas); None: it did not answer."""
 
 
 @dataclass
@@ -374,8 +376,17 @@ class WeightPusher:
         self.last = PushStats()
         unknown = [a for a in addrs if a not in self._known]
         probes: dict[str, EngineState | str | None] = {a: self._known[a] for a in addrs if a in self._known}
-        probes.update(await asyncio.gather(*(self._probe(a) for a in unknown)))
-        self.last.probed = len(unknown)
+        # with no base every engine gets the whole version whatever it holds: one is asked first
+        # (a wrong token is refused there, cleanly), all of them only if it refuses; what each
+        # takes next time its answer to the push says (at 1,024 engines, 1,024 calls saved)
+        asked = unknown if base is not None else unknown[:1]
+        probes.update(await asyncio.gather(*(self._probe(a) for a in asked)))
+        if base is None and any(isinstance(probes[a], str) for a in asked):
+            asked = unknown
+            probes.update(await asyncio.gather(*(self._probe(a) for a in unknown[1:])))
+        for a in unknown:
+            probes.setdefault(a, None)
+        self.last.probed = len(asked)
         results: dict[str, PushResult] = {}
         delta_addrs, dense_addrs = [], []
         for addr in addrs:
@@ -408,8 +419,11 @@ class WeightPusher:
                 results[a] = await self._push_one(a, enc, fencing_token)
         for addr, r in results.items():
             state = probes.get(addr)
-            if r.in_sync and isinstance(state, EngineState):
-                self._known[addr] = EngineState(snap.version, snap.checksum, False, state.accepts_deltas)
+            accepts = r.accepts_deltas
+            if accepts is None and isinstance(state, EngineState):
+                accepts = state.accepts_deltas
+            if r.in_sync and accepts is not None:
+                self._known[addr] = EngineState(snap.version, snap.checksum, False, accepts)
             else:  # asked again next time
                 self._known.pop(addr, None)
         return results
@@ -464,7 +478,16 @@ class WeightPusher:
                 ok = ack.accepted or (code == "stale_version" and ack.version == enc.version)
                 if ok or code in _FINAL_CODES:
                     seconds = time.perf_counter() - start
-                    own = PushResult(addr, ok, code, message, enc.total_bytes if ok else 0, seconds, attempt)
+                    own = PushResult(
+                        addr,
+                        ok,
+                        code,
+                        message,
+                        enc.total_bytes if ok else 0,
+                        seconds,
+                        attempt,
+                        accepts_deltas=ack.accepts_deltas,
+                    )
                     if not below:
                         return own
                     return _TreeResult.of(own, ack, below, enc, seconds)
@@ -526,5 +549,15 @@ class _TreeResult:
                 )
                 continue
             ok = r.accepted or (r.code == "stale_version" and r.version == enc.version)
-            out[a] = PushResult(a, ok, r.code, r.message, enc.total_bytes if ok else 0, seconds, 1, own.addr)
+            out[a] = PushResult(
+                a,
+                ok,
+                r.code,
+                r.message,
+                enc.total_bytes if ok else 0,
+                seconds,
+                1,
+                own.addr,
+                accepts_deltas=r.accepts_deltas,
+            )
         return cls(out)

@@ -75,34 +75,38 @@ class WeightChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., tensor: _Optional[int] = ..., offset: _Optional[int] = ..., count: _Optional[int] = ..., indices: _Optional[bytes] = ..., index_bytes: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class PushAck(_message.Message):
-    __slots__ = ("accepted", "version", "code", "message", "apply_s", "relayed")
+    __slots__ = ("accepted", "version", "code", "message", "apply_s", "relayed", "accepts_deltas")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     APPLY_S_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_DELTAS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     version: int
     code: str
     message: str
     apply_s: float
     relayed: _containers.RepeatedCompositeFieldContainer[RelayResult]
-    def __init__(self, accepted: bool = ..., version: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., apply_s: _Optional[float] = ..., relayed: _Optional[_Iterable[_Union[RelayResult, _Mapping]]] = ...) -> None: ...
+    accepts_deltas: bool
+    def __init__(self, accepted: bool = ..., version: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., apply_s: _Optional[float] = ..., relayed: _Optional[_Iterable[_Union[RelayResult, _Mapping]]] = ..., accepts_deltas: bool = ...) -> None: ...
 
 class RelayResult(_message.Message):
-    __slots__ = ("addr", "accepted", "version", "code", "message")
+    __slots__ = ("addr", "accepted", "version", "code", "message", "accepts_deltas")
     ADDR_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_DELTAS_FIELD_NUMBER: _ClassVar[int]
     addr: str
     accepted: bool
     version: int
     code: str
     message: str
-    def __init__(self, addr: _Optional[str] = ..., accepted: bool = ..., version: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    accepts_deltas: bool
+    def __init__(self, addr: _Optional[str] = ..., accepted: bool = ..., version: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., accepts_deltas: bool = ...) -> None: ...
 
 class VersionRequest(_message.Message):
     __slots__ = ()
