@@ -24,7 +24,7 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
     args += ["--group-size", "2", "--time-scale", "0.25", "--sim-seeds", "2", "--out", str(out)]
     args += [
         "--policies",
-        "libra,least_loaded,libra_lend,libra_planned",
+        "libra,least_loaded,libra_lend_always,libra_planned",
         "--train-gpus",
         "8",
         "--lend-tp",
@@ -35,7 +35,7 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
     assert main(args) == 0
     doc = json.loads((out / "live.json").read_text())
     assert doc["emulated"] is True and doc["engines"] == 4
-    for name in ("libra", "least_loaded", "libra_lend", "libra_planned"):
+    for name in ("libra", "least_loaded", "libra_lend_always", "libra_planned"):
         r = doc["policies"][name]
         m, p = r["measured"], r["predicted"]
         assert m["status"] == "completed" and m["steps_seen"] == 3 and m["failed"] == 0
@@ -58,15 +58,17 @@ def test_bench_live_measures_every_policy_and_the_simulators_prediction(tmp_path
         assert 0.0 < m["context_tokens_held_share"] < 1.0
     assert doc["policies"]["libra"]["migrations"] > 0, "C-MLFQ moved trajectories to the long bucket"
     assert doc["policies"]["least_loaded"]["migrations"] == 0
-    # the trainer lent its GPUs' two TP4 engines while it waited, and took them back to train
+    # the trainer lent its GPUs' two TP4 engines while it waited, and took them back to train. The
+    # policy that lends at every wait: the predictive one may rightly never lend in a job this short
+    # (a batch due within two switches, or complete before the trainer has loaded: clean-clone CI)
     assert doc["policies"]["libra"]["measured"]["lending"] is None
-    lending = doc["policies"]["libra_lend"]["measured"]["lending"]
+    lending = doc["policies"]["libra_lend_always"]["measured"]["lending"]
     assert lending["engines"] == 2 and lending["lends"] >= 1 and lending["reclaims"] >= 1
     assert lending["seconds_lent"] > 0 and lending["turns_moved"] is not None
-    assert lending["policy"] == "predictive" and 0 <= lending["early_reclaims"] <= lending["reclaims"]
-    simulated = doc["policies"]["libra_lend"]["predicted"]["lending"]
-    assert simulated["policy"] == "predictive" and simulated["lends"] >= 1, simulated
-    gain = doc["lending_gain"]
+    assert lending["policy"] == "always" and lending["early_reclaims"] == 0
+    simulated = doc["policies"]["libra_lend_always"]["predicted"]["lending"]
+    assert simulated["policy"] == "always" and simulated["lends"] >= 1, simulated
+    gain = doc["lending_gain_always"]
     assert gain["error"] == pytest.approx(abs(gain["measured"] - gain["predicted"]))
     assert len(gain["predicted_over_seeds"]["per_seed"]) == 2
     # the planned job searched its layout as it started (the same decision as the search before
