@@ -9,8 +9,8 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nats.aio.msg import Msg
 
@@ -29,6 +29,12 @@ from services.trainer.config import TrainerSettings
 
 if TYPE_CHECKING:
     from services.learning.learner import Learner
+
+
+T = TypeVar("T")
+
+PREFETCH_WAIT_S = 0.1
+"""How long one fetch during a step waits for a delivery: the most a step's end waits for it."""
 
 
 async def settle(op: Any) -> None:
@@ -79,6 +85,25 @@ class Intake:
         timeout = self.settings.idle_poll_s if timeout_s is None else timeout_s
         return await self.bus.fetch(self.psub, ev.CompletedTrajectory, self.settings.fetch_batch, timeout)
 
+    async def while_stepping(self, step: Awaitable[T], need: int) -> T:
+        """Awaits `step` (a training step, off the event loop), meanwhile fetching and admitting
+        deliveries until the buffer holds `need` complete groups: the next batch is decoded,
+        checked and grouped while this one trains, not after it (at 512 trajectories a step, tens
+        of seconds of this machine's time). What is admitted is settled as between steps: a
+        trajectory trained only in a later step is acked when that step commits."""
+        work = asyncio.ensure_future(step)
+        try:
+            while not work.done() and self.groups_complete() < need:
+                try:
+                    await self.admit(await self.fetch(timeout_s=PREFETCH_WAIT_S))
+                except Exception as err:  # NATS reconnecting: the loop fetches after the step
+                    self.log.warning("prefetch_failed", error=f"{type(err).__name__}: {err}")
+                    break
+        except asyncio.CancelledError:  # as a cancelled await of the step itself
+            work.cancel()
+            raise
+        return await work
+
     async def keep_deliveries(self) -> None:
         """Tells JetStream that every delivery this trainer holds (buffered, or in the step being
         trained) is still being worked on, so only a dead trainer's deliveries are redelivered."""
@@ -93,8 +118,12 @@ class Intake:
         if not fetched:
             return
         in_redis = await self._known_in_redis([t.trajectory_id for t, _ in fetched])
+        stepping = {p.traj.trajectory_id: p for p in self.stepping}
         for (traj, raw), known in zip(fetched, in_redis, strict=True):
             tid = traj.trajectory_id
+            if tid in stepping:  # delivered again while its step trains: settled with that step
+                stepping[tid].handles.append(raw)
+                continue
             if traj.HasField("failure") and traj.failure.code and traj.group_id:
                 self.counts["failed"] += 1
                 self.log.info("trajectory_failed", trajectory_id=tid, code=traj.failure.code)

@@ -248,7 +248,10 @@ class TrainerService:
             samples = [to_sample(p.traj) for p in pendings]
             try:
                 group = self.hybrid.group if self.hybrid.members else None
-                stats = await asyncio.to_thread(self.learner.step, samples, stop.is_set, group)
+                stats = await self.intake.while_stepping(
+                    asyncio.to_thread(self.learner.step, samples, stop.is_set, group),
+                    self.run.training.groups_per_step,
+                )
                 self.hybrid.stepped(self.learner.group_error)
                 path = await asyncio.to_thread(self.learner.commit, ids, self.lead.token)
             except StepAborted:
