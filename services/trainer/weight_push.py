@@ -417,13 +417,9 @@ class WeightPusher:
             results.update(await self._push_group(enc, dense_addrs, fencing_token))
             for a in refused:  # its weights were not what it said a moment ago: the whole version
                 results[a] = await self._push_one(a, enc, fencing_token)
-        for addr, r in results.items():
-            state = probes.get(addr)
-            accepts = r.accepts_deltas
-            if accepts is None and isinstance(state, EngineState):
-                accepts = state.accepts_deltas
-            if r.in_sync and accepts is not None:
-                self._known[addr] = EngineState(snap.version, snap.checksum, False, accepts)
+        for addr, r in results.items():  # every answer says what the engine takes
+            if r.in_sync and r.accepts_deltas is not None:
+                self._known[addr] = EngineState(snap.version, snap.checksum, False, r.accepts_deltas)
             else:  # asked again next time
                 self._known.pop(addr, None)
         return results
