@@ -319,6 +319,7 @@ def measured(watch: Watch, report: dict[str, Any], cfg: RunConfig) -> dict[str, 
         "decisions_per_s": sched.get("decisions", 0) / wall,
         "decision_p50_us": sched.get("decision_p50_us", 0.0),
         "decision_p99_us": sched.get("decision_p99_us", 0.0),
+        "decision_cpu_p99_us": sched.get("decision_cpu_p99_us", 0.0),
         "dispatch_p50_us": sched.get("dispatch_p50_us", 0.0),
         "dispatch_p99_us": sched.get("dispatch_p99_us", 0.0),
         "scheduler_cpu_utilisation": sched.get("cpu_utilisation", 0.0),
@@ -696,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
             "decisions_per_s": first["decisions_per_s"],
             "decision_p50_us": first["decision_p50_us"],
             "decision_p99_us": first["decision_p99_us"],
+            "decision_cpu_p99_us": first["decision_cpu_p99_us"],
             "dispatch_p50_us": first["dispatch_p50_us"],
             "dispatch_p99_us": first["dispatch_p99_us"],
             "cpu_utilisation": first["scheduler_cpu_utilisation"],
@@ -717,7 +719,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':>12}  mean s per trajectory, predicted {_fmt(pr['latency_breakdown_mean_s'])}")
         print(f"{'':>12}  host CPU over the job, cores: {host_cpu.line(r['host_cpu']['by_role'])}")
         print(
-            f"{'':>12}  scheduler: {m['decisions_per_s']:.1f} decisions/s, dispatch p99 "
+            f"{'':>12}  scheduler: {m['decisions_per_s']:.1f} decisions/s, decision p99 "
+            f"{m['decision_p99_us']:.0f} us ({m['decision_cpu_p99_us']:.0f} us of CPU), dispatch p99 "
             f"{m['dispatch_p99_us'] / 1000:.1f} ms, {m['scheduler_cpu_utilisation']:.2f} core, "
             f"{m['messages_per_s']:.0f} messages/s; engine load reports {m['engine_load_reports_per_s']:.1f}/s; "
             f"bus bytes per turn {m['bus_bytes_per_turn']}"

@@ -441,6 +441,8 @@ async def build_report(
             "decisions": stats.decisions,
             "decision_p50_us": round(stats.decision_p50_us, 1),
             "decision_p99_us": round(stats.decision_p99_us, 1),
+            "decision_cpu_p50_us": round(stats.decision_cpu_p50_us, 1),
+            "decision_cpu_p99_us": round(stats.decision_cpu_p99_us, 1),
             "dispatch_p50_us": round(stats.dispatch_p50_us, 1),
             "dispatch_p99_us": round(stats.dispatch_p99_us, 1),
             "cpu_utilisation": round(stats.cpu_utilisation, 3),

@@ -192,6 +192,9 @@ class InFlight:
         self.decision_us: deque[float] = deque(maxlen=20_000)
         """Latency of the most recent routing decisions (the policy's own work, in microseconds;
         not the polls of a queue that found nothing to place)."""
+        self.decision_cpu_us: deque[float] = deque(maxlen=20_000)
+        """...and the CPU time this thread spent in each (wall minus what other processes took
+        of the core meanwhile, GC and page faults included)."""
         self.context_tokens = {"sent": 0, "held": 0}
         """Context tokens turn requests carried, and those their engines held already."""
         self.dispatch_us: deque[float] = deque(maxlen=20_000)
@@ -260,14 +263,18 @@ class InFlight:
     def decide(self, fn: Callable[..., T], *args: Any, poll: bool = False) -> T:
         """Runs one routing decision and records how long the policy took; a `poll` (a queue asked
         for a turn to place) counts only when it found one."""
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         out = fn(*args)
         if not poll or out is not None:
             self.decision_us.append((time.perf_counter() - began) * 1e6)
+            self.decision_cpu_us.append((time.thread_time() - began_cpu) * 1e6)
         return out
 
     def decision_quantile(self, q: float) -> float:
         return percentile(list(self.decision_us), q)
+
+    def decision_cpu_quantile(self, q: float) -> float:
+        return percentile(list(self.decision_cpu_us), q)
 
     def dispatch_quantile(self, q: float) -> float:
         return percentile(list(self.dispatch_us), q)

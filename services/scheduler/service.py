@@ -203,6 +203,8 @@ class SchedulerService:
             decisions=self.dispatch.decisions,
             decision_p50_us=inflight.decision_quantile(0.5),
             decision_p99_us=inflight.decision_quantile(0.99),
+            decision_cpu_p50_us=inflight.decision_cpu_quantile(0.5),
+            decision_cpu_p99_us=inflight.decision_cpu_quantile(0.99),
             dispatch_p50_us=inflight.dispatch_quantile(0.5),
             dispatch_p99_us=inflight.dispatch_quantile(0.99),
             cpu_utilisation=self._cpu_utilisation(),
