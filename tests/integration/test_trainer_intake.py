@@ -58,7 +58,7 @@ async def test_the_next_batch_is_grouped_while_a_step_trains(
         async def step() -> str:
             # the step trains; meanwhile the scheduler completes the next group, and a trajectory
             # of this step is delivered again (a scheduler re-sending after its restart)
-            for t in [*second, first[0]]:
+            for t in [first[0], *second]:  # in stream order: fetched before the group completes
                 await publish(t)
             for _ in range(200):
                 if intake.groups_complete() >= 1:
