@@ -401,7 +401,14 @@ async def build_report(
             if w.version <= p.committed_version
         ],
         "tool_calls": dict(stats.tool_calls_by_status),
-        **({"agent_calls_refused": dict(stats.agent_calls_refused)} if cfg.task.runs_agent else {}),
+        **(
+            {
+                "agent_calls_refused": dict(stats.agent_calls_refused),
+                "agent_history_rewrites": stats.agent_history_rewrites,
+            }
+            if cfg.task.runs_agent
+            else {}
+        ),
         "trajectories_failed": stats.trajectories_failed,
         "trajectories_failed_by_code": dict(stats.failures_by_code),
         "groups_replaced": stats.groups_replaced,

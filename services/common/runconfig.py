@@ -224,6 +224,11 @@ class TaskConfig(_Strict):
     `task.reward` to score it). Runs in `plugin_paths[0]` when set."""
     agent_timeout_s: float = Field(600.0, gt=0.0, le=86400.0)
     """An agent run that has not returned by then fails its trajectory (`agent_timeout`)."""
+    edited_history: Literal["segment", "refuse"] = "segment"
+    """An agent's call that does not repeat the conversation Libra answered (it cut, summarised or
+    rewrote it): `segment` renders the call's whole conversation afresh and begins a new sequence
+    of the trajectory, trained on its own with the trajectory's reward (the tokens already
+    sampled stay trained as they were); `refuse` answers it `history_edited` (400)."""
     stop_strings: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(None, max_length=16)
     """Strings that end a turn (kept in its text). Default: the built-in tool-use loop's
     `</calc>`, `</answer>` and `</tool_call>`; an environment with its own action format sets its

@@ -1,7 +1,10 @@
 """Completed trajectories to training tensors.
 
 A trajectory is its segments in order: the prompt, then generated turns and tool returns. The model
-sees their concatenation; only generated tokens carry loss. Everything is kept shifted by one, the
+sees their concatenation; only generated tokens carry loss. A trajectory whose agent rewrote its
+conversation is several sequences, each beginning at a segment that `starts_sequence` (the
+rewritten conversation as the model saw it): each is trained as one sample, with the trajectory's
+reward, and the group's advantages count the trajectory once. Everything is kept shifted by one, the
 way the logits are used: column j of the mask, the behaviour logprobs, the temperatures and the
 versions describes token j+1, which the logits at position j predict (see `grpo.token_logprobs`). torch is imported only when collating, so
 the service shell can validate trajectories without it.
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Sample:
-    """One trajectory, flattened per position: token, loss flag, the engine's (behaviour) logprob,
+    """One sequence of a trajectory (most trajectories are one), flattened per position: token, loss flag, the engine's (behaviour) logprob,
     the temperature it was computed at and the weight version that sampled the token (0.0, 1.0 and
     -1 where there is no loss)."""
 
@@ -92,6 +95,10 @@ def validate(
     require(not traj.segments[0].generated, "the first segment must be the prompt (generated=false)")
     generated = 0
     for i, seg in enumerate(traj.segments):
+        require(
+            not (seg.generated and seg.starts_sequence),
+            f"segment {i}: a sequence starts with a prompt (generated=false), not generated tokens",
+        )
         if seg.generated:
             require(
                 len(seg.logprobs) == len(seg.token_ids),
@@ -115,13 +122,31 @@ def validate(
     require(generated > 0, "no generated tokens")
 
 
-def to_sample(traj: ev.CompletedTrajectory) -> Sample:
+def to_samples(traj: ev.CompletedTrajectory) -> list[Sample]:
+    """Its sequences as samples, in order; a sequence without generated tokens (its context ran
+    out right after a rewrite) teaches nothing and is left out."""
+    starts = [i for i, seg in enumerate(traj.segments) if i == 0 or seg.starts_sequence]
+    bounds = zip(starts, [*starts[1:], len(traj.segments)], strict=True)
+    samples = [_sample(traj, traj.segments[a:b]) for a, b in bounds]
+    return [s for s in samples if s.num_generated]
+
+
+def one_per_trajectory(samples: Sequence[Sample]) -> list[Sample]:
+    """The first sample of each trajectory, in order: what a group's rewards and advantages count
+    (a trajectory of several sequences is still one member of its group)."""
+    seen: dict[str, Sample] = {}
+    for s in samples:
+        seen.setdefault(s.trajectory_id, s)
+    return list(seen.values())
+
+
+def _sample(traj: ev.CompletedTrajectory, segments: Sequence[ev.Segment]) -> Sample:
     ids: list[int] = []
     mask: list[bool] = []
     behaviour: list[float] = []
     temps: list[float] = []
     versions: list[int] = []
-    for seg in traj.segments:
+    for seg in segments:
         n = len(seg.token_ids)
         ids.extend(seg.token_ids)
         mask.extend([seg.generated] * n)

@@ -20,7 +20,7 @@ from services.common.models import check_reference, load_model, load_tokenizer
 from services.common.runconfig import RunConfig
 from services.learning import checkpoint
 from services.learning.advantages import informative
-from services.learning.data import Sample
+from services.learning.data import Sample, one_per_trajectory
 from services.learning.fsdp import ShardedTrainer
 from services.learning.hybrid import GroupBroken, TrainerGroup
 from services.learning.lora import is_lora, merged_state
@@ -203,14 +203,15 @@ class Learner:
             if should_abort():
                 raise StepAborted("emulated step abandoned")
             time.sleep(min(left, 0.1))
-        rewards = [s.reward for s in samples] or [0.0]
+        members = one_per_trajectory(samples)
+        rewards = [s.reward for s in members] or [0.0]
         by_group: dict[str, list[float]] = {}
-        for s in samples:
+        for s in members:
             by_group.setdefault(s.group_id, []).append(s.reward)
         return StepStats(
             loss=0.0,
             tokens=sum(s.num_generated for s in samples),
-            trajectories=len(samples),
+            trajectories=len(members),
             reward_mean=statistics.fmean(rewards),
             reward_std=statistics.pstdev(rewards),
             kl=0.0,

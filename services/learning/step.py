@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from services.learning.advantages import group_advantages, informative
-from services.learning.data import MicroBatch, Sample, micro_batches
+from services.learning.data import MicroBatch, Sample, micro_batches, one_per_trajectory
 from services.learning.data_parallel import all_reduce_gradients, share
 from services.learning.grpo import LossConfig, LossMetrics, entropy_sum, policy_loss, token_logprobs
 
@@ -131,6 +131,15 @@ def split_groups(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
     return out
 
 
+def sample_advantages(samples: Sequence[Sample], estimator: str) -> list[float]:
+    """Each sample's advantage: its trajectory's within its group, every trajectory counted once
+    however many sequences it was trained as."""
+    members = one_per_trajectory(samples)
+    adv = group_advantages([t.reward for t in members], [t.group_id for t in members], estimator=estimator)
+    of = {t.trajectory_id: a for t, a in zip(members, adv, strict=True)}
+    return [of[s.trajectory_id] for s in samples]
+
+
 def _version_stats(samples: Sequence[Sample], version: int) -> tuple[tuple[int, ...], float]:
     seen: set[int] = set()
     stale = total = 0
@@ -165,9 +174,10 @@ def train_step(
         raise ValueError("the replica that steps (rank 0, or every FSDP rank) needs the optimizer")
     if sharded:
         should_abort = _never
-    rewards = [s.reward for s in samples]
+    members = one_per_trajectory(samples)
+    rewards = [s.reward for s in members]
     by_group: dict[str, list[float]] = {}
-    for s in samples:
+    for s in members:
         by_group.setdefault(s.group_id, []).append(s.reward)
     kept = [s for s in samples if informative(by_group[s.group_id]) or not settings.drop_zero_advantage]
     cut = [s for s in kept if s.truncated] if settings.overlong_filter else []
@@ -181,9 +191,7 @@ def train_step(
             mb.to(settings.device)
             for mb in micro_batches(
                 m,
-                group_advantages(
-                    [s.reward for s in m], [s.group_id for s in m], estimator=settings.advantage
-                ),
+                sample_advantages(m, settings.advantage),
                 settings.micro_batch,
                 settings.pad_id,
             )
@@ -232,7 +240,7 @@ def train_step(
     return StepStats(
         loss=loss_sum,
         tokens=int(metrics.tokens),
-        trajectories=len(samples),
+        trajectories=len(members),
         reward_mean=statistics.fmean(rewards) if rewards else 0.0,
         reward_std=statistics.pstdev(rewards) if rewards else 0.0,
         kl=means["kl"],

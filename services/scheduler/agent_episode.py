@@ -3,16 +3,19 @@
 The agent's first call is the prompt (its messages in the model's chat template); each call after
 it must repeat the conversation as Libra answered it and adds what came since (tool results, the
 user's next message), rendered as the template's continuation of the sampled tokens, which are kept
-as sampled: what is trained is exactly what was generated. The run's return value is the reward
-(None: `task.reward` scores it, else 0). A call that edits the conversation Libra answered is
-refused (`history_edited`): training on a rewritten history is not written yet.
+as sampled: what is trained is exactly what was generated. A call that rewrites the conversation
+Libra answered (cuts, summarises or edits it) is rendered whole and begins a new sequence of the
+trajectory (`task.edited_history: segment`; `refuse` answers it `history_edited`): each sequence is
+trained as the model saw it. The run's return value is the reward (None: `task.reward` scores it,
+else 0).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, NoReturn
+from dataclasses import dataclass
+from typing import Any
 
 from services.common.runconfig import RunConfig
 from services.common.signals import ToolSignal, size_class
@@ -59,6 +62,21 @@ def transcript_text(messages: list[dict[str, Any]]) -> str:
     return "\n".join(f"[{m['role']}] {m['content']}" for m in messages)
 
 
+def common_prefix(a: list[Any], b: list[Any]) -> int:
+    """How many first items `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A trajectory's next observation, rendered while its call was checked: its tokens, what
+    C-MLFQ is to see of it, and whether it is the whole conversation rewritten (a new sequence)."""
+
+    ids: list[int]
+    signal: ToolSignal
+    rewritten: bool = False
+
+
 class AgentEpisode(Episode):
     builtin_reward = False
 
@@ -75,9 +93,10 @@ class AgentEpisode(Episode):
             host, port, cfg.model.source, task.max_context_tokens, len(prompter.tok)
         )
         self.sessions: dict[str, AgentSession] = {}
-        self.observations: dict[str, tuple[list[int], ToolSignal]] = {}
-        """Each trajectory's next observation, rendered while its call was checked, and what
-        C-MLFQ is to see of it."""
+        self.observations: dict[str, Observation] = {}
+        """Each trajectory's next observation."""
+        self.rewrites = 0
+        """Calls that rewrote their conversation and began a new sequence."""
 
     async def start(self) -> None:
         await self.endpoint.start()
@@ -180,12 +199,12 @@ class AgentEpisode(Episode):
                     return event.outcome
                 return Step(done=True, reward=event.outcome)
             try:
-                new = self._continued(live, session, event)
+                said = self._continued(live, session, event)
             except ApiError as err:
                 session.refuse(err)
                 continue
             self._sample_as_asked(live, event.request)
-            return Step(observation=transcript_text(new) or "(continue)")
+            return Step(observation=said)
 
     def _answer(self, live: Live, session: AgentSession, turn: SampledTurn) -> None:
         assert session.pending is not None
@@ -199,6 +218,7 @@ class AgentEpisode(Episode):
         usage = (live.traj.context_tokens, len(turn.token_ids))
         texts = [tok.decode([t]) for t in turn.token_ids] if request.logprobs else None
         logprobs = list(turn.logprobs) if request.logprobs else None
+        session.context = [*live.traj.context, *turn.token_ids]  # the turn joins it after this call
         ids = (live.traj.context, list(turn.token_ids)) if request.return_token_ids else None
         if request.prompt is not None:
             if session.text is not None:
@@ -219,26 +239,20 @@ class AgentEpisode(Episode):
             )
         session.answer(200, body)
 
-    def _continued(self, live: Live, session: AgentSession, call: Call) -> list[dict[str, Any]]:
-        """The messages this call adds, checked and rendered (`observations`); ApiError if it does
-        not continue the conversation as Libra answered it, or would not fit."""
+    def _continued(self, live: Live, session: AgentSession, call: Call) -> str:
+        """What this call adds (as the samples show it), checked and rendered (`observations`);
+        ApiError if it cannot be answered, or would not fit."""
         request, before = call.request, session.history
         if (request.prompt is not None) != session.completions:
             kind = "completions" if session.completions else "chat completions"
             raise ApiError(
                 400, "invalid_value", f"this trajectory's calls are {kind}: one kind per trajectory"
             )
+        edit = self._edit(live, session, request)
+        if edit is not None:
+            return self._rewritten(live, session, request, *edit)
         if request.prompt is not None:
             return self._prompt_continued(live, session, request.prompt)
-        if request.messages[: len(before)] != before or request.tools != session.tools:
-            at = next(
-                (i for i, (a, b) in enumerate(zip(request.messages, before, strict=False)) if a != b), None
-            )
-            where = f"message {at} differs" if at is not None else "it is shorter"
-            self._edited(
-                "messages" if at is None else f"messages.{at}",
-                f"the conversation does not repeat the one this trajectory had ({where}, or its tools changed)",
-            )
         new = request.messages[len(before) :]
         if new and new[-1]["role"] == "assistant":
             raise ApiError(
@@ -250,48 +264,85 @@ class AgentEpisode(Episode):
             )
         except TemplateError as err:
             raise ApiError(400, "template_error", str(err), "messages") from None
-        self._fits(live.traj.context_tokens + len(ids))
-        self.observations[live.trajectory_id] = (
-            ids,
-            returned_signal(new, before[-1] if before else None, len(ids)),
-        )
-        return new
+        self._fits(len(session.context) + len(ids))
+        signal = returned_signal(new, before[-1] if before else None, len(ids))
+        self.observations[live.trajectory_id] = Observation(ids, signal)
+        return transcript_text(new) or "(continue)"
 
-    def _prompt_continued(
-        self, live: Live, session: AgentSession, prompt: str | list[int]
-    ) -> list[dict[str, Any]]:
-        """A completions call after the first: its prompt must begin with the trajectory so far —
-        its context as token ids, or the text of the prompt and the completions returned."""
+    def _edit(self, live: Live, session: AgentSession, request: ChatRequest) -> tuple[str, str] | None:
+        """Where and how the call does not continue the conversation as Libra answered it (the
+        field, why), or None when it does."""
+        prompt, before = request.prompt, session.history
         if isinstance(prompt, list):
-            context = live.traj.context
-            if prompt[: len(context)] != context:
-                self._edited("prompt", "the prompt's ids do not begin with this trajectory's context")
-            ids, added, session.text = prompt[len(context) :], f"({len(prompt) - len(context)} tokens)", None
+            ok = prompt[: len(session.context)] == session.context
+            return None if ok else ("prompt", "the prompt's ids do not begin with this trajectory's context")
+        if isinstance(prompt, str):
+            ok = session.text is not None and prompt.startswith(session.text)
+            return None if ok else ("prompt", "the prompt does not begin with this trajectory's text so far")
+        said = "the conversation does not repeat the one this trajectory had"
+        if request.messages[: len(before)] == before:
+            return None if request.tools == session.tools else ("tools", f"{said} (its tools changed)")
+        at = common_prefix(request.messages, before)
+        if at < len(request.messages):
+            return f"messages.{at}", f"{said} (message {at} differs)"
+        return "messages", f"{said} (it is shorter)"
+
+    def _rewritten(
+        self, live: Live, session: AgentSession, request: ChatRequest, param: str, why: str
+    ) -> str:
+        """A call that rewrote the conversation: rendered whole, the next sequence's prompt (or
+        refused, as `task.edited_history` says)."""
+        if self.cfg.task.edited_history == "refuse":
+            raise ApiError(
+                400,
+                "history_edited",
+                f"{why}: a trajectory's history is what was sampled (task.edited_history: refuse)",
+                param,
+            )
+        ids = self._prompt(request)
+        if request.prompt is not None:
+            session.text = request.prompt if isinstance(request.prompt, str) else None
+            shown = _shown(request.prompt)
+            signal = ToolSignal("user", size_class(len(ids)), "success")
         else:
-            if session.text is None or not prompt.startswith(session.text):
-                self._edited("prompt", "the prompt does not begin with this trajectory's text so far")
+            before = session.history
+            new = request.messages[common_prefix(request.messages, before) :]
+            session.tools = request.tools
+            shown = transcript_text(new)
+            signal = returned_signal(new, before[-1] if before else None, len(ids))
+        self.observations[live.trajectory_id] = Observation(ids, signal, rewritten=True)
+        self.rewrites += 1
+        return f"(conversation rewritten: a new sequence of {len(ids)} tokens)\n{shown}"
+
+    def _prompt_continued(self, live: Live, session: AgentSession, prompt: str | list[int]) -> str:
+        """A completions call after the first whose prompt begins with the trajectory so far — its
+        context as token ids, or the text of the prompt and the completions returned."""
+        held = len(session.context)
+        if isinstance(prompt, list):
+            ids, added, session.text = prompt[held:], f"({len(prompt) - held} tokens)", None
+        else:
             added = prompt[len(session.text or "") :]
             ids, session.text = self.prompter.chat.ids(added), prompt
-        self._fits(live.traj.context_tokens + len(ids))
-        self.observations[live.trajectory_id] = (ids, ToolSignal("user", size_class(len(ids)), "success"))
-        return [{"role": "user", "content": added}]
-
-    def _edited(self, param: str, why: str) -> NoReturn:
-        raise ApiError(
-            400,
-            "history_edited",
-            f"{why}: a trajectory's history is what was sampled, and editing it is not supported yet",
-            param,
+        self._fits(held + len(ids))
+        self.observations[live.trajectory_id] = Observation(
+            ids, ToolSignal("user", size_class(len(ids)), "success")
         )
+        return transcript_text([{"role": "user", "content": added}])
 
     def calls_refused(self) -> dict[str, int]:
         return dict(self.endpoint.refused)
 
+    def history_rewrites(self) -> int:
+        return self.rewrites
+
     def reply_ids(self, live: Live, text: str) -> list[int]:
-        return self.observations[live.trajectory_id][0]
+        return self.observations[live.trajectory_id].ids
+
+    def reply_rewrites(self, live: Live) -> bool:
+        return self.observations[live.trajectory_id].rewritten
 
     def reply_signal(self, live: Live, observation_ids: list[int]) -> ToolSignal:
-        return self.observations.pop(live.trajectory_id)[1]
+        return self.observations.pop(live.trajectory_id).signal
 
     def forget(self, live: Live) -> None:
         session = self.sessions.pop(live.trajectory_id, None)

@@ -112,6 +112,7 @@ class Completion:
                     generated=s.generated,
                     policy_version=s.policy_version,
                     temperature=s.temperature if s.generated else 0.0,
+                    starts_sequence=s.starts_sequence,
                 )
                 for s in traj.segments
             ],

@@ -255,8 +255,9 @@ class TrajectoryDriver:
         live.replies.append(action.text)
         live.transcript.environment(action.text)
         obs = self.episode.reply_ids(live, action.text)
-        self._route_after_observation(live, self.episode.reply_signal(live, obs), obs)
-        await self._execute(live, traj.on_reply(obs))
+        rewritten = self.episode.reply_rewrites(live)
+        self._route_after_observation(live, self.episode.reply_signal(live, obs), obs, rewritten)
+        await self._execute(live, traj.on_reply(obs, rewritten))
 
     async def fail(self, live: Live, code: str, message: str) -> None:
         """Ends a trajectory the infrastructure could not carry; its group will not be trained."""
@@ -311,8 +312,11 @@ class TrajectoryDriver:
         self._route_after_observation(live, signal, obs)
         await self._execute(live, live.traj.on_tool_return(status, obs))
 
-    def _route_after_observation(self, live: Live, signal: ToolSignal, obs: list[int]) -> None:
-        """C-MLFQ's decision at a tool return: the trajectory may move to another bucket."""
+    def _route_after_observation(
+        self, live: Live, signal: ToolSignal, obs: list[int], rewritten: bool = False
+    ) -> None:
+        """C-MLFQ's decision at a tool return: the trajectory may move to another bucket.
+        `rewritten`: `obs` replaces the context (a conversation an agent rewrote)."""
         traj = live.traj
         before = self.inflight.bucket_of(live)
         decision = self.inflight.decide(
@@ -320,7 +324,7 @@ class TrajectoryDriver:
             traj.trajectory_id,
             signal,
             traj.output_tokens,
-            traj.context_tokens + len(obs),
+            (0 if rewritten else traj.context_tokens) + len(obs),
             time.monotonic(),
         )
         if decision.bucket != before:

@@ -73,6 +73,9 @@ class AgentSession:
     """Its calls are (text) completions, not chat completions."""
     text: str | None = None
     """Completions with text prompts: the prompt and the completions returned so far."""
+    context: list[int] = field(default_factory=list)
+    """The trajectory's tokens when Libra last answered: the context it sampled from and what
+    it sampled (a token-id prompt must begin with them to continue it)."""
     ended: bool = False
 
     def submit(self, request: ChatRequest) -> asyncio.Future[tuple[int, dict[str, Any]]]:

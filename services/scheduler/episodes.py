@@ -79,6 +79,11 @@ class Episode:
         """The tokens of the episode's reply `text` (a `Step.observation`)."""
         return self.prompter.observation_ids(text, live.traj.ended_with_eos)
 
+    def reply_rewrites(self, live: Live) -> bool:
+        """The reply (`reply_ids`) is the whole conversation, rewritten: it replaces the context
+        and begins a new sequence of the trajectory."""
+        return False
+
     def reply_signal(self, live: Live, observation_ids: list[int]) -> ToolSignal:
         """What C-MLFQ sees of the reply: a small, successful return of the environment."""
         return ToolSignal("environment", size_class(len(observation_ids)), "success")
@@ -113,6 +118,10 @@ class Episode:
     def calls_refused(self) -> dict[str, int]:
         """A `task.agent`'s endpoint calls refused, by error code (no other episode takes calls)."""
         return {}
+
+    def history_rewrites(self) -> int:
+        """A `task.agent`'s calls that rewrote their conversation (each began a new sequence)."""
+        return 0
 
 
 class EnvironmentEpisode(Episode):

@@ -209,6 +209,7 @@ class SchedulerService:
             dispatch_p99_us=inflight.dispatch_quantile(0.99),
             cpu_utilisation=self._cpu_utilisation(),
             agent_calls_refused=self.episode.calls_refused(),
+            agent_history_rewrites=self.episode.history_rewrites(),
             messages_received=self.bus.received,
             messages_published=self.bus.published,
             oldest_in_flight=inflight.oldest(20, time.monotonic()),

@@ -39,6 +39,9 @@ class Segment:
     policy_version: int = -1
     temperature: float = 1.0
     """Generated segments: the temperature their logprobs were computed at."""
+    starts_sequence: bool = False
+    """A prompt segment that replaces the context before it (an agent rewrote its conversation):
+    the model sees it, not what came before, from here on."""
 
 
 MAX_LOGPROB = 1e-4
@@ -188,13 +191,25 @@ class Trajectory:
         self.segments[0] = Segment(list(prompt_ids), [], generated=False)
 
     @property
+    def _sequence(self) -> list[Segment]:
+        """The segments of its current sequence: from the last that starts one."""
+        start = next((i for i in range(len(self.segments) - 1, 0, -1) if self.segments[i].starts_sequence), 0)
+        return self.segments[start:]
+
+    @property
     def context(self) -> list[int]:
-        return [t for s in self.segments for t in s.token_ids]
+        """What the model sees next: its current sequence's tokens."""
+        return [t for s in self._sequence for t in s.token_ids]
 
     @property
     def context_tokens(self) -> int:
         """len(self.context), without building it."""
-        return sum(len(s.token_ids) for s in self.segments)
+        return sum(len(s.token_ids) for s in self._sequence)
+
+    @property
+    def sequences(self) -> int:
+        """Its sequences: 1, and one more each time its conversation was rewritten."""
+        return 1 + sum(1 for s in self.segments[1:] if s.starts_sequence)
 
     @property
     def output_tokens(self) -> int:
@@ -271,14 +286,16 @@ class Trajectory:
         self.tool_statuses.append(status)
         return self._observed(observation_ids)
 
-    def on_reply(self, observation_ids: list[int]) -> Action:
-        """The environment's observation (tokenised by the caller) becomes part of the context."""
+    def on_reply(self, observation_ids: list[int], rewritten: bool = False) -> Action:
+        """The environment's observation (tokenised by the caller) becomes part of the context;
+        `rewritten`: it is the whole conversation, rewritten, and replaces the context (a new
+        sequence begins)."""
         if self.state is not State.REPLY_PENDING:
             raise IllegalTransition(f"environment reply in state {self.state.value}")
-        return self._observed(observation_ids)
+        return self._observed(observation_ids, rewritten)
 
-    def _observed(self, observation_ids: list[int]) -> Action:
-        self.segments.append(Segment(list(observation_ids), [], generated=False))
+    def _observed(self, observation_ids: list[int], rewritten: bool = False) -> Action:
+        self.segments.append(Segment(list(observation_ids), [], generated=False, starts_sequence=rewritten))
         self.state = State.GENERATING
         return self._next_generation()
 

@@ -27,7 +27,7 @@ from services.common.metrics import trainer_metrics
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
-from services.learning.data import to_sample
+from services.learning.data import to_samples
 from services.trainer.batcher import Pending
 from services.trainer.config import TrainerSettings
 from services.trainer.distribution import WeightDistribution
@@ -245,7 +245,7 @@ class TrainerService:
         ids = {p.traj.trajectory_id for p in pendings}
         attrs = {"libra.train_step": self.learner.state.step + 1, "libra.trajectories": len(pendings)}
         with tracer().start_as_current_span("train.step", links=links, attributes=attrs) as span:
-            samples = [to_sample(p.traj) for p in pendings]
+            samples = [s for p in pendings for s in to_samples(p.traj)]
             try:
                 group = self.hybrid.group if self.hybrid.members else None
                 stats = await self.intake.while_stepping(

@@ -7,7 +7,12 @@ import torch
 
 from services.common.contracts import ev
 from services.common.errors import InvalidMessage
-from services.learning.data import collate, micro_batches, to_sample, validate
+from services.learning.data import collate, micro_batches, one_per_trajectory, to_samples, validate
+
+
+def to_sample(t: ev.CompletedTrajectory):
+    (one,) = to_samples(t)
+    return one
 
 
 def traj(tid: str = "t0", **kw) -> ev.CompletedTrajectory:
@@ -74,6 +79,40 @@ def test_micro_batches_keep_advantages_with_their_samples() -> None:
     )
 
 
+def rewritten(tid: str = "t0", reward: float = 1.0) -> ev.CompletedTrajectory:
+    """An agent's trajectory that rewrote its conversation twice: the second time its context ran
+    out before a token was generated."""
+    return traj(
+        tid,
+        reward=reward,
+        segments=[
+            ev.Segment(token_ids=[10, 11], generated=False),
+            ev.Segment(token_ids=[20], logprobs=[-0.5], generated=True, policy_version=3, temperature=1.0),
+            ev.Segment(token_ids=[12, 13, 14], generated=False, starts_sequence=True),
+            ev.Segment(
+                token_ids=[21, 22], logprobs=[-1.0, -2.0], generated=True, policy_version=4, temperature=1.0
+            ),
+            ev.Segment(token_ids=[30], generated=False),
+            ev.Segment(token_ids=[23], logprobs=[-3.0], generated=True, policy_version=4, temperature=1.0),
+            ev.Segment(token_ids=[15, 16], generated=False, starts_sequence=True),
+        ],
+    )
+
+
+def test_a_rewritten_conversation_is_trained_as_its_own_sequence() -> None:
+    first, second = to_samples(rewritten())
+    assert (first.input_ids, first.loss_mask) == ([10, 11, 20], [False, False, True])
+    assert second.input_ids == [12, 13, 14, 21, 22, 30, 23]
+    assert second.loss_mask == [False, False, False, True, True, False, True]
+    assert second.behaviour_logprobs == [0.0, 0.0, 0.0, -1.0, -2.0, 0.0, -3.0]
+    assert second.versions == [-1, -1, -1, 4, 4, -1, 4]
+    assert {(s.trajectory_id, s.group_id, s.reward) for s in (first, second)} == {("t0", "g0", 1.0)}
+    validate(rewritten(), vocab_size=100)
+    # a group's member is its trajectory, whatever the number of its sequences
+    samples = [*to_samples(rewritten()), *to_samples(traj("t1"))]
+    assert [s.trajectory_id for s in one_per_trajectory(samples)] == ["t0", "t1"]
+
+
 def test_valid_trajectory_passes() -> None:
     validate(traj(), vocab_size=100)
 
@@ -94,6 +133,18 @@ def test_valid_trajectory_passes() -> None:
                 ]
             },
             "logprobs",
+        ),
+        (
+            {
+                "segments": [
+                    ev.Segment(token_ids=[1]),
+                    ev.Segment(token_ids=[2], logprobs=[-1.0], generated=True, temperature=1.0),
+                    ev.Segment(
+                        token_ids=[3], logprobs=[-1.0], generated=True, temperature=1.0, starts_sequence=True
+                    ),
+                ]
+            },
+            "starts with a prompt",
         ),
         (
             {

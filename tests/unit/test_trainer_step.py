@@ -12,7 +12,7 @@ import torch
 from services.common.runconfig import ModelConfig
 from services.learning.data import Sample
 from services.learning.grpo import LossConfig
-from services.learning.step import StepAborted, StepSettings, train_step
+from services.learning.step import StepAborted, StepSettings, sample_advantages, train_step
 
 
 @pytest.fixture
@@ -102,6 +102,17 @@ def test_zero_advantage_groups_are_not_collated(model: torch.nn.Module) -> None:
     assert math.isnan(stats.entropy) and math.isnan(stats.logprob_mismatch)  # nothing measured
     after = weights(model)
     assert all(torch.equal(before[k], after[k]) for k in before), "no update without an advantage"
+
+
+def test_a_trajectory_of_two_sequences_is_one_member_of_its_group(model: torch.nn.Module) -> None:
+    """An agent that rewrote its conversation sent two sequences: both carry the trajectory's
+    advantage, and the group's baseline and the step's counts take the trajectory once."""
+    a1, a2 = (engine_sample(model, "a", "g", 1.0, temperature=1.0, seed=i) for i in range(2))
+    b, c = (engine_sample(model, t, "g", 0.0, temperature=1.0, seed=2 + i) for i, t in enumerate("bc"))
+    assert sample_advantages([a1, a2, b, c], "dr_grpo") == pytest.approx([2 / 3, 2 / 3, -1 / 3, -1 / 3])
+    stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [a1, a2, b, c], settings())
+    assert (stats.trajectories, stats.tokens, stats.trained_groups) == (3, 24, 1)
+    assert stats.reward_mean == pytest.approx(1 / 3)
 
 
 def test_the_scheduled_lr_is_applied_and_each_mini_batch_updates(model: torch.nn.Module) -> None:

@@ -1,12 +1,14 @@
 import pytest
 
 from services.scheduler.agent import observation, parse_action
+from services.scheduler.environment import Step
 from services.scheduler.task import Task, arithmetic_tasks, expression_tasks, extract_answer, score
 from services.scheduler.trajectory import (
     CallTool,
     Finish,
     Generate,
     IllegalTransition,
+    Reply,
     State,
     Trajectory,
     check_turn,
@@ -240,3 +242,26 @@ def test_a_built_in_prompt_shows_worked_examples_unless_the_task_turns_them_off(
     assert "<calc>12*7+5</calc>" in one and "<calc>15*6-4</calc>" not in one
     assert "<calc>" not in bare.replace(SYSTEM_PROMPT, "")
     assert SYSTEM_PROMPT in bare and task.question in bare
+
+
+def test_a_rewritten_conversation_replaces_the_context_and_keeps_what_was_sampled() -> None:
+    """An agent's call that rewrote its conversation: the model sees the rewrite from then on (its
+    budget measured against it), and every token sampled before stays in the trajectory."""
+    t = make(max_turns=4, max_ctx=12)
+    t.first_action()
+    act = t.on_turn([10, 11], [-0.1, -0.2], "hi", versions=[0, 0], eos=True, step=Step(observation="more"))
+    assert isinstance(act, Reply)
+    nxt = t.on_reply([7, 8], rewritten=True)
+    assert isinstance(nxt, Generate) and nxt.context == [7, 8] and nxt.max_new_tokens == 8
+    assert (t.context_tokens, t.sequences, t.output_tokens) == (2, 2, 2)
+    act = t.on_turn([12, 13], [-0.3, -0.4], "ok", versions=[1, 1], eos=True, step=Step(observation="on"))
+    nxt = t.on_reply([9])
+    assert isinstance(nxt, Generate) and nxt.context == [7, 8, 12, 13, 9] and nxt.max_new_tokens == 7
+    assert [(s.token_ids, s.starts_sequence) for s in t.segments] == [
+        ([1, 2, 3], False),
+        ([10, 11], False),
+        ([7, 8], True),
+        ([12, 13], False),
+        ([9], False),
+    ]
+    assert t.versions == [0, 1] and t.output_tokens == 4

@@ -131,18 +131,20 @@ class ToolReturn(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., tool: _Optional[str] = ..., status: _Optional[str] = ..., payload: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., size_class: _Optional[str] = ..., wall_s: _Optional[float] = ..., cpu_s: _Optional[float] = ..., peak_rss_bytes: _Optional[int] = ..., truncated: bool = ..., exit_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "generated", "policy_version", "temperature")
+    __slots__ = ("token_ids", "logprobs", "generated", "policy_version", "temperature", "starts_sequence")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    STARTS_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     generated: bool
     policy_version: int
     temperature: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., generated: bool = ..., policy_version: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
+    starts_sequence: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., generated: bool = ..., policy_version: _Optional[int] = ..., temperature: _Optional[float] = ..., starts_sequence: bool = ...) -> None: ...
 
 class TrajectorySample(_message.Message):
     __slots__ = ("trajectory_id", "group_id", "prompt_id", "transcript_json")
@@ -613,7 +615,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("trajectories_completed", "trajectories_in_flight", "tool_calls_by_status", "turns", "dropped_stale", "reward_mean", "groups_launched", "groups_total", "trained_version", "engines", "oldest_in_flight", "groups_replaced", "group_outcomes", "trajectories_failed", "migrations", "decisions", "decision_p50_us", "decision_p99_us", "messages_received", "messages_published", "failures_by_code", "turns_handed_back", "tokens_kept_on_hand_back", "invalid_results_by_engine", "engines_quarantined", "dispatch_p50_us", "dispatch_p99_us", "cpu_utilisation", "agent_calls_refused", "context_tokens_sent", "context_tokens_held", "turn_request_bytes", "turn_result_bytes", "decision_cpu_p50_us", "decision_cpu_p99_us")
+    __slots__ = ("trajectories_completed", "trajectories_in_flight", "tool_calls_by_status", "turns", "dropped_stale", "reward_mean", "groups_launched", "groups_total", "trained_version", "engines", "oldest_in_flight", "groups_replaced", "group_outcomes", "trajectories_failed", "migrations", "decisions", "decision_p50_us", "decision_p99_us", "messages_received", "messages_published", "failures_by_code", "turns_handed_back", "tokens_kept_on_hand_back", "invalid_results_by_engine", "engines_quarantined", "dispatch_p50_us", "dispatch_p99_us", "cpu_utilisation", "agent_calls_refused", "context_tokens_sent", "context_tokens_held", "turn_request_bytes", "turn_result_bytes", "decision_cpu_p50_us", "decision_cpu_p99_us", "agent_history_rewrites")
     class ToolCallsByStatusEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -684,6 +686,7 @@ class SchedulerStats(_message.Message):
     TURN_RESULT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DECISION_CPU_P50_US_FIELD_NUMBER: _ClassVar[int]
     DECISION_CPU_P99_US_FIELD_NUMBER: _ClassVar[int]
+    AGENT_HISTORY_REWRITES_FIELD_NUMBER: _ClassVar[int]
     trajectories_completed: int
     trajectories_in_flight: int
     tool_calls_by_status: _containers.ScalarMap[str, int]
@@ -719,7 +722,8 @@ class SchedulerStats(_message.Message):
     turn_result_bytes: int
     decision_cpu_p50_us: float
     decision_cpu_p99_us: float
-    def __init__(self, trajectories_completed: _Optional[int] = ..., trajectories_in_flight: _Optional[int] = ..., tool_calls_by_status: _Optional[_Mapping[str, int]] = ..., turns: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., reward_mean: _Optional[float] = ..., groups_launched: _Optional[int] = ..., groups_total: _Optional[int] = ..., trained_version: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ..., oldest_in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., groups_replaced: _Optional[int] = ..., group_outcomes: _Optional[_Mapping[str, int]] = ..., trajectories_failed: _Optional[int] = ..., migrations: _Optional[int] = ..., decisions: _Optional[int] = ..., decision_p50_us: _Optional[float] = ..., decision_p99_us: _Optional[float] = ..., messages_received: _Optional[int] = ..., messages_published: _Optional[int] = ..., failures_by_code: _Optional[_Mapping[str, int]] = ..., turns_handed_back: _Optional[int] = ..., tokens_kept_on_hand_back: _Optional[int] = ..., invalid_results_by_engine: _Optional[_Mapping[str, int]] = ..., engines_quarantined: _Optional[_Iterable[str]] = ..., dispatch_p50_us: _Optional[float] = ..., dispatch_p99_us: _Optional[float] = ..., cpu_utilisation: _Optional[float] = ..., agent_calls_refused: _Optional[_Mapping[str, int]] = ..., context_tokens_sent: _Optional[int] = ..., context_tokens_held: _Optional[int] = ..., turn_request_bytes: _Optional[int] = ..., turn_result_bytes: _Optional[int] = ..., decision_cpu_p50_us: _Optional[float] = ..., decision_cpu_p99_us: _Optional[float] = ...) -> None: ...
+    agent_history_rewrites: int
+    def __init__(self, trajectories_completed: _Optional[int] = ..., trajectories_in_flight: _Optional[int] = ..., tool_calls_by_status: _Optional[_Mapping[str, int]] = ..., turns: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., reward_mean: _Optional[float] = ..., groups_launched: _Optional[int] = ..., groups_total: _Optional[int] = ..., trained_version: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ..., oldest_in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., groups_replaced: _Optional[int] = ..., group_outcomes: _Optional[_Mapping[str, int]] = ..., trajectories_failed: _Optional[int] = ..., migrations: _Optional[int] = ..., decisions: _Optional[int] = ..., decision_p50_us: _Optional[float] = ..., decision_p99_us: _Optional[float] = ..., messages_received: _Optional[int] = ..., messages_published: _Optional[int] = ..., failures_by_code: _Optional[_Mapping[str, int]] = ..., turns_handed_back: _Optional[int] = ..., tokens_kept_on_hand_back: _Optional[int] = ..., invalid_results_by_engine: _Optional[_Mapping[str, int]] = ..., engines_quarantined: _Optional[_Iterable[str]] = ..., dispatch_p50_us: _Optional[float] = ..., dispatch_p99_us: _Optional[float] = ..., cpu_utilisation: _Optional[float] = ..., agent_calls_refused: _Optional[_Mapping[str, int]] = ..., context_tokens_sent: _Optional[int] = ..., context_tokens_held: _Optional[int] = ..., turn_request_bytes: _Optional[int] = ..., turn_result_bytes: _Optional[int] = ..., decision_cpu_p50_us: _Optional[float] = ..., decision_cpu_p99_us: _Optional[float] = ..., agent_history_rewrites: _Optional[int] = ...) -> None: ...
 
 class InFlight(_message.Message):
     __slots__ = ("trajectory_id", "group_id", "state", "engine_id", "turns", "age_s", "idle_s")
