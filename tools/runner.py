@@ -118,7 +118,11 @@ def check_task(cfg: RunConfig) -> None:
         first = tasks[0].row() if tasks else None
         asyncio.run(check_reward(cfg.task, first, tasks[0].answer if tasks else None))
         if cfg.task.environment:
-            asyncio.run(check_environment(cfg.task.environment, cfg.task.plugin_paths, first))
+            asyncio.run(
+                check_environment(
+                    cfg.task.environment, cfg.task.plugin_paths, first, cfg.task.environment_args
+                )
+            )
         if cfg.task.agent:
             asyncio.run(check_agent(cfg.task.agent, cfg.task.plugin_paths))
         if cfg.task.agent_command:

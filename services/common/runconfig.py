@@ -209,6 +209,9 @@ class TaskConfig(_Strict):
     """`module:Class`: your own multi-turn agent environment (reset / step, docs/tasks.md),
     imported like `reward` (with `plugin_paths`). Default: the built-in tool-use loop (each turn
     calls a tool or answers)."""
+    environment_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of `environment`'s constructor, the same for every trajectory (e.g.
+    `services.scheduler.openenv_env:OpenEnv`'s `{env: module:Class}` or `{url: ...}`)."""
     env_workers: int = Field(2, ge=1, le=64)
     """Processes that hold `environment` instances (one per trajectory), or run `agent`s (many
     trajectories each), off the scheduler's loop."""
@@ -856,6 +859,8 @@ class RunConfig(_Strict):
             raise ValueError(
                 "task.environment does not apply to task.dataset 'synthetic' (its turns are scripted)"
             )
+        if self.task.environment_args and not self.task.environment:
+            raise ValueError("task.environment_args is set, but there is no task.environment to take them")
         if self.task.agent and self.task.agent_command:
             raise ValueError("task.agent and task.agent_command name two agents: set one")
         if self.task.runs_agent and (self.task.environment or self.task.dataset == "synthetic"):

@@ -1,7 +1,7 @@
 """Agent environments: what answers the model between its turns (`task.environment`).
 
-An environment is a class with a no-argument constructor; the scheduler makes one instance per
-trajectory and calls:
+An environment is a class whose constructor takes `task.environment_args` as keyword arguments (none
+by default); the scheduler makes one instance per trajectory and calls:
 
 - `reset(sample) -> prompt`: `sample` is the task's row (a dict; the built-in tasks' has `prompt_id`,
   `question`, `answer`). Return the prompt as a string (one user message) or chat messages
@@ -13,6 +13,7 @@ trajectory and calls:
   `observation` the model sees next, and/or a `tool_call` (`{"name": ..., "arguments": {...}}`)
   that the tool sandbox runs in its isolation; the tool's result follows the observation.
 - `tool_result(tool, status, output)` (optional): the result of the tool it asked for.
+- `close()` (optional): the trajectory ended (its episode done or cut short): free what it holds.
 
 `task.max_turns` and `task.max_context_tokens` still bound every episode; one cut short is scored by
 `task.reward` if set, else gets 0. User environments run in `task.env_workers` processes, never on
@@ -137,8 +138,16 @@ class EnvPool:
     in order. A process killed for a timeout loses its other trajectories' instances too: their next
     call fails `env_error` (no environment), and those trajectories are replaced like any failure."""
 
-    def __init__(self, ref: str, plugin_paths: list[str], workers: int, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(
+        self,
+        ref: str,
+        plugin_paths: list[str],
+        workers: int,
+        timeout_s: float,
+        args: dict[str, Any] | None = None,
+    ):
+        """`args`: each instance's constructor's keyword arguments (task.environment_args)."""
+        self.timeout_s, self.args = timeout_s, dict(args or {})
         self.workers = [
             PluginProcess("env", ref, list(plugin_paths), "task.environment") for _ in range(workers)
         ]
@@ -155,7 +164,7 @@ class EnvPool:
             return await self.workers[i].call({**request, "id": trajectory_id}, self.timeout_s)
 
     async def reset(self, trajectory_id: str, sample: dict[str, Any]) -> Prompt | PluginFailure:
-        out = await self._call(trajectory_id, {"op": "reset", "sample": sample})
+        out = await self._call(trajectory_id, {"op": "reset", "sample": sample, "args": self.args})
         return out if isinstance(out, PluginFailure) else prompt_of(out)
 
     async def step(self, trajectory_id: str, response: str) -> Step | PluginFailure:
@@ -179,15 +188,22 @@ class EnvPool:
             await w.kill()
 
 
-async def check_environment(ref: str, plugin_paths: list[str], sample: dict[str, Any] | None = None) -> None:
-    """Loads the environment class once, as the scheduler will, and resets one instance on `sample`
-    (the dataset's first row); raises PluginLoadError if it cannot be loaded or that reset fails."""
-    pool = EnvPool(ref, plugin_paths, 1, 60.0)
+async def check_environment(
+    ref: str,
+    plugin_paths: list[str],
+    sample: dict[str, Any] | None = None,
+    args: dict[str, Any] | None = None,
+) -> None:
+    """Loads the environment class once, as the scheduler will, and resets one instance (made with
+    `args`) on `sample` (the dataset's first row); raises PluginLoadError if it cannot be loaded or
+    that reset fails."""
+    pool = EnvPool(ref, plugin_paths, 1, 60.0, args)
     try:
         await pool.start()
         if sample is None:
             return
         prompt = await pool.reset("config-check", sample)
+        await pool.forget("config-check")
         if isinstance(prompt, PluginFailure):
             raise PluginLoadError(
                 f"task.environment {ref!r}: reset(sample) on the dataset's first row failed "

@@ -134,7 +134,9 @@ class EnvironmentEpisode(Episode):
         super().__init__(prompter)
         task = cfg.task
         assert task.environment is not None
-        self.envs = EnvPool(task.environment, task.plugin_paths, task.env_workers, task.env_timeout_s)
+        self.envs = EnvPool(
+            task.environment, task.plugin_paths, task.env_workers, task.env_timeout_s, task.environment_args
+        )
         self.spawn = spawn
 
     async def start(self) -> None:

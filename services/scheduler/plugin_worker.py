@@ -8,7 +8,8 @@ message"}`. Kept free of heavy imports: it starts once per worker and again afte
 
 - `reward`: a request is the keyword arguments of the function; `ok` is the score (a finite float).
 - `env`: a request is `{"op": "reset"|"step"|"tool_result"|"close", "id": TRAJECTORY, ...}`; one
-  instance of the class per trajectory id, made at `reset` and dropped at `close`. See
+  instance of the class per trajectory id, made at `reset` (with the request's `args` as its
+  constructor's keyword arguments) and dropped at `close` (its own `close()` called, if it has one). See
   services/scheduler/environment.py for what each operation takes and returns.
 """
 
@@ -89,13 +90,16 @@ def env_handler(factory: Callable[[], Any]) -> Callable[[dict[str, Any]], Any]:
     def handle(req: dict[str, Any]) -> Any:
         op, key = req.get("op"), str(req.get("id", ""))
         if op == "reset":
-            env = instances[key] = factory()
+            env = instances[key] = factory(**(req.get("args") or {}))
             try:
                 return prompt_of(env.reset(req.get("sample", {})))
             except ValueError as e:
                 raise InvalidReturn(f"reset {e}") from None
         if op == "close":
-            instances.pop(key, None)
+            closer = getattr(instances.pop(key, None), "close", None)
+            if callable(closer):
+                with contextlib.suppress(Exception):  # the episode is over either way
+                    closer()
             return None
         if key not in instances:
             raise LookupError(f"no environment for {key!r} (this worker restarted since its reset)")

@@ -125,6 +125,11 @@ def test_reward_refs_are_checked_by_the_config() -> None:
         RunConfig.model_validate({"task": {"agent": "my:agent", "agent_command": ["./agent"]}})
     with pytest.raises(ValueError, match="task.agent drives its own turns"):
         RunConfig.model_validate({"task": {"agent_command": ["./agent"], "environment": "my:Env"}})
+    with pytest.raises(ValueError, match="no task.environment to take them"):
+        RunConfig.model_validate({"task": {"environment_args": {"url": "http://env:8000"}}})
+    RunConfig.model_validate(
+        {"task": {"environment": "my:Env", "environment_args": {"url": "http://env:8000"}}}
+    )
 
 
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
