@@ -20,69 +20,14 @@ from services.scheduler.environment import EnvPool, Step, check_environment
 from services.scheduler.openenv_env import OpenEnv
 from services.scheduler.plugins import PluginFailure, PluginLoadError
 
-pytest.importorskip(
-    "openenv.core", reason="OpenEnv is installed by make venv (pip install --no-deps openenv)"
-)
-
 ADAPTER = "services.scheduler.openenv_env:OpenEnv"
-
-GAME = '''
-import random
-from typing import Any, Optional
-
-from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
-
-
-class Guess(Action):
-    message: str
-
-
-class Said(Observation):
-    text: str = ""
-
-
-class GuessState(State):
-    secret: int = 0
-
-
-class GuessNumber(Environment[Guess, Said, GuessState]):
-    """Guess a number from 1 to 20 (seeded): 'higher', 'lower', 1.0 when right; -0.1 without one."""
-
-    SUPPORTS_CONCURRENT_SESSIONS = True
-
-    def __init__(self, turns: int = 6):
-        super().__init__()
-        self.turns, self._state = turns, GuessState()
-
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, **kw: Any) -> Said:
-        self._state = GuessState(step_count=0, secret=random.Random(seed).randint(1, 20))
-        return Said(text=f"Guess my number from 1 to 20 in {self.turns} turns.", reward=0.0)
-
-    def step(self, action: Guess, timeout_s: Optional[float] = None, **kw: Any) -> Said:
-        self._state.step_count += 1
-        digits = "".join(c for c in action.message if c.isdigit())
-        if not digits:
-            return Said(text="No number there.", reward=-0.1, done=self._state.step_count >= self.turns)
-        guess = int(digits)
-        if guess == self._state.secret:
-            return Said(text="Right!", reward=1.0, done=True)
-        hint = "higher" if guess < self._state.secret else "lower"
-        return Said(text=f"{guess}: {hint}.", reward=0.0, done=self._state.step_count >= self.turns)
-
-    @property
-    def state(self) -> GuessState:
-        return self._state
-
-
-app = create_fastapi_app(GuessNumber, Guess, Said, state_cls=GuessState, max_concurrent_envs=8)
-'''
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def game_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("openenv")
-    (d / "guess_game.py").write_text(GAME)
-    return d
+def game_dir() -> Path:
+    """examples/openenv: a number-guessing game written against OpenEnv's API."""
+    return ROOT / "examples" / "openenv"
 
 
 @pytest.fixture(scope="module")
