@@ -50,6 +50,8 @@ class Harness:
         """Requests it names as answered in its load reports."""
         self.peer: Harness | None = None
         """A second engine, where the test asked for one."""
+        self.free_kv_tokens = 0
+        """The KV room its load reports name (0: one turn at a time)."""
 
     async def start(self) -> None:
         async def on_request(req: ev.TurnRequest, _: Envelope) -> None:
@@ -88,6 +90,7 @@ class Harness:
                 engine_id=self.engine,
                 bucket="short",
                 capacity_seqs=4,
+                free_kv_tokens=self.free_kv_tokens,
                 request_ids=sorted(self.held),
                 last_seq=self.last_seq,
                 answered_ids=self.answered[-128:],
@@ -410,12 +413,14 @@ async def test_an_engine_that_never_answers_fails_its_trajectories_typed(schedul
     as failed (`engine_unavailable`), is handed to the trainer as such, and the scheduler keeps
     serving."""
     proc, h, bus = scheduler
-    h.hold = True
+    h.hold, h.free_kv_tokens = True, 1 << 20  # room for all four at once: they hang together
     done = await h.completed(bus, 4, timeout=120)
     for t in done:
         assert t.finish == "error" and t.failure.code == "engine_unavailable"
         assert not any(s.generated for s in t.segments)
-    assert len(h.requests) == 12  # the turn timeout, twice retried, for each of the four
+    ids = {t.trajectory_id for t in done}
+    sent = [r for r in h.requests if r.trajectory_id in ids]  # replacements may have begun since
+    assert len(sent) == 12  # the turn timeout, twice retried, for each of the four
     s = await stats(bus, 4)
     assert s.trajectories_failed == 4 and s.failures_by_code["engine_unavailable"] == 4
     assert proc.poll() is None
