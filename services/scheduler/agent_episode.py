@@ -248,7 +248,7 @@ class AgentEpisode(Episode):
             raise ApiError(
                 400, "invalid_value", f"this trajectory's calls are {kind}: one kind per trajectory"
             )
-        edit = self._edit(live, session, request)
+        edit = self._edit(session, request)
         if edit is not None:
             return self._rewritten(live, session, request, *edit)
         if request.prompt is not None:
@@ -269,7 +269,7 @@ class AgentEpisode(Episode):
         self.observations[live.trajectory_id] = Observation(ids, signal)
         return transcript_text(new) or "(continue)"
 
-    def _edit(self, live: Live, session: AgentSession, request: ChatRequest) -> tuple[str, str] | None:
+    def _edit(self, session: AgentSession, request: ChatRequest) -> tuple[str, str] | None:
         """Where and how the call does not continue the conversation as Libra answered it (the
         field, why), or None when it does."""
         prompt, before = request.prompt, session.history

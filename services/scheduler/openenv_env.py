@@ -24,6 +24,8 @@ import typing
 import zlib
 from typing import Any
 
+from services.scheduler.plugin_worker import resolve
+
 _RESERVED = ("reward", "done", "metadata")
 
 
@@ -31,7 +33,7 @@ def _load(ref: str, what: str) -> Any:
     module, _, name = ref.partition(":")
     if not module or not name:
         raise ValueError(f"{what} {ref!r} is not module:Class")
-    return getattr(importlib.import_module(module), name)
+    return resolve(ref)
 
 
 def _openenv() -> Any:
