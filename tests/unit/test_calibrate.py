@@ -235,7 +235,8 @@ def test_every_committed_gpu_profile_is_one_a_simulation_can_use(name: str) -> N
     assert set(eff) == {"mem_efficiency", "prefill_mfu"} | ({"train_mfu"} if trained else set())
     assert all(0 < v <= 1 for v in eff.values())
     cm = load_profile(PROFILES / name)
-    assert cm.model.bytes_per_param == 2 and cm.model.layers in (36, 40)
+    shape = yaml.safe_load((PROFILES / name).read_text())["measured"]["model"].removeprefix("random:")
+    assert cm.model.bytes_per_param == 2 and cm.model.layers == random_config(shape)[1]["num_hidden_layers"]
 
 
 def test_a_cpu_profile_has_no_efficiencies_to_lend_a_gpu_scenario(capsys: pytest.CaptureFixture[str]) -> None:
@@ -251,7 +252,7 @@ def test_random_models_are_named_shapes_or_config_files(tmp_path: Path) -> None:
     assert name == "qwen3-4b" and cfg["hidden_size"] == 2560 and not any(k.startswith("_") for k in cfg)
     (tmp_path / "mine.json").write_text('{"model_type": "llama", "hidden_size": 64}')
     assert random_config(str(tmp_path / "mine.json")) == ("mine", {"model_type": "llama", "hidden_size": 64})
-    with pytest.raises(SystemExit, match="qwen3-0.6b, qwen3-14b, qwen3-4b"):
+    with pytest.raises(SystemExit, match="qwen3-0.6b, qwen3-14b, qwen3-14b-12layers, qwen3-4b"):
         random_config("qwen9")
 
 
