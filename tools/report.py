@@ -26,6 +26,7 @@ from services.common.runconfig import (
     ReasoningGymDataset,
     RunConfig,
     TaskConfig,
+    VerifiersDataset,
 )
 from tools.job_watch import JobObserver, speculation_report
 from tools.learning_plot import write_reward_plot
@@ -289,11 +290,15 @@ def reward_definition(task: TaskConfig) -> str:
         name = f"reasoning-gym {task.dataset.reasoning_gym}"
     elif isinstance(task.dataset, HubDataset):
         name = f"hf:{task.dataset.hf} ({task.dataset.split})"
+    elif isinstance(task.dataset, VerifiersDataset):
+        name = f"verifiers {task.dataset.verifiers} (harness {task.dataset.harness})"
     else:
         name = task.dataset.path if isinstance(task.dataset, DatasetFile) else task.dataset
     rest = f"task.reward {task.reward}" if task.reward else "0"
     if task.environment:
         return f"{name}: environment {task.environment}'s reward (episodes it does not score: {rest})"
+    if isinstance(task.dataset, VerifiersDataset):
+        return f"{name}: the task's own reward functions (verifiers' Task.score)"
     if task.runs_agent:
         agent = task.agent or " ".join(task.agent_command or [])
         return f"{name}: agent {agent}'s reward (runs that return None: {rest})"

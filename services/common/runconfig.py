@@ -136,7 +136,25 @@ class ReasoningGymDataset(_Strict):
     answered in `<answer>` tags — how a small model learns the answer format."""
 
 
+class VerifiersDataset(_Strict):
+    """A `verifiers` (0.4) taskset's tasks, each trajectory one rollout of a verifiers harness against
+    Libra's OpenAI-compatible endpoint, rewarded by the task's own reward functions (docs/tasks.md)."""
+
+    verifiers: str = Field(pattern=r"^[A-Za-z_][\w.\-]{0,127}$")
+    """The taskset's id: the importable module that exports its `Taskset` class (`plugin_paths`
+    are on the import path)."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """The taskset's own settings (its `TasksetConfig` fields)."""
+    harness: str = Field("null", pattern=r"^[A-Za-z_][\w.\-]{0,127}$")
+    """The verifiers harness that runs each rollout: `null` (verifiers' chat loop, with the task's
+    MCP toolsets), or another that neither runs model-written code nor needs a container."""
+    size: int | None = Field(None, ge=1)
+    """The first `size` tasks (default: all)."""
+
+
 _PLUGIN_REF = r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"
+VERIFIERS_AGENT = "services.scheduler.verifiers_env:agent"
+"""The agent that runs a verifiers taskset's tasks (`task.dataset: {verifiers: ...}`)."""
 _REWARD_REF = rf"^({_PLUGIN_REF}|exact_match|numeric|code_tests|math_verify|reasoning_gym)$"
 
 
@@ -165,7 +183,11 @@ class OverlongConfig(_Strict):
 
 class TaskConfig(_Strict):
     dataset: Annotated[
-        Literal["arithmetic", "expressions", "synthetic"] | DatasetFile | HubDataset | ReasoningGymDataset,
+        Literal["arithmetic", "expressions", "synthetic"]
+        | DatasetFile
+        | HubDataset
+        | ReasoningGymDataset
+        | VerifiersDataset,
         HubShorthand,
     ] = "arithmetic"
     """`arithmetic`: built-in word problems solved with python/calculator tools. `expressions`:
@@ -175,7 +197,7 @@ class TaskConfig(_Strict):
     outcomes and payload sizes as the simulator samples them, tools run by the sandbox's
     `synthetic` tool; for control-plane and fidelity runs (nothing is learned from it). A file of your
     own: `{path, prompt_key, answer_key}`. A reasoning-gym task: `{reasoning_gym: NAME, size, seed,
-    config}` (docs/tasks.md)."""
+    config}`. A verifiers taskset: `{verifiers: TASKSET, config, harness}` (docs/tasks.md)."""
     workload: str | None = None
     """`synthetic` only: a workload name under services/common/workloads or a YAML path."""
     num_prompts: int = Field(64, ge=1, le=1_000_000)
@@ -277,6 +299,17 @@ class TaskConfig(_Strict):
     def overlong_limit(self) -> int:
         """The generated tokens the soft overlong penalty counts to."""
         return self.overlong.max_tokens or self.max_new_tokens * self.max_turns
+
+    @model_validator(mode="after")
+    def _verifiers_runs_its_harness(self) -> TaskConfig:
+        if isinstance(self.dataset, VerifiersDataset):
+            if self.agent not in (None, VERIFIERS_AGENT):
+                raise ValueError(
+                    f"task.dataset.verifiers runs each task with its harness ({VERIFIERS_AGENT}): "
+                    f"task.agent {self.agent!r} would not know the taskset"
+                )
+            self.agent = VERIFIERS_AGENT
+        return self
 
     @model_validator(mode="after")
     def _gym_reward_has_its_task(self) -> TaskConfig:
@@ -861,6 +894,13 @@ class RunConfig(_Strict):
             )
         if self.task.environment_args and not self.task.environment:
             raise ValueError("task.environment_args is set, but there is no task.environment to take them")
+        if isinstance(self.task.dataset, VerifiersDataset) and (
+            self.task.agent_command or self.task.environment or self.task.reward
+        ):
+            raise ValueError(
+                "task.dataset.verifiers runs each task with its own harness and rewards: it does not "
+                "combine with task.agent_command, task.environment or task.reward"
+            )
         if self.task.agent and self.task.agent_command:
             raise ValueError("task.agent and task.agent_command name two agents: set one")
         if self.task.runs_agent and (self.task.environment or self.task.dataset == "synthetic"):

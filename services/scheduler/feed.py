@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.runconfig import OWN_DATASETS, ReasoningGymDataset, RunConfig, TaskConfig
+from services.common.runconfig import (
+    OWN_DATASETS,
+    ReasoningGymDataset,
+    RunConfig,
+    TaskConfig,
+    VerifiersDataset,
+)
 from services.policy.staleness import StalenessBound
 from services.scheduler.datasets import file_tasks
 from services.scheduler.task import Task, builtin_tasks, synthetic_tasks
@@ -110,6 +116,10 @@ def task_list(task: TaskConfig) -> list[Task]:
         from services.scheduler.gym_tasks import gym_tasks
 
         return gym_tasks(task.dataset)[:limit]
+    if isinstance(task.dataset, VerifiersDataset):
+        from services.scheduler.verifiers_env import verifiers_tasks
+
+        return verifiers_tasks(task.dataset, task.max_turns, task.plugin_paths)[:limit]
     if task.dataset == "synthetic":
         return synthetic_tasks(task.num_prompts)
     return builtin_tasks(task.dataset, task.num_prompts, task.seed)
