@@ -28,7 +28,13 @@ from services.common import control, streams
 from services.common.bus import Bus, close_nats
 from services.common.contracts import ev
 from services.common.redis_scope import RunKeys
-from services.common.runconfig import DatasetFile, ModelConfig, ReasoningGymDataset, RunConfig
+from services.common.runconfig import (
+    DatasetFile,
+    ModelConfig,
+    ReasoningGymDataset,
+    RunConfig,
+    VerifiersDataset,
+)
 from services.common.tasks import cancel_and_wait
 from tools.job_watch import JobObserver
 from tools.loggers import LoggerUnavailable, StepLoggers, check_loggers
@@ -148,6 +154,8 @@ EXTRAS = {
     "peft": "peft (the `lora` extra: `pip install -e '.[lora]'`)",
     "reasoning_gym": "reasoning-gym (the `environments` extra: `pip install -e '.[environments]'`)",
     "math_verify": "math-verify (the `environments` extra: `pip install -e '.[environments]'`)",
+    "verifiers": "verifiers 0.4 (without its openai<3 pin: the Makefile's `pip install --no-deps verifiers==0.4.0 "
+    "...` line, and the `verifiers` extra)",
 }
 
 
@@ -167,6 +175,8 @@ def check_installed(cfg: RunConfig) -> None:
         needs.append(("task.dataset.reasoning_gym", "reasoning_gym"))
     if cfg.task.reward == "math_verify":
         needs.append(("task.reward: math_verify", "math_verify"))
+    if isinstance(cfg.task.dataset, VerifiersDataset):
+        needs.append(("task.dataset.verifiers", "verifiers"))
     for field, module in needs:
         if importlib.util.find_spec(module) is None:
             raise ConfigFileError(

@@ -8,6 +8,7 @@ on the host, a taskset combined with what it replaces."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from services.common.config import ConfigFileError
 from services.common.runconfig import VERIFIERS_AGENT, RunConfig, VerifiersDataset
 from services.scheduler.agents import AgentPool
 from services.scheduler.chat_api import assistant_message, completion_body
@@ -22,6 +24,7 @@ from services.scheduler.endpoint import AgentEndpoint, AgentSession, Call
 from services.scheduler.plugins import PluginFailure
 from services.scheduler.verifiers_env import main as list_main
 from services.scheduler.verifiers_env import verifiers_tasks
+from tools.runner import check_installed
 
 pytestmark = pytest.mark.integration
 
@@ -105,3 +108,15 @@ def test_a_verifiers_task_runs_its_own_harness_and_rewards() -> None:
         with pytest.raises(ValueError, match="task.dataset.verifiers"):
             RunConfig.model_validate({"task": task | extra})
     assert json.loads(cfg.model_dump_json())["task"]["dataset"]["harness"] == "null"
+
+
+def test_verifiers_missing_is_a_config_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "verifiers" else real(name, *a)
+    )
+    task = {"dataset": {"verifiers": "arithmetic_taskset"}}
+    cfg = RunConfig.model_validate({"model": {"source": "tiny-random"}, "task": task})
+    with pytest.raises(ConfigFileError) as err:
+        check_installed(cfg)
+    assert "task.dataset.verifiers needs verifiers 0.4" in err.value.message
