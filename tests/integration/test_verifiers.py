@@ -22,6 +22,7 @@ from services.scheduler.agents import AgentPool
 from services.scheduler.chat_api import assistant_message, completion_body
 from services.scheduler.endpoint import AgentEndpoint, AgentSession, Call
 from services.scheduler.plugins import PluginFailure
+from services.scheduler.task import Task
 from services.scheduler.verifiers_env import main as list_main
 from services.scheduler.verifiers_env import verifiers_tasks
 from tools.runner import check_installed
@@ -62,14 +63,17 @@ async def test_a_verifiers_taskset_runs_unchanged_and_scores_itself() -> None:
     pool = AgentPool(VERIFIERS_AGENT, [EXAMPLE], workers=1, timeout_s=120)
     await pool.start()
     try:
-        played = []
-        for task, answer in ((tasks[0], tasks[0].answer), (tasks[1], "-1")):
+
+        async def trajectory(task: Task, answer: str) -> tuple[Any, list[Call]]:
             session = endpoint.open(task.prompt_id)
             run = asyncio.create_task(pool.run(task.prompt_id, task.row(), endpoint.base_url, session.key))
             play = asyncio.create_task(_play(session, answer))
             await asyncio.wait([run, play], timeout=60, return_when=asyncio.FIRST_COMPLETED)
             assert play.done(), f"the rollout ended before the model answered twice: {run.result()}"
-            played.append((await asyncio.wait_for(run, 60), play.result()))
+            return await asyncio.wait_for(run, 60), play.result()
+
+        # two rollouts at once in one agent process, each with its own harness and tool server
+        played = await asyncio.gather(trajectory(tasks[0], tasks[0].answer), trajectory(tasks[1], "-1"))
         (right, calls), (wrong, _) = played
         assert (right, wrong) == (1.0, 0.0)  # the task's own reward: the boxed answer is the reference
         tool_result = calls[1].request.messages[-1]
