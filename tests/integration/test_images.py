@@ -146,7 +146,7 @@ def test_the_compose_file_is_valid_compose(tmp_path: Path) -> None:
 
 def test_the_wheel_ships_the_configs_and_data(tmp_path: Path) -> None:
     """What `pip install .` puts in site-packages: the configs `libra run NAME` finds by name, the
-    cost model's presets and workloads, the sandbox's data."""
+    cost model's presets, profiles, model shapes and workloads, the sandbox's data."""
     import zipfile
 
     out = subprocess.run(
@@ -160,4 +160,9 @@ def test_the_wheel_ships_the_configs_and_data(tmp_path: Path) -> None:
         for config in (ROOT / "configs").glob("*.yaml"):
             assert z.read(f"tools/configs/{config.name}") == config.read_bytes(), config.name
     assert {"services/common/presets/hardware.yaml", "services/common/workloads/r2e_gym.yaml"} <= names
+    # what `libra calibrate --model random:SHAPE` builds from, and the measured profiles, on a GPU
+    # node that installed the wheel and has no network
+    presets = ROOT / "services" / "common" / "presets"
+    for data in [*presets.glob("profiles/*.yaml"), *presets.glob("model_configs/*.json")]:
+        assert f"services/common/presets/{data.relative_to(presets)}" in names, data.name
     assert any(n.startswith("services/tool_sandbox/data/") for n in names)
