@@ -35,8 +35,8 @@ from services.scheduler.task import Task
 INSTALL = (
     "pip install --no-deps verifiers==0.4.0 prime-pydantic-config==0.4.3 renderers==0.1.12 "
     "openai-harmony==0.0.8 prime-sandboxes==0.5.1 connectrpc==0.11.1 protobuf-py==0.1.1 "
-    "protobuf-py-ext==0.1.1 pyqwest==0.12.0 aiofiles tomli-w tenacity msgpack (make venv does; "
-    "verifiers pins openai<3, which Libra's endpoint tests do not need)"
+    "protobuf-py-ext==0.1.1 pyqwest==0.12.0 && pip install -e '.[verifiers]' (make venv does; without "
+    "--no-deps, verifiers' openai<3 and mcp==2.0.0 pins would downgrade what Libra and vLLM run on)"
 )
 LIST_TIMEOUT_S = 300.0
 """Listing a taskset (its `load()`) that has not finished by then is a start-up error."""
