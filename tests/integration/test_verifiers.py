@@ -17,19 +17,20 @@ from typing import Any
 import pytest
 
 from services.common.config import ConfigFileError
-from services.common.runconfig import VERIFIERS_AGENT, RunConfig, VerifiersDataset
+from services.common.runconfig import VERIFIERS_AGENT, RunConfig, load_run_config
 from services.scheduler.agents import AgentPool
 from services.scheduler.chat_api import assistant_message, completion_body
 from services.scheduler.endpoint import AgentEndpoint, AgentSession, Call
+from services.scheduler.feed import task_list
 from services.scheduler.plugins import PluginFailure
 from services.scheduler.task import Task
 from services.scheduler.verifiers_env import main as list_main
-from services.scheduler.verifiers_env import verifiers_tasks
 from tools.runner import check_installed
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "verifiers")
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples" / "verifiers")
 
 
 def _reply(request_id: str, reply: dict[str, Any]) -> dict[str, Any]:
@@ -52,11 +53,13 @@ async def _play(session: AgentSession, answer: str) -> list[Call]:
     return [first, second]
 
 
-async def test_a_verifiers_taskset_runs_unchanged_and_scores_itself() -> None:
-    tasks = verifiers_tasks(
-        VerifiersDataset(verifiers="arithmetic_taskset", config={"size": 3}), 3, [EXAMPLE]
-    )
-    assert [t.prompt_id for t in tasks] == [f"vf-arithmetic_taskset-{i}" for i in range(3)]
+async def test_a_verifiers_taskset_runs_unchanged_and_scores_itself(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)  # listed from any directory: its config's paths are absolute by then
+    cfg = load_run_config(ROOT / "configs" / "verifiers_example.yaml")
+    tasks = task_list(cfg.task)  # the shipped example's taskset, as the scheduler lists it
+    assert [t.prompt_id for t in tasks] == [f"vf-arithmetic_taskset-{i}" for i in range(64)]
     assert tasks[0].messages == ({"role": "user", "content": tasks[0].question},)
     endpoint = AgentEndpoint("127.0.0.1", 0, "tiny", max_context_tokens=4096)
     await endpoint.start()
