@@ -29,6 +29,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from services.common.runconfig import VerifiersDataset
 from services.scheduler.datasets import DatasetError
 from services.scheduler.task import Task
 
@@ -107,7 +108,7 @@ def list_tasks(taskset: str, config: dict[str, Any], harness: str, size: int | N
     return rows
 
 
-def verifiers_tasks(spec: Any, max_turns: int, plugin_paths: list[str]) -> list[Task]:
+def verifiers_tasks(spec: VerifiersDataset, max_turns: int, plugin_paths: list[str]) -> list[Task]:
     """The taskset's tasks as Libra tasks, listed by a process of their own."""
     argv = [sys.executable, "-m", __name__, "list", spec.verifiers, json.dumps(spec.config), spec.harness]
     argv.append(str(spec.size or 0))
