@@ -6,6 +6,7 @@ server, checked against what vLLM serves."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -34,22 +35,56 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PROMPT = list(range(100, 124))
 
 
+def _spec_run(tiny_model: ModelConfig) -> RunConfig:
+    """The second engine's job: vLLM's ngram speculation on, four sequences of up to 1,024 tokens."""
+    return RunConfig.model_validate(
+        {
+            "model": tiny_model.model_dump(),
+            "task": {"max_context_tokens": 1024, "max_new_tokens": 48},
+            "rollout": {
+                "backend": "vllm",
+                "max_batch": 4,
+                "speculative": {"method": "ngram", "num_tokens": 4},
+            },
+        }
+    )
+
+
 @pytest.fixture(scope="module")
-async def vllm(
+async def engines(
     tiny_model: ModelConfig, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[VllmBackend, VllmEngine]]:
+) -> AsyncIterator[tuple[VllmBackend, VllmEngine, VllmEngine]]:
+    """Both engines of the file, started together (each start is mostly waiting on its own engine
+    core's processes): a plain one of two sequences with an iteration log, and a speculating one."""
     run = RunConfig.model_validate(
         {"model": tiny_model.model_dump(), "rollout": {"backend": "vllm", "max_batch": 2}}
     )
     backend = VllmBackend(run, EngineSettings(seed=0, iteration_log=tmp_path_factory.mktemp("iterations")))
-    await backend.start()
-    engine = backend.make_engine(2)
-    engine.start()
+    spec_backend = VllmBackend(_spec_run(tiny_model), EngineSettings(seed=0))
+    started = await asyncio.gather(backend.start(), spec_backend.start(), return_exceptions=True)
+    engine, spec = backend.make_engine(2), spec_backend.make_engine(4)
     try:
-        yield backend, engine
+        for outcome in started:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        engine.start()
+        spec.start()
+        yield backend, engine, spec
     finally:
-        await engine.close(timeout=5)
-        await backend.close()
+        for e, b in ((engine, backend), (spec, spec_backend)):
+            with contextlib.suppress(Exception):
+                await e.close(timeout=5)
+            await b.close()
+
+
+@pytest.fixture(scope="module")
+def vllm(engines: tuple[VllmBackend, VllmEngine, VllmEngine]) -> tuple[VllmBackend, VllmEngine]:
+    return engines[0], engines[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_spec(engines: tuple[VllmBackend, VllmEngine, VllmEngine]) -> VllmEngine:
+    return engines[2]
 
 
 @pytest.fixture(scope="module")
@@ -238,31 +273,6 @@ async def push_encoded(stub: Any, enc: Any, header: ws.WeightHeader) -> ws.PushA
             yield r
 
     return await stub.PushWeights(gen(), timeout=60)
-
-
-@pytest.fixture(scope="module")
-async def vllm_spec(tiny_model: ModelConfig) -> AsyncIterator[VllmEngine]:
-    """A second engine: vLLM's ngram speculation on, four sequences of up to 1,024 tokens."""
-    run = RunConfig.model_validate(
-        {
-            "model": tiny_model.model_dump(),
-            "task": {"max_context_tokens": 1024, "max_new_tokens": 48},
-            "rollout": {
-                "backend": "vllm",
-                "max_batch": 4,
-                "speculative": {"method": "ngram", "num_tokens": 4},
-            },
-        }
-    )
-    backend = VllmBackend(run, EngineSettings(seed=0))
-    await backend.start()
-    engine = backend.make_engine(4)
-    engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.close(timeout=5)
-        await backend.close()
 
 
 async def test_ngram_speculation_maps_onto_vllms_drafter_and_changes_no_greedy_token(
