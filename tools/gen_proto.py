@@ -34,6 +34,8 @@ def generate(out_dir: Path) -> None:
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     for path in out_dir.rglob("*.py*"):
+        if path.suffix not in (".py", ".pyi"):  # not an interpreter's cache of them (*.pyc)
+            continue
         text = path.read_text()
         fixed = re.sub(r"^from libra\.", f"from {GEN_PACKAGE}.libra.", text, flags=re.M)
         fixed = re.sub(r"^import libra\.", f"import {GEN_PACKAGE}.libra.", fixed, flags=re.M)

@@ -97,7 +97,8 @@ class Grants:
 
 _GRANTS: dict[str, Grants] = {
     "planner": Grants(
-        publishes=(subjects.PLAN, subjects.ROLE_CHANGE, subjects.FACTS_PLANNER),
+        # alive.*: whether a role holder's process is there (NATS: does anyone subscribe)
+        publishes=(subjects.PLAN, subjects.ROLE_CHANGE, subjects.FACTS_PLANNER, f"{subjects.ALIVE}.>"),
         subscribes=(
             subjects.WORKER_HELLO,
             subjects.WORKLOAD_STATS,
@@ -285,6 +286,8 @@ def subscribe_allowed(identity: Identity) -> list[str]:
     elif kind == "trainer":  # its own engine's turns (planner.lending.trainer_serves)
         own = trainer_engine_id(identity.name) if identity.per_worker else "*"
         run.append(f"{subjects.TURN_REQUEST}.{own}")
+    if kind in ALIVE_KINDS:  # the planner's probes of it: subscribed, never answered
+        run.append(identity.speaking(subjects.ALIVE))
     ctl = (
         [f"{s}.>" for s in CTL_SPOKEN]
         if kind == "cli"
@@ -365,6 +368,10 @@ def _write_secret(path: Path, value: str) -> None:
         f.write(value)
 
 
+ALIVE_KINDS = ("scheduler", "trainer")
+"""The kinds whose role one worker holds at a time: each subscribes to its own
+`alive.<kind>.<worker_id>` while its process is there (services/common/membership.py), so the
+planner's probe finds nobody once it is gone. They need not answer (and the trainer may not)."""
 RESPONDERS = ("planner", "scheduler")
 """The kinds that answer requests: the planner (role and lend requests), the scheduler (stats)."""
 

@@ -17,6 +17,7 @@ from typing import TypeGuard
 from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
+from services.common.credentials import ALIVE_KINDS
 from services.common.logging import get_logger
 from services.common.ownership import Lease, OwnershipStore
 
@@ -95,6 +96,13 @@ class Membership:
         return self.assignment is not None and time.monotonic() < self._valid_until
 
     async def start(self) -> None:
+        h = self.hello
+        if h.kind in ALIVE_KINDS and not h.trainer_engine:
+            # there while this process is (never answered): when it dies its subscription goes
+            # with its connection, and the planner's probe finds nobody (a standby takes the role)
+            await self.bus.nc.subscribe(
+                self.bus.subject(subjects.spoken(subjects.ALIVE, h.kind, h.worker_id))
+            )
         await self.bus.bind_stream("PLAN")
         await self.bus.subscribe(subjects.PLAN, ev.Plan, self._on_plan_msg)
         last = await self.bus.last_message(subjects.PLAN, "PLAN", ev.Plan)

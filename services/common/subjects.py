@@ -22,6 +22,7 @@ TRAIN_METRICS = "train.metrics"
 METRICS = "metrics"  # .<kind>.<worker_id>
 ERRORS = "errors"
 SCHEDULER_STATS = "scheduler.stats"
+ALIVE = "alive"  # .<kind>.<worker_id>: the planner asks a role holder whether it is there
 WORKLOAD_STATS = "workload.stats"
 FACTS = "facts"  # .<service>: what it owns that a job's report reads (services/common/facts.py)
 FACTS_TRAINER = f"{FACTS}.trainer"

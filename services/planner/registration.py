@@ -4,14 +4,16 @@ takes its kind's role when it is free."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 from services.common.contracts import ev
 from services.common.credentials import TRAINER_ENGINE_SUFFIX
 from services.common.errors import require
 from services.common.logging import get_logger
 from services.common.membership import LENT_ROLE, PARKED_ROLE, SPARE_ROLE, lease_resource
-from services.common.ownership import OwnershipStore
+from services.common.ownership import Lease, OwnershipStore
 from services.common.runconfig import RunConfig
 from services.planner.plan_state import PlanState
 from services.policy.assign import ROLE_BY_KIND, SINGLE_ROLES, Slot, StaticAssigner
@@ -31,6 +33,8 @@ class Registration:
             else None,
         )
         self.log = get_logger(component="planner")
+        self._gone_since: dict[str, float] = {}
+        """Role holders whose probe found no subscriber, since when (`replace_gone`)."""
 
     async def on_hello(self, hello: ev.WorkerHello) -> None:
         require(bool(hello.worker_id), "worker hello without worker_id")
@@ -148,6 +152,41 @@ class Registration:
                 s.slots.pop(slot.worker_id)
                 s.dirty = True
                 self.log.warning("worker_lease_expired", worker_id=slot.worker_id, role=slot.role)
+
+    async def replace_gone(self, there: Callable[[Slot], Awaitable[bool]], gone_s: float, now: float) -> None:
+        """A trainer or scheduler holding its role whose process is gone (`there` is False: NATS
+        has no subscriber of its probe subject, which goes with the connection of a process that
+        died) for `gone_s` while a standby of its kind is warm: its lease is released, and
+        `promote_standby` gives the standby the role in the same tick rather than when the lease
+        runs out (a lease is long at a thousand engines). A holder that is there but busy or
+        paused keeps the role until its lease runs out; without a standby, a restarted process
+        takes its role back under its lease, as before."""
+        s = self.state
+        standby = {o.kind for o in s.slots.values() if o.role == "standby"}
+        held = [o for o in s.slots.values() if o.role in SINGLE_ROLES and o.kind in standby]
+        for worker in set(self._gone_since) - {o.worker_id for o in held}:
+            del self._gone_since[worker]
+        found = await asyncio.gather(*(there(slot) for slot in held))
+        for slot, is_there in zip(held, found, strict=True):
+            if is_there:
+                self._gone_since.pop(slot.worker_id, None)
+                continue
+            since = self._gone_since.setdefault(slot.worker_id, now)
+            if now - since < gone_s:
+                continue
+            del self._gone_since[slot.worker_id]
+            lease = Lease(lease_resource(slot.role, slot.worker_id), slot.worker_id, slot.fencing_token)
+            released = await self.store.release(lease)
+            s.slots.pop(slot.worker_id, None)
+            s.dirty = True
+            self.log.warning(
+                "role_holder_gone",
+                worker_id=slot.worker_id,
+                role=slot.role,
+                fencing_token=slot.fencing_token,
+                gone_s=round(now - since, 2),
+                lease_released=released,
+            )
 
     async def promote_standby(self) -> None:
         """A trainer's or a scheduler's lease expired (dead, paused, cut off): a standby of its kind

@@ -18,6 +18,8 @@ import asyncio
 import contextlib
 import time
 
+from nats.errors import NoRespondersError
+
 from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.config import CommonSettings, load_settings
@@ -33,6 +35,10 @@ from services.planner.publishing import PlanPublisher
 from services.planner.refitting import Refitting
 from services.planner.registration import Registration
 from services.planner.roles import RoleMoves
+from services.policy.assign import Slot
+
+PROBE_S = 0.2
+"""How long a probe of a role holder waits (`_there`): NATS answers at once when nobody subscribes."""
 
 
 class PlannerService:
@@ -80,6 +86,20 @@ class PlannerService:
         await self.bus.subscribe(subjects.HYBRID_STATE, ev.HybridState, self._on_hybrid_state)
         self.bus.spawn(self._loop())
 
+    async def _there(self, slot: Slot) -> bool:
+        """Whether a role holder's process is there: False only when NATS has no subscriber of its
+        probe subject (the process and its connection are gone: NATS says so at once). A holder
+        subscribes and never answers, so a probe of one that is there runs out its short wait;
+        so does one while the planner's own connection is away (then its lease decides)."""
+        subject = self.bus.subject(subjects.spoken(subjects.ALIVE, slot.kind, slot.worker_id))
+        try:
+            await self.bus.nc.request(subject, b"", timeout=PROBE_S)
+        except NoRespondersError:
+            return False
+        except Exception:
+            return True
+        return True
+
     async def _on_hello(self, hello: ev.WorkerHello, _: Envelope) -> None:
         await self.registration.on_hello(hello)
 
@@ -115,6 +135,7 @@ class PlannerService:
         if not await self.publisher.hold_lease():
             return
         await self.registration.expire()
+        await self.registration.replace_gone(self._there, self.settings.gone_s, time.monotonic())
         await self.registration.promote_standby()
         await self.refitting.maybe_refit()
         if self.state.dirty:

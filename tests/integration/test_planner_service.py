@@ -18,7 +18,7 @@ from services.common.bus import Bus, Envelope, Refused
 from services.common.contracts import ev
 from services.common.facts import read_facts
 from services.common.localstack import Server, start_redis
-from services.common.membership import SCHEDULER_ROLE, TRAINER_ROLE, lease_resource
+from services.common.membership import SCHEDULER_ROLE, TRAINER_ROLE, Membership, lease_resource
 from services.common.ownership import Lease, OwnershipStore, plans_key, role_changes_key
 from services.common.runconfig import RunConfig
 from services.planner.config import PlannerSettings
@@ -135,6 +135,38 @@ async def test_standby_takes_the_trainer_role_and_the_planner_outlives_redis(rig
         held = await store.holder(role)
         token = next(a.fencing_token for a in final.assignments if a.worker_id == worker)
         assert held is not None and held.owner == worker and held.token == token
+
+
+@pytest.mark.parametrize("rig", [60.0], indirect=True)
+async def test_a_role_holder_whose_process_is_gone_is_replaced_by_its_standby_before_its_lease_ends(
+    rig: dict[str, Any], nats_server: Server, run_id: str
+) -> None:
+    """A scheduler killed outright: NATS has nobody on its probe subject any more, and the planner
+    gives the warm standby the role within seconds, not when the holder's 60 s lease runs out. While
+    the holder answers its probes it keeps the role."""
+    plans, store = rig["plans"], rig["store"]
+    buses: dict[str, Bus] = {}
+    for wid in ("scheduler-a", "scheduler-b"):  # in this order: a takes the role, b stands by
+        bus = buses[wid] = await Bus.connect(nats_server.url, run_id, "scheduler", wid)
+        await Membership(bus, store, ev.WorkerHello(worker_id=wid, kind="scheduler")).start()
+        await _until(wid, lambda wid=wid: plans and wid in _roles(plans[-1]))  # type: ignore[misc]
+    assert _roles(plans[-1]) == {"scheduler-a": "schedule", "scheduler-b": "standby"}
+    try:
+        await asyncio.sleep(PlannerSettings().gone_s + 1.0)  # answering: nothing moves
+        assert _roles(plans[-1]) == {"scheduler-a": "schedule", "scheduler-b": "standby"}
+        held = await store.holder(SCHEDULER_ROLE)
+        assert held is not None and held.owner == "scheduler-a"
+
+        gone = time.monotonic()
+        await buses.pop("scheduler-a").close()  # its process dies: its connection goes with it
+        await _until("takeover", lambda: _roles(plans[-1]) == {"scheduler-b": "schedule"}, timeout=20)
+        assert time.monotonic() - gone < 20  # the lease had 55 s or more to run
+        held = await store.holder(SCHEDULER_ROLE)
+        token = next(a.fencing_token for a in plans[-1].assignments if a.worker_id == "scheduler-b")
+        assert held is not None and held.owner == "scheduler-b" and held.token == token
+    finally:
+        for bus in buses.values():
+            await bus.close()
 
 
 async def test_the_planner_refits_buckets_live_under_its_own_epoch_and_a_replaced_planner_goes_quiet(
