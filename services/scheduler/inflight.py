@@ -189,6 +189,11 @@ class InFlight:
         indexed by engine too: an engine's load report looks at its own turns only."""
         self._sent_to: dict[str, int] = {}
         """Engine id -> turns sent to it so far (the last TurnRequest.seq)."""
+        self._seq_base = time.time_ns() // 1000
+        """Where this scheduler's numbers start: at its start in microseconds, so they run past
+        every number an earlier scheduler of the job sent (a standby taking over, a restart). An
+        engine's `last_seq` still at the earlier one's would otherwise say that it read this
+        one's first turns before it had, and a busy engine's unread turns would count as lost."""
         self.decision_us: deque[float] = deque(maxlen=20_000)
         """Latency of the most recent routing decisions (the policy's own work, in microseconds;
         not the polls of a queue that found nothing to place)."""
@@ -367,7 +372,7 @@ class InFlight:
         live.request_id = uuid.uuid4().hex
         live.engine_id = engine_id
         live.sent_at = time.monotonic()
-        live.seq = self._sent_to[engine_id] = self._sent_to.get(engine_id, 0) + 1
+        live.seq = self._sent_to[engine_id] = self._sent_to.get(engine_id, self._seq_base) + 1
         live.answered_at = 0.0
         live.deadline = time.monotonic() + self.settings.turn_timeout(action.max_new_tokens)
         self.requests.add(live.request_id, traj.trajectory_id, engine_id)
