@@ -81,6 +81,8 @@ class Membership:
         self._plan_applied = asyncio.Event()
         self._retaken = 0
         """A token of this worker's lease learnt from Redis before any plan named it (`retaken`)."""
+        self._adopted: tuple[str, int] | None = None
+        """A role and token leased to this worker that Redis showed before any plan named them (`adopt`)."""
 
     @property
     def lease_ttl_s(self) -> float:
@@ -165,6 +167,12 @@ class Membership:
                 mine = None  # a plan from before the retake: the token it names is gone
             else:
                 self._retaken = 0  # the planner's plan names the retaken token (or moved the role)
+        if mine is not None and self._adopted is not None:
+            role, token = self._adopted
+            if mine.role == role and mine.fencing_token >= token:
+                self._adopted = None  # the plan names the role Redis showed (or a later token of it)
+            else:
+                mine = None  # a plan from before the planner leased this worker the role
         if mine is not None:
             changed = self.assignment is None or (mine.role, mine.bucket, mine.fencing_token) != (
                 self.assignment.role,
@@ -199,6 +207,23 @@ class Membership:
         self._retaken = token
         self._valid_until = time.monotonic() + self.lease_ttl_s / 4  # Redis holds it: renewed now
         self._renew_now.set()
+
+    def adopt(self, role: str, token: int) -> None:
+        """Redis shows that the planner leased `role` to this worker under `token` (a standby
+        promoted) before a plan saying so has come: a plan reaches a standby seconds late at a
+        thousand engines, and the role is idle meanwhile. The assignment takes the role and token
+        now, renewed at once; plans that name this worker otherwise are not followed for its
+        assignment until one names the role under `token` or a later one."""
+        a = self.assignment
+        if a is None or (a.role, a.fencing_token) == (role, token):
+            return
+        self.assignment = ev.Assignment()
+        self.assignment.CopyFrom(a)
+        self.assignment.role, self.assignment.fencing_token = role, token
+        self._adopted = (role, token)
+        self._valid_until = time.monotonic() + self.lease_ttl_s / 4  # Redis holds it: renewed now
+        self._renew_now.set()
+        self.log.info("assignment", role=role, fencing_token=token, before_plan=True)
 
     async def _retake(self, lease: Lease) -> bool:
         """After a renewal refused: whether the lease lapsed and the planner leased it to this same

@@ -64,7 +64,10 @@ class Router(Protocol):
         """What it learned, worth keeping across a restart (C-MLFQ's prefix trees)."""
         ...
 
-    def load_dict(self, data: dict[str, Any]) -> None: ...
+    def load_dict(self, data: dict[str, Any]) -> None:
+        """Replaces what it learned with `data`. The scheduler runs it in a thread beside its
+        event loop: it builds the new state first and swaps it in with one assignment."""
+        ...
 
 
 POLICIES = ("cmlfq", "least_loaded")

@@ -71,9 +71,11 @@ class Ledger:
         await self.guard()
         await self.r.set(self.policy_key, json.dumps(state))
 
-    async def load_policy(self) -> dict[str, Any] | None:
+    async def load_policy(self) -> str | None:
+        """The saved routing policy state as stored (JSON): large at a thousand engines, so the
+        caller decodes it off its event loop."""
         raw = await self.r.get(self.policy_key)
-        return None if raw is None else dict(json.loads(raw))
+        return None if raw is None else str(raw)
 
     async def eval_done(self, version: int, summary: dict[str, Any]) -> None:
         """A finished evaluation round (services/scheduler/evaluation.py), by policy version."""

@@ -34,6 +34,7 @@ from services.scheduler.ledger import Ledger, durably, ledger_facts
 from services.scheduler.prompting import Prompter
 from services.scheduler.rewards import SandboxClient, Scorer, reward_ref
 from services.scheduler.roster import Roster
+from services.scheduler.routing_memory import RoutingMemory
 from services.scheduler.tool_calls import ToolCalls
 from services.scheduler.versions import TrainedVersion
 from services.scheduler.workload import WorkloadWindow
@@ -69,7 +70,6 @@ class SchedulerService:
         """Whether this scheduler acts for the job or stands by (`stand_by`)."""
         self.feed = build_feed(cfg)
         self.dispatch = build_dispatcher(cfg.rollout.buckets, cfg.rollout.policy, cfg.rollout.max_batch)
-        self._policy_saved = time.monotonic()
         self.versions = TrainedVersion(bus, self.log)
         self.metrics = scheduler_metrics()
         task = cfg.task
@@ -82,6 +82,9 @@ class SchedulerService:
         self.workload = WorkloadWindow(settings.stats_window_s)
         self._stats_published = 0.0
         self.ledger = Ledger(store.r, common.run_id, guard=self.leadership.require)
+        self.routing_memory = RoutingMemory(
+            self.dispatch.router, self.ledger, settings.policy_save_s, self.log
+        )
         self.facts = FactsOut(bus, subjects.FACTS_SCHEDULER)
         """The ledger's accounting and evaluation rounds, for the job's report."""
         self._facts_read = float("-inf")
@@ -136,9 +139,18 @@ class SchedulerService:
 
     async def stand_by(self, stop: asyncio.Event) -> bool:
         """Joins the plan and waits, warm, until this scheduler holds the role (at once for the
-        job's only scheduler; a standby when the holder's lease runs out). False: stopped first."""
+        job's only scheduler; a standby when the holder's lease runs out). False: stopped first.
+        While it waits it keeps what the acting scheduler's routing policy learned loaded
+        (`routing_memory.py`)."""
         await self.membership.start()
-        return await self.leadership.wait_for_role(stop)
+        waiting = asyncio.Event()
+        waiting.set()
+        self.bus.spawn(self.routing_memory.keep_warm(waiting))
+        try:
+            return await self.leadership.wait_for_role(stop)
+        finally:
+            waiting.clear()  # its read under way ends on its own: a Redis call cancelled mid-way
+            # can leave its connection with a reply unread
 
     async def start(self) -> None:
         """Takes the job up: from its ledger when an earlier scheduler of it left one."""
@@ -156,7 +168,7 @@ class SchedulerService:
         await self.episode.start()  # so does an environment
         await self.facts.start()
         await self.groups.resume(self.evaluator, self.prompter)
-        await self._load_policy()
+        await self.routing_memory.take_up(self.bus.spawn)
         self.bus.spawn(self._loop())
 
     async def _on_plan(self, plan: ev.Plan) -> None:
@@ -266,9 +278,7 @@ class SchedulerService:
         if self.ledger.changed and time.monotonic() - self._facts_read > 0.5:
             self._facts_read = time.monotonic()
             self.facts.update(await ledger_facts(self.ledger))
-        if time.monotonic() - self._policy_saved > self.settings.policy_save_s:
-            self._policy_saved = time.monotonic()
-            await durably(self.ledger.save_policy(self.dispatch.router.to_dict()), self.log)
+        await self.routing_memory.save_if_due()
 
     def _update_gauges(self) -> None:
         m = self.metrics
@@ -278,17 +288,6 @@ class SchedulerService:
         for b in self.cfg.rollout.buckets:
             m.queued.labels(b.name).set(queued.get(b.name, 0))
             m.running.labels(b.name).set(running.get(b.name, 0))
-
-    async def _load_policy(self) -> None:
-        """What an earlier scheduler of this job learned (C-MLFQ's prefix trees), if it saved any."""
-        try:
-            state = await self.ledger.load_policy()
-        except Exception as err:
-            self.log.warning("policy_state_unavailable", error=str(err))
-            return
-        if state:
-            self.dispatch.router.load_dict(state)
-            self.log.info("policy_state_restored")
 
     async def _publish_workload(self) -> None:
         self._stats_published = time.monotonic()

@@ -4,7 +4,7 @@ from typing import Any
 import pytest
 
 from services.common.contracts import ev
-from services.common.membership import TRAINER_ROLE, Membership
+from services.common.membership import SCHEDULER_ROLE, TRAINER_ROLE, Membership
 from services.common.ownership import OwnershipStore
 
 pytestmark = pytest.mark.integration
@@ -112,4 +112,44 @@ async def test_a_lapsed_lease_leased_again_to_its_worker_is_taken_up_before_the_
     finally:
         for t in renewing:
             t.cancel()
+        await store.close()
+
+
+async def test_a_standby_leased_the_role_before_the_plan_says_so_renews_it_and_keeps_it(
+    redis_server, run_id
+) -> None:
+    """A standby that Redis shows holding the scheduler role (the planner leased it, its plan not
+    here yet) takes the role and token now and renews that lease; a plan from before, naming it
+    standby, does not take the role back; the plan naming the role ends the wait for it."""
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    unused: Any = None  # renewing reads the store only
+    m = Membership(unused, store, ev.WorkerHello(worker_id="scheduler-b", kind="scheduler"))
+    renewing = None
+    try:
+        standby = await store.acquire("worker:scheduler-b", "scheduler-b", ttl_s=1.0)
+        assert standby is not None
+        old = ev.Plan(plan_version=1, planner_epoch=1, lease_ttl_s=1.0)
+        old.assignments.add(worker_id="scheduler-b", role="standby", fencing_token=standby.token)
+        await m._apply(old)
+        renewing = asyncio.create_task(m._renew_loop())
+        lease = await store.acquire(SCHEDULER_ROLE, "scheduler-b", ttl_s=1.0)  # promoted
+        assert lease is not None
+        m.adopt("schedule", lease.token)
+        await m._apply(old)  # the plan from before comes again (a late delivery, a re-read)
+        await asyncio.sleep(2.5)  # 2.5 leases: renewed under the role's token all along
+        assert m.assignment is not None and (m.assignment.role, m.assignment.fencing_token) == (
+            "schedule",
+            lease.token,
+        )
+        assert m.holds_lease() and m.lease_lost == 0 and await store.is_current(SCHEDULER_ROLE, lease.token)
+        new = ev.Plan(plan_version=2, planner_epoch=1, lease_ttl_s=1.0)
+        new.assignments.add(worker_id="scheduler-b", role="schedule", fencing_token=lease.token)
+        await m._apply(new)
+        moved = ev.Plan(plan_version=3, planner_epoch=1, lease_ttl_s=1.0)  # the planner moves it on
+        moved.assignments.add(worker_id="scheduler-b", role="standby", fencing_token=9)
+        await m._apply(moved)
+        assert m.assignment.role == "standby" and m.assignment.fencing_token == 9
+    finally:
+        if renewing is not None:
+            renewing.cancel()
         await store.close()

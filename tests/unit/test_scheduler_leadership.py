@@ -31,6 +31,11 @@ class FakeMembership:
         self.assignment = _assign(self.assignment.role, token)
         self.valid = True
 
+    def adopt(self, role: str, token: int) -> None:
+        """As `Membership.adopt`: the role and token Redis shows, renewed at once."""
+        self.assignment = _assign(role, token)
+        self.valid = True
+
 
 class FakeStore:
     """The role lease: held by `owner` under `current_token` (0: nobody holds it)."""
@@ -75,6 +80,22 @@ async def test_a_standby_waits_until_the_plan_gives_it_the_role_and_redis_confir
     assert await asyncio.wait_for(waiting, 2) is True
     assert lead.token == 4 and lead.acting()
     await lead.require()  # acting: writes go ahead
+
+
+async def test_a_standby_that_redis_shows_holding_the_role_takes_it_before_the_plan_says_so() -> None:
+    """The planner leases the role, then publishes the plan; at a thousand engines the plan came
+    seconds late. The standby asks Redis while it waits and takes the role under Redis's token;
+    a role Redis shows for another scheduler is not taken."""
+    lead, m, store = _leadership()
+    stop = asyncio.Event()
+    m.assignment = _assign("standby", 3)
+    store.owner, store.current_token = "scheduler-other", 7  # another holds it: stand by
+    waiting = asyncio.ensure_future(lead.wait_for_role(stop))
+    await asyncio.sleep(0.5)
+    assert not waiting.done() and m.assignment.role == "standby"
+    store.owner, store.current_token = "scheduler", 8  # promoted: no plan says so yet
+    assert await asyncio.wait_for(waiting, 2) is True
+    assert lead.token == 8 and lead.acting() and m.assignment.role == "schedule"
 
 
 async def test_a_stopped_job_ends_the_wait() -> None:
