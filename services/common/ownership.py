@@ -153,6 +153,18 @@ class OwnershipStore:
             return None
         return Lease(resource, str(data["owner"]), int(data["token"]))
 
+    async def holders(self, resources: list[str]) -> list[Lease | None]:
+        """`holder` of each resource, read in one round trip (a pipeline without a transaction):
+        the planner looks at every worker's lease each tick, 1,028 of them at 1,024 engines."""
+        pipe = self.r.pipeline(transaction=False)
+        for resource in resources:
+            pipe.hgetall(self._key(resource))
+        found = await pipe.execute() if resources else []
+        return [
+            Lease(resource, str(data["owner"]), int(data["token"])) if data else None
+            for resource, data in zip(resources, found, strict=True)
+        ]
+
     async def is_current(self, resource: str, token: int) -> bool:
         """True when `token` is the live lease's token: the check every receiver makes."""
         held = await self.holder(resource)

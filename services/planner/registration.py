@@ -146,8 +146,11 @@ class Registration:
     async def expire(self) -> None:
         """Drops the workers whose lease ran out (or moved to another token)."""
         s = self.state
-        for slot in list(s.slots.values()):
-            held = await self.store.holder(lease_resource(slot.role, slot.worker_id))
+        slots = list(s.slots.values())
+        leases = await self.store.holders([lease_resource(slot.role, slot.worker_id) for slot in slots])
+        for slot, held in zip(slots, leases, strict=True):
+            if s.slots.get(slot.worker_id) is not slot:
+                continue  # replaced while the leases were read (a hello of a restarted worker)
             if held is None or held.token != slot.fencing_token:
                 s.slots.pop(slot.worker_id)
                 s.dirty = True

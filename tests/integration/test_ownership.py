@@ -153,3 +153,17 @@ async def test_a_standby_leased_the_role_before_the_plan_says_so_renews_it_and_k
         if renewing is not None:
             renewing.cancel()
         await store.close()
+
+
+async def test_the_holders_of_many_leases_read_in_one_go_are_each_ones_holder(redis_server, run_id) -> None:
+    store = OwnershipStore.from_url(redis_server.url, run_id)
+    try:
+        a = await store.acquire("worker:a", "a", ttl_s=5)
+        b = await store.acquire(TRAINER_ROLE, "t", ttl_s=5)
+        assert a is not None and b is not None
+        resources = ["worker:a", "worker:nobody", TRAINER_ROLE]
+        assert await store.holders(resources) == [await store.holder(r) for r in resources]
+        assert await store.holders(resources) == [a, None, b]
+        assert await store.holders([]) == []
+    finally:
+        await store.close()
