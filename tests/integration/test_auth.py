@@ -23,6 +23,7 @@ from services.common.bus import Bus, connect_nats
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev, ws, ws_grpc
 from services.common.credentials import (
+    ALIVE_KINDS,
     IDENTITIES,
     SIGNING_KEY,
     TRAINER_KEYS,
@@ -170,6 +171,12 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("rollout-engine", subjects.TRAJ_SAMPLE, ev.TrajectorySample(trajectory_id="forged")),
         ("tool-sandbox", subjects.TRAJ_SAMPLE, ev.TrajectorySample(trajectory_id="forged")),
         ("trainer", subjects.TRAJ_SAMPLE, ev.TrajectorySample(trajectory_id="forged")),
+        # only the planner probes whether a role holder is there (a forged probe could hold an
+        # answer back or make one up; services/planner/registration.py)
+        ("scheduler", f"{subjects.ALIVE}.trainer.t", ev.StatsRequest()),
+        ("trainer", f"{subjects.ALIVE}.scheduler.s", ev.StatsRequest()),
+        ("rollout-engine", f"{subjects.ALIVE}.scheduler.s", ev.StatsRequest()),
+        ("tool-sandbox", f"{subjects.ALIVE}.trainer.t", ev.StatsRequest()),
     ]
     for identity, suffix, msg in forgeries:
         await buses[identity].publish(suffix, msg)
@@ -187,6 +194,7 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("planner", subjects.FACTS_PLANNER, ev.PlannerFacts(plans_total=1)),
         ("trainer", subjects.LEND_REQUEST, ev.LendRequest(want="lend")),
         ("scheduler", subjects.TRAJ_SAMPLE, ev.TrajectorySample(trajectory_id="real")),
+        ("planner", f"{subjects.ALIVE}.scheduler.s", ev.StatsRequest()),
     ]
     for identity, suffix, msg in owned:
         await buses[identity].publish(suffix, msg)
@@ -288,12 +296,24 @@ async def test_a_service_cannot_touch_what_it_does_not_own(
     assert all(results.values()), {k: v for k, v in results.items() if not v}
 
     got: list[str] = []
-    for subject in (">", "libra.v1.>", f"{inbox_prefix('cli')}.>", bus.subject(subjects.SCHEDULER_STATS)):
+    # the planner's probes of a role holder reach that holder's kind alone (each scheduler or
+    # trainer hears its own: services/common/membership.py); no one else hears them
+    alive = [f"{subjects.ALIVE}.>"] + [f"{subjects.ALIVE}.{k}.probe" for k in ALIVE_KINDS if k != identity]
+    for subject in (
+        ">", "libra.v1.>", f"{inbox_prefix('cli')}.>", bus.subject(subjects.SCHEDULER_STATS),
+        *(bus.subject(a) for a in alive),
+    ):  # fmt: skip
         if identity == "scheduler" and subject.endswith(subjects.SCHEDULER_STATS):
             continue  # the scheduler answers these
         await bus.nc.subscribe(subject, cb=_append(got))
     await bus.nc.flush()
     await cli.publish(subjects.SCHEDULER_STATS, ev.StatsRequest())
+    planner = await Bus.connect(secure_nats.url, run_id, "planner", "p", creds.nats_auth("planner"))
+    for kind in ALIVE_KINDS:
+        await planner.publish(f"{subjects.ALIVE}.{kind}.probe", ev.StatsRequest())
+    await planner.nc.flush()
+    await planner.close()
+    await planner.nc.close()
     await cli.nc.publish(f"{inbox_prefix('cli')}.probe", b"x")
     forged_replies: list[str] = []  # a reply raced into the operator's inbox does not arrive
     await cli.nc.subscribe(f"{inbox_prefix('cli')}.forged", cb=_append(forged_replies))
