@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -235,6 +236,9 @@ class Watch:
     """Wall time of that kill."""
     recovered_s: float | None = None
     """From the kill to the first trajectory a scheduler completed after it: the job back in service."""
+    dispatching_s: float | None = None
+    """From the kill to the first turn a scheduler sent an engine after it: the takeover alone (the
+    first completed trajectory also waits for that trajectory's own turns)."""
     killed: str = ""
     """Which scheduler was killed (the one acting then)."""
 
@@ -251,6 +255,22 @@ async def _acting_scheduler(stack: Stack, run_id: str) -> str:
     finally:
         await store.close()
     return held.owner if held is not None else "scheduler"
+
+
+async def _first_turn_after(bus: Bus, watch: Watch) -> None:
+    """Times the first turn request any scheduler sends once `watch.killed_at` is set (only
+    schedulers send them, and the killed one sends nothing more); undecoded, and unsubscribed at
+    once: at a thousand engines the turns are most of the bus's messages."""
+    killed_at = watch.killed_at
+    assert killed_at is not None
+
+    async def on_turn(msg: Any) -> None:
+        if watch.dispatching_s is None:
+            watch.dispatching_s = time.time() - killed_at
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    sub = await bus.nc.subscribe(bus.subject(f"{subjects.TURN_REQUEST}.>"), cb=on_turn)
 
 
 def _watch(stack: Stack, run_id: str, watch: Watch) -> threading.Thread:
@@ -275,6 +295,7 @@ def _watch(stack: Stack, run_id: str, watch: Watch) -> threading.Thread:
                 if proc is not None and proc.poll() is None:
                     proc.kill()  # the supervisor restarts it; a standby may take the role first
                     watch.killed_at, watch.killed = time.time(), acting
+                    await _first_turn_after(bus, watch)
                     print(
                         f"bench live: killed {acting}, the acting scheduler (-9), after step {m.step}",
                         flush=True,
@@ -336,6 +357,7 @@ def _fault(watch: Watch, report: dict[str, Any]) -> dict[str, Any]:
         "killed": watch.killed or None,
         "after_step": watch.kill_at_step if watch.killed_at is not None else None,
         "recovered_s": watch.recovered_s,
+        "dispatching_s": watch.dispatching_s,
         "restarts": report.get("restarts", {}),
         "status": report.get("status"),
         "trajectories_lost": report.get("trajectories_lost"),
@@ -727,8 +749,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         if (f := r.get("fault")) is not None:
             back = f"{f['recovered_s']:.1f} s" if f["recovered_s"] is not None else "never"
+            sent = f"{f['dispatching_s']:.1f} s" if f.get("dispatching_s") is not None else "never"
             print(
-                f"{'':>12}  scheduler killed after step {f['after_step']}: back in service after {back}; "
+                f"{'':>12}  scheduler killed after step {f['after_step']}: turns sent again after {sent}, "
+                f"back in service after {back}; "
                 f"lost {f['trajectories_lost']}, trained twice {f['trajectories_trained_twice']}, "
                 f"restarts {f['restarts']}"
             )

@@ -5,6 +5,7 @@ early, evaluation rounds, and a restarted scheduler's run resumed from its ledge
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Collection
 from typing import Any
@@ -72,11 +73,13 @@ class Groups:
 
     async def resume(self, evaluator: Evaluator | None, prompter: Prompter) -> None:
         """Continues an earlier scheduler's run of this job from the ledger, if there was one."""
+        began = time.monotonic()
         if evaluator is not None:
             evaluator.done.update(await self.ledger.load_eval())
         state = await self.ledger.load()
         if state is None:
             return
+        read = time.monotonic()
         outstanding = self.feed.restore(
             launched=state.launched,
             replaced=state.replaced,
@@ -86,6 +89,7 @@ class Groups:
         )
         self.completion.completed, self.completion.failed = state.completed, state.failed
         self.versions.version = await self.versions.committed()
+        versioned = time.monotonic()
         reissued = 0
         for ticket in outstanding:
             reissued += self.launch(ticket, skip=state.published)
@@ -95,6 +99,12 @@ class Groups:
             groups_outstanding=len(outstanding),
             trajectories_reissued=reissued,
             trained_version=self.versions.version,
+            # reading the ledger, the trained version, and starting the re-issued trajectories
+            phases_s={
+                "ledger": round(read - began, 3),
+                "version": round(versioned - read, 3),
+                "relaunch": round(time.monotonic() - versioned, 3),
+            },
         )
 
     async def consume_outcomes(self) -> None:

@@ -156,6 +156,15 @@ class SchedulerService:
         """Takes the job up: from its ledger when an earlier scheduler of it left one."""
         self.started = True
         self._cpu_mark = (time.monotonic(), time.process_time())
+        phases: dict[str, float] = {}  # where a takeover's time goes (the log's scheduler_started)
+        mark = time.monotonic()
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            phases[name] = round(now - mark, 3)
+            mark = now
+
         await self.bus.bind_stream("TRAJ")  # where completed trajectories go
         await self.groups.bind()
         await self.bus.subscribe(subjects.TURN_RESULT, ev.TurnResult, self.driver.on_turn_result)
@@ -163,13 +172,18 @@ class SchedulerService:
         await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_engine_load)
         await self.bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self.versions.on_weights)
         await self.bus.subscribe(subjects.SCHEDULER_STATS, ev.StatsRequest, self._on_stats)
+        phase("subscribe")
         if self.completion.scorer is not None:
             await self.completion.scorer.start()  # a reward that cannot be imported stops the scheduler now
         await self.episode.start()  # so does an environment
         await self.facts.start()
+        phase("plugins")
         await self.groups.resume(self.evaluator, self.prompter)
+        phase("resume")
         await self.routing_memory.take_up(self.bus.spawn)
         self.bus.spawn(self._loop())
+        phase("routing")
+        self.log.info("scheduler_started", phases_s=phases)
 
     async def _on_plan(self, plan: ev.Plan) -> None:
         limits = {b.name: float(b.max_output_tokens or math.inf) for b in plan.buckets}

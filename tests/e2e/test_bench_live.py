@@ -118,4 +118,6 @@ def test_bench_live_kills_the_scheduler_and_says_when_the_job_was_back(tmp_path:
     assert fault["after_step"] == 1 and fault["status"] == "completed", fault
     assert fault["killed"] in ("scheduler", "scheduler-standby-0"), fault  # whichever acted
     assert fault["recovered_s"] is not None and fault["recovered_s"] > 0
+    # a scheduler sends turns again before the first trajectory after the kill completes
+    assert fault["dispatching_s"] is not None and 0 < fault["dispatching_s"] <= fault["recovered_s"], fault
     assert fault["trajectories_lost"] == 0 and fault["trajectories_trained_twice"] == 0
