@@ -199,6 +199,8 @@ REDIS_MAXMEMORY = "1gb"
 """Redis's memory cap (`redis/redis.conf`): far above what a job keeps (leases, a commit record,
 the trained ids, the ledger), so an identity that floods its own keys fills Redis only this far."""
 REDIS_MAX_VALUE = "1mb"
+REDIS_MAX_VALUE_BYTES = 1 << 20
+"""`REDIS_MAX_VALUE` in bytes: a longer value is a protocol error, and Redis drops the connection."""
 REDIS_SERVER_LINES = (
     f"maxmemory {REDIS_MAXMEMORY}",
     # never evict: a lease, a fencing counter or a commit record must not vanish under memory

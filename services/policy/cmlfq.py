@@ -293,9 +293,14 @@ class CMLFQ:
         t.queued = 0
         return head[2]
 
-    def to_dict(self) -> dict[str, Any]:
-        """The learned state worth persisting (the trees); in-flight trajectories are not."""
-        return {"forest": self.forest.to_dict()}
+    def to_dict(self, max_prompts: int | None = None) -> dict[str, Any]:
+        """The learned state worth persisting (the trees; of the `max_prompts` most recently used
+        prompts only, when given); in-flight trajectories are not."""
+        return {"forest": self.forest.to_dict(max_prompts)}
+
+    @property
+    def learned_prompts(self) -> int:
+        return len(self.forest.prompts)
 
     def load_dict(self, data: dict[str, Any]) -> None:
         self.forest = PrefixForest.from_dict(data["forest"])

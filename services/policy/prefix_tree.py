@@ -199,14 +199,18 @@ class PrefixForest:
                 return Estimate(local.mean, local.p90, local.count, local.depth, "prompt")
         return glob
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, max_prompts: int | None = None) -> dict[str, Any]:
+        """All of it, or the global tree and the `max_prompts` most recently used prompts' trees."""
+        prompts = list(self.prompts.items())
+        if max_prompts is not None:
+            prompts = prompts[len(prompts) - max_prompts :] if max_prompts > 0 else []
         return {
             "window": self.window,
             "max_depth": self.max_depth,
             "max_prompts": self.max_prompts,
             "prompt_min_count": self.prompt_min_count,
             "global": self.global_tree.to_dict(),
-            "prompts": {k: v.to_dict() for k, v in self.prompts.items()},
+            "prompts": {k: v.to_dict() for k, v in prompts},
         }
 
     @classmethod

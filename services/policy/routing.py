@@ -60,8 +60,14 @@ class Router(Protocol):
         """A replanned layout's token thresholds per bucket; True when the policy changed."""
         ...
 
-    def to_dict(self) -> dict[str, Any]:
-        """What it learned, worth keeping across a restart (C-MLFQ's prefix trees)."""
+    def to_dict(self, max_prompts: int | None = None) -> dict[str, Any]:
+        """What it learned, worth keeping across a restart (C-MLFQ's prefix trees), of the
+        `max_prompts` most recently used prompts only when given (the shared trees always)."""
+        ...
+
+    @property
+    def learned_prompts(self) -> int:
+        """How many prompts it keeps something of its own for (`to_dict`'s `max_prompts`)."""
         ...
 
     def load_dict(self, data: dict[str, Any]) -> None:
@@ -136,8 +142,12 @@ class CMLFQRouter:
     def set_thresholds(self, limits: dict[str, float]) -> bool:
         return self.core.set_thresholds(limits)
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.core.to_dict()
+    def to_dict(self, max_prompts: int | None = None) -> dict[str, Any]:
+        return self.core.to_dict(max_prompts)
+
+    @property
+    def learned_prompts(self) -> int:
+        return self.core.learned_prompts
 
     def load_dict(self, data: dict[str, Any]) -> None:
         self.core.load_dict(data)
@@ -237,8 +247,12 @@ class StaticRouter:
         self.buckets = new
         return changed
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, max_prompts: int | None = None) -> dict[str, Any]:
         return {}
+
+    @property
+    def learned_prompts(self) -> int:
+        return 0
 
     def load_dict(self, data: dict[str, Any]) -> None:
         return None

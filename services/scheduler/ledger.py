@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.contracts import ev
+from services.common.credentials import REDIS_MAX_VALUE_BYTES
 from services.common.errors import FencedOut
 from services.common.ownership import ledger_key
 from services.scheduler.feed import GroupTicket, TaskFeed, group_of
@@ -66,10 +67,14 @@ class Ledger:
         self.changed = True
         """Written since the last `facts` (the report's view is re-read only then)."""
 
-    async def save_policy(self, state: dict[str, Any]) -> None:
-        """What the routing policy learned (C-MLFQ's prefix trees), for a restarted scheduler."""
+    async def save_policy(self, raw: str) -> None:
+        """What the routing policy learned (C-MLFQ's prefix trees), for a restarted scheduler, as
+        JSON (`routing_memory.encode`). Refused here when over Redis's bound on a value: Redis
+        would answer a protocol error and drop the connection the role's lease renews on."""
+        if len(raw) > REDIS_MAX_VALUE_BYTES:
+            raise ValueError(f"routing state of {len(raw)} bytes is over Redis's {REDIS_MAX_VALUE_BYTES}")
         await self.guard()
-        await self.r.set(self.policy_key, json.dumps(state))
+        await self.r.set(self.policy_key, raw)
 
     async def load_policy(self) -> str | None:
         """The saved routing policy state as stored (JSON): large at a thousand engines, so the

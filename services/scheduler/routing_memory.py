@@ -2,7 +2,8 @@
 scheduler saves it to Redis every `policy_save_s`; a restarted one loads it before it routes; a
 standby keeps it loaded while it waits, so taking over does not wait for it (3.8 s at 1,024
 engines on 2 cores) and reads the latest beside its work. Decoded and built in a thread, so the
-event loop goes on meanwhile."""
+event loop goes on meanwhile. The saved state stays under Redis's bound on one value: past it, the
+per-prompt trees of the least recently used prompts are left out (the shared tree always kept)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,24 @@ import threading
 import time
 from typing import Any
 
+from services.common.credentials import REDIS_MAX_VALUE_BYTES
 from services.policy.routing import Router
 from services.scheduler.ledger import Ledger, durably
+
+STATE_BYTES = REDIS_MAX_VALUE_BYTES * 7 // 8
+"""The most a saved routing state may take (1,024 engines' r2e_gym job passed Redis's 1 MB after
+about 400 prompts: its writes failed, and the connection they broke cost the scheduler its lease)."""
+
+
+def encode(router: Router, limit: int = STATE_BYTES) -> tuple[str, int]:
+    """The router's learned state as JSON of at most `limit` bytes, and how many prompts' own
+    trees it holds: all of them when they fit, else the most recently used that do."""
+    raw = json.dumps(router.to_dict(), separators=(",", ":"))
+    kept = router.learned_prompts
+    while len(raw) > limit and kept > 0:
+        kept = min(kept - 1, int(kept * limit / len(raw) * 0.95))  # trees are about alike in size
+        raw = json.dumps(router.to_dict(max(kept, 0)), separators=(",", ":"))
+    return raw, max(kept, 0)
 
 
 class RoutingMemory:
@@ -24,6 +41,7 @@ class RoutingMemory:
         self._saved = time.monotonic()
         self._lock = threading.Lock()
         self._reads = self._applied = 0
+        self._trimmed = False
 
     async def keep_warm(self, waiting: asyncio.Event) -> None:
         """A standby's: loads the saved state now and every `save_s` while `waiting` is set."""
@@ -46,7 +64,12 @@ class RoutingMemory:
     async def save_if_due(self) -> None:
         if time.monotonic() - self._saved > self.save_s:
             self._saved = time.monotonic()
-            await durably(self.ledger.save_policy(self.router.to_dict()), self.log)
+            raw, kept = encode(self.router)
+            learned = self.router.learned_prompts
+            if kept < learned and not self._trimmed:  # said once: from here on it is the rule
+                self.log.info("policy_state_trimmed", prompts_kept=kept, prompts=learned, bytes=len(raw))
+            self._trimmed = kept < learned
+            await durably(self.ledger.save_policy(raw), self.log)
 
     async def _refresh(self) -> None:
         await self.load()

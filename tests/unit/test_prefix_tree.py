@@ -109,3 +109,28 @@ def test_round_trip_through_json():
     for pid in ("p0", "p1", "unknown"):
         assert again.estimate(pid, [OK, FAIL]) == forest.estimate(pid, [OK, FAIL])
     assert again.global_tree.node_count() == forest.global_tree.node_count()
+
+
+def test_a_routing_state_over_its_limit_keeps_the_most_recently_used_prompts():
+    """`routing_memory.encode`: the saved state stays under Redis's bound on a value, leaving out
+    the least recently used prompts' own trees (the shared tree always kept)."""
+    from services.common.runconfig import RunConfig
+    from services.policy.routing import build_router
+    from services.scheduler.routing_memory import encode
+
+    router = build_router(RunConfig().rollout.buckets, "cmlfq")
+    for i in range(60):
+        for k in range(4):
+            router.core.forest.observe(f"p{i}", [OK, FAIL], [100 + k, 300 + k], 1000 + 7 * k + i)
+    router.core.forest.observe("p0", [OK], [10], 500)  # p0 used last: the most recent
+    whole, kept = encode(router, limit=10**9)
+    assert kept == 60 and json.loads(whole) == json.loads(json.dumps(router.to_dict()))
+    raw, kept = encode(router, limit=len(whole) // 3)
+    assert 0 < kept < 60 and len(raw) <= len(whole) // 3
+    again = build_router(RunConfig().rollout.buckets, "cmlfq")
+    again.load_dict(json.loads(raw))
+    assert list(again.core.forest.prompts) == list(router.core.forest.prompts)[60 - kept :]
+    assert "p0" in again.core.forest.prompts and "p1" not in again.core.forest.prompts
+    assert again.core.forest.global_tree.to_dict() == router.core.forest.global_tree.to_dict()
+    raw, kept = encode(router, limit=len(json.dumps(router.to_dict(0), separators=(",", ":"))))
+    assert kept == 0 and json.loads(raw)["forest"]["prompts"] == {}  # the shared tree alone fits
