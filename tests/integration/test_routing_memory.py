@@ -45,7 +45,7 @@ async def test_a_standby_keeps_the_saved_trees_loaded_and_the_latest_read_wins(
     try:
         acting = Ledger(store.r, run_id)
         router = _router()
-        memory = RoutingMemory(router, Ledger(store.r, run_id), save_s=0.2, log=log)
+        memory = RoutingMemory(router, Ledger(store.r, run_id), save_s=0.2, log=log, refresh_after_s=0.0)
         waiting = asyncio.Event()
         waiting.set()
         warm = asyncio.ensure_future(memory.keep_warm(waiting))
@@ -68,6 +68,9 @@ async def test_a_standby_keeps_the_saved_trees_loaded_and_the_latest_read_wins(
         assert router.to_dict()["forest"]["window"] == 12  # routes with the warm trees at once...
         await asyncio.gather(*spawned)
         assert router.to_dict()["forest"]["window"] == 13  # ...and the latest once read
+        forest = router.core.forest
+        assert await memory.load()  # read again, nothing saved since: not built again
+        assert router.core.forest is forest
 
         memory._apply(99, json.dumps(_state(20)))  # a later read applied first
         memory._apply(98, json.dumps(_state(21)))  # an earlier one finishing after it
