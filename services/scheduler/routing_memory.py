@@ -19,7 +19,7 @@ from services.scheduler.ledger import Ledger, durably
 
 STATE_BYTES = REDIS_MAX_VALUE_BYTES * 7 // 8
 """The most a saved routing state may take (1,024 engines' r2e_gym job passed Redis's 1 MB after
-about 400 prompts: its writes failed, and the connection they broke cost the scheduler its lease)."""
+about 350 prompts: its writes failed, and the connection they broke cost the scheduler its lease)."""
 
 
 def encode(router: Router, limit: int = STATE_BYTES) -> tuple[str, int]:
@@ -33,23 +33,9 @@ def encode(router: Router, limit: int = STATE_BYTES) -> tuple[str, int]:
     return raw, max(kept, 0)
 
 
-REFRESH_AFTER_S = 3.0
-"""How long a warm standby that took the job up routes with the trees it kept before it reads the
-latest: building them takes a thread's CPU (1.6 s at 1,024 engines on 2 cores, the GIL with it),
-which delayed its first turns by as much; the trees it kept are at most `policy_save_s` older."""
-
-
 class RoutingMemory:
-    def __init__(
-        self,
-        router: Router,
-        ledger: Ledger,
-        save_s: float,
-        log: Any,
-        refresh_after_s: float = REFRESH_AFTER_S,
-    ):
+    def __init__(self, router: Router, ledger: Ledger, save_s: float, log: Any):
         self.router, self.ledger, self.save_s, self.log = router, ledger, save_s, log
-        self.refresh_after_s = refresh_after_s
         self.warm = False
         """Loaded while this scheduler stood by."""
         self._last_raw: str | None = None
@@ -88,7 +74,6 @@ class RoutingMemory:
             await durably(self.ledger.save_policy(raw), self.log)
 
     async def _refresh(self) -> None:
-        await asyncio.sleep(self.refresh_after_s)
         await self.load()
 
     async def load(self, quiet: bool = False) -> bool:

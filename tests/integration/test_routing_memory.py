@@ -45,7 +45,7 @@ async def test_a_standby_keeps_the_saved_trees_loaded_and_the_latest_read_wins(
     try:
         acting = Ledger(store.r, run_id)
         router = _router()
-        memory = RoutingMemory(router, Ledger(store.r, run_id), save_s=0.2, log=log, refresh_after_s=0.0)
+        memory = RoutingMemory(router, Ledger(store.r, run_id), save_s=0.2, log=log)
         waiting = asyncio.Event()
         waiting.set()
         warm = asyncio.ensure_future(memory.keep_warm(waiting))
