@@ -372,6 +372,7 @@ class InFlight:
         live.request_id = uuid.uuid4().hex
         live.engine_id = engine_id
         live.sent_at = time.monotonic()
+        first = not self._sent_to  # this scheduler's first turn: where a takeover ends (the log)
         live.seq = self._sent_to[engine_id] = self._sent_to.get(engine_id, self._seq_base) + 1
         live.answered_at = 0.0
         live.deadline = time.monotonic() + self.settings.turn_timeout(action.max_new_tokens)
@@ -415,6 +416,8 @@ class InFlight:
             f"{subjects.TURN_REQUEST}.{engine_id}", req, ctx=trace.set_span_in_context(live.step_span)
         )
         self.dispatch_us.append((time.perf_counter() - began) * 1e6)
+        if first:
+            self.log.info("first_turn_sent", engine_id=engine_id, trajectory_id=traj.trajectory_id)
 
     def bucket_of(self, live: Live) -> str:
         """The bucket its next turn goes to: the dispatcher's router holds it ("" once it ended)."""
