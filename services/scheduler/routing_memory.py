@@ -29,8 +29,8 @@ def encode(router: Router, limit: int = STATE_BYTES) -> tuple[str, int]:
     kept = router.learned_prompts
     while len(raw) > limit and kept > 0:
         kept = min(kept - 1, int(kept * limit / len(raw) * 0.95))  # trees are about alike in size
-        raw = json.dumps(router.to_dict(max(kept, 0)), separators=(",", ":"))
-    return raw, max(kept, 0)
+        raw = json.dumps(router.to_dict(kept), separators=(",", ":"))
+    return raw, kept
 
 
 class RoutingMemory:
