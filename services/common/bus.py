@@ -59,12 +59,17 @@ Handler = Callable[[Any, Envelope], Awaitable[Message | None]]
 
 
 async def connect_nats(
-    url: str, name: str, auth: NatsAuth | None = None, tls: ssl.SSLContext | None = None
+    url: str,
+    name: str,
+    auth: NatsAuth | None = None,
+    tls: ssl.SSLContext | None = None,
+    reconnected: Callable[[], Awaitable[None]] | None = None,
 ) -> NATS:
     """Connects for good: waits for a NATS that is not up yet and reconnects forever (a restarting
     NATS comes back), with the stack's user and password when it has credentials (and then replies
     come to that user's own inbox prefix, which no other identity may read). Credentials the
-    server refuses are a configuration error at once, not a silent retry loop."""
+    server refuses are a configuration error at once, not a silent retry loop. `reconnected` is
+    called each time the connection is back, its subscriptions in place again."""
     log = get_logger(component="bus")
     refused = asyncio.Event()
 
@@ -82,6 +87,8 @@ async def connect_nats(
     )
     if tls is not None:
         creds["tls"] = tls
+    if reconnected is not None:
+        creds["reconnected_cb"] = reconnected
     connecting = asyncio.ensure_future(
         nats.connect(
             url,
@@ -170,6 +177,8 @@ class Bus:
         """Payload bytes published, by kind of subject (its first two parts: `turn.request`)."""
         self.bytes_in: Counter[str] = Counter()
         """Payload bytes handed to subscription handlers, by the kind of subject subscribed."""
+        self.reconnects = 0
+        self._on_reconnect: list[Callable[[], Awaitable[None]]] = []
 
     @classmethod
     async def connect(
@@ -181,7 +190,27 @@ class Bus:
         auth: NatsAuth | None = None,
         tls: ssl.SSLContext | None = None,
     ) -> Bus:
-        return cls(await connect_nats(url, f"{service}:{worker_id}", auth, tls), run_id, service, worker_id)
+        made: list[Bus] = []
+
+        async def reconnected() -> None:
+            if made:
+                made[0].reconnected()
+
+        nc = await connect_nats(url, f"{service}:{worker_id}", auth, tls, reconnected)
+        made.append(cls(nc, run_id, service, worker_id))
+        return made[0]
+
+    def on_reconnect(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Runs `hook` (in the background) each time the connection to NATS is back. What core
+        NATS carried while it was away is gone: a hook reads again what it follows, from the
+        last-value stream that keeps it (a plan published in the gap, say)."""
+        self._on_reconnect.append(hook)
+
+    def reconnected(self) -> None:
+        self.reconnects += 1
+        self.log.info("nats_reconnected", reconnects=self.reconnects, hooks=len(self._on_reconnect))
+        for hook in self._on_reconnect:
+            self.spawn(hook())
 
     def subject(self, *parts: str) -> str:
         return subjects.subject(self.run_id, *parts)

@@ -20,6 +20,7 @@ from services.common.contracts import ev
 from services.common.credentials import ALIVE_KINDS
 from services.common.logging import get_logger
 from services.common.ownership import Lease, OwnershipStore
+from services.common.tasks import retry_pause
 
 DEFAULT_LEASE_TTL_S = 10.0
 """Until the first plan says otherwise (the run config's job.lease_ttl_s)."""
@@ -110,6 +111,7 @@ class Membership:
         last = await self.bus.last_message(subjects.PLAN, "PLAN", ev.Plan)
         if last is not None:
             await self._apply(last)
+        self.bus.on_reconnect(self._catch_up)
         self.bus.spawn(self._hello_loop())
         self.bus.spawn(self._renew_loop())
 
@@ -146,6 +148,31 @@ class Membership:
 
     async def _on_plan_msg(self, plan: ev.Plan, _: Envelope) -> None:
         await self._apply(plan)
+
+    async def _catch_up(self) -> None:
+        """After NATS was away: the plans published meanwhile never came (a core subscription),
+        and the planner publishes again only when the plan changes, so a worker would follow the
+        old one for good (an engine re-registered in the gap left out of the trainer's pushes and
+        the scheduler's routing). The stream keeps the last plan: it is read and followed."""
+        attempt = 0
+        while True:  # a restarted server's JetStream may take a moment to answer
+            try:
+                last = await self.bus.last_message(subjects.PLAN, "PLAN", ev.Plan)
+                break
+            except Exception as err:
+                attempt += 1
+                self.log.warning("plan_catch_up_failed", error=str(err), attempt=attempt)
+                await retry_pause(attempt)
+        mine = self.plan
+        if last is None or (
+            mine is not None
+            and (last.planner_epoch, last.plan_version) == (mine.planner_epoch, mine.plan_version)
+        ):
+            return
+        self.log.info(
+            "plan_caught_up", plan_version=last.plan_version, before=mine.plan_version if mine else 0
+        )
+        await self._apply(last)
 
     async def _apply(self, plan: ev.Plan) -> None:
         if self.plan is not None:
