@@ -442,7 +442,7 @@ def _against_iterations(
     and the simulator's prediction again from the profile with the host sharing fitted to them."""
     from services.common.cost_model import load_profile
     from services.generation.iteration_log import read_engines
-    from tools.engine_iterations import beside, compare, window, with_sharing
+    from tools.engine_iterations import beside, compare, stale_profile, window, with_sharing
 
     engines = read_engines(directory) if directory.is_dir() else {}
     its = [it for xs in engines.values() for it in window(xs, *span)]
@@ -451,6 +451,9 @@ def _against_iterations(
     cm = load_profile(ns.profile)
     shared = beside(engines, cm, *span)
     out: dict[str, Any] = {"iterations": compare(its, cm) | {"host": shared}}
+    if (warning := stale_profile(shared)) is not None:
+        print(f"bench live: WARNING, {name}: {warning}", flush=True)
+        out["profile_warning"] = warning
     sharing = shared["host_sharing_fitted"]
     if sharing is None:
         out["predicted_live_fit"] = None
@@ -774,6 +777,8 @@ def main(argv: list[str] | None = None) -> int:
                     else ""
                 )
             )
+        if r.get("profile_warning"):
+            print(f"{'':>12}  WARNING: {r['profile_warning']}")
     if doc["layout_gain"] is not None:
         gains[PLANNED] = doc["layout_gain"]
     if doc["relayout_gain"] is not None:

@@ -834,7 +834,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "device": device if device != "cuda" else f"cuda ({_cuda_name()})",
             "threads": args.threads,
             "neighbours": args.neighbours,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores ({_cpu_model()}), {platform.system()}",
             "date": time.strftime("%Y-%m-%d"),
             "command": "libra calibrate "
             + " ".join(sys.argv[2:] if sys.argv[1:2] == ["calibrate"] else sys.argv[1:]),
@@ -844,6 +844,18 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         **fitted,
         "samples": [asdict(s) for s in samples],
     }
+
+
+def _cpu_model() -> str:
+    """The host's CPU as the kernel names it: a profile holds for that host (and its day: a VM's
+    share of it can change, `tools/engine_iterations.py`, `STALE`)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def _cuda_name() -> str:

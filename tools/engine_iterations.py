@@ -26,6 +26,15 @@ ALONE, BESIDE = 0.25, 0.75
 beside one when for more than that."""
 
 
+STALE = 1.5
+"""Iterations that ran alone in a live job costing more than this times their price in the
+profile (or less than its inverse): the profile does not describe the host as it is now. On the
+same day they cost 1.11-1.28x (the rest of the stack takes some of the CPU); on 2026-11-30 the
+same 2-core VM, whose profile had been measured two days before, ran them at 2.1-2.3x, and a
+calibration then measured its decode iterations twice as slow as the profile's
+(`docs/simulator.md`)."""
+
+
 def window(its: list[Iteration], start: float, end: float) -> list[Iteration]:
     return [it for it in its if start <= it.t <= end]
 
@@ -159,6 +168,20 @@ def beside(engines: dict[str, list[Iteration]], cm: CostModel, start: float, end
         "host_sharing_fitted": host_sharing(its, cm),
         "host_sharing_profile": cm.calib.host_sharing,
     }
+
+
+def stale_profile(host: dict[str, Any]) -> str | None:
+    """What to say when the iterations that ran alone (`beside`) are `STALE` off the profile's
+    price: predictions from it are then off by as much, whatever else they model."""
+    ratio = host["alone"]["live_over_priced"]
+    if ratio is None or 1 / STALE <= ratio <= STALE:
+        return None
+    return (
+        f"the profile does not describe this host now: engine iterations that ran alone cost "
+        f"{ratio:.2f}x its price (1.1-1.3x is the rest of the stack's share of a CPU host); a "
+        "profile holds for the host and the day it was measured on: run `libra calibrate` here "
+        "and pass the new profile"
+    )
 
 
 def with_sharing(profile: dict[str, Any], sharing: float, source: str) -> dict[str, Any]:

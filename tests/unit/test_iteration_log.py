@@ -12,7 +12,16 @@ import yaml
 
 from services.common.cost_model import CostModel, load_profile
 from services.generation.iteration_log import Iteration, IterationLog, read
-from tools.engine_iterations import beside, compare, host_sharing, priced, window, with_others, with_sharing
+from tools.engine_iterations import (
+    beside,
+    compare,
+    host_sharing,
+    priced,
+    stale_profile,
+    window,
+    with_others,
+    with_sharing,
+)
 
 PROFILE = (
     Path(__file__).resolve().parents[2]
@@ -128,3 +137,16 @@ def test_host_sharing_is_fitted_from_the_iterations_beside_another_engine(tmp_pa
     shared = load_profile(path)
     assert shared.calib.host_sharing == round(sharing, 4)
     assert shared.decode_step_s(8, 400.0, 1) == cm.decode_step_s(8, 400.0, 1), "alone, as calibrated"
+
+
+def test_a_profile_of_another_host_or_day_is_called_stale() -> None:
+    """Iterations that ran alone at 1.2x the profile's price are the stack's share of the CPU;
+    at 2.1x (a host twice as slow as when it was calibrated) or 0.5x the profile is stale, and
+    the warning says to calibrate again."""
+    cm = load_profile(PROFILE)
+    for slower, stale in ((1.0, False), (1.2, False), (2.1, True), (0.5, True)):
+        host = beside({"a": _engine_log(0.0, 100.0, cm, slower)}, cm, 0.0, 100.0)
+        warning = stale_profile(host)
+        assert (warning is not None) == stale, (slower, warning)
+        if stale:
+            assert f"{slower:.2f}x" in warning and "libra calibrate" in warning
