@@ -382,7 +382,7 @@ async def _tensors(backend: Any) -> tuple[list[tuple[str, Any]], bool]:
         return list(slots.items()), True
     from services.common.models import load_model
 
-    model = await asyncio.to_thread(load_model, backend.run.model)
+    model = await asyncio.to_thread(load_model, backend.job.model)
     return [(k, v.detach()) for k, v in model.named_parameters()], False
 
 
@@ -710,7 +710,7 @@ async def _backend(
     """The engine's backend as `args` configure it (not started), the model built in memory for
     `random:` shapes (else None), the model's config and its directory."""
     from services.common.models import resolve_model_dir
-    from services.common.runconfig import ModelConfig, RunConfig
+    from services.common.runconfig import EngineJob, ModelConfig, RunConfig
 
     built: Any = None
     if args.model.startswith("random:"):
@@ -746,7 +746,7 @@ async def _backend(
                 "rollout": {"backend": "vllm", "max_batch": batch, "torch_threads": args.threads},
             }
         )
-        backend: Any = VllmBackend(run, EngineSettings(seed=0, vllm_dtype=dtype))
+        backend: Any = VllmBackend(EngineJob.of(run), EngineSettings(seed=0, vllm_dtype=dtype))
     else:
         from services.generation.backends.hf import HFBackend
 

@@ -6,6 +6,7 @@ import difflib
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -991,6 +992,29 @@ class RunConfig(_Strict):
         return min(
             self.rollout.buckets, key=lambda b: (abs(math.log2(b.tensor_parallel) - tp), b.tensor_parallel)
         ).name
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """The part of a job's config that a rollout engine reads (`services/generation` takes this,
+    never the whole `RunConfig`): the model it serves, the rollout settings, and how long a turn
+    of the job can be."""
+
+    model: ModelConfig
+    rollout: RolloutConfig
+    max_new_tokens: int
+    """A turn may ask for this many new tokens (task.max_new_tokens)."""
+    max_context_tokens: int
+    """The longest context a trajectory reaches (task.max_context_tokens)."""
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """Context plus output: the longest sequence one turn of the job makes."""
+        return self.max_context_tokens + self.max_new_tokens
+
+    @classmethod
+    def of(cls, run: RunConfig) -> EngineJob:
+        return cls(run.model, run.rollout, run.task.max_new_tokens, run.task.max_context_tokens)
 
 
 FILE_PATHS = (

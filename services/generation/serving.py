@@ -29,7 +29,7 @@ from services.common.errors import LibraError, Unavailable, require
 from services.common.held_context import ContextUnknown, HeldContexts
 from services.common.logging import get_logger
 from services.common.metrics import engine_metrics
-from services.common.runconfig import RunConfig
+from services.common.runconfig import EngineJob
 from services.common.tracing import tracer
 from services.generation.backends.base import Backend, EngineClosed, Finished, GenRequest
 from services.generation.config import EngineSettings
@@ -124,19 +124,19 @@ class TurnServer(abc.ABC):
     bus: Bus
 
     def __init__(
-        self, worker_id: str, settings: EngineSettings, run: RunConfig, backend: Backend, service: str
+        self, worker_id: str, settings: EngineSettings, job: EngineJob, backend: Backend, service: str
     ):
         self.worker_id = worker_id
         self.settings = settings
         self.service = service
         """The service kind its metrics are published as."""
-        self.max_new_tokens_cap = max(settings.max_new_tokens_cap, run.task.max_new_tokens)
+        self.max_new_tokens_cap = max(settings.max_new_tokens_cap, job.max_new_tokens)
         """A turn may ask for the job's whole output budget (task.max_new_tokens), at least: the
         setting protects against more than the job asks for, not against the job itself."""
         self.log = get_logger(component="service")
         self.prom = engine_metrics()
         self.backend = backend
-        self.engine = engine_for(backend, run.rollout.max_batch, run.rollout.speculative)
+        self.engine = engine_for(backend, job.rollout.max_batch, job.rollout.speculative)
         self.weight_sync_addr = ""
         """Where its weights are pushed (load reports say so); empty if they are not pushed to it."""
         self.held = 0

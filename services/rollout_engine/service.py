@@ -25,7 +25,7 @@ from services.common.membership import (
     SPARE_ROLE,
     Membership,
 )
-from services.common.runconfig import RunConfig
+from services.common.runconfig import EngineJob, RunConfig
 from services.generation.backends import create_backend
 from services.generation.backends.emulated import EmulatedBackend
 from services.generation.config import EngineSettings
@@ -39,7 +39,8 @@ SERVICE = "rollout-engine"
 class RolloutEngineService(TurnServer):
     def __init__(self, common: CommonSettings, settings: EngineSettings, run: RunConfig):
         assert common.worker_id, "run_service sets the worker id"
-        super().__init__(common.worker_id, settings, run, create_backend(run, settings), SERVICE)
+        job = EngineJob.of(run)
+        super().__init__(common.worker_id, settings, job, create_backend(job, settings), SERVICE)
         self.common = common
         self.run = run
         self.lend_switch_s = lending.switch_s(run)

@@ -26,7 +26,7 @@ from services.common.contracts import ev
 from services.common.credentials import trainer_engine_id
 from services.common.membership import LENT_ROLE, Membership
 from services.common.ownership import OwnershipStore
-from services.common.runconfig import RunConfig
+from services.common.runconfig import EngineJob, RunConfig
 from services.generation.backends.hf import HFBackend
 from services.generation.config import EngineSettings
 from services.generation.engine import ContinuousEngine
@@ -42,7 +42,9 @@ class TrainerEngine(TurnServer):
     ):
         self.learner = learner
         backend = HFBackend(run.model, run.rollout.torch_threads, model=learner.model)
-        super().__init__(trainer_engine_id(trainer_id), EngineSettings(), run, backend, "trainer")
+        super().__init__(
+            trainer_engine_id(trainer_id), EngineSettings(), EngineJob.of(run), backend, "trainer"
+        )
         self.backend: HFBackend = backend
         assert isinstance(self.engine, ContinuousEngine)  # an hf backend is stepped by the batcher
         self.batcher: ContinuousEngine = self.engine

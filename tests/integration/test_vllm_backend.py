@@ -20,7 +20,7 @@ from services.common.localstack import Server
 from services.common.membership import TRAINER_ROLE
 from services.common.models import load_model
 from services.common.ownership import OwnershipStore
-from services.common.runconfig import ModelConfig, RunConfig
+from services.common.runconfig import EngineJob, ModelConfig, RunConfig
 from services.generation.backends.base import GenRequest
 from services.generation.backends.vllm import VllmBackend, VllmEngine
 from services.generation.config import EngineSettings
@@ -59,8 +59,10 @@ async def engines(
     run = RunConfig.model_validate(
         {"model": tiny_model.model_dump(), "rollout": {"backend": "vllm", "max_batch": 2}}
     )
-    backend = VllmBackend(run, EngineSettings(seed=0, iteration_log=tmp_path_factory.mktemp("iterations")))
-    spec_backend = VllmBackend(_spec_run(tiny_model), EngineSettings(seed=0))
+    backend = VllmBackend(
+        EngineJob.of(run), EngineSettings(seed=0, iteration_log=tmp_path_factory.mktemp("iterations"))
+    )
+    spec_backend = VllmBackend(EngineJob.of(_spec_run(tiny_model)), EngineSettings(seed=0))
     started = await asyncio.gather(backend.start(), spec_backend.start(), return_exceptions=True)
     engine, spec = backend.make_engine(2), spec_backend.make_engine(4)
     try:

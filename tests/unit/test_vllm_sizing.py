@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.common.runconfig import RunConfig
+from services.common.runconfig import EngineJob, RunConfig
 from services.generation.backends.vllm import (
     MIN_KV_BYTES,
     VllmBackend,
@@ -30,12 +30,14 @@ def _model(tmp_path: Path, **over: int) -> Path:
     return tmp_path
 
 
-def _run(**rollout: object) -> RunConfig:
-    return RunConfig.model_validate(
-        {
-            "task": {"max_context_tokens": 1024, "max_new_tokens": 64},
-            "rollout": {"backend": "vllm", "max_batch": 8} | rollout,
-        }
+def _run(**rollout: object) -> EngineJob:
+    return EngineJob.of(
+        RunConfig.model_validate(
+            {
+                "task": {"max_context_tokens": 1024, "max_new_tokens": 64},
+                "rollout": {"backend": "vllm", "max_batch": 8} | rollout,
+            }
+        )
     )
 
 

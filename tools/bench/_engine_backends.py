@@ -69,7 +69,7 @@ async def _ttft(engine: Any) -> float:
 
 
 async def _engines() -> dict[str, tuple[Any, Any]]:
-    from services.common.runconfig import ModelConfig, RunConfig
+    from services.common.runconfig import EngineJob, ModelConfig, RunConfig
     from services.generation.backends.hf import HFBackend
     from services.generation.backends.vllm import VllmBackend
     from services.generation.config import EngineSettings
@@ -85,9 +85,9 @@ async def _engines() -> dict[str, tuple[Any, Any]]:
             "rollout": {"backend": "vllm", "max_batch": max(BATCHES), "torch_threads": THREADS},
         }
     )
-    vllm = VllmBackend(run, EngineSettings(seed=0, vllm_dtype="float32"))
+    vllm = VllmBackend(EngineJob.of(run), EngineSettings(seed=0, vllm_dtype="float32"))
     await vllm.start()
-    compiled = VllmBackend(run, EngineSettings(seed=0, vllm_dtype="float32", vllm_compile=True))
+    compiled = VllmBackend(EngineJob.of(run), EngineSettings(seed=0, vllm_dtype="float32", vllm_compile=True))
     await compiled.start()
     out = {}
     for name, backend in (("hf", hf), ("vllm", vllm), ("vllm_compiled", compiled)):

@@ -105,7 +105,7 @@ def offline_tokens_per_s(
     import asyncio
     import random
 
-    from services.common.runconfig import ModelConfig, RunConfig
+    from services.common.runconfig import EngineJob, ModelConfig, RunConfig
     from services.generation.backends.base import GenRequest
     from services.generation.backends.vllm import VllmBackend
     from services.generation.config import EngineSettings
@@ -127,7 +127,7 @@ def offline_tokens_per_s(
                 "rollout": {"backend": "vllm", "max_batch": concurrency, "torch_threads": threads},
             }
         )
-        backend = VllmBackend(run, EngineSettings(seed=0, vllm_dtype="float32"))
+        backend = VllmBackend(EngineJob.of(run), EngineSettings(seed=0, vllm_dtype="float32"))
         await backend.start()
         engine = engine_for(backend, concurrency)
         engine.start()

@@ -1,5 +1,5 @@
 """Rollout backends, picked by the run config's `rollout.backend`: `backends/<name>.py` defines
-`create(run, settings) -> Backend`, so adding a backend is adding a file."""
+`create(job, settings) -> Backend` (`job`: the part of the run config an engine reads), so adding a backend is adding a file."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.common.runconfig import RunConfig
+    from services.common.runconfig import EngineJob
     from services.generation.backends.base import Backend
     from services.generation.config import EngineSettings
 
 
-def create_backend(run: RunConfig, settings: EngineSettings) -> Backend:
+def create_backend(job: EngineJob, settings: EngineSettings) -> Backend:
     """Imports only the chosen backend's module, so torch or vllm load only when needed."""
-    name = run.rollout.backend
+    name = job.rollout.backend
     try:
         module = importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as err:
         if err.name == f"{__name__}.{name}":
             raise SystemExit(f"unknown rollout backend {name!r}") from None
         raise
-    return module.create(run, settings)
+    return module.create(job, settings)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.cost_model import CostModel
-from services.common.runconfig import EmulatedConfig, RunConfig
+from services.common.runconfig import EmulatedConfig, EngineJob
 from services.generation.backends.base import Join, StepBackend
 from services.generation.config import EngineSettings
 
@@ -250,5 +250,5 @@ class EmulatedBackend(StepBackend):
         return f"<emulated {len(token_ids)} tokens>"
 
 
-def create(run: RunConfig, settings: EngineSettings) -> EmulatedBackend:
-    return EmulatedBackend(settings, run.rollout.emulated)
+def create(job: EngineJob, settings: EngineSettings) -> EmulatedBackend:
+    return EmulatedBackend(settings, job.rollout.emulated)

@@ -33,7 +33,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from services.common.logging import get_logger
 from services.common.models import load_model, load_tokenizer
-from services.common.runconfig import ModelConfig, RunConfig
+from services.common.runconfig import EngineJob, ModelConfig
 from services.generation.backends.base import Join, StepBackend
 from services.generation.config import EngineSettings
 from services.generation.sampling import left_pad, noise_key, sample_next, verify_drafts
@@ -437,5 +437,5 @@ class HFBackend(StepBackend):
             own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
 
 
-def create(run: RunConfig, settings: EngineSettings) -> HFBackend:
-    return HFBackend(run.model, run.rollout.torch_threads, settings.seed)
+def create(job: EngineJob, settings: EngineSettings) -> HFBackend:
+    return HFBackend(job.model, job.rollout.torch_threads, settings.seed)

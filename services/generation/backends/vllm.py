@@ -44,7 +44,7 @@ from services.common.config import ConfigFileError
 from services.common.errors import InvalidMessage
 from services.common.logging import get_logger
 from services.common.models import resolve_model_dir
-from services.common.runconfig import RunConfig, SpeculativeConfig
+from services.common.runconfig import EngineJob, SpeculativeConfig
 from services.generation.backends.base import (
     Backend,
     EngineClosed,
@@ -95,19 +95,19 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     return 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
-def max_model_len(model_dir: Path, run: RunConfig) -> int:
+def max_model_len(model_dir: Path, job: EngineJob) -> int:
     """The longest sequence a turn of this job can make (context plus output), within the model's."""
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     limit = int(cfg.get("max_position_embeddings") or 1 << 20)
-    return min(limit, run.task.max_context_tokens + run.task.max_new_tokens)
+    return min(limit, job.max_sequence_tokens)
 
 
 class VllmBackend(Backend):
     name = "vllm"
 
-    def __init__(self, run: RunConfig, settings: EngineSettings):
-        self.run = run
+    def __init__(self, job: EngineJob, settings: EngineSettings):
+        self.job = job
         self.settings = settings
         self.llm: Any = None
         self.tok: Any = None
@@ -116,7 +116,7 @@ class VllmBackend(Backend):
         self.prefix_queries = 0
         self.prefix_hits = 0
         """Prompt tokens looked up in vLLM's prefix cache, and found there (since start)."""
-        self.spec = SpecCounters() if run.rollout.speculative.method != "off" else None
+        self.spec = SpecCounters() if job.rollout.speculative.method != "off" else None
         """vLLM's own drafter's drafts, drafted and accepted tokens (since start), when on."""
         self.kv_tokens = 0
         self.block_tokens = 1
@@ -150,25 +150,25 @@ class VllmBackend(Backend):
         from vllm import AsyncEngineArgs
 
         s = self.settings
-        length = max_model_len(model_dir, self.run)
+        length = max_model_len(model_dir, self.job)
         extra: dict[str, Any] = {}
         if on_cpu():
             need = (
                 KV_HEADROOM
-                * self.run.rollout.max_batch
+                * self.job.rollout.max_batch
                 * length
                 * kv_bytes_per_token(model_dir, s.vllm_dtype)
             )
             if s.kv_cache_gib:
                 extra["kv_cache_memory_bytes"] = int(s.kv_cache_gib * (1 << 30))
             else:
-                extra["kv_cache_memory_bytes"] = cpu_kv_bytes(need, self.run.rollout.engines, host_memory())
+                extra["kv_cache_memory_bytes"] = cpu_kv_bytes(need, self.job.rollout.engines, host_memory())
                 if extra["kv_cache_memory_bytes"] < need:
                     self.log.warning(
                         "kv_cache_capped",
                         kv_cache_gib=round(extra["kv_cache_memory_bytes"] / (1 << 30), 2),
                         batch_at_full_context_gib=round(need / (1 << 30), 2),
-                        engines=self.run.rollout.engines,
+                        engines=self.job.rollout.engines,
                         why=f"the job's engines take at most {HOST_KV_SHARE:.0%} of this host's memory "
                         "together; vLLM preempts and recomputes when its cache is full "
                         "(engine.kv_cache_gib sets it)",
@@ -185,7 +185,7 @@ class VllmBackend(Backend):
             model=str(model_dir),
             dtype=s.vllm_dtype,
             tensor_parallel_size=s.tensor_parallel,
-            max_num_seqs=self.run.rollout.max_batch,
+            max_num_seqs=self.job.rollout.max_batch,
             max_model_len=length,
             logprobs_mode="processed_logprobs",
             seed=s.seed or 0,
@@ -196,7 +196,7 @@ class VllmBackend(Backend):
             enable_logging_iteration_details=self.iterations is not None,
             enforce_eager=not s.vllm_compile,
             worker_extension_cls=WORKER_EXTENSION,
-            speculative_config=vllm_speculative_config(self.run.rollout.speculative),
+            speculative_config=vllm_speculative_config(self.job.rollout.speculative),
             **extra,
         )
 
@@ -231,19 +231,19 @@ class VllmBackend(Backend):
                 pass
 
         if (
-            self.run.rollout.speculative.method == "suffix"
+            self.job.rollout.speculative.method == "suffix"
             and importlib.util.find_spec("arctic_inference") is None
         ):
             raise ConfigFileError(
                 "rollout.speculative.method: suffix on the vllm backend is vLLM's suffix decoding, which "
                 "needs the arctic-inference package (not installed here); use method: ngram, or the hf backend"
             )
-        model_dir = await asyncio.to_thread(resolve_model_dir, self.run.model)
+        model_dir = await asyncio.to_thread(resolve_model_dir, self.job.model)
         # vLLM's processes inherit these: threads for a machine it shares, and death with this one
         os.environ[ENGINE_ENV] = "1"
         if on_cpu():
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-            os.environ["OMP_NUM_THREADS"] = str(self.run.rollout.torch_threads)
+            os.environ["OMP_NUM_THREADS"] = str(self.job.rollout.torch_threads)
         args = self.engine_args(model_dir)
         if self.iterations is not None:  # vLLM's own stats logger would print every iteration
             logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
@@ -264,7 +264,7 @@ class VllmBackend(Backend):
             tensor_parallel=self.settings.tensor_parallel,
             max_model_len=self._max_len,
             kv_cache_tokens=self.kv_tokens,
-            threads=self.run.rollout.torch_threads if on_cpu() else None,
+            threads=self.job.rollout.torch_threads if on_cpu() else None,
             load_s=round(time.monotonic() - started, 1),
         )
 
@@ -568,5 +568,5 @@ class VllmEngine(VersionGate):
             await self.backend.llm.abort(list(self._active))
 
 
-def create(run: RunConfig, settings: EngineSettings) -> VllmBackend:
-    return VllmBackend(run, settings)
+def create(job: EngineJob, settings: EngineSettings) -> VllmBackend:
+    return VllmBackend(job, settings)
