@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -73,3 +74,17 @@ def _settle(fut: asyncio.Future[T], result: T | None, err: BaseException | None)
         fut.set_exception(err)
     else:
         fut.set_result(result)  # type: ignore[arg-type]
+
+
+class Phases:
+    """Where a stretch of work's time went, phase by phase, for a log line (`mark` ends a phase
+    named `name`; `seconds` maps each phase to its seconds, rounded to the millisecond)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._mark = time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._mark, 3)
+        self._mark = now

@@ -19,6 +19,7 @@ from services.common.membership import SERVING_ROLES, Membership
 from services.common.metrics import scheduler_metrics
 from services.common.ownership import OwnershipStore
 from services.common.runconfig import RunConfig
+from services.common.tasks import Phases
 from services.policy.dispatch import build_dispatcher
 from services.scheduler.agent import STOP_STRINGS
 from services.scheduler.completion import Completion
@@ -81,6 +82,7 @@ class SchedulerService:
         self.started = time.monotonic()
         self.workload = WorkloadWindow(settings.stats_window_s)
         self._stats_published = 0.0
+        self._first: Phases | None = None
         self.ledger = Ledger(store.r, common.run_id, guard=self.leadership.require)
         self.routing_memory = RoutingMemory(
             self.dispatch.router, self.ledger, settings.policy_save_s, self.log
@@ -156,15 +158,8 @@ class SchedulerService:
         """Takes the job up: from its ledger when an earlier scheduler of it left one."""
         self.started = True
         self._cpu_mark = (time.monotonic(), time.process_time())
-        phases: dict[str, float] = {}  # where a takeover's time goes (the log's scheduler_started)
-        mark = time.monotonic()
-
-        def phase(name: str) -> None:
-            nonlocal mark
-            now = time.monotonic()
-            phases[name] = round(now - mark, 3)
-            mark = now
-
+        phases = Phases()  # where a takeover's time goes (the log's scheduler_started)
+        phase = phases.mark
         await self.bus.bind_stream("TRAJ")  # where completed trajectories go
         await self.groups.bind()
         await self.bus.subscribe(subjects.TURN_RESULT, ev.TurnResult, self.driver.on_turn_result)
@@ -183,7 +178,7 @@ class SchedulerService:
         await self.routing_memory.take_up(self.bus.spawn)
         self.bus.spawn(self._loop())
         phase("routing")
-        self.log.info("scheduler_started", phases_s=phases)
+        self.log.info("scheduler_started", phases_s=phases.seconds)
 
     async def _on_plan(self, plan: ev.Plan) -> None:
         limits = {b.name: float(b.max_output_tokens or math.inf) for b in plan.buckets}
@@ -251,6 +246,7 @@ class SchedulerService:
     async def _loop(self) -> None:
         waited_since = time.monotonic()
         started = False
+        self._first = Phases()  # the first tick's time, phase by phase (the log's first_tick)
         while True:
             await asyncio.sleep(self.settings.tick_s)
             if not await self.leadership.still_leading():
@@ -263,10 +259,18 @@ class SchedulerService:
             ):
                 continue
             started = True
+            self._phase("waited")
             try:
                 await self._tick()
             except Exception:  # one bad tick (NATS away mid-publish) must not end the loop
                 self.log.exception("scheduler_tick_failed")
+            if self._first is not None:
+                self.log.info("first_tick", phases_s=self._first.seconds)
+                self._first = None
+
+    def _phase(self, name: str) -> None:
+        if self._first is not None:
+            self._first.mark(name)
 
     async def _tick(self) -> None:
         """Outcomes in, new groups out, lost turns and tools re-sent, workload stats published."""
@@ -277,6 +281,7 @@ class SchedulerService:
         await self.groups.consume_outcomes()
         await self.versions.tick()
         await self.groups.abort_hopeless(self.inflight)
+        self._phase("outcomes")
         tickets = self.feed.take(self.trained_version)
         if tickets:
             await durably(self.ledger.launched(self.feed, tickets), self.log)
@@ -284,7 +289,9 @@ class SchedulerService:
             self.groups.launch(ticket)
         if self.evaluator is not None and (version := self.evaluator.due(self.trained_version)) is not None:
             self.groups.launch_eval(self.evaluator, self.prompter, version)
+        self._phase("launch")
         await self.inflight.drain_all()
+        self._phase("dispatch")
         await self.inflight.watchdog(time.monotonic())
         if time.monotonic() - self._stats_published > self.settings.stats_interval_s:
             await self._publish_workload()
