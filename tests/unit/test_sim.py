@@ -650,3 +650,41 @@ def test_a_buckets_engines_stay_indexed_by_their_running_turns_as_turns_come_and
     assert engines[1] not in members and len(members) == 2 and least() == "e0"
     engines[1].pop_done(engines[1].next_event())  # no longer its routing key's: nothing changes
     assert "e1" not in members.index
+
+
+def test_settings_are_confirmed_over_the_runs_length_not_the_sweeps():
+    """A candidate that leads the short sweep and falls behind over the run (its groups going
+    stale late) is not the one chosen: the best few are confirmed over the reported length."""
+    from tools.sim.jobs import Runner, Scenario
+    from tools.sim.scenarios import choose_settings
+
+    class Scored(Runner):
+        """The simulations' outcomes given by rule, so the choice alone is under test."""
+
+        def run_all(self, jobs, tick=None):
+            self.lengths += [j.steps for j in jobs]
+            out = []
+            for j in jobs:
+                late = j.steps > self.scenario.sweep_steps
+                fast_early = j.settings.get("tp") == 1
+                tps = (0.8 if late else 1.2) if fast_early else 1.0 + j.settings["split"] / 1000
+                out.append(
+                    {"trajectories_per_s": tps, "dropped_stale_groups": 9 if fast_early and late else 0}
+                )
+            return out
+
+    scenario = Scenario("t", "A800", "qwen3-14b", "r2e_gym", N_GPUS, 20, ("homogeneous-lb",))
+    wl = Workload.load("r2e_gym")
+    runner = Scored(scenario, wl.with_overrides(32768, prompts_per_step=4, group_size=4))
+    runner.lengths = []
+    settings, sweeps = choose_settings(runner, ["homogeneous-lb"])
+    assert settings["homogeneous-lb"].get("tp") != 1
+    confirmed = sweeps["homogeneous-lb"]["confirmed"]
+    assert {c["steps"] for c in confirmed} == {20}
+    assert any(c["candidate"].get("tp") == 1 and c["dropped_stale_groups"] == [9, 9, 9] for c in confirmed)
+    assert set(runner.lengths) == {scenario.sweep_steps, 20}
+    # A run no longer than the sweep reuses the sweep's score on the planning seed.
+    runner.lengths.clear()
+    settings, sweeps = choose_settings(runner, ["homogeneous-lb"], run_steps=4)
+    assert settings["homogeneous-lb"]["tp"] == 1
+    assert set(runner.lengths) == {scenario.sweep_steps}

@@ -54,12 +54,18 @@ def _score(r: dict[str, Any]) -> float:
 
 
 def choose_settings(
-    runner: Runner, names: Sequence[str], tick: Callable[[], None] | None = None
+    runner: Runner,
+    names: Sequence[str],
+    tick: Callable[[], None] | None = None,
+    run_steps: int | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Each system's settings, chosen by simulation on the planning seed. Returns the settings per
-    system and the sweeps (every candidate with its score) for results.json."""
+    """Each system's settings, chosen by simulation on the planning seeds: candidates swept over
+    `Scenario.sweep_steps`, the best few confirmed over the run's length (`run_steps`, default the
+    scenario's). Returns the settings per system and the sweeps (every candidate with its score,
+    the confirmed ones with their settings) for results.json."""
     env = runner.env
     steps = runner.scenario.sweep_steps
+    confirm_steps = max(steps, run_steps or runner.scenario.steps)
     settings: dict[str, dict[str, Any]] = {}
     sweeps: dict[str, Any] = {}
     if runner.scenario.plan_slice_gpus:
@@ -82,20 +88,32 @@ def choose_settings(
         return [_score(r) for r in runner.run_all(jobs, tick)]
 
     def confirm(name: str, rows: list[Proposal]) -> tuple[dict[str, Any], str, list[dict[str, Any]]]:
-        """The last step of every system's choice: its `CONFIRM_TOP` best candidates measured on
-        `CONFIRM_SEEDS` more planning seeds, the best mean over all its planning seeds kept, so
-        one seed's luck does not pick the settings."""
+        """The last step of every system's choice: its `CONFIRM_TOP` best candidates measured over
+        the run's length on the planning seed and `CONFIRM_SEEDS` more, the best mean kept. The
+        length matters: a plan whose groups start to go stale late in a run leads a short sweep and
+        loses the run (`python -m tools.sim.horizon`); more seeds keep one seed's luck from
+        picking the settings."""
         top = _best(rows, CONFIRM_TOP)
-        jobs = [Job(name, c, PLAN_SEED + k, steps) for k in range(1, CONFIRM_SEEDS + 1) for _, c, _ in top]
-        scores = [_score(r) for r in runner.run_all(jobs, tick)]
-        means = [
-            (first + sum(scores[k * len(top) + i] for k in range(CONFIRM_SEEDS))) / (1 + CONFIRM_SEEDS)
-            for i, (first, _, _) in enumerate(top)
-        ]
+        again = confirm_steps > steps
+        seeds = [PLAN_SEED + k for k in range(0 if again else 1, CONFIRM_SEEDS + 1)]
+        jobs = [Job(name, c, seed, confirm_steps) for seed in seeds for _, c, _ in top]
+        outs = runner.run_all(jobs, tick)
+        table: list[dict[str, Any]] = []
+        means: list[float] = []
+        for i, (first, c, key) in enumerate(top):
+            runs = [outs[k * len(top) + i] for k in range(len(seeds))]
+            scores = [_score(r) for r in runs] + ([] if again else [first])
+            means.append(sum(scores) / len(scores))
+            table.append(
+                {
+                    "settings": key,
+                    "trajectories_per_s": means[-1],
+                    "steps": confirm_steps,
+                    "dropped_stale_groups": [int(r["dropped_stale_groups"]) for r in runs],
+                    "candidate": c,
+                }
+            )
         best = max(range(len(top)), key=lambda i: means[i])
-        table = [
-            {"settings": key, "trajectories_per_s": m} for m, (_, _, key) in zip(means, top, strict=True)
-        ]
         return top[best][1], top[best][2], table
 
     layouts: dict[str, list[Proposal]] = {}
@@ -191,8 +209,8 @@ def drafter_grid(rows: list[Proposal]) -> list[dict[str, Any]]:
 
 CONFIRM_TOP = 3
 CONFIRM_SEEDS = 2
-"""Every system's three best candidates are measured on two more planning seeds before one is
-chosen (`choose_settings`)."""
+"""Every system's three best candidates are measured again over the run's length, on the planning
+seed and two more, before one is chosen (`choose_settings`)."""
 MORE_SEQS = 256
 """The second `max_seqs` (vLLM's max_num_seqs) an operator tries on the best settings."""
 
@@ -385,7 +403,7 @@ def run(
     steps = steps or scenario.steps
     runner = Runner(scenario, workload, jobs or default_jobs())
     tick = progress.update if progress is not None else None
-    settings, sweeps = choose_settings(runner, names, tick)
+    settings, sweeps = choose_settings(runner, names, tick, run_steps=steps)
     infeasible = {n: sweeps[n]["infeasible"] for n in names if n not in settings}
     names = [n for n in names if n in settings]
     final = [Job(n, settings[n], seed, steps, timeline=seed == 0) for n in names for seed in range(seeds)]
@@ -455,12 +473,12 @@ def sweep_size(runner_or_env: Any, names: Sequence[str]) -> int:
             n += with_sd + 3
         else:
             n += len(sweep_grid(name, env)) + 3 + (with_sd if name == "verl-apr" else 0)
-        n += CONFIRM_TOP * CONFIRM_SEEDS if name in names else 0
+        n += CONFIRM_TOP * (CONFIRM_SEEDS + 1) if name in names else 0
     per_libra = (
         len(default_splits(env)) * (len(TPS) + len(MIXES) + 2)
         + len(TPS) * (1 + len(april_ratios(env)))
         + 10
-        + CONFIRM_TOP * CONFIRM_SEEDS
+        + CONFIRM_TOP * (CONFIRM_SEEDS + 1)
     )
     families = ("libra" in names or "libra-no-ehp" in names) + sum(
         n in names for n in ("libra-no-cmlfq", "libra-no-sd", "libra-no-kvm")
