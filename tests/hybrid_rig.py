@@ -21,14 +21,14 @@ def main(argv: list[str]) -> None:
     model_dir, out, die = argv[5], Path(argv[6]), "die-after-join" in argv[7:]
     # how long its side waits for the generation to form (the trainer's is its own)
     timeout_s = next((float(a.split("=", 1)[1]) for a in argv[7:] if a.startswith("timeout=")), 20.0)
-    from services.common.runconfig import RunConfig
+    from services.common.runconfig import LearnJob, RunConfig
     from services.learning.recipe import replica_for
 
     torch.set_num_threads(1)
     run = RunConfig.model_validate(
         {"model": {"source": "tiny-random", "cache_dir": model_dir}, "training": {"micro_batch": 2}}
     )  # the job config the trainer has (tests/integration/test_hybrid_group.py)
-    replica = replica_for(run)
+    replica = replica_for(LearnJob.of(run))
 
     def joined(nbytes: float) -> None:
         (out / f"joined-{rank}").write_text(str(nbytes))

@@ -422,13 +422,15 @@ def measure_training(
     if device == "cpu" and threads:
         torch.set_num_threads(threads)
 
-    from services.common.runconfig import RunConfig
+    from services.common.runconfig import LearnJob, RunConfig
     from services.learning.data import Sample as Trajectory
     from services.learning.recipe import optimizer_for, recompute_activations, step_settings
     from services.learning.step import train_step
 
-    run = RunConfig.model_validate(
-        {"training": {"micro_batch": grid["micro_batch"], "device": device, "precision": "auto"}}
+    run = LearnJob.of(
+        RunConfig.model_validate(
+            {"training": {"micro_batch": grid["micro_batch"], "device": device, "precision": "auto"}}
+        )
     )
     model.train()
     recompute = recompute_activations(run, model)  # as the trainer trains it

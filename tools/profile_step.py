@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from services.common.runconfig import RunConfig
+    from services.common.runconfig import LearnJob, RunConfig
     from services.learning import grpo
     from services.learning.recipe import policy_model
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     run = RunConfig.model_validate(
         {"model": source, "training": {"gradient_checkpointing": not ns.no_gradient_checkpointing}}
     )
-    model = policy_model(run)
+    model = policy_model(LearnJob.of(run))
     model.train()
     vocab = int(model.config.vocab_size)
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -1015,6 +1016,48 @@ class EngineJob:
     @classmethod
     def of(cls, run: RunConfig) -> EngineJob:
         return cls(run.model, run.rollout, run.task.max_new_tokens, run.task.max_context_tokens)
+
+
+@dataclass(frozen=True)
+class LearnJob:
+    """The part of a job's config that training reads (`services/learning` takes this, never the
+    whole `RunConfig`): the model it trains, the training settings, the task settings the loss
+    reads, and the rollout side where either side is emulated. A sharded trainer ships it to its
+    ranks as JSON (`to_json`, `from_json`)."""
+
+    model: ModelConfig
+    training: TrainingConfig
+    top_p: float
+    """The nucleus the engines sample from (task.top_p): tokens are scored under it."""
+    overlong_filter: bool
+    """Truncated trajectories are left out of the loss (task.overlong.filter)."""
+    drop_zero_advantage: bool
+    """Groups whose rewards are all equal add no gradient and are dropped (`RunConfig.filters_zero_advantage`)."""
+    rollout_backend: Literal["hf", "vllm", "emulated"]
+    emulated: EmulatedConfig
+    """The emulated GPUs' cost model (rollout.emulated): an emulated step waits what it says."""
+
+    @classmethod
+    def of(cls, run: RunConfig) -> LearnJob:
+        return cls(
+            run.model,
+            run.training,
+            run.task.top_p,
+            run.task.overlong.filter,
+            run.filters_zero_advantage,
+            run.rollout.backend,
+            run.rollout.emulated,
+        )
+
+    def to_json(self) -> str:
+        return _LEARN_JOB.dump_json(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> LearnJob:
+        return _LEARN_JOB.validate_json(text)
+
+
+_LEARN_JOB = TypeAdapter(LearnJob)
 
 
 FILE_PATHS = (

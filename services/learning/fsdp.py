@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.models import load_model
-from services.common.runconfig import RunConfig
+from services.common.runconfig import LearnJob
 from services.learning.checkpoint import optimizer_state_by_index, optimizer_state_by_name
 from services.learning.recipe import compute_device, optimizer_for, policy_model
 from services.learning.step import train_step
@@ -58,8 +58,8 @@ class Shards:
     the gathered state must share again, as the unsharded model's state dict does."""
 
 
-def rank_device(run: RunConfig, rank: int) -> torch.device:
-    device = compute_device(run)
+def rank_device(job: LearnJob, rank: int) -> torch.device:
+    device = compute_device(job)
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
@@ -78,8 +78,8 @@ def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def build(run: RunConfig, device: torch.device) -> Shards:
-    model = policy_model(run)
+def build(job: LearnJob, device: torch.device) -> Shards:
+    model = policy_model(job)
     names = [n for n, p in model.named_parameters()]
     first: dict[int, str] = {}
     tied = {}
@@ -89,11 +89,11 @@ def build(run: RunConfig, device: torch.device) -> Shards:
             tied[name] = owner
     shard(model, device)
     ref = None
-    if run.training.kl_coef > 0:
-        ref = shard(load_model(run.training.reference_model or run.model), device)
+    if job.training.kl_coef > 0:
+        ref = shard(load_model(job.training.reference_model or job.model), device)
         ref.eval()
         ref.requires_grad_(False)
-    return Shards(model, optimizer_for(run, model), ref, names, tied)
+    return Shards(model, optimizer_for(job, model), ref, names, tied)
 
 
 def _full_state(shards: Shards, optimizer: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -115,7 +115,7 @@ def _full_state(shards: Shards, optimizer: bool) -> tuple[dict[str, Any], dict[s
     return model, optimizer_state_by_index(optim, shards.names) if optim else {}
 
 
-def _load(shards: Shards, payload: dict[str, Any] | None, reset_optimizer: bool, run: RunConfig) -> None:
+def _load(shards: Shards, payload: dict[str, Any] | None, reset_optimizer: bool, job: LearnJob) -> None:
     """Rank 0's `payload` (model and, unless `reset_optimizer`, optimizer state) into every rank's
     shard; the other ranks pass None."""
     from torch.distributed.checkpoint.state_dict import (
@@ -127,18 +127,18 @@ def _load(shards: Shards, payload: dict[str, Any] | None, reset_optimizer: bool,
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     payload = payload or {}
     set_model_state_dict(shards.model, payload.get("model", {}), options=options)
-    shards.optimizer = optimizer_for(run, shards.model)
+    shards.optimizer = optimizer_for(job, shards.model)
     if not reset_optimizer:
         optim = payload.get("optimizer")
         named = optimizer_state_by_name(optim, shards.names) if optim else {}
         set_optimizer_state_dict(shards.model, shards.optimizer, named, options=options)
 
 
-def _perform(shards: Shards, run: RunConfig, op: str, arg: Any, payload: dict[str, Any] | None = None) -> Any:
+def _perform(shards: Shards, job: LearnJob, op: str, arg: Any, payload: dict[str, Any] | None = None) -> Any:
     """One operation, run by every rank in the same order (`payload`: rank 0's data)."""
     if op == "step":
         samples, settings = arg
-        device = rank_device(run, dist.get_rank())  # rank 0 named its own device
+        device = rank_device(job, dist.get_rank())  # rank 0 named its own device
         settings = dataclasses.replace(settings, device=str(device), sharded=True)
         group = dist.distributed_c10d._get_default_group()
         return train_step(
@@ -147,7 +147,7 @@ def _perform(shards: Shards, run: RunConfig, op: str, arg: Any, payload: dict[st
     if op == "full_state":
         return _full_state(shards, optimizer=bool(arg))
     if op == "load":
-        return _load(shards, payload, reset_optimizer=bool(arg), run=run)
+        return _load(shards, payload, reset_optimizer=bool(arg), job=job)
     raise ValueError(f"unknown sharded operation {op!r}")
 
 
@@ -161,16 +161,16 @@ def _init(rank: int, world: int, port: int, device: torch.device) -> Any:
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
-def _rank_main(rank: int, world: int, port: int, run_json: str) -> None:
+def _rank_main(rank: int, world: int, port: int, job_json: str) -> None:
     """A rank > 0: builds its shards, then performs what rank 0 broadcasts until told to stop."""
     from services.common.localstack import die_with_parent
 
     die_with_parent()
-    run = RunConfig.model_validate_json(run_json)
-    torch.set_num_threads(run.training.torch_threads)
-    device = rank_device(run, rank)
+    job = LearnJob.from_json(job_json)
+    torch.set_num_threads(job.training.torch_threads)
+    device = rank_device(job, rank)
     control = _init(rank, world, port, device)
-    shards = build(run, device)
+    shards = build(job, device)
     try:
         while True:
             box: list[Any] = [None, None]
@@ -178,7 +178,7 @@ def _rank_main(rank: int, world: int, port: int, run_json: str) -> None:
             op, arg = box
             if op == "stop":
                 break
-            _perform(shards, run, op, arg)
+            _perform(shards, job, op, arg)
     finally:
         dist.destroy_process_group()
 
@@ -190,23 +190,23 @@ class ShardedTrainer:
     one runs at a time: two interleaved would broadcast their ops and run their collectives in
     different orders on different ranks, and the ranks would read each other's tensors."""
 
-    def __init__(self, run: RunConfig):
+    def __init__(self, job: LearnJob):
         from services.common.localstack import free_port
 
         self._one_at_a_time = threading.Lock()
-        self.run = run
-        self.world = run.training.fsdp
+        self.job = job
+        self.world = job.training.fsdp
         self.closed = True
         self.procs: list[Any] = []
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if rank_device(run, 0).type == "cuda" and gpus < self.world:
+        if rank_device(job, 0).type == "cuda" and gpus < self.world:
             raise ShardFailure(f"training.fsdp is {self.world} but torch sees {gpus} CUDA GPU(s)")
         port = free_port()
         ctx = multiprocessing.get_context("spawn")
         self.procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(rank, self.world, port, run.model_dump_json()),
+                args=(rank, self.world, port, job.to_json()),
                 name=f"libra-fsdp-rank{rank}",
                 daemon=True,
             )
@@ -214,14 +214,14 @@ class ShardedTrainer:
         ]
         for p in self.procs:
             p.start()
-        self.device = rank_device(run, 0)
+        self.device = rank_device(job, 0)
         try:
             self.control = _init(0, self.world, port, self.device)
         except Exception as err:  # a rank that died before joining
             self.close()
             raise ShardFailure(f"the {self.world} FSDP ranks did not form a group: {err}") from err
         self.closed = False
-        self.shards = build(run, self.device)
+        self.shards = build(job, self.device)
 
     def _check(self) -> None:
         dead = [(p.name, p.exitcode) for p in self.procs if not p.is_alive()]
@@ -234,7 +234,7 @@ class ShardedTrainer:
             self._check()
             try:
                 dist.broadcast_object_list([op, arg], src=0, group=self.control)
-                return _perform(self.shards, self.run, op, arg, payload)
+                return _perform(self.shards, self.job, op, arg, payload)
             except RuntimeError:  # a collective broke because a rank died: say which, and how
                 for p in self.procs:
                     p.join(timeout=2)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from services.common.models import check_reference, load_model, load_tokenizer
-from services.common.runconfig import RunConfig
+from services.common.runconfig import LearnJob
 from services.learning import checkpoint
 from services.learning.advantages import informative
 from services.learning.data import Sample, one_per_trajectory
@@ -38,28 +38,28 @@ from services.learning.step import StepAborted, StepStats
 
 
 class Learner:
-    def __init__(self, run: RunConfig, ckpt_dir: Path):
-        torch.set_num_threads(run.training.torch_threads)
-        self.run = run
+    def __init__(self, job: LearnJob, ckpt_dir: Path):
+        torch.set_num_threads(job.training.torch_threads)
+        self.job = job
         self.ckpt_dir = ckpt_dir
-        self.tokenizer = load_tokenizer(run.model)
-        self.device = compute_device(run)
+        self.tokenizer = load_tokenizer(job.model)
+        self.device = compute_device(job)
         self.sharded: ShardedTrainer | None = None
         """FSDP ranks (training.fsdp > 1): model, optimizer and reference are this rank's shards."""
         self.model: Any
         self.optimizer: torch.optim.Optimizer
         self.ref: torch.nn.Module | None
         """The frozen reference policy of the KL penalty (None without training.kl_coef)."""
-        if run.training.fsdp > 1 and run.training.backend != "emulated":
-            check_reference(run.model, run.training.reference_model)
-            self.sharded = ShardedTrainer(run)
+        if job.training.fsdp > 1 and job.training.backend != "emulated":
+            check_reference(job.model, job.training.reference_model)
+            self.sharded = ShardedTrainer(job)
             self.model = self.sharded.model
             self.optimizer = self.sharded.shards.optimizer
             self.ref = self.sharded.shards.ref
         else:
             self.model = self._fresh_model()
-            self.optimizer = optimizer_for(run, self.model)
-            self.ref = reference_for(run, self.device)
+            self.optimizer = optimizer_for(job, self.model)
+            self.ref = reference_for(job, self.device)
         self.state = checkpoint.TrainerState()
         self.loaded: Path | None = None
         """The checkpoint the weights in memory are (None: the initial weights)."""
@@ -73,9 +73,9 @@ class Learner:
 
     def _fresh_model(self) -> Any:
         """The initial policy on this trainer's device; with training.lora, wrapped in its adapters."""
-        model = policy_model(self.run).to(self.device)
-        lora = self.run.training.lora
-        if lora is not None and self.run.training.backend != "emulated":
+        model = policy_model(self.job).to(self.device)
+        lora = self.job.training.lora
+        if lora is not None and self.job.training.backend != "emulated":
             return wrap_lora(model, lora)
         return model
 
@@ -109,7 +109,7 @@ class Learner:
         else:
             self.model.load_state_dict(payload["model"])
             if fresh:
-                self.optimizer = optimizer_for(self.run, self.model)
+                self.optimizer = optimizer_for(self.job, self.model)
             else:
                 self.optimizer.load_state_dict(payload["optimizer"])
         return checkpoint.state_of(payload)
@@ -137,12 +137,12 @@ class Learner:
         if found is not None:
             self.state = self._restore(found)
         elif self.sharded is not None:
-            self.sharded.load({"model": load_model(self.run.model).state_dict()}, reset_optimizer=True)
+            self.sharded.load({"model": load_model(self.job.model).state_dict()}, reset_optimizer=True)
             self.optimizer = self.sharded.shards.optimizer
             self.state = checkpoint.TrainerState()
         else:
             self.model = self._fresh_model()
-            self.optimizer = optimizer_for(self.run, self.model)
+            self.optimizer = optimizer_for(self.job, self.model)
             self.state = checkpoint.TrainerState()
         self.loaded = found
         return found
@@ -157,10 +157,10 @@ class Learner:
         its replicas compute their share of the gradients; if the group breaks the step is computed
         again here alone (the failure is in `group_error`)."""
         self.group_error = ""
-        if self.run.training.backend == "emulated":
+        if self.job.training.backend == "emulated":
             return self.emulated_step(samples, should_abort)
         if self.sharded is not None:
-            settings = step_settings(self.run, self.pad_id, self.state.version, self.state.step, self.device)
+            settings = step_settings(self.job, self.pad_id, self.state.version, self.state.step, self.device)
             stats: StepStats = self.sharded.call("step", (list(samples), settings))
             return dataclasses.replace(stats, data_parallel=self.sharded.world)
         if group is not None and group.pg is not None:
@@ -178,7 +178,7 @@ class Learner:
         self, samples: Sequence[Sample], should_abort: Callable[[], bool], pg: Any = None
     ) -> StepStats:
         return run_step(
-            self.run,
+            self.job,
             self.model,
             self.optimizer,
             self.pad_id,
@@ -193,7 +193,7 @@ class Learner:
     def emulated_step(self, samples: Sequence[Sample], should_abort: Callable[[], bool]) -> StepStats:
         """EMULATED: waits what the cost model says the step takes on the emulated GPUs (their
         compute at the real model-parallel degree plus the gradient all-reduce) and changes no weight."""
-        t, e = self.run.training, self.run.rollout.emulated
+        t, e = self.job.training, self.job.emulated
         cm = e.costs()
         lengths = [len(s.input_ids) for s in samples] or [0]
         tokens = sum(lengths)
@@ -225,7 +225,7 @@ class Learner:
     def commit(self, trajectory_ids: set[str], epoch: int = 0) -> Path:
         """Advances version and step, records the ids that produced them and writes the checkpoint
         under this trainer's epoch (its fencing token)."""
-        s, t = self.state, self.run.training
+        s, t = self.state, self.job.training
         new = checkpoint.TrainerState(s.step + 1, s.version + 1, s.trained_ids | trajectory_ids)
         full = new.step % t.checkpoint_every == 0 or new.step >= t.steps
         model_state, optimizer_state = self._full_state(optimizer=full)
@@ -247,13 +247,13 @@ class Learner:
             "run_id": run_id,
             "step": s.step,
             "weight_version": s.version,
-            "model_source": self.run.model.source,
+            "model_source": self.job.model.source,
         }
         out = self.ckpt_dir / "hf" / f"step_{s.step:08d}"
         out.parent.mkdir(parents=True, exist_ok=True)
         if self.sharded is None and not is_lora(self.model):
             return checkpoint.save_policy(self.model, self.tokenizer, out, meta)
-        plain = load_model(self.run.model)  # the full weights, in the model's own class, on the host
+        plain = load_model(self.job.model)  # the full weights, in the model's own class, on the host
         plain.load_state_dict(self._plain_state())
         adapter = self.model if is_lora(self.model) else None
         return checkpoint.save_policy(plain, self.tokenizer, out, meta, adapter=adapter)
@@ -266,7 +266,7 @@ class Learner:
         model they pretend to serve; pushing the stand-in model instead would add its real
         transfer time, scaled up by `1 / time_scale`, to every step."""
         version = self.state.version
-        if self.run.training.backend == "emulated" and self.run.rollout.backend == "emulated":
+        if self.job.training.backend == "emulated" and self.job.rollout_backend == "emulated":
             return snapshot({"emulated.version": torch.tensor([float(version)])}, version)
-        dtype = self.run.training.push_dtype
+        dtype = self.job.training.push_dtype
         return snapshot(self._plain_state(), version, None if dtype == "auto" else dtype)

@@ -1,4 +1,4 @@
-"""The job's model, optimizer and GRPO step, built from its run config: the same on the trainer, on
+"""The job's model, optimizer and GRPO step, built from its `LearnJob`: the same on the trainer, on
 every rank of a sharded trainer and on a hybrid engine's training side."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from services.common.models import check_reference, load_model, load_tokenizer
-from services.common.runconfig import RunConfig
+from services.common.runconfig import LearnJob
 from services.learning.data import Sample
 from services.learning.grpo import LossConfig
 from services.learning.hybrid import Replica
@@ -25,66 +25,66 @@ def resolve_device(want: str) -> torch.device:
     return torch.device(want)
 
 
-def compute_device(run: RunConfig) -> torch.device:
+def compute_device(job: LearnJob) -> torch.device:
     """training.device as a torch device (`resolve_device`)."""
     try:
-        return resolve_device(run.training.device)
+        return resolve_device(job.training.device)
     except RuntimeError as err:
         raise RuntimeError(f"training.device: {err}") from None
 
 
-def uses_bf16(run: RunConfig, device: torch.device) -> bool:
-    precision = run.training.precision
+def uses_bf16(job: LearnJob, device: torch.device) -> bool:
+    precision = job.training.precision
     return precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
 
-def optimizer_for(run: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    t = run.training
+def optimizer_for(job: LearnJob, model: torch.nn.Module) -> torch.optim.Optimizer:
+    t = job.training
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     return torch.optim.AdamW(trainable, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay)
 
 
-def policy_model(run: RunConfig) -> Any:
+def policy_model(job: LearnJob) -> Any:
     """The job's model as the trainer trains it (on the host; the caller moves or shards it), its
     activations recomputed as `recompute_activations` says."""
-    model = load_model(run.model)
-    if run.training.backend != "emulated":
-        recompute_activations(run, model)
+    model = load_model(job.model)
+    if job.training.backend != "emulated":
+        recompute_activations(job, model)
     return model
 
 
-def recompute_activations(run: RunConfig, model: Any) -> bool:
+def recompute_activations(job: LearnJob, model: Any) -> bool:
     """With `training.gradient_checkpointing` (and a model that can), each decoder layer's
     activations are recomputed in the backward pass instead of kept (non-reentrant, so frozen
     inputs and LoRA need nothing more); True when they are."""
-    if not (run.training.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable")):
+    if not (job.training.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable")):
         return False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return True
 
 
-def reference_for(run: RunConfig, device: torch.device) -> torch.nn.Module | None:
+def reference_for(job: LearnJob, device: torch.device) -> torch.nn.Module | None:
     """The frozen policy a KL penalty pulls towards, when one is configured: training.reference_model,
     or the initial weights."""
-    if run.training.kl_coef <= 0 or run.training.backend == "emulated":
+    if job.training.kl_coef <= 0 or job.training.backend == "emulated":
         return None
-    check_reference(run.model, run.training.reference_model)
-    ref = load_model(run.training.reference_model or run.model).to(device)
+    check_reference(job.model, job.training.reference_model)
+    ref = load_model(job.training.reference_model or job.model).to(device)
     ref.eval()
     ref.requires_grad_(False)
     return ref
 
 
 def step_settings(
-    run: RunConfig,
+    job: LearnJob,
     pad_id: int,
     version: int,
     step_index: int | None = None,
     device: torch.device | None = None,
 ) -> StepSettings:
-    """The step's settings from the run config, the same on every rank of a hybrid group (their
+    """The step's settings from the job config, the same on every rank of a hybrid group (their
     micro-batches must agree). `step_index` (rank 0) sets the scheduled learning rate."""
-    t = run.training
+    t = job.training
     lr = None
     if step_index is not None:
         lr = lr_at(
@@ -111,17 +111,17 @@ def step_settings(
         max_grad_norm=t.max_grad_norm,
         lr=lr,
         version=version,
-        drop_zero_advantage=run.filters_zero_advantage,
-        top_p=run.task.top_p,
+        drop_zero_advantage=job.drop_zero_advantage,
+        top_p=job.top_p,
         advantage=t.advantage,
-        overlong_filter=run.task.overlong.filter,
+        overlong_filter=job.overlong_filter,
         device=str(device or torch.device("cpu")),
-        bf16=uses_bf16(run, device or torch.device("cpu")),
+        bf16=uses_bf16(job, device or torch.device("cpu")),
     )
 
 
 def run_step(
-    run: RunConfig,
+    job: LearnJob,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     pad_id: int,
@@ -139,22 +139,22 @@ def run_step(
         model,
         optimizer,
         samples,
-        step_settings(run, pad_id, version, step_index, device),
+        step_settings(job, pad_id, version, step_index, device),
         should_abort=should_abort,
         dp_group=pg,
         ref_model=ref,
     )
 
 
-def replica_for(run: RunConfig) -> Replica:
+def replica_for(job: LearnJob) -> Replica:
     """A hybrid worker's training side: the job's model (its weights come from the trainer when it
     joins a generation) and the trainer's step, without an optimizer (rank 0 alone steps)."""
-    torch.set_num_threads(run.training.torch_threads)
-    device = compute_device(run)
-    model = policy_model(run).to(device)
-    ref = reference_for(run, device)
-    pad_id = int(load_tokenizer(run.model).pad_token_id)
+    torch.set_num_threads(job.training.torch_threads)
+    device = compute_device(job)
+    model = policy_model(job).to(device)
+    ref = reference_for(job, device)
+    pad_id = int(load_tokenizer(job.model).pad_token_id)
     return Replica(
         model,
-        lambda samples, pg, version: run_step(run, model, None, pad_id, samples, version, pg=pg, ref=ref),
+        lambda samples, pg, version: run_step(job, model, None, pad_id, samples, version, pg=pg, ref=ref),
     )

@@ -22,7 +22,7 @@ from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from services.common.logging import get_logger
-from services.common.runconfig import RunConfig
+from services.common.runconfig import LearnJob, RunConfig
 from services.common.tasks import in_daemon_thread
 from services.common.tracing import tracer
 
@@ -108,7 +108,7 @@ class TrainingSide:
         await self.state("drained", token, drain_s)
         start = time.monotonic()
         try:
-            replica = await asyncio.to_thread(replica_for, self.cfg)
+            replica = await asyncio.to_thread(replica_for, LearnJob.of(self.cfg))
         except Exception as err:  # e.g. an emulated engine of a model that is not here
             await self.state(
                 "failed", token, time.monotonic() - start, detail=f"cannot load the model: {err}"

@@ -25,7 +25,7 @@ from services.common.logging import get_logger
 from services.common.membership import Membership
 from services.common.metrics import trainer_metrics
 from services.common.ownership import OwnershipStore
-from services.common.runconfig import RunConfig
+from services.common.runconfig import LearnJob, RunConfig
 from services.common.tracing import tracer
 from services.learning.data import to_samples
 from services.trainer.batcher import Pending
@@ -364,7 +364,7 @@ async def serve(
     from services.learning.learner import Learner
 
     ckpt_dir = checkpoint_dir(run.training.checkpoint_dir, common.run_id)
-    learner = await asyncio.to_thread(Learner, run, ckpt_dir)
+    learner = await asyncio.to_thread(Learner, LearnJob.of(run), ckpt_dir)
     stack.callback(learner.close)
     if settings.resume:
         path = await asyncio.to_thread(learner.resume)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.runconfig import ModelConfig, RunConfig
+from services.common.runconfig import LearnJob, ModelConfig, RunConfig
 from services.learning.data import Sample
 from services.learning.learner import Learner
 from tests.learning_samples import random_groups
@@ -44,8 +44,8 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
 def test_a_sharded_trainer_steps_checkpoints_and_resumes_like_an_unsharded_one(
     tiny_model: ModelConfig, tmp_path: Path
 ) -> None:
-    plain = Learner(_run(tiny_model, 1), tmp_path / "plain")
-    sharded = Learner(_run(tiny_model, 2), tmp_path / "sharded")
+    plain = Learner(LearnJob.of(_run(tiny_model, 1)), tmp_path / "plain")
+    sharded = Learner(LearnJob.of(_run(tiny_model, 2)), tmp_path / "sharded")
     try:
         assert sharded.sharded is not None and sharded.sharded.world == 2
         initial = _weights(plain)
@@ -66,7 +66,7 @@ def test_a_sharded_trainer_steps_checkpoints_and_resumes_like_an_unsharded_one(
 
         # the sharded trainer's checkpoint is an ordinary one: an unsharded trainer resumes from it
         # and its next step is the sharded trainer's next step
-        resumed = Learner(_run(tiny_model, 1), tmp_path / "sharded")
+        resumed = Learner(LearnJob.of(_run(tiny_model, 1)), tmp_path / "sharded")
         assert resumed.resume() == path and resumed.state.step == 2 and resumed.state.version == 2
         samples = _samples(7, version=2)
         resumed.step(samples)
@@ -86,7 +86,10 @@ def test_a_sharded_trainer_steps_checkpoints_and_resumes_like_an_unsharded_one(
         _assert_close(_weights(sharded), initial)
 
         # a push carries what an unsharded trainer's push carries, bit for bit; the export loads
-        snap, fresh = sharded.snapshot(), Learner(_run(tiny_model, 1), tmp_path / "fresh").snapshot()
+        snap, fresh = (
+            sharded.snapshot(),
+            Learner(LearnJob.of(_run(tiny_model, 1)), tmp_path / "fresh").snapshot(),
+        )
         assert set(snap.names) ^ set(fresh.names) == set(), set(snap.names) ^ set(fresh.names)
         assert (snap.version, snap.names, snap.checksum) == (fresh.version, fresh.names, fresh.checksum)
         saved = sharded.save_policy("fsdp-test")
@@ -105,8 +108,8 @@ def test_a_push_snapshot_during_a_step_waits_for_it(tiny_model: ModelConfig, tmp
     the ranks ran different collectives and rank 1 died mid-job (`Connection reset by peer`)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    plain = Learner(_run(tiny_model, 1), tmp_path / "plain")
-    sharded = Learner(_run(tiny_model, 2), tmp_path / "sharded")
+    plain = Learner(LearnJob.of(_run(tiny_model, 1)), tmp_path / "plain")
+    sharded = Learner(LearnJob.of(_run(tiny_model, 2)), tmp_path / "sharded")
     try:
         initial = _weights(plain)
         samples = _samples(3)
@@ -128,7 +131,7 @@ def test_a_push_snapshot_during_a_step_waits_for_it(tiny_model: ModelConfig, tmp
 def test_a_dead_rank_is_reported_not_waited_for(tiny_model: ModelConfig, tmp_path: Path) -> None:
     from services.learning.fsdp import ShardFailure
 
-    sharded = Learner(_run(tiny_model, 2), tmp_path / "ckpt")
+    sharded = Learner(LearnJob.of(_run(tiny_model, 2)), tmp_path / "ckpt")
     try:
         assert sharded.sharded is not None
         (rank1,) = sharded.sharded.procs

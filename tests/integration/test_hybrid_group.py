@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from services.common.localstack import Server
-from services.common.runconfig import ModelConfig, RunConfig
+from services.common.runconfig import LearnJob, ModelConfig, RunConfig
 from services.learning.hybrid import GroupBroken, TrainerGroup
 from services.learning.learner import Learner
 from tests.dp_rig import assert_same_update, samples
@@ -30,7 +30,7 @@ def _learner(model: ModelConfig, tmp: Path) -> Learner:
     # the update is the gradient itself, scaled up to well above float32's rounding of the weights
     # (past the config's bound on lr, which is for AdamW; the step sets the optimizer's lr from it)
     run.training.lr = 1000.0
-    learner = Learner(run, tmp)
+    learner = Learner(LearnJob.of(run), tmp)
     learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=1000.0)
     return learner
 

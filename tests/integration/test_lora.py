@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.common.models import load_model
-from services.common.runconfig import ModelConfig, RunConfig
+from services.common.runconfig import LearnJob, ModelConfig, RunConfig
 from services.learning.grpo import token_logprobs
 from services.learning.learner import Learner
 from tests.learning_samples import random_groups
@@ -34,7 +34,7 @@ def _logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def test_a_lora_trainer_trains_adapters_and_sends_the_merged_model(
     tiny_model: ModelConfig, tmp_path: Path
 ) -> None:
-    learner = Learner(_run(tiny_model), tmp_path / "ckpt")
+    learner = Learner(LearnJob.of(_run(tiny_model)), tmp_path / "ckpt")
     base = {k: v.detach().clone() for k, v in load_model(tiny_model).state_dict().items()}
     trainable = {n for n, p in learner.model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n for n in trainable)
@@ -76,7 +76,7 @@ def test_a_lora_trainer_trains_adapters_and_sends_the_merged_model(
     torch.testing.assert_close(_logprobs(adapted, ids), _logprobs(exported, ids), rtol=0, atol=1e-5)
 
     # a restarted trainer resumes the same policy from the checkpoint
-    resumed = Learner(_run(tiny_model), tmp_path / "ckpt")
+    resumed = Learner(LearnJob.of(_run(tiny_model)), tmp_path / "ckpt")
     assert resumed.resume() == checkpoint
     again = resumed._plain_state()
     assert all(torch.equal(again[n], merged[n]) for n in merged)
@@ -99,4 +99,4 @@ def test_lora_settings_that_cannot_work_are_refused(tiny_model: ModelConfig, tmp
         )
     bad = RunConfig.model_validate({**base, "training": {"lora": {"targets": ["no_such_proj"]}}})
     with pytest.raises(ValueError, match="training.lora.targets"):
-        Learner(bad, tmp_path / "ckpt")
+        Learner(LearnJob.of(bad), tmp_path / "ckpt")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from services.common.runconfig import ModelConfig, RunConfig
+from services.common.runconfig import LearnJob, ModelConfig, RunConfig
 from services.learning.checkpoint import checkpoints, read
 from services.learning.learner import Learner
 from tests.learning_samples import random_groups
@@ -52,7 +52,7 @@ def test_full_every_n_steps_weights_between_and_a_resume_takes_the_last_full_opt
     tiny_model: ModelConfig, tmp_path: Path
 ) -> None:
     run = _run(tiny_model, every=3, keep=1)
-    learner = Learner(run, tmp_path)
+    learner = Learner(LearnJob.of(run), tmp_path)
     at_step_3: dict[str, Any] = {}
     for step in range(1, 6):
         _step(learner, step)
@@ -68,7 +68,7 @@ def test_full_every_n_steps_weights_between_and_a_resume_takes_the_last_full_opt
     assert read(weights)["optimizer"] is None and read(full)["optimizer"]["state"]
     assert weights.stat().st_size < 0.5 * full.stat().st_size  # Adam: two moments per weight
 
-    resumed = Learner(run, tmp_path)
+    resumed = Learner(LearnJob.of(run), tmp_path)
     assert resumed.resume() == weights and resumed.optimizer_from == full
     assert (resumed.state.step, resumed.state.version) == (5, 5)
     assert resumed.state.trained_ids == learner.state.trained_ids  # the ledger is every step's
@@ -84,18 +84,18 @@ def test_a_resume_with_no_full_checkpoint_left_starts_a_fresh_optimizer(
     tiny_model: ModelConfig, tmp_path: Path
 ) -> None:
     run = _run(tiny_model, every=5, keep=1)
-    learner = Learner(run, tmp_path)
+    learner = Learner(LearnJob.of(run), tmp_path)
     for step in (1, 2):
         _step(learner, step)
     assert _names(tmp_path) == ["step_00000001-e0-weights.pt", "step_00000002-e0-weights.pt"]
-    resumed = Learner(run, tmp_path)
+    resumed = Learner(LearnJob.of(run), tmp_path)
     assert resumed.resume() is not None and resumed.optimizer_from is None
     assert not resumed.optimizer.state_dict()["state"]
     _assert_same(resumed.model.state_dict(), learner.model.state_dict())
 
 
 def test_every_step_full_keeps_what_it_always_kept(tiny_model: ModelConfig, tmp_path: Path) -> None:
-    learner = Learner(_run(tiny_model, every=1, keep=2), tmp_path)
+    learner = Learner(LearnJob.of(_run(tiny_model, every=1, keep=2)), tmp_path)
     for step in range(1, 5):
         _step(learner, step)
     assert _names(tmp_path) == ["step_00000003-e0.pt", "step_00000004-e0.pt"]

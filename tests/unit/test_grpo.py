@@ -286,11 +286,11 @@ def test_the_config_offers_exactly_the_estimators_the_trainer_has() -> None:
 
 
 def test_the_run_config_chooses_the_estimator_and_the_nucleus_of_every_step() -> None:
-    from services.common.runconfig import RunConfig
+    from services.common.runconfig import LearnJob, RunConfig
     from services.learning.recipe import step_settings
 
     run = RunConfig.model_validate({"training": {"advantage": "rloo"}, "task": {"top_p": 0.9}})
-    settings = step_settings(run, pad_id=0, version=0)
+    settings = step_settings(LearnJob.of(run), pad_id=0, version=0)
     assert (settings.advantage, settings.top_p) == ("rloo", 0.9)
 
 
@@ -344,7 +344,7 @@ def test_rollout_correction_modes_against_hand_computed_weights() -> None:
 def test_the_config_offers_exactly_the_loss_options_the_trainer_has() -> None:
     import typing
 
-    from services.common.runconfig import RunConfig, TrainingConfig
+    from services.common.runconfig import LearnJob, RunConfig, TrainingConfig
     from services.learning.grpo import LOSS_AGGS, ROLLOUT_CORRECTIONS
     from services.learning.recipe import step_settings
 
@@ -354,5 +354,5 @@ def test_the_config_offers_exactly_the_loss_options_the_trainer_has() -> None:
     run = RunConfig.model_validate(
         {"training": {"loss_agg": "seq_mean_token_sum", "rollout_correction": "mis"}}
     )
-    loss = step_settings(run, pad_id=0, version=0).loss
+    loss = step_settings(LearnJob.of(run), pad_id=0, version=0).loss
     assert (loss.loss_agg, loss.rollout_correction) == ("seq_mean_token_sum", "mis")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.common.cost_model import load_presets
-from services.common.runconfig import ModelConfig, RunConfig
+from services.common.runconfig import LearnJob, ModelConfig, RunConfig
 from services.learning.data import Sample
 from services.learning.learner import Learner
 from services.learning.step import StepAborted
@@ -35,7 +35,7 @@ def _samples() -> list[Sample]:
 def test_an_emulated_step_takes_the_cost_models_time_and_changes_no_weight(
     tiny_model: ModelConfig, tmp_path: Path
 ) -> None:
-    learner = Learner(_run(tiny_model, 1e-4), tmp_path)
+    learner = Learner(LearnJob.of(_run(tiny_model, 1e-4)), tmp_path)
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
     stats = learner.step(_samples())
     lengths = [4000, 12000, 800, 30000]
@@ -56,15 +56,15 @@ def test_emulated_training_pushes_a_stand_in_to_emulated_engines_only(
     would be scaled up by 1/time_scale); real engines still get the whole model."""
     to_emulated = _run(tiny_model, 1e-4).model_copy(deep=True)
     to_emulated.rollout.backend = "emulated"
-    small = Learner(to_emulated, tmp_path / "a").snapshot()
+    small = Learner(LearnJob.of(to_emulated), tmp_path / "a").snapshot()
     assert small.nbytes < 1024 and small.version == 0
     assert small.names == ["emulated.version"]
-    whole = Learner(_run(tiny_model, 1e-4), tmp_path / "b").snapshot()
+    whole = Learner(LearnJob.of(_run(tiny_model, 1e-4)), tmp_path / "b").snapshot()
     assert whole.nbytes > 100 * small.nbytes
     assert "emulated.version" not in whole.names and whole.dtype == "float32"
 
 
 def test_an_emulated_step_can_be_abandoned(tiny_model: ModelConfig, tmp_path: Path) -> None:
-    learner = Learner(_run(tiny_model, 100.0), tmp_path)
+    learner = Learner(LearnJob.of(_run(tiny_model, 100.0)), tmp_path)
     with pytest.raises(StepAborted):
         learner.step(_samples(), should_abort=lambda: True)

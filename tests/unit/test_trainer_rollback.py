@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.runconfig import ModelConfig, RunConfig
+from services.common.runconfig import LearnJob, ModelConfig, RunConfig
 from services.learning.checkpoint import checkpoints, latest, newer_than
 from services.learning.learner import Learner
 
@@ -26,7 +26,7 @@ def _names(directory: Path) -> list[str]:
 
 def test_rollback_to_the_committed_step(tiny_model: ModelConfig, tmp_path: Path) -> None:
     run = _run(tiny_model, keep=3)
-    learner = Learner(run, tmp_path)
+    learner = Learner(LearnJob.of(run), tmp_path)
     initial = learner.model.get_input_embeddings().weight.detach().clone()
     learner.commit({"a"}, epoch=4)
     with torch.no_grad():
@@ -47,7 +47,7 @@ def test_rollback_to_the_committed_step(tiny_model: ModelConfig, tmp_path: Path)
 
 def test_a_stale_trainer_cannot_clobber_its_successor(tiny_model: ModelConfig, tmp_path: Path) -> None:
     run = _run(tiny_model)
-    old, new = Learner(run, tmp_path), Learner(run, tmp_path)
+    old, new = Learner(LearnJob.of(run), tmp_path), Learner(LearnJob.of(run), tmp_path)
     old.commit({"a"}, epoch=5)  # committed under epoch 5
     committed = new.rollback(1, str(tmp_path / "step_00000001-e5.pt"))  # the standby takes over
     assert committed is not None and new.state.trained_ids == {"a"}
@@ -68,11 +68,11 @@ def test_pruning_keeps_the_last_committed_checkpoint_of_any_epoch(
     tiny_model: ModelConfig, tmp_path: Path
 ) -> None:
     run = _run(tiny_model)
-    first = Learner(run, tmp_path)
+    first = Learner(LearnJob.of(run), tmp_path)
     for ids in ({"a"}, {"b"}, {"c"}):
         first.commit(ids, epoch=1)
     assert _names(tmp_path) == ["step_00000002-e1.pt", "step_00000003-e1.pt"]
-    second = Learner(run, tmp_path)
+    second = Learner(LearnJob.of(run), tmp_path)
     second.rollback(3, str(tmp_path / "step_00000003-e1.pt"))
     second.commit({"d"}, epoch=2)  # not committed yet: epoch 1's step 3 must survive
     assert _names(tmp_path) == ["step_00000002-e1.pt", "step_00000003-e1.pt", "step_00000004-e2.pt"]

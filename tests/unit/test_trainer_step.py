@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from services.common.runconfig import ModelConfig
+from services.common.runconfig import LearnJob, ModelConfig
 from services.learning.data import Sample
 from services.learning.grpo import LossConfig
 from services.learning.step import StepAborted, StepSettings, sample_advantages, train_step
@@ -204,10 +204,10 @@ def test_the_kl_reference_is_the_configured_model(
 
     base = {"model": tiny_model.model_dump(), "training": {"kl_coef": 0.1}}
     cpu = torch.device("cpu")
-    initial = reference_for(RunConfig.model_validate(base), cpu)
+    initial = reference_for(LearnJob.of(RunConfig.model_validate(base)), cpu)
     other = tiny_model.model_copy(update={"seed": 1})
     base["training"]["reference_model"] = other.model_dump()
-    configured = reference_for(RunConfig.model_validate(base), cpu)
+    configured = reference_for(LearnJob.of(RunConfig.model_validate(base)), cpu)
     assert initial is not None and configured is not None
     emb = lambda m: m.get_input_embeddings().weight  # noqa: E731
     assert torch.equal(emb(initial), emb(model)) and not torch.equal(emb(configured), emb(model))
@@ -237,7 +237,7 @@ def test_the_kl_reference_is_the_configured_model(
     transformers.LlamaForCausalLM(small).save_pretrained(tmp_path / "small")
     base["training"]["reference_model"] = {"source": "path", "path": str(tmp_path / "small")}
     with pytest.raises(ConfigFileError) as err:
-        reference_for(RunConfig.model_validate(base), cpu)
+        reference_for(LearnJob.of(RunConfig.model_validate(base)), cpu)
     assert "vocabulary of 100 tokens" in err.value.message
 
 
