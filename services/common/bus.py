@@ -28,7 +28,7 @@ from services.common.credentials import NatsAuth, inbox_prefix
 from services.common.errors import CredentialsRefused, ForgedSender, LibraError, MalformedMessage
 from services.common.logging import get_logger
 from services.common.streams import FEED_ACK_WAIT_S, ConsumerSpec
-from services.common.tasks import cancel_and_wait, retry_pause
+from services.common.tasks import cancel_and_wait, retried
 from services.common.tracing import extract_context, inject_headers
 
 M = TypeVar("M", bound=Message)
@@ -308,20 +308,12 @@ class Bus:
 
     async def _until_there(self, info: Callable[[], Awaitable[T]], **what: str) -> T:
         """`info()` once it answers: what it asks about is not there yet, or NATS is away."""
-        attempt = 0
-        while True:
-            try:
-                return await info()
-            except Exception as err:
-                attempt += 1
-                if attempt % 10 == 1:
-                    self.log.warning(
-                        "waiting_for_provisioning",
-                        **what,
-                        error=f"{type(err).__name__}: {err}",
-                        hint="`libra run` (the control identity) creates a run's streams and consumers",
-                    )
-                await retry_pause(attempt)
+        hint = "`libra run` (the control identity) creates a run's streams and consumers"
+        answer = await retried(
+            info, self.log, "waiting_for_provisioning", warn_every=10, fields={**what, "hint": hint}
+        )
+        assert answer is not None  # (no stop: only an answer ends the wait)
+        return answer
 
     async def publish_durable(
         self, suffix: str, msg: Message, *, msg_id: str, ctx: otel_context.Context | None = None
@@ -336,17 +328,13 @@ class Bus:
     ) -> None:
         """`publish_durable`, retried with a backoff of 0.5 s per attempt (at most 5 s) until JetStream
         has stored it: for what must never be lost (completed trajectories, group outcomes)."""
-        attempt = 0
-        while True:
-            try:
-                await self.publish_durable(suffix, msg, msg_id=msg_id, ctx=ctx)
-                return
-            except Exception as err:  # JetStream away (NATS restarting): the msg id makes resends safe
-                attempt += 1
-                self.log.warning(
-                    "publish_retry", subject=suffix, msg_id=msg_id, error=str(err), attempt=attempt
-                )
-                await retry_pause(attempt)
+        # JetStream away (NATS restarting): the msg id makes resends safe
+        await retried(
+            lambda: self.publish_durable(suffix, msg, msg_id=msg_id, ctx=ctx),
+            self.log,
+            "publish_retry",
+            fields={"subject": suffix, "msg_id": msg_id},
+        )
 
     async def bind_consumer(self, spec: ConsumerSpec) -> tuple[Any, float]:
         """Pulls from the run's durable consumer `spec` once the control identity created it;

@@ -20,7 +20,7 @@ from services.common.contracts import ev
 from services.common.credentials import ALIVE_KINDS
 from services.common.logging import get_logger
 from services.common.ownership import Lease, OwnershipStore
-from services.common.tasks import retry_pause
+from services.common.tasks import retried
 
 DEFAULT_LEASE_TTL_S = 10.0
 """Until the first plan says otherwise (the run config's job.lease_ttl_s)."""
@@ -154,15 +154,10 @@ class Membership:
         and the planner publishes again only when the plan changes, so a worker would follow the
         old one for good (an engine re-registered in the gap left out of the trainer's pushes and
         the scheduler's routing). The stream keeps the last plan: it is read and followed."""
-        attempt = 0
-        while True:  # a restarted server's JetStream may take a moment to answer
-            try:
-                last = await self.bus.last_message(subjects.PLAN, "PLAN", ev.Plan)
-                break
-            except Exception as err:
-                attempt += 1
-                self.log.warning("plan_catch_up_failed", error=str(err), attempt=attempt)
-                await retry_pause(attempt)
+        # (a restarted server's JetStream may take a moment to answer)
+        last = await retried(
+            lambda: self.bus.last_message(subjects.PLAN, "PLAN", ev.Plan), self.log, "plan_catch_up_failed"
+        )
         mine = self.plan
         if last is None or (
             mine is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from services.common.logging import get_logger
@@ -23,6 +23,30 @@ async def retry_pause(attempt: int, step_s: float = 0.5, cap_s: float = 5.0) -> 
     """The pause before retry `attempt` (1, 2, ...) of something that must eventually succeed
     (Redis or JetStream away for a while): `step_s` more per attempt, at most `cap_s`."""
     await asyncio.sleep(min(step_s * attempt, cap_s))
+
+
+async def retried(
+    op: Callable[[], Awaitable[T]],
+    log: Any,
+    event: str,
+    *,
+    stop: asyncio.Event | None = None,
+    warn_every: int = 1,
+    fields: dict[str, Any] | None = None,
+) -> T | None:
+    """`op()`'s answer once it gives one, for what must eventually succeed (Redis or JetStream away
+    for a while): each failure is logged as `event` (with `fields`, the error and the attempt; every
+    `warn_every`-th one) and followed by `retry_pause`. None if `stop` is set before an answer."""
+    attempt = 0
+    while stop is None or not stop.is_set():
+        try:
+            return await op()
+        except Exception as err:
+            attempt += 1
+            if (attempt - 1) % warn_every == 0:
+                log.warning(event, **(fields or {}), error=f"{type(err).__name__}: {err}", attempt=attempt)
+            await retry_pause(attempt)
+    return None
 
 
 async def cancel_and_wait(

@@ -20,7 +20,7 @@ from services.common.facts import FactsOut
 from services.common.logging import get_logger
 from services.common.membership import TRAINER_ROLE, Membership
 from services.common.ownership import OwnershipStore
-from services.common.tasks import retry_pause
+from services.common.tasks import retried, retry_pause
 from services.trainer.hybrid_host import HybridHost
 
 if TYPE_CHECKING:
@@ -86,17 +86,9 @@ class Leadership:
         token = self.token
         if token == self.epoch:
             return True
-        attempt = 0
-        record: dict[str, str] | None = None
-        while record is None:
-            if stop.is_set():
-                return False
-            try:
-                record = await self.store.committed()
-            except Exception as err:
-                attempt += 1
-                self.log.warning("commit_record_unreadable", error=str(err), attempt=attempt)
-                await retry_pause(attempt)
+        record = await retried(self.store.committed, self.log, "commit_record_unreadable", stop=stop)
+        if record is None:
+            return False
         step, named = int(record.get("step", 0)), record.get("checkpoint", "")
         if step > 0 and named and not Path(named).exists():
             raise DurableStateLost(
