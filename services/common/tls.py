@@ -40,6 +40,15 @@ class TlsFiles:
             ctx.load_cert_chain(self.cert_file, self.key_file)
         return ctx
 
+    def server_ssl(self) -> ssl.SSLContext | None:
+        """For an HTTPS server (the scheduler's agent endpoint): serves our certificate (None
+        without one)."""
+        if not (self.cert_file and self.key_file):
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
+
     def redis_options(self, url: str) -> dict[str, Any]:
         if not url.startswith("rediss://") or self.ca_file is None:
             return {}

@@ -19,6 +19,7 @@ from typing import Any
 
 from services.common.runconfig import RunConfig
 from services.common.signals import ToolSignal, size_class
+from services.common.tls import TlsFiles
 from services.scheduler.agents import AgentPool, CommandAgents
 from services.scheduler.chat import TemplateError
 from services.scheduler.chat_api import (
@@ -80,7 +81,15 @@ class Observation:
 class AgentEpisode(Episode):
     builtin_reward = False
 
-    def __init__(self, prompter: Prompter, cfg: RunConfig, spawn: Spawn, host: str, port: int):
+    def __init__(
+        self,
+        prompter: Prompter,
+        cfg: RunConfig,
+        spawn: Spawn,
+        host: str,
+        port: int,
+        tls: TlsFiles | None = None,
+    ):
         super().__init__(prompter)
         task = cfg.task
         self.cfg, self.spawn = cfg, spawn
@@ -90,7 +99,7 @@ class AgentEpisode(Episode):
             else CommandAgents(task.agent_command or [], task.plugin_paths, task.agent_timeout_s)
         )
         self.endpoint = AgentEndpoint(
-            host, port, cfg.model.source, task.max_context_tokens, len(prompter.tok)
+            host, port, cfg.model.source, task.max_context_tokens, len(prompter.tok), tls
         )
         self.sessions: dict[str, AgentSession] = {}
         self.observations: dict[str, Observation] = {}
@@ -100,7 +109,7 @@ class AgentEpisode(Episode):
 
     async def start(self) -> None:
         await self.endpoint.start()
-        await self.agents.start()
+        await self.agents.start(self.endpoint.agent_env)
 
     async def close(self) -> None:
         await self.agents.close()

@@ -25,6 +25,8 @@ AgentOutcome = float | None | PluginFailure
 class AgentProcess:
     def __init__(self, ref: str, plugin_paths: list[str]):
         self.ref, self.plugin_paths = ref, plugin_paths
+        self.env: dict[str, str] = {}
+        """Added to the process's environment (the endpoint's trust bundle, with HTTPS)."""
         self.proc: asyncio.subprocess.Process | None = None
         self.runs: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.reader: asyncio.Task[None] | None = None
@@ -37,6 +39,7 @@ class AgentProcess:
             "services.scheduler.agent_worker",
             self.ref,
             *self.plugin_paths,
+            env={**os.environ, **self.env},
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             limit=16 * 1024 * 1024,
@@ -146,8 +149,10 @@ class AgentPool:
     def _of(self, trajectory_id: str) -> AgentProcess:
         return self.workers[zlib.crc32(trajectory_id.encode()) % len(self.workers)]
 
-    async def start(self) -> None:
+    async def start(self, env: dict[str, str] | None = None) -> None:
+        """`env`: added to every agent process's environment."""
         for w in self.workers:
+            w.env = dict(env or {})
             await w.start()
 
     async def run(
@@ -176,17 +181,20 @@ class CommandAgents:
         self.command, self.timeout_s = list(command), timeout_s
         self.cwd = plugin_paths[0] if plugin_paths else None
         self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.env: dict[str, str] = {}
 
-    async def start(self) -> None:
-        """Raises PluginLoadError when the command's program cannot be found."""
+    async def start(self, env: dict[str, str] | None = None) -> None:
+        """Raises PluginLoadError when the command's program cannot be found. `env`: added to
+        every run's environment."""
         check_command(self.command, self.cwd)
+        self.env = dict(env or {})
 
     async def run(
         self, trajectory_id: str, sample: dict[str, Any], base_url: str, api_key: str
     ) -> AgentOutcome:
         row = json.dumps(sample, default=str)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}
-        env |= {
+        env |= self.env | {
             "OPENAI_BASE_URL": base_url,
             "OPENAI_API_KEY": api_key,
             "LIBRA_TRAJECTORY_ID": trajectory_id,

@@ -62,8 +62,9 @@ class SchedulerSettings(BaseSettings):
     stats_window_s: float = Field(60.0, gt=0)
     """The workload stats cover this much of the recent past."""
     agent_host: str = "127.0.0.1"
-    """Address of the OpenAI-compatible endpoint that `task.agent` runs call (on this host, beside
-    the scheduler; loopback: no other machine reaches it)."""
+    """Address of the OpenAI-compatible endpoint that `task.agent` runs call (beside the scheduler;
+    loopback: no other machine reaches it). Any other address serves HTTPS with the scheduler's
+    certificate (LIBRA_TLS_CERT_FILE, LIBRA_TLS_KEY_FILE) and is refused without one."""
     agent_port: int = Field(0, ge=0, le=65535)
     """Its port (0: a free one, handed to each agent run in its base URL)."""
     policy_save_s: float = Field(10.0, gt=0)

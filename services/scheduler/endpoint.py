@@ -2,22 +2,29 @@
 `/v1/completions` (and `GET /v1/models`), served by the scheduler on loopback. Each trajectory's agent gets its own key; a call
 with it is that trajectory's next turn, answered when the turn's tokens come back. The key dies
 with the trajectory. A request the endpoint cannot honour gets an OpenAI-style 4xx naming the
-field, and changes nothing."""
+field, and changes nothing. Bound beyond loopback, the keys would cross the network: there it
+serves HTTPS with the scheduler's certificate, and will not start without one (`endpoint_tls`)."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import secrets
+import shutil
 import socket
+import ssl
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from services.common.logging import get_logger
+from services.common.tls import TlsFiles
 from services.scheduler.agents import AgentOutcome
 from services.scheduler.chat_api import (
     ApiError,
@@ -32,6 +39,55 @@ MAX_BODY_BYTES = 8 << 20
 """A request body larger than this is refused (413)."""
 ENDED_KEYS_KEPT = 100_000
 """Keys of ended trajectories remembered, so that a late call hears `trajectory_ended` (410)."""
+
+
+class EndpointInsecure(ValueError):
+    """The endpoint would carry trajectories' keys in the clear beyond this host."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class EndpointTls:
+    """How the endpoint is served beyond loopback: its server context, and the stack's CA that
+    agents verify it with (None: the certificate is one their default trust store accepts)."""
+
+    context: ssl.SSLContext
+    ca_file: str | None
+
+
+def endpoint_tls(host: str, tls: TlsFiles | None) -> EndpointTls | None:
+    """None on loopback (no other machine reaches it); elsewhere HTTPS with the scheduler's
+    certificate (`LIBRA_TLS_CERT_FILE`, `LIBRA_TLS_KEY_FILE`), and without one EndpointInsecure."""
+    if is_loopback(host):
+        return None
+    context = tls.server_ssl() if tls is not None else None
+    if context is None or tls is None:
+        raise EndpointInsecure(
+            f"the agent endpoint would listen on {host} (LIBRA_SCHEDULER_AGENT_HOST), beyond this host, "
+            "and carry each trajectory's key in the clear: give the scheduler a certificate "
+            "(LIBRA_TLS_CERT_FILE and LIBRA_TLS_KEY_FILE; `libra credentials DIR --tls` makes them) or "
+            "leave it on loopback"
+        )
+    return EndpointTls(context, tls.ca_file)
+
+
+def trust_bundle(ca_file: str, directory: Path) -> Path:
+    """The default CA bundle plus the stack's CA, in one file: what an agent's clients (httpx, so the
+    `openai` client; requests; Python's ssl) read from `SSL_CERT_FILE` / `REQUESTS_CA_BUNDLE`, so
+    that they verify the endpoint and every public server as before, with no change to the agent."""
+    import certifi
+
+    out = directory / "ca-bundle.pem"
+    out.write_text(Path(certifi.where()).read_text() + "\n" + Path(ca_file).read_text())
+    return out
 
 
 @dataclass
@@ -113,9 +169,22 @@ class AgentSession:
 
 
 class AgentEndpoint:
-    def __init__(self, host: str, port: int, model: str, max_context_tokens: int, vocab_size: int = 1 << 31):
-        """`vocab_size`: token ids a completions prompt may hold."""
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        model: str,
+        max_context_tokens: int,
+        vocab_size: int = 1 << 31,
+        tls: TlsFiles | None = None,
+    ):
+        """`vocab_size`: token ids a completions prompt may hold; `tls`: the scheduler's
+        certificate, served beyond loopback (EndpointInsecure there without one)."""
         self.host, self.port, self.model = host, port, model
+        self.tls = endpoint_tls(host, tls)
+        self._trust_dir: Path | None = None
+        self.agent_env: dict[str, str] = {}
+        """What an agent run's environment adds so that its clients verify the endpoint (HTTPS)."""
         self.max_context_tokens, self.vocab_size = max_context_tokens, vocab_size
         self.sessions: dict[str, AgentSession] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
@@ -126,7 +195,11 @@ class AgentEndpoint:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        if self.tls is None:
+            return f"http://{self.host}:{self.port}/v1"
+        # bound to every address: agents beside the scheduler reach it by a name its certificate has
+        host = "localhost" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"https://{host}:{self.port}/v1"
 
     async def start(self) -> None:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -137,14 +210,21 @@ class AgentEndpoint:
         await self.runner.setup()
         sock = socket.create_server((self.host, self.port))  # port 0: the kernel picks a free one
         self.port = sock.getsockname()[1]
-        await web.SockSite(self.runner, sock).start()
-        self.log.info("agent_endpoint_ready", base_url=self.base_url)
+        context = self.tls.context if self.tls is not None else None
+        if self.tls is not None and self.tls.ca_file is not None:
+            self._trust_dir = Path(tempfile.mkdtemp(prefix="libra-agent-trust-"))
+            bundle = str(trust_bundle(self.tls.ca_file, self._trust_dir))
+            self.agent_env = {"SSL_CERT_FILE": bundle, "REQUESTS_CA_BUNDLE": bundle}
+        await web.SockSite(self.runner, sock, ssl_context=context).start()
+        self.log.info("agent_endpoint_ready", base_url=self.base_url, tls=context is not None)
 
     async def close(self) -> None:
         for session in self.sessions.values():
             session.close()
         if self.runner is not None:
             await self.runner.cleanup()
+        if self._trust_dir is not None:
+            shutil.rmtree(self._trust_dir, ignore_errors=True)
 
     def open(self, trajectory_id: str) -> AgentSession:
         session = AgentSession(trajectory_id, "lk-" + secrets.token_urlsafe(24))

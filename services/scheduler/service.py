@@ -94,7 +94,9 @@ class SchedulerService:
         """Held-out evaluation rounds (`eval`), when configured."""
         self.broken = asyncio.Event()
         """Set when the job's own code fails on every call (`Completion.broken` says why)."""
-        self.episode = build_episode(cfg, prompter, bus.spawn, (settings.agent_host, settings.agent_port))
+        self.episode = build_episode(
+            cfg, prompter, bus.spawn, (settings.agent_host, settings.agent_port), common.tls()
+        )
         self.completion = Completion(
             bus,
             self.ledger,

@@ -5,6 +5,7 @@ large, an agent that raises, hangs, lies or dies each get — a typed answer, no
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import sys
 import textwrap
@@ -16,9 +17,11 @@ from typing import Any
 import openai
 import pytest
 
+from services.common.pki import Authority
+from services.common.tls import TlsFiles
 from services.scheduler.agents import AgentPool, CommandAgents, check_agent, reward_of
 from services.scheduler.chat_api import assistant_message, completion_body, text_completion_body
-from services.scheduler.endpoint import MAX_BODY_BYTES, AgentEndpoint, AgentSession, Call
+from services.scheduler.endpoint import MAX_BODY_BYTES, AgentEndpoint, AgentSession, Call, EndpointInsecure
 from services.scheduler.plugins import PluginFailure, PluginLoadError
 
 pytestmark = pytest.mark.integration
@@ -321,3 +324,54 @@ def test_a_command_agents_reward_is_its_last_line() -> None:
     assert reward_of('{"reward": null}') is None
     bad = reward_of("nan")
     assert isinstance(bad, PluginFailure) and bad.code == "agent_invalid"
+
+
+TLS_AGENT = """
+import openai
+
+def agent(sample, base_url, api_key):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": sample["q"]}])
+    return 0.5 if out.choices[0].message.content == "answer 0" else 0.0
+"""
+
+
+async def test_beyond_loopback_the_endpoint_serves_https_that_agents_verify_unchanged(tmp_path: Path) -> None:
+    """Bound beyond loopback the keys would cross the network: HTTPS with the scheduler's
+    certificate, agents' clients trusting it with no change to them, and no certificate, no start."""
+    Authority.create("test-ca").issue(tmp_path / "tls", "scheduler", ["scheduler", "localhost", "127.0.0.1"])
+    ca, cert, key = (str(tmp_path / "tls" / f) for f in ("ca.pem", "cert.pem", "key.pem"))
+    for tls in (None, TlsFiles(ca_file=ca)):
+        with pytest.raises(EndpointInsecure, match="LIBRA_TLS_CERT_FILE"):
+            AgentEndpoint("0.0.0.0", 0, "tiny", max_context_tokens=512, tls=tls)
+    assert AgentEndpoint("127.0.0.1", 0, "tiny", 512, tls=TlsFiles(ca, cert, key)).tls is None
+
+    ep = AgentEndpoint(
+        "0.0.0.0", 0, "tiny", max_context_tokens=512, vocab_size=1000, tls=TlsFiles(ca, cert, key)
+    )
+    await ep.start()
+    (tmp_path / "agent.py").write_text(COMMAND_AGENT)
+    (tmp_path / "tls_agent.py").write_text(TLS_AGENT)
+    command = CommandAgents([sys.executable, "agent.py"], [str(tmp_path)], timeout_s=60)
+    pool = AgentPool("tls_agent:agent", [str(tmp_path)], workers=1, timeout_s=60)
+    try:
+        assert ep.base_url.startswith("https://localhost:")
+        await command.start(ep.agent_env)
+        await pool.start(ep.agent_env)
+        for name, agents, expected in (("cmd", command, 0.75), ("fn", pool, 0.5)):
+            session = ep.open(f"tls-{name}")
+            episode = asyncio.create_task(_answer_calls(session, 1))
+            outcome = await agents.run(f"tls-{name}", {"q": "hi", "mode": "number"}, ep.base_url, session.key)
+            assert outcome == expected, outcome
+            await episode
+        stranger = ep.open("tls-stranger")  # a client that does not trust the stack's CA
+        with pytest.raises(openai.APIConnectionError):
+            await _client(ep, stranger.key).models.list()
+        plain = ep.base_url.replace("https://", "http://") + "/models"
+        with pytest.raises((ConnectionError, http.client.HTTPException)):  # plain HTTP is not served
+            await asyncio.to_thread(urllib.request.urlopen, plain, timeout=30)
+        assert stranger.key in ep.sessions  # nothing a refused connection did changed the endpoint
+    finally:
+        await pool.close()
+        await ep.close()
+    assert not Path(ep.agent_env["SSL_CERT_FILE"]).exists()  # the trust bundle goes with the endpoint
