@@ -102,3 +102,24 @@ def test_a_synthetic_task_needs_a_workload_that_loads() -> None:
         RunConfig.model_validate({"task": {"dataset": "synthetic"}})
     with pytest.raises(ValueError, match="no-such-workload"):
         RunConfig.model_validate({"task": {"dataset": "synthetic", "workload": "no-such-workload"}})
+
+
+def test_a_groups_members_share_one_drawing_of_the_prompt_each_with_its_own_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.scheduler.episodes import SyntheticEpisode
+
+    cfg = _cfg(group_size=4)
+    episode = SyntheticEpisode(None, cfg)  # type: ignore[arg-type]  # members need no tokenizer
+    ticket = build_feed(cfg).take(0)[0]
+    specs = episode.synthetic.group(ticket, 0)
+    drawn = []
+    original = SyntheticTask.prompt_ids
+    monkeypatch.setattr(
+        SyntheticTask, "prompt_ids", lambda self, spec: drawn.append(spec) or original(self, spec)
+    )
+    members = episode.members(ticket, 0, 4)
+    assert len(drawn) == len({s.prompt_id for s in specs[:4]}) == 1
+    assert [m.prompt_ids for m in members] == [original(episode.synthetic, s) for s in specs[:4]]
+    assert len({id(m.prompt_ids) for m in members}) == 4  # a trajectory's context never aliases another's
+    assert [m.script for m in members] == [episode.synthetic.script(s) for s in specs[:4]]

@@ -14,6 +14,10 @@
   their context), against `ScanningDispatcher`, the placement before the load indexes (every
   engine shown to the policy), in the same run; both decide the same engines
   (tests/unit/test_placement.py).
+- Per trajectory launched: the real `SyntheticEpisode.members` of `r2e_gym` groups of 8 (what a
+  scheduler runs for every group it starts, and for every group it re-issues after taking over),
+  against drawing each member's prompt tokens itself (the launch before the group's samples shared
+  one drawing), in the same run.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ from services.common.held_context import Held
 from services.common.runconfig import BucketConfig, RunConfig
 from services.policy.dispatch import Dispatcher, build_dispatcher, kv_view
 from services.scheduler.config import SchedulerSettings
+from services.scheduler.episodes import Member, SyntheticEpisode
+from services.scheduler.feed import GroupTicket
 from services.scheduler.inflight import InFlight, Live
 from services.scheduler.roster import Roster
+from services.scheduler.task import Task
 
 NAME = "control_plane"
 SIZES = ((1024, 64), (16384, 1024), (16384, 64))
@@ -144,6 +151,38 @@ def _turn_request_bytes(turns: int, deltas: bool) -> int:
     return total
 
 
+LAUNCH_GROUPS = 32
+LAUNCH_GROUP_SIZE = 8
+
+
+def _launch_us(each_draws: bool) -> float:
+    """µs per trajectory to build an `r2e_gym` group's members; `each_draws`: every member draws
+    its own prompt tokens (the launch before)."""
+    cfg = RunConfig.model_validate(
+        {
+            "task": {  # as `libra bench live --workload r2e_gym` runs it
+                "dataset": "synthetic",
+                "workload": "r2e_gym",
+                "group_size": LAUNCH_GROUP_SIZE,
+                "max_context_tokens": 40960,  # r2e_gym sets no window: bench live's default
+            },
+            "rollout": {"backend": "emulated"},
+            "training": {"backend": "emulated"},
+        }
+    )
+    episode = SyntheticEpisode(None, cfg)  # type: ignore[arg-type]  # a synthetic group needs no tokenizer
+    task = episode.synthetic
+    tickets = [GroupTicket(f"g{i}", Task(f"p{i}", "", 0), i) for i in range(LAUNCH_GROUPS)]
+    start = time.perf_counter()
+    for ticket in tickets:
+        if each_draws:
+            specs = task.group(ticket, 0)[:LAUNCH_GROUP_SIZE]
+            [Member(task.prompt_ids(s), task.script(s)) for s in specs]
+        else:
+            episode.members(ticket, 0, LAUNCH_GROUP_SIZE)
+    return (time.perf_counter() - start) / (LAUNCH_GROUPS * LAUNCH_GROUP_SIZE) * 1e6
+
+
 def run() -> dict[str, Any]:
     us = {(t, e): _per_report_us(t, e) for t, e in SIZES}
     turn_bytes = {(n, d): _turn_request_bytes(n, d) for n in TURN_SHAPES for d in (False, True)}
@@ -189,6 +228,15 @@ def run() -> dict[str, Any]:
                 f"scanning every engine: {scanned:.1f} µs ({scanned / indexed:.1f}x); C-MLFQ, the same engines chosen",
             ]
         )
+    launch = {each: min(_launch_us(each) for _ in range(ROUNDS)) for each in (False, True)}
+    rows.append(
+        [
+            f"one trajectory launched, r2e_gym groups of {LAUNCH_GROUP_SIZE}",
+            f"{launch[False]:.0f} µs",
+            f"each sample drawing its own prompt: {launch[True]:.0f} µs ({launch[True] / launch[False]:.1f}x); "
+            "5,464 a step at 1,024 engines, 512 re-issued by a scheduler taking over",
+        ]
+    )
     growth = place[(PLACEMENT_ENGINES[-1], False)] / place[(PLACEMENT_ENGINES[0], False)]
     rows.append(
         [
@@ -206,5 +254,6 @@ def run() -> dict[str, Any]:
         "placement_us": {
             f"{n}{'-scan' if scanning else ''}": round(v, 2) for (n, scanning), v in place.items()
         },
+        "launch_us_per_trajectory": {"shared": round(launch[False], 1), "each_draws": round(launch[True], 1)},
         "median_us": statistics.median(us.values()),
     }
