@@ -68,8 +68,7 @@ def endpoint_tls(host: str, tls: TlsFiles | None) -> EndpointTls | None:
     certificate (`LIBRA_TLS_CERT_FILE`, `LIBRA_TLS_KEY_FILE`), and without one EndpointInsecure."""
     if is_loopback(host):
         return None
-    context = tls.server_ssl() if tls is not None else None
-    if context is None or tls is None:
+    if tls is None or (context := tls.server_ssl()) is None:
         raise EndpointInsecure(
             f"the agent endpoint would listen on {host} (LIBRA_SCHEDULER_AGENT_HOST), beyond this host, "
             "and carry each trajectory's key in the clear: give the scheduler a certificate "

@@ -184,7 +184,7 @@ class SyntheticEpisode(Episode):
         # of launching a trajectory, ~1.4 ms for r2e_gym's prompts), each member gets its own copy.
         prompts: dict[str, list[int]] = {}
         out = []
-        for spec in specs[:size]:
+        for spec in (specs[i] for i in range(size)):
             ids = prompts.get(spec.prompt_id)
             if ids is None:
                 ids = prompts[spec.prompt_id] = self.synthetic.prompt_ids(spec)
