@@ -59,6 +59,7 @@ TRAINER_ENGINE_SUFFIX = "-engine"
 """The trainer's own engine (planner.lending.trainer_serves) is the worker `<trainer's id>-engine`."""
 TRAINER_ENGINE_SPEAKS = (
     subjects.TURN_RESULT,
+    subjects.TURN_PROGRESS,
     subjects.ENGINE_LOAD,
     subjects.HYBRID_STATE,
     subjects.WORKER_HELLO,
@@ -120,6 +121,7 @@ _GRANTS: dict[str, Grants] = {
         subscribes=(
             subjects.PLAN,
             subjects.TURN_RESULT,
+            subjects.TURN_PROGRESS,
             subjects.TOOL_RETURN,
             subjects.ENGINE_LOAD,
             subjects.WEIGHTS_UPDATED,
@@ -129,7 +131,7 @@ _GRANTS: dict[str, Grants] = {
         reads=(subjects.PLAN, subjects.FACTS_TRAINER),
     ),
     "rollout-engine": Grants(
-        speaks=(subjects.TURN_RESULT, subjects.ENGINE_LOAD, subjects.HYBRID_STATE),
+        speaks=(subjects.TURN_RESULT, subjects.TURN_PROGRESS, subjects.ENGINE_LOAD, subjects.HYBRID_STATE),
         subscribes=(subjects.PLAN, subjects.HYBRID_GROUP),  # and its own turn requests
     ),
     "tool-sandbox": Grants(publishes=(subjects.TOOL_RETURN,), subscribes=(subjects.PLAN, subjects.TOOL_CALL)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 TURN_REQUEST = "turn.request"  # .<engine_id>
 TURN_RESULT = "turn.result"  # .<kind>.<worker_id> (spoken, below)
+TURN_PROGRESS = "turn.progress"  # .<kind>.<worker_id>: a streamed turn's tokens so far (spoken)
 TOOL_CALL = "tool.call"
 TOOL_RETURN = "tool.return"
 TRAJ_COMPLETED = "traj.completed"
@@ -30,7 +31,7 @@ FACTS_SCHEDULER = f"{FACTS}.scheduler"
 FACTS_PLANNER = f"{FACTS}.planner"
 
 
-SPOKEN = (WORKER_HELLO, HYBRID_STATE, ENGINE_LOAD, TURN_RESULT, METRICS, ERRORS)
+SPOKEN = (WORKER_HELLO, HYBRID_STATE, ENGINE_LOAD, TURN_RESULT, TURN_PROGRESS, METRICS, ERRORS)
 """Where a worker speaks for itself: it publishes on `<subject>.<kind>.<worker_id>`, a subject only
 its own NATS user may publish to (services/common/credentials.py), and a receiver takes the sender
 from the subject, refusing a message whose body claims another (services/common/bus.py)."""

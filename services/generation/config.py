@@ -43,6 +43,9 @@ class EngineSettings(BaseSettings):
     load_heartbeat_s: float = Field(5.0, gt=0.0, le=300.0)
     """An EngineLoad (and a MetricSample) at least this often, changed or not: it refreshes the
     engine's tokens/s and KV use, and bounds how long a lost turn goes unnoticed (two reports)."""
+    stream_interval_s: float = Field(0.05, ge=0.0, le=10.0)
+    """How often a streamed turn (`TurnRequest.stream`: an agent's call with `stream: true`) says
+    the tokens it sampled since (TurnProgress); 0: after every engine iteration."""
     max_wait_for_weights_s: float = Field(60.0, ge=0.0, le=3600.0)
     """How long a request whose min_policy_version is ahead of the engine waits for newer weights."""
     max_new_tokens_cap: int = Field(4096, ge=1)

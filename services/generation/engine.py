@@ -353,3 +353,5 @@ class ContinuousEngine(VersionGate):
                 if self.speculator is not None:
                     self.speculator.finished(item.req.prompt_id, item.req.group_id, item.ids)
                 return
+        if item.req.on_tokens is not None and emitted:
+            item.req.on_tokens([token for token, _ in emitted])

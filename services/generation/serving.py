@@ -116,6 +116,51 @@ def turn_result(
     )
 
 
+class TurnStream:
+    """A streamed turn's tokens as they are sampled (`TurnRequest.stream`), spoken as TurnProgress
+    at most every `interval_s`: the engine's callback only appends (it must not block), a timer
+    publishes what gathered since. Best effort: the TurnResult carries the whole turn anyway."""
+
+    def __init__(self, bus: Bus, req: ev.TurnRequest, engine_id: str, interval_s: float):
+        self.bus, self.req, self.engine_id, self.interval_s = bus, req, engine_id, interval_s
+        self.sent = 0
+        self.waiting: list[int] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.publishing: set[asyncio.Task[None]] = set()
+        self.closed = False
+
+    def add(self, token_ids: list[int]) -> None:
+        if self.closed:
+            return
+        self.waiting += token_ids
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.interval_s, self._flush)
+
+    def _flush(self) -> None:
+        self.timer = None
+        if self.closed or not self.waiting:
+            return
+        msg = ev.TurnProgress(
+            request_id=self.req.request_id,
+            trajectory_id=self.req.trajectory_id,
+            engine_id=self.engine_id,
+            offset=self.sent,
+            token_ids=self.waiting,
+        )
+        self.sent += len(self.waiting)
+        self.waiting = []
+        task = asyncio.create_task(self.bus.publish(subjects.TURN_PROGRESS, msg))
+        self.publishing.add(task)
+        task.add_done_callback(self.publishing.discard)
+
+    def close(self) -> None:
+        """The turn ended: nothing more goes out (its result says the rest)."""
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
 class TurnServer(abc.ABC):
     """Turn requests in, turn results and load reports out, for one worker id on one backend.
     Its owner connects `bus`, then calls `open_turns` once the worker may serve, and
@@ -255,6 +300,7 @@ class TurnServer(abc.ABC):
             span.set_attribute("libra.context_tokens", len(gen.prompt_ids))
             span.set_attribute("libra.context_offset", req.context_offset)  # tokens it held already
             ctx = otel_context.get_current()
+            streamed: TurnStream | None = None
             try:
                 if self.draining:  # taken away before it started: nothing generated
                     await self._publish_error(req, "handed_back", f"{self.worker_id} is draining", ctx)
@@ -283,7 +329,14 @@ class TurnServer(abc.ABC):
                 if self.draining:  # taken away while it waited for weights: nothing generated
                     await self._publish_error(req, "handed_back", f"{self.worker_id} is draining", ctx)
                     return
-                done = await self.engine.submit(gen)
+                if req.stream:
+                    streamed = TurnStream(self.bus, req, self.worker_id, self.settings.stream_interval_s)
+                    gen.on_tokens = streamed.add
+                try:
+                    done = await self.engine.submit(gen)
+                finally:
+                    if streamed is not None:
+                        streamed.close()
             except EngineClosed:
                 await self._publish_error(req, "unavailable", "shutdown", ctx)
                 return

@@ -29,6 +29,7 @@ from services.scheduler.chat_api import (
     completion_body,
     parse_tool_calls,
     returned_signal,
+    streamable,
     text_completion_body,
     tool_names,
     without_stop,
@@ -135,7 +136,7 @@ class AgentEpisode(Episode):
             if isinstance(request.prompt, str):
                 session.text = request.prompt
             live.prompt_messages = request.messages or [{"role": "prompt", "content": _shown(request.prompt)}]
-            self._sample_as_asked(live, event.request)
+            self._sample_as_asked(live, event)
             return None
 
     async def _next(self, live: Live, session: AgentSession) -> Call | Ended:
@@ -187,9 +188,12 @@ class AgentEpisode(Episode):
                 "messages",
             )
 
-    def _sample_as_asked(self, live: Live, request: ChatRequest) -> None:
-        """The call's sampling settings for its turn (the job's where it leaves one out)."""
-        task = self.cfg.task
+    def _sample_as_asked(self, live: Live, call: Call) -> None:
+        """The call's sampling settings for its turn (the job's where it leaves one out), and its
+        completion's id."""
+        task, request = self.cfg.task, call.request
+        call.rid = live.trajectory_id[-12:] + f"-{live.traj.turns + 1}"
+        live.stream = request.stream
         live.temperature = request.temperature or task.temperature
         live.top_p = request.top_p or task.top_p
         live.stop = list(request.stop or task.stop_strings or [])
@@ -198,6 +202,7 @@ class AgentEpisode(Episode):
 
     async def step(self, live: Live, turn: SampledTurn) -> Step | PluginFailure | None:
         session = self.sessions[live.trajectory_id]
+        live.stream = False
         if session.pending is not None:
             self._answer(live, session, turn)
         live.deadline = math.inf
@@ -212,18 +217,25 @@ class AgentEpisode(Episode):
             except ApiError as err:
                 session.refuse(err)
                 continue
-            self._sample_as_asked(live, event.request)
+            self._sample_as_asked(live, event)
             return Step(observation=said)
+
+    def progress(self, live: Live, token_ids: list[int]) -> None:
+        """A streamed call's turn so far: what of its content is sure goes out (`streamable`)."""
+        session = self.sessions.get(live.trajectory_id)
+        call = session.pending if session is not None else None
+        if call is None or not call.request.stream:
+            return
+        text = self.prompter.tok.decode(token_ids, skip_special_tokens=True)
+        chat_tools = bool(call.request.tools) and call.request.prompt is None
+        call.show(streamable(text, list(live.stop or []), chat_tools))
 
     def _answer(self, live: Live, session: AgentSession, turn: SampledTurn) -> None:
         assert session.pending is not None
-        request = session.pending.request
+        request, created, rid = session.pending.request, session.pending.created, session.pending.rid
         content = without_stop(turn.text, list(live.stop or []))
         tok = self.prompter.tok
-        rid, model = (
-            live.trajectory_id[-12:] + f"-{live.traj.turns + 1}",
-            request.model or self.endpoint.model,
-        )
+        model = request.model or self.endpoint.model
         usage = (live.traj.context_tokens, len(turn.token_ids))
         texts = [tok.decode([t]) for t in turn.token_ids] if request.logprobs else None
         logprobs = list(turn.logprobs) if request.logprobs else None
@@ -233,7 +245,7 @@ class AgentEpisode(Episode):
             if session.text is not None:
                 session.text += content
             body = text_completion_body(
-                rid, model, int(time.time()), content, turn.finish_reason, usage, texts, logprobs, ids
+                rid, model, created, content, turn.finish_reason, usage, texts, logprobs, ids
             )
         else:
             content, calls = (
@@ -244,7 +256,7 @@ class AgentEpisode(Episode):
             reply = assistant_message(content, calls)
             session.history = [*request.messages, reply]
             body = completion_body(
-                rid, model, int(time.time()), reply, turn.finish_reason, usage, texts, logprobs, ids
+                rid, model, created, reply, turn.finish_reason, usage, texts, logprobs, ids
             )
         session.answer(200, body)
 

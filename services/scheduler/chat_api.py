@@ -307,6 +307,35 @@ def without_stop(text: str, stops: list[str]) -> str:
     return text
 
 
+TOOL_CALL_OPEN = "<tool_call>"
+
+
+def _held_back(text: str, marks: list[str]) -> str:
+    """`text` cut before the first of `marks` in it, and before a tail that could begin one."""
+    for mark in marks:
+        if mark in text:
+            text = text[: text.index(mark)]
+    for k in range(min(len(text), max((len(m) for m in marks), default=0)), 0, -1):
+        if any(m.startswith(text[-k:]) for m in marks):
+            return text[:-k]
+    return text
+
+
+def streamable(text: str, stops: list[str], tools: bool) -> str:
+    """What of a turn's text so far its content is sure to begin with, however the turn goes on:
+    what a streamed call may send before the turn ends (`without_stop` and `parse_tool_calls`
+    make the content at the end). Held back: a character not yet whole, a tail that could begin a
+    stop string (the content leaves it out), and with tools a tail that could begin a
+    `<tool_call>` block, trailing spaces (a turn that calls a tool has its content stripped), and
+    everything while the turn could still be one bare JSON call or begins with a space."""
+    text = _held_back(text.rstrip("\ufffd"), [s for s in stops if s])
+    if not tools:
+        return text
+    if text[:1].isspace() or text.startswith(("{", "<|python_tag|>")) or "<|python_tag|>".startswith(text):
+        return ""
+    return _held_back(text, [TOOL_CALL_OPEN]).rstrip()
+
+
 def assistant_message(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
     """The reply in normal form (what a conversation sent back must repeat)."""
     out: dict[str, Any] = {"role": "assistant", "content": content}
@@ -387,21 +416,44 @@ def completion_body(
     return _body(f"chatcmpl-{request_id}", "chat.completion", created, model, choice, usage, token_ids)
 
 
-def completion_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+def chat_chunk(head: dict[str, Any], delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """One chat.completion.chunk of the completion `head` (its id, created and model)."""
+    out: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None} | extra
+    return {k: head[k] for k in ("id", "created", "model")} | {
+        "object": "chat.completion.chunk",
+        "choices": [out],
+    }
+
+
+def text_chunk(head: dict[str, Any], text: str) -> dict[str, Any]:
+    """A piece of a streamed text completion's text."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+    return {k: head[k] for k in ("id", "object", "created", "model")} | {"choices": [choice]}
+
+
+def streamed_content(body: dict[str, Any]) -> str:
+    """A completion's content (chat) or text (completions)."""
+    choice = body["choices"][0]
+    return str(choice["text"] if "text" in choice else choice["message"]["content"] or "")
+
+
+def completion_chunks(
+    body: dict[str, Any], include_usage: bool, sent: str | None = None
+) -> list[dict[str, Any]]:
     """A chat.completion as the chat.completion.chunk events a streaming client reads: the role,
     the content (with its logprobs), the tool calls, the finish reason, and the usage if asked.
-    The turn is whole when it is sent: the chunks stream what was generated, not as it was."""
+    `sent`: the role and this much of the content went out while the turn generated (the content
+    begins with it); None: nothing did."""
     choice = body["choices"][0]
     message = choice["message"]
-    head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
 
     def chunk(delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None} | extra
-        return head | {"choices": [out]}
+        return chat_chunk(body, delta, **extra)
 
-    chunks = [chunk({"role": "assistant", "content": ""})]
-    if message.get("content"):
-        chunks.append(chunk({"content": message["content"]}, logprobs=choice["logprobs"]))
+    chunks = [] if sent is not None else [chunk({"role": "assistant", "content": ""})]
+    rest = (message.get("content") or "")[len(sent or "") :]
+    if rest or (sent is not None and choice["logprobs"] is not None):
+        chunks.append(chunk({"content": rest}, logprobs=choice["logprobs"]))
     for i, call in enumerate(message.get("tool_calls", [])):
         chunks.append(chunk({"tool_calls": [{"index": i, **call}]}))
     last = chunk({}, finish_reason=choice["finish_reason"])
@@ -411,7 +463,7 @@ def completion_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[st
         last["prompt_token_ids"] = body["prompt_token_ids"]
     chunks.append(last)
     if include_usage:
-        chunks.append(head | {"choices": [], "usage": body["usage"]})
+        chunks.append(chat_chunk(body, {}) | {"choices": [], "usage": body["usage"]})
     return chunks
 
 
@@ -461,11 +513,16 @@ def text_completion_body(
     return _body(f"cmpl-{request_id}", "text_completion", created, model, choice, usage, token_ids)
 
 
-def text_completion_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
-    """A text_completion as streamed: the text in one chunk, then the finish reason."""
+def text_completion_chunks(
+    body: dict[str, Any], include_usage: bool, sent: str | None = None
+) -> list[dict[str, Any]]:
+    """A text_completion as streamed: the text (after `sent`, what went out while the turn
+    generated) in one chunk, then the finish reason."""
     choice = body["choices"][0]
     head = {k: body[k] for k in ("id", "object", "created", "model")}
-    chunks = [head | {"choices": [{**choice, "finish_reason": None}]}]
+    chunks = [
+        head | {"choices": [{**choice, "text": choice["text"][len(sent or "") :], "finish_reason": None}]}
+    ]
     if "prompt_token_ids" in body:
         chunks[0]["prompt_token_ids"] = body["prompt_token_ids"]
     last = {"index": 0, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}

@@ -172,6 +172,14 @@ class TrajectoryDriver:
         finally:
             await self.inflight.drain(live.engine_id)
 
+    async def on_turn_progress(self, msg: ev.TurnProgress, _: Envelope) -> None:
+        """A streamed turn's tokens so far (from the engine it was sent to: the bus checked the
+        sender): its episode shows them (an agent's streamed call reads them as they come)."""
+        live = self.inflight.progress(msg)
+        if live is not None:
+            before = live.partial.token_ids if live.partial is not None else []
+            self.episode.progress(live, before + live.streamed)
+
     async def _turn_result(self, live: Live, res: ev.TurnResult) -> None:
         traj_id = live.trajectory_id
         if live.step_span is not None:

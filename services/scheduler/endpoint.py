@@ -15,6 +15,7 @@ import shutil
 import socket
 import ssl
 import tempfile
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,11 +30,17 @@ from services.scheduler.agents import AgentOutcome
 from services.scheduler.chat_api import (
     ApiError,
     ChatRequest,
+    chat_chunk,
     completion_chunks,
     parse_completion,
     parse_request,
+    streamed_content,
+    text_chunk,
     text_completion_chunks,
 )
+
+Chunks = Callable[[dict[str, Any], bool, str | None], list[dict[str, Any]]]
+"""A completion as the server-sent events of a stream (after what went out as it generated)."""
 
 MAX_BODY_BYTES = 8 << 20
 """A request body larger than this is refused (413)."""
@@ -95,6 +102,18 @@ class Call:
 
     request: ChatRequest
     answer: asyncio.Future[tuple[int, dict[str, Any]]]
+    created: int = field(default_factory=lambda: int(time.time()))
+    rid: str = ""
+    """Its completion's id (set when its trajectory takes it as a turn)."""
+    shown: str = ""
+    """With `stream`: what of the turn's content is already sure, as it generates (`show`)."""
+    moved: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def show(self, text: str) -> None:
+        """The turn's content is sure to begin with `text` (more than before: it only grows)."""
+        if len(text) > len(self.shown) and text.startswith(self.shown):
+            self.shown = text
+            self.moved.set()
 
     def reply(self, status: int, body: dict[str, Any]) -> None:
         if not self.answer.done():
@@ -165,6 +184,30 @@ class AgentSession:
         if self.pending is not None:
             self.pending.refuse(gone)
             self.pending = None
+
+
+DIVERGED = (
+    "the turn's tokens differ from those this stream sent as it generated (its engine failed and "
+    "the turn was sampled again): what went out cannot be taken back, so the stream ends here"
+)
+
+
+async def _event_stream(request: web.Request) -> web.StreamResponse:
+    stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await stream.prepare(request)
+    return stream
+
+
+async def _send(stream: web.StreamResponse, events: list[dict[str, Any]], done: bool = False) -> bool:
+    """Writes server-sent events (and `[DONE]` after them); False if the client has gone."""
+    try:
+        for event in events:
+            await stream.write(f"data: {json.dumps(event)}\n\n".encode())
+        if done:
+            await stream.write(b"data: [DONE]\n\n")
+    except ConnectionResetError:
+        return False
+    return True
 
 
 class AgentEndpoint:
@@ -267,7 +310,7 @@ class AgentEndpoint:
         self,
         request: web.Request,
         parse: Callable[[Any], ChatRequest],
-        chunks: Callable[[dict[str, Any], bool], list[dict[str, Any]]],
+        chunks: Chunks,
     ) -> web.StreamResponse:
         """One call: checked, handed to its trajectory, answered when its turn is (as JSON, or as
         server-sent events)."""
@@ -281,22 +324,64 @@ class AgentEndpoint:
                 raise ApiError(400, "invalid_json", f"the body is not JSON: {err}") from None
             call = parse(body)
             answer = session.submit(call)
+            pending = session.pending
         except ApiError as err:
             return self._refused(err)
+        stream, sent = (None, "") if pending is None else await self._as_generated(request, pending)
         status, out = await answer
         if status >= 400:
             self.refused[out["error"]["code"]] = self.refused.get(out["error"]["code"], 0) + 1
-        if status >= 400 or not call.stream:
-            return web.json_response(out, status=status)
-        stream = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await stream.prepare(request)
-        for chunk in chunks(out, call.include_usage):
-            await stream.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await stream.write(b"data: [DONE]\n\n")
-        await stream.write_eof()
+        if stream is None:
+            if status >= 400 or not call.stream:
+                return web.json_response(out, status=status)
+            stream = await _event_stream(request)
+            events = chunks(out, call.include_usage, None)
+        elif status >= 400:
+            events = [out]  # refused after its first tokens went out: the error ends the stream
+        elif not streamed_content(out).startswith(sent):
+            self.log.warning("streamed_turn_diverged", sent=len(sent))
+            events = [ApiError(500, "stream_diverged", DIVERGED).body()]
+        else:
+            events = chunks(out, call.include_usage, sent)
+        if await _send(stream, events, done=True):
+            await stream.write_eof()
         return stream
+
+    async def _as_generated(
+        self, request: web.Request, pending: Call
+    ) -> tuple[web.StreamResponse | None, str]:
+        """A streamed call's content as its turn generates it (what is sure of it: `Call.show`),
+        until the turn is answered: the stream opened (None: nothing went out, and a refusal can
+        still be a 4xx), and what went out."""
+        stream: web.StreamResponse | None = None
+        sent = ""
+        ask = pending.request
+        if not ask.stream:
+            return None, ""
+        while not pending.answer.done():
+            moved: asyncio.Future[Any] = asyncio.ensure_future(pending.moved.wait())
+            waits: set[asyncio.Future[Any]] = {pending.answer, moved}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            moved.cancel()
+            pending.moved.clear()
+            new = pending.shown[len(sent) :]
+            if not new or pending.answer.done():
+                continue
+            model = ask.model or self.model
+            if ask.prompt is None:
+                head = {"id": f"chatcmpl-{pending.rid}", "created": pending.created, "model": model}
+                events = [chat_chunk(head, {"content": new})]
+                if stream is None:
+                    events.insert(0, chat_chunk(head, {"role": "assistant", "content": ""}))
+            else:
+                head = {"id": f"cmpl-{pending.rid}", "object": "text_completion"}
+                events = [text_chunk(head | {"created": pending.created, "model": model}, new)]
+            if stream is None:
+                stream = await _event_stream(request)
+            if not await _send(stream, events):
+                break  # the agent went away: its turn goes on, and ends the trajectory's way
+            sent = pending.shown
+        return stream, sent
 
     async def _models(self, request: web.Request) -> web.Response:
         try:

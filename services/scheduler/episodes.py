@@ -75,6 +75,9 @@ class Episode:
         """After a turn: what the episode says (None: the trajectory's own parser decides)."""
         return None
 
+    def progress(self, live: Live, token_ids: list[int]) -> None:
+        """The turn in flight has sampled `token_ids` so far (a streamed turn: `Live.stream`)."""
+
     def reply_ids(self, live: Live, text: str) -> list[int]:
         """The tokens of the episode's reply `text` (a `Step.observation`)."""
         return self.prompter.observation_ids(text, live.traj.ended_with_eos)

@@ -52,6 +52,10 @@ class Live:
     """Its own nucleus, stop strings and sampling seed (a `task.agent` call's); None: the job's."""
     stop: list[str] | None = None
     seed: int | None = None
+    stream: bool = False
+    """Its turns report their tokens while they generate (a `task.agent` call with `stream`)."""
+    streamed: list[int] = field(default_factory=list)
+    """What its turn in flight has reported of its tokens so far (TurnProgress), on this engine."""
     step_span: trace.Span | None = None
     request_id: str = ""
     call_id: str = ""
@@ -345,6 +349,18 @@ class InFlight:
         self.forget_turn(live)
         return live
 
+    def progress(self, msg: ev.TurnProgress) -> Live | None:
+        """The trajectory whose turn in flight `msg` reports on, with its tokens so far (`streamed`)
+        extended, or None: not a streamed turn in flight on that engine, or a report out of order."""
+        traj_id = self.requests.get(msg.request_id)
+        live = self._live.get(traj_id) if traj_id is not None else None
+        if live is None or not live.stream or live.engine_id != msg.engine_id:
+            return None
+        if msg.offset != len(live.streamed):  # one lost on the way: the result has them all
+            return None
+        live.streamed += msg.token_ids
+        return live
+
     async def retry_or_fail(
         self, live: Live, code: str = "engine_unavailable", avoid: str | None = None
     ) -> None:
@@ -375,6 +391,7 @@ class InFlight:
         first = not self._sent_to  # this scheduler's first turn: where a takeover ends (the log)
         live.seq = self._sent_to[engine_id] = self._sent_to.get(engine_id, self._seq_base) + 1
         live.answered_at = 0.0
+        live.streamed = []
         live.deadline = time.monotonic() + self.settings.turn_timeout(action.max_new_tokens)
         self.requests.add(live.request_id, traj.trajectory_id, engine_id)
         ctx = trace.set_span_in_context(live.span)
@@ -401,6 +418,7 @@ class InFlight:
             min_policy_version=live.min_policy_version,
             stop=self.stop_strings if live.stop is None else live.stop,
             priority=self.bucket_level.get(bucket, 0),
+            stream=live.stream,
             group_id=traj.group_id,
             seq=live.seq,
             prompt_id=traj.task.prompt_id,

@@ -165,6 +165,7 @@ class SchedulerService:
         await self.bus.bind_stream("TRAJ")  # where completed trajectories go
         await self.groups.bind()
         await self.bus.subscribe(subjects.TURN_RESULT, ev.TurnResult, self.driver.on_turn_result)
+        await self.bus.subscribe(subjects.TURN_PROGRESS, ev.TurnProgress, self.driver.on_turn_progress)
         await self.bus.subscribe(subjects.TOOL_RETURN, ev.ToolReturn, self.driver.on_tool_return)
         await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, self._on_engine_load)
         await self.bus.subscribe(subjects.WEIGHTS_UPDATED, ev.WeightsUpdated, self.versions.on_weights)

@@ -794,6 +794,30 @@ async def completions(client, sample):
     return 0.5
 
 
+async def streamed(client, messages):
+    \"\"\"Mode `stream`: a chat call streamed, read back into the message, its context and tokens.\"\"\"
+    stream = await client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, max_tokens=6, logprobs=True, stream=True,
+        stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+    )
+    content, calls, logprobs, context, ids = "", [], [], None, None
+    async for chunk in stream:
+        if not chunk.choices:
+            assert chunk.usage.completion_tokens == len(ids)
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        calls += [c.model_dump(exclude_none=True) for c in choice.delta.tool_calls or []]
+        logprobs += choice.logprobs.content if choice.logprobs else []
+        if choice.finish_reason:
+            context, ids = chunk.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+    assert len(ids) == len(logprobs) <= 6
+    message = {"role": "assistant", "content": content or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+    return {k: v for k, v in message.items() if v is not None}, context, ids
+
+
 async def agent(sample, base_url, api_key):
     \"\"\"Three calls whatever the model writes, checking that every sampled token stays in the context;
     mode `edit` rewrites its history once (a new sequence), mode `raise` has a bug.\"\"\"
@@ -808,23 +832,27 @@ async def agent(sample, base_url, api_key):
             raise RuntimeError("this agent has a bug")
         if sample["mode"] == "edit" and turn == 1:
             messages, seen = [{"role": "user", "content": "something else"}, *messages[1:]], []
-        out = await client.chat.completions.create(
-            model="tiny", messages=messages, tools=TOOLS, max_tokens=6, logprobs=True,
-            extra_body={"return_token_ids": True},
-        )
-        choice = out.choices[0]
-        context, ids = out.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+        if sample["mode"] == "stream":
+            message, context, ids = await streamed(client, messages)
+        else:
+            out = await client.chat.completions.create(
+                model="tiny", messages=messages, tools=TOOLS, max_tokens=6, logprobs=True,
+                extra_body={"return_token_ids": True},
+            )
+            choice = out.choices[0]
+            context, ids = out.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+            assert len(ids) == len(choice.logprobs.content) <= 6
+            message = choice.message.model_dump(exclude_none=True)
         assert context[: len(seen)] == seen, "a sampled token changed in the context"
-        assert len(ids) == len(choice.logprobs.content) <= 6
         seen = context + ids
-        messages.append(choice.message.model_dump(exclude_none=True))
+        messages.append(message)
         messages.append({"role": "user", "content": f"Go on ({turn})."})
     return 0.5
 """
 
 
 def test_your_own_agent_over_the_openai_endpoint_trains_what_it_sampled(stack: Stack, tmp_path: Path) -> None:
-    data, plugins = _own_task(tmp_path, ["cut", "edit", "raise", "text", "ok", "edit", "ids", "ok"])
+    data, plugins = _own_task(tmp_path, ["cut", "edit", "raise", "text", "stream", "edit", "ids", "ok"])
     (plugins / "my_agent.py").write_text(AGENT_PLUGIN)
     task = {
         "dataset": {"path": str(data), "prompt_key": "question"},

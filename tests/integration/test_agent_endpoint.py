@@ -20,7 +20,7 @@ import pytest
 from services.common.pki import Authority
 from services.common.tls import TlsFiles
 from services.scheduler.agents import AgentPool, CommandAgents, check_agent, reward_of
-from services.scheduler.chat_api import assistant_message, completion_body, text_completion_body
+from services.scheduler.chat_api import ApiError, assistant_message, completion_body, text_completion_body
 from services.scheduler.endpoint import MAX_BODY_BYTES, AgentEndpoint, AgentSession, Call, EndpointInsecure
 from services.scheduler.plugins import PluginFailure, PluginLoadError
 
@@ -85,6 +85,55 @@ async def test_a_streamed_call_reads_as_the_whole_completion(endpoint: AgentEndp
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "answer 0"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 5
+
+
+async def test_a_streamed_call_reads_its_turn_as_it_generates(endpoint: AgentEndpoint) -> None:
+    """The content goes out while the turn is still generating (the episode shows what is sure of
+    it), and the rest when it is answered; a turn refused, or answered with other tokens than
+    those streamed, ends its stream with a typed error."""
+    for ending in ("answered", "refused", "diverged"):
+        session = endpoint.open(f"traj-live-{ending}")
+        client = _client(endpoint, session.key)
+        calls: asyncio.Queue[Call] = asyncio.Queue()
+
+        async def episode(session: AgentSession = session, calls: asyncio.Queue[Call] = calls) -> None:
+            event = await session.next_event()
+            assert isinstance(event, Call)
+            event.rid = "live-1"
+            event.show("Hel")
+            calls.put_nowait(event)
+
+        watcher = asyncio.create_task(episode())
+        stream = await client.chat.completions.create(
+            model="any", messages=USER, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = aiter(stream)
+        call = await calls.get()
+        await watcher
+        role, first = await anext(chunks), await anext(chunks)
+        assert role.choices[0].delta.role == "assistant" and first.choices[0].delta.content == "Hel"
+        assert first.id == "chatcmpl-live-1" and not call.answer.done(), "it went out before the answer"
+        call.show("Hello, wo")
+        assert (await anext(chunks)).choices[0].delta.content == "lo, wo"
+        if ending == "refused":
+            session.refuse(ApiError(400, "context_length_exceeded", "too long"))
+            with pytest.raises(openai.APIError, match="too long"):
+                await anext(chunks)
+            continue
+        content = "Hello, world" if ending == "answered" else "Goodbye"
+        reply = assistant_message(content, [])
+        session.answer(
+            200, completion_body("live-1", "m", call.created, reply, "stop", (3, 4), None, None, None)
+        )
+        if ending == "diverged":
+            with pytest.raises(openai.APIError, match="differ from those this stream sent"):
+                await anext(chunks)
+            continue
+        rest = [c async for c in chunks]
+        assert [c.choices[0].delta.content for c in rest if c.choices] == ["rld", None]
+        assert rest[-2].choices[0].finish_reason == "stop" and rest[-1].usage is not None
+        assert {c.id for c in rest} == {"chatcmpl-live-1"}
+    assert endpoint.refused == {"context_length_exceeded": 1}
 
 
 async def test_a_text_completion_call_plain_and_streamed(endpoint: AgentEndpoint) -> None:

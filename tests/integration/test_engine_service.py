@@ -41,6 +41,7 @@ class Harness:
         self.results: dict[str, tuple[ev.TurnResult, dict[str, str]]] = {}
         self.loads: list[ev.EngineLoad] = []
         self.errors: list[ev.ErrorEvent] = []
+        self.progress: dict[str, list[ev.TurnProgress]] = {}
         self.hello: asyncio.Future[ev.WorkerHello] = asyncio.get_running_loop().create_future()
 
     async def start(self) -> None:
@@ -58,6 +59,11 @@ class Harness:
                 self.hello.set_result(m)
 
         await self.bus.subscribe(subjects.TURN_RESULT, ev.TurnResult, on_result)
+
+        async def on_progress(m: ev.TurnProgress, _: Envelope) -> None:
+            self.progress.setdefault(m.request_id, []).append(m)
+
+        await self.bus.subscribe(subjects.TURN_PROGRESS, ev.TurnProgress, on_progress)
         await self.bus.subscribe(subjects.ENGINE_LOAD, ev.EngineLoad, on_load)
         await self.bus.subscribe(subjects.ERRORS, ev.ErrorEvent, on_error)
 
@@ -88,6 +94,13 @@ class Harness:
             while request_id not in self.results:
                 await asyncio.sleep(0.05)
         return self.results[request_id]
+
+    def streamed(self, request_id: str) -> list[int]:
+        """The tokens a streamed turn reported while it generated: in order, from the first."""
+        got = self.progress.get(request_id, [])
+        assert [m.offset for m in got] == [sum(len(p.token_ids) for p in got[:i]) for i in range(len(got))]
+        assert all(m.engine_id == self.worker and m.trajectory_id == f"traj-{request_id}" for m in got)
+        return [t for m in got for t in m.token_ids]
 
 
 def turn(request_id: str, **kw: Any) -> ev.TurnRequest:
@@ -123,6 +136,7 @@ async def engine(
         LIBRA_ROLLOUT_ENGINE_LOAD_HEARTBEAT_S="1",
         LIBRA_ROLLOUT_ENGINE_MAX_WAIT_FOR_WEIGHTS_S="1",
         LIBRA_ROLLOUT_ENGINE_SEED="0",
+        LIBRA_ROLLOUT_ENGINE_STREAM_INTERVAL_S="0",
     )
     bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
     store = OwnershipStore.from_url(redis_server.url, run_id)
@@ -186,6 +200,12 @@ async def test_serves_turns_refuses_bad_input_and_keeps_serving(engine: Any) -> 
     await h.send(turn("after"))
     res, _ = await h.result("after")
     assert not res.HasField("error") and len(res.token_ids) > 0
+    # a streamed turn says its tokens as it samples them; its result is still the whole turn
+    await h.send(turn("streamed", max_new_tokens=12, min_new_tokens=12, stream=True))
+    res, _ = await h.result("streamed")
+    streamed = h.streamed("streamed")
+    assert 0 < len(streamed) < len(res.token_ids) == 12 and res.token_ids[: len(streamed)] == streamed
+    assert not any(rid in h.progress for rid in ids), "a turn not streamed says nothing until its end"
     assert proc.poll() is None
 
 
@@ -538,7 +558,7 @@ async def test_a_vllm_engine_serves_hands_back_with_tokens_and_dies_with_its_pro
     env = pinned_job_env(
         tmp_path, run, nats_server.url, redis_server.url, run_id, worker,
         LIBRA_ROLLOUT_ENGINE_LOAD_REPORT_INTERVAL_S="0.2",
-        LIBRA_ROLLOUT_ENGINE_LOAD_HEARTBEAT_S="1",
+        LIBRA_ROLLOUT_ENGINE_LOAD_HEARTBEAT_S="1", LIBRA_ROLLOUT_ENGINE_STREAM_INTERVAL_S="0.02",
     )  # fmt: skip
     bus = await Bus.connect(nats_server.url, run_id, "test", "harness")
     store = OwnershipStore.from_url(redis_server.url, run_id)
@@ -578,7 +598,11 @@ async def test_a_vllm_engine_serves_hands_back_with_tokens_and_dies_with_its_pro
             assert held is not None
             ids = [f"long-{i}" for i in range(3)]  # max_batch 2: two run, one waits
             for rid in ids:
-                await h.send(turn(rid, engine_id=worker, max_new_tokens=1900, min_new_tokens=1900))
+                await h.send(
+                    turn(
+                        rid, engine_id=worker, max_new_tokens=1900, min_new_tokens=1900, stream=rid == ids[0]
+                    )
+                )
             async with asyncio.timeout(30):
                 while h.loads[-1].running < 2:
                     await asyncio.sleep(0.05)
@@ -591,6 +615,10 @@ async def test_a_vllm_engine_serves_hands_back_with_tokens_and_dies_with_its_pro
             running = [r for r in back if r.token_ids]
             assert len(running) == 2, "the two running turns come back with what they generated"
             assert all(0 < len(r.token_ids) < 1900 and len(r.logprobs) == len(r.token_ids) for r in running)
+            streamed = h.streamed(ids[0])  # vLLM's outputs as they came: what it handed back began so
+            assert (
+                0 < len(streamed) <= len(back[0].token_ids) and back[0].token_ids[: len(streamed)] == streamed
+            )
 
             vllm_procs = psutil.Process(proc.pid).children(recursive=True)
             assert vllm_procs, "vLLM runs its engine core in processes of its own"

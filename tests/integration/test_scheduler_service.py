@@ -152,6 +152,8 @@ async def scheduler(
     `harness.peer`), add task settings (`{"task": {...}}`) and scheduler settings (`{"env": {...}}`)."""
     param = getattr(request, "param", {})
     engines = param.get("engines", 1)
+    for name, text in param.get("files", {}).items():  # beside the job's config (plugins)
+        (tmp_path / name).write_text(text)
     data = tmp_path / "tasks.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"What is 2+3? ({i})", "answer": "5"}) + "\n" for i in range(4))
@@ -497,6 +499,72 @@ async def test_a_turn_handed_back_mid_way_goes_on_from_the_tokens_it_made(
     assert not t.HasField("failure") and proc.poll() is None
     s = await stats(bus, 4)  # counted for the report
     assert (s.turns_handed_back, s.tokens_kept_on_hand_back) == (1, len(head))
+
+
+STREAM_AGENT = """
+import json, pathlib, uuid
+import openai
+
+async def agent(sample, base_url, api_key):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": sample["prompt"]}]
+    stream = await client.chat.completions.create(model="tiny", messages=messages, stream=True)
+    parts = [c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content]
+    seen = pathlib.Path(__file__).parent / "seen"
+    seen.mkdir(exist_ok=True)
+    (seen / uuid.uuid4().hex).write_text(json.dumps(parts))
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        {
+            "files": {"stream_agent.py": STREAM_AGENT},
+            "task": {"agent": "stream_agent:agent", "plugin_paths": ["."]},
+        }
+    ],
+    indirect=True,
+)
+async def test_an_agents_streamed_call_reads_its_turn_as_the_engine_generates_it(
+    scheduler: Any, tiny_model: ModelConfig, tmp_path: Path
+) -> None:
+    """Each turn the engine streams says its first tokens, and only a second later its result: the
+    agent's streamed call reads the first words before the turn ended (a part of its own), then
+    the rest; what is trained is the whole turn."""
+    from services.common.models import load_tokenizer
+
+    proc, h, bus = scheduler
+    tok = load_tokenizer(tiny_model)
+    head = tok.encode("The sum", add_special_tokens=False)
+    rest = tok.encode(" is <answer>5</answer>", add_special_tokens=False)
+    assert tok.decode(head + rest) == ANSWER
+
+    async def stream(req: ev.TurnRequest) -> None:
+        assert req.stream, "an agent's streamed call is a streamed turn"
+        progress = ev.TurnProgress(
+            request_id=req.request_id, trajectory_id=req.trajectory_id, engine_id=ENGINE, token_ids=head
+        )
+        h.held.add(req.request_id)  # running, as its load reports say
+        await bus.publish(subjects.TURN_PROGRESS, progress)
+        await asyncio.sleep(1.0)
+        tokens = head + rest
+        res = h.result(req, ANSWER, token_ids=tokens, logprobs=[-0.5] * len(tokens))
+        await bus.publish(subjects.TURN_RESULT, res)
+        h.held.discard(req.request_id)
+        h.answered.append(req.request_id)
+
+    def answer(req: ev.TurnRequest) -> None:
+        bus.spawn(stream(req))
+
+    h.answer = answer
+    done = await h.completed(bus, 4)
+    assert all(not t.HasField("failure") for t in done)
+    assert all([s.token_ids for s in t.segments if s.generated] == [head + rest] for t in done)
+    seen = [json.loads(p.read_text()) for p in (tmp_path / "seen").iterdir()]
+    assert len(seen) == 4 and all(parts == ["The sum", " is <answer>5</answer>"] for parts in seen), seen
+    assert proc.poll() is None
 
 
 async def test_turns_of_an_engine_moved_out_of_rollout_wait_for_it_to_hand_them_back(

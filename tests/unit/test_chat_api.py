@@ -17,6 +17,7 @@ from services.scheduler.chat_api import (
     parse_request,
     parse_tool_calls,
     returned_signal,
+    streamable,
     text_completion_body,
     text_completion_chunks,
     tool_names,
@@ -266,3 +267,60 @@ def test_a_turn_that_is_one_json_call_of_an_offered_tool_is_a_tool_call() -> Non
         'I call {"name": "calc"}',
     ):
         assert parse_tool_calls(text, 1, offered) == (text, []), text  # not a call of an offered tool
+
+
+def _content(text: str, stops: list[str], tools: bool) -> str:
+    """The content a turn's whole text gets when it ends (as the agent episode makes it)."""
+    content = without_stop(text, stops)
+    return parse_tool_calls(content, 1, ["calc"])[0] if tools else content
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "tools"),
+    [
+        ("The answer is 42.", [], False),
+        ("The answer is 42.</answer>", ["</answer>"], False),
+        ('Let me add. <tool_call>{"name": "calc", "arguments": {}}</tool_call>', [], True),
+        ('Let me add.  \n<tool_call>{"name": "calc", "arguments": {}}</tool_call> done', ["END"], True),
+        ("<tool_call>not json</tool_call> and text", [], True),
+        ('{"name": "calc", "parameters": {"x": 1}}', [], True),
+        ('{"name": "other"} is not a call', [], True),
+        (' leading space, then <tool_call>{"name": "calc"}</tool_call>', [], True),
+        ("caf\u00e9 \ufffd", [], False),
+        ("a <tool b <tool_ c", ["<tool"], True),
+    ],
+)
+def test_what_streams_as_a_turn_generates_begins_its_final_content(
+    text: str, stops: list[str], tools: bool
+) -> None:
+    """At every point of a turn, what may go out is a prefix of the content the whole turn gets,
+    and it only grows."""
+    final = _content(text, stops, tools)
+    sent = ""
+    for end in range(len(text) + 1):
+        shown = streamable(text[:end], stops, tools)
+        assert final.startswith(shown), (text[:end], shown, final)
+        if len(shown) > len(sent):
+            assert shown.startswith(sent)
+            sent = shown
+
+
+def test_plain_text_streams_whole_and_only_a_possible_stop_waits() -> None:
+    assert streamable("The answer is 4", [], False) == "The answer is 4"
+    assert streamable("The answer is 4</ans", ["</answer>"], False) == "The answer is 4"
+    assert streamable("The answer is 4</answer>", ["</answer>"], False) == "The answer is 4"
+    assert streamable("Let me add. <tool_", [], True) == "Let me add."
+    assert streamable("Let me add. <tool_", [], False) == "Let me add. <tool_"
+    assert streamable('{"name": "ca', [], True) == "" and streamable("caf\ufffd", [], False) == "caf"
+
+
+def test_a_stream_that_went_out_as_it_generated_ends_with_the_rest() -> None:
+    reply = assistant_message("Let me add.", [{"id": "call_1_0", "name": "calc", "arguments": {"x": 1}}])
+    body = completion_body("t-1", "m", 1, reply, "stop", (10, 3), ["a", "b", "c"], [-0.1, -0.2, -0.3], None)
+    chunks = completion_chunks(body, include_usage=False, sent="Let me")
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "role" not in deltas[0] and deltas[0]["content"] == " add."
+    assert [t["logprob"] for t in chunks[0]["choices"][0]["logprobs"]["content"]] == [-0.1, -0.2, -0.3]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "tool_calls"]
+    text = text_completion_body("x", "m", 1, "ab", "stop", (2, 2), None, None, None)
+    assert [c["choices"][0]["text"] for c in text_completion_chunks(text, False, "a")] == ["b", ""]

@@ -45,6 +45,10 @@ class GenRequest:
     seed and the position (`sampling.noise_key`), so the same seed, context and weights give the
     same tokens, with speculative decoding or without (vLLM: its per-request seed). None: the
     engine draws one."""
+    on_tokens: Callable[[list[int]], None] | None = field(default=None, repr=False, compare=False)
+    """Called with each run of tokens the engine appends to the sequence, as they are sampled
+    (a streamed turn, `TurnRequest.stream`); it must not block. The tokens that end the sequence
+    come only in its result."""
 
 
 @dataclass

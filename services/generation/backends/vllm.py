@@ -502,6 +502,8 @@ class VllmEngine(VersionGate):
                         self.backend.contexts[request_id] = len(req.prompt_ids) + len(ids)
                     if out.finished:
                         finish = c.finish_reason
+                    elif new and req.on_tokens is not None:
+                        req.on_tokens(new)
         except (ValueError, VLLMClientError) as err:  # vLLM refused the input (too long, bad tokens)
             raise InvalidMessage(f"vLLM refused the request: {err}") from None
         self.tokens_generated += len(ids)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TurnRequest(_message.Message):
-    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "bucket", "context_token_ids", "max_new_tokens", "temperature", "min_policy_version", "stop", "priority", "min_new_tokens", "top_p", "group_id", "prompt_id", "seq", "sampling_seed", "context_offset", "context_digest")
+    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "bucket", "context_token_ids", "max_new_tokens", "temperature", "min_policy_version", "stop", "priority", "min_new_tokens", "top_p", "group_id", "prompt_id", "seq", "sampling_seed", "context_offset", "context_digest", "stream")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class TurnRequest(_message.Message):
     SAMPLING_SEED_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     trajectory_id: str
     turn_index: int
@@ -46,7 +47,22 @@ class TurnRequest(_message.Message):
     sampling_seed: int
     context_offset: int
     context_digest: int
-    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., min_policy_version: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., priority: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., seq: _Optional[int] = ..., sampling_seed: _Optional[int] = ..., context_offset: _Optional[int] = ..., context_digest: _Optional[int] = ...) -> None: ...
+    stream: bool
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., min_policy_version: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., priority: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., seq: _Optional[int] = ..., sampling_seed: _Optional[int] = ..., context_offset: _Optional[int] = ..., context_digest: _Optional[int] = ..., stream: bool = ...) -> None: ...
+
+class TurnProgress(_message.Message):
+    __slots__ = ("request_id", "trajectory_id", "engine_id", "offset", "token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    trajectory_id: str
+    engine_id: str
+    offset: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TurnResult(_message.Message):
     __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "token_ids", "logprobs", "policy_version", "finish_reason", "context_tokens", "queue_s", "generate_s", "text", "error", "token_versions", "temperature", "drafted_tokens", "accepted_tokens")
