@@ -69,6 +69,7 @@ def system_for(
         replan=replan_policy(cfg),
         relayout=cfg.planner.relayout,
         push_share=push_share(cfg),
+        trainer_on_host=cfg.training.backend != "emulated",  # a live job's trainer: on its host
     )
 
 

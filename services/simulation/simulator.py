@@ -329,9 +329,11 @@ class Simulator:
 
     def _share_host(self) -> None:
         """Engines of one host slow each other (`Calibration.host_sharing`): each busy engine's
-        iterations cost 1 + sharing x the other busy engines as much as alone, from now on."""
+        iterations cost 1 + sharing x the other busy engines (and a trainer stepping on the host,
+        `SystemConfig.trainer_on_host`) as much as alone, from now on."""
         busy = [e for e in self.engines.values() if e.n]
-        pace = 1.0 + self.cm.calib.host_sharing * (len(busy) - 1)
+        trainer = 1 if self.sys.trainer_on_host and self.training.busy else 0
+        pace = 1.0 + self.cm.calib.host_sharing * (len(busy) - 1 + trainer)
         for e in busy:
             if e.pace != pace:
                 e.set_pace(self.now, pace)

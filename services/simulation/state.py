@@ -123,6 +123,11 @@ class SystemConfig:
     push is always whole): 1 when training changes every weight; 0 for an emulated trainer, which
     changes none, beside real engines that take deltas (the live `vllm` and `hf` engines receive an
     empty delta and pay the push's fixed cost only)."""
+    trainer_on_host: bool = False
+    """The trainer runs on the engines' host (a live job's real trainer beside CPU engines): with
+    `Calibration.host_sharing`, each engine busy when a step starts lengthens it by that share, and
+    it counts as one more busy neighbour of the engines while it steps. False: the trainer has
+    devices of its own (the emulated trainer's GPUs, a GPU node)."""
     update_mode: str = "recompute"
     """How engines take new weights: 'recompute' interrupts running turns, loads, and re-prefills
     their context under the new weights (AReaL's interruptible generation); 'drain' stops starting

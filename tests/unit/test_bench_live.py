@@ -116,6 +116,8 @@ def test_a_prefix_cache_of_whole_blocks_prefills_again_what_a_part_block_held(tm
     )
     assert blocks > 1.05 * tokens
 
+
+def test_engines_sharing_a_host_slow_each_other(tmp_path: Path) -> None:
     """`Calibration.host_sharing` (fitted by `libra bench live` from the engines' iterations): the
     simulator's engines are slower while the others are busy, and not at all with 0 (GPU nodes)."""
     from tools.engine_iterations import with_sharing
@@ -132,3 +134,55 @@ def test_a_prefix_cache_of_whole_blocks_prefills_again_what_a_part_block_held(tm
     assert beside["trajectories_per_s"] < alone["trajectories_per_s"]
     gen = [p["latency_breakdown_mean_s"]["generate_s"] for p in (alone, beside)]
     assert gen[1] > 1.2 * gen[0] and beside["latency_p99_s"] > alone["latency_p99_s"]
+
+
+def test_a_trainer_on_the_engines_host_shares_its_cores(tmp_path: Path) -> None:
+    """A live job's real trainer runs on the engines' host: with host sharing its steps take longer
+    while engines are busy, and the engines' iterations while it steps (on a GPU node, sharing 0,
+    nothing changes); an emulated trainer's GPUs are its own."""
+    import dataclasses
+
+    from services.simulation.live import cost_model, job_gpus, job_workload, system_for
+    from services.simulation.runner import run_system
+    from tools.engine_iterations import with_sharing
+
+    wl = Workload.load("cpu_tools")
+    ns = _ns(
+        "--backend",
+        "vllm",
+        "--trainer",
+        "torch",
+        "--profile",
+        str(CPU),
+        "--workload",
+        "cpu_tools",
+        "--steps",
+        "3",
+    )
+    base = RunConfig.model_validate(live_config(ns, wl, "least_loaded"))
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump(with_sharing(yaml.safe_load(CPU.read_text()), 0.5, "a test")))
+    data = base.model_dump(mode="json")
+    data["rollout"]["emulated"]["profile"] = str(path)
+    shared = RunConfig.model_validate(data)
+    system = system_for(shared)
+    emulated = shared.model_copy(
+        update={"training": shared.training.model_copy(update={"backend": "emulated"})}
+    )
+    assert system.trainer_on_host and not system_for(emulated).trainer_on_host
+
+    def run(on_host: bool, cfg: RunConfig = shared) -> tuple[dict[str, float], list[float]]:
+        out, sim = run_system(
+            dataclasses.replace(system_for(cfg), trainer_on_host=on_host),
+            job_workload(cfg, wl),
+            cost_model(cfg),
+            job_gpus(cfg),
+            3,
+            0,
+        )
+        return out, sim.training.durations
+
+    (apart, steps_apart), (beside, steps_beside) = run(False), run(True)
+    assert sum(steps_beside) > 1.1 * sum(steps_apart)
+    assert beside["trajectories_per_s"] < apart["trajectories_per_s"]
+    assert run(True, base)[1] == run(False, base)[1]  # a profile without sharing: nothing changes
