@@ -175,6 +175,9 @@ class TrajectoryDriver:
     async def on_turn_progress(self, msg: ev.TurnProgress, _: Envelope) -> None:
         """A streamed turn's tokens so far (from the engine it was sent to: the bus checked the
         sender): its episode shows them (an agent's streamed call reads them as they come)."""
+        vocab = self.results.vocab_size
+        if vocab is not None and not all(0 <= t < vocab for t in msg.token_ids):
+            return  # tokens no model has: as a result they would be refused, and quarantined
         live = self.inflight.progress(msg)
         if live is not None:
             before = live.partial.token_ids if live.partial is not None else []

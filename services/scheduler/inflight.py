@@ -358,6 +358,9 @@ class InFlight:
             return None
         if msg.offset != len(live.streamed):  # one lost on the way: the result has them all
             return None
+        budget = live.pending_action.max_new_tokens if live.pending_action is not None else 0
+        if len(live.streamed) + len(msg.token_ids) > budget:  # more than it may make: not believed
+            return None
         live.streamed += msg.token_ids
         return live
 

@@ -547,6 +547,12 @@ async def test_an_agents_streamed_call_reads_its_turn_as_the_engine_generates_it
             request_id=req.request_id, trajectory_id=req.trajectory_id, engine_id=ENGINE, token_ids=head
         )
         h.held.add(req.request_id)  # running, as its load reports say
+        for bad in (  # none believed: out of the vocabulary, out of order, more than the budget
+            ev.TurnProgress(request_id=req.request_id, engine_id=ENGINE, token_ids=[10**9]),
+            ev.TurnProgress(request_id=req.request_id, engine_id=ENGINE, offset=3, token_ids=head),
+            ev.TurnProgress(request_id=req.request_id, engine_id=ENGINE, token_ids=[5] * 10_000),
+        ):
+            await bus.publish(subjects.TURN_PROGRESS, bad)
         await bus.publish(subjects.TURN_PROGRESS, progress)
         await asyncio.sleep(1.0)
         tokens = head + rest
