@@ -120,16 +120,10 @@ def test_a_prefix_cache_of_whole_blocks_prefills_again_what_a_part_block_held(tm
 def test_engines_sharing_a_host_slow_each_other(tmp_path: Path) -> None:
     """`Calibration.host_sharing` (fitted by `libra bench live` from the engines' iterations): the
     simulator's engines are slower while the others are busy, and not at all with 0 (GPU nodes)."""
-    from tools.engine_iterations import with_sharing
-
     wl = Workload.load("cpu_longgen")
     ns = _ns("--backend", "vllm", "--profile", str(CPU), "--workload", "cpu_longgen", "--steps", "5")
     base = RunConfig.model_validate(live_config(ns, wl, "least_loaded"))
-    path = tmp_path / "shared.yaml"
-    path.write_text(yaml.safe_dump(with_sharing(yaml.safe_load(CPU.read_text()), 0.7, "a test")))
-    data = base.model_dump(mode="json")
-    data["rollout"]["emulated"]["profile"] = str(path)
-    shared = RunConfig.model_validate(data)
+    shared = _with(base, tmp_path, host_sharing=0.7)
     alone, beside = predicted(base, wl, 1), predicted(shared, wl, 1)
     assert beside["trajectories_per_s"] < alone["trajectories_per_s"]
     gen = [p["latency_breakdown_mean_s"]["generate_s"] for p in (alone, beside)]
@@ -144,7 +138,6 @@ def test_a_trainer_on_the_engines_host_shares_its_cores(tmp_path: Path) -> None:
 
     from services.simulation.live import cost_model, job_gpus, job_workload, system_for
     from services.simulation.runner import run_system
-    from tools.engine_iterations import with_sharing
 
     wl = Workload.load("cpu_tools")
     ns = _ns(
@@ -160,11 +153,7 @@ def test_a_trainer_on_the_engines_host_shares_its_cores(tmp_path: Path) -> None:
         "3",
     )
     base = RunConfig.model_validate(live_config(ns, wl, "least_loaded"))
-    path = tmp_path / "shared.yaml"
-    path.write_text(yaml.safe_dump(with_sharing(yaml.safe_load(CPU.read_text()), 0.5, "a test")))
-    data = base.model_dump(mode="json")
-    data["rollout"]["emulated"]["profile"] = str(path)
-    shared = RunConfig.model_validate(data)
+    shared = _with(base, tmp_path, host_sharing=0.5)
     system = system_for(shared)
     emulated = shared.model_copy(
         update={"training": shared.training.model_copy(update={"backend": "emulated"})}
