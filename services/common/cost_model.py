@@ -269,16 +269,17 @@ class CostModel:
             1, math.ceil(self.model.params * self.train_state_bytes_per_param / (0.5 * self.gpu.mem_bytes))
         )
 
-    def weight_sync_s(self, cross_node: bool = True, share: float = 1.0) -> float:
+    def weight_sync_s(self, cross_node: bool = True, share: float = 1.0, copies: int = 1) -> float:
         """Trainer -> rollout engines push of the full bf16 weights (broadcast pipelined over the
-        network), or `share` of them (a delta), plus the fixed coordination cost."""
+        network), or `share` of them (a delta), plus the fixed coordination cost; `copies`: how
+        many the trainer's uplink carries at once (a relay tree's roots; 1: a broadcast)."""
         bw = self.gpu.net_bw if cross_node else self.gpu.nvlink_bw
-        return share * self.model.weight_bytes / bw + self.calib.sync_fixed_s
+        return copies * share * self.model.weight_bytes / bw + self.calib.sync_fixed_s
 
-    def engine_load_s(self, tp: int, share: float = 1.0) -> float:
+    def engine_load_s(self, tp: int, share: float = 1.0, copies: int = 1) -> float:
         """An engine of `tp` GPUs receiving its weights, or `share` of them (a delta): each GPU
-        takes its shard in parallel."""
-        return share * self.model.weight_bytes / tp / self.gpu.net_bw + self.calib.sync_fixed_s
+        takes its shard in parallel, at 1/`copies` of the link (the sender's other copies)."""
+        return copies * share * self.model.weight_bytes / tp / self.gpu.net_bw + self.calib.sync_fixed_s
 
     def colocated_switch_s(self, gpus: int, rollout_tp: int) -> float:
         """One verl-style role switch on colocated GPUs: offload or onload the training state that

@@ -69,6 +69,7 @@ def system_for(
         replan=replan_policy(cfg),
         relayout=cfg.planner.relayout,
         push_share=push_share(cfg),
+        push_copies=push_copies(cfg),
         trainer_on_host=cfg.training.backend != "emulated",  # a live job's trainer: on its host
     )
 
@@ -79,6 +80,17 @@ def push_share(cfg: RunConfig) -> float:
     load whatever the trainer (services/generation/backends/emulated.py)."""
     real_engines = cfg.rollout.backend in ("vllm", "hf")
     return 0.0 if real_engines and cfg.training.backend == "emulated" else 1.0
+
+
+def push_copies(cfg: RunConfig) -> int:
+    """Copies of the weights the trainer uploads at once to the job's real engines: the roots of
+    its relay tree (`training.push_fanout`; 0: every engine), each forwarding as it receives; an
+    emulated engine stalls one load's time however it is pushed."""
+    if cfg.rollout.backend not in ("vllm", "hf"):
+        return 1
+    engines = sum(cfg.bucket_engines.values())
+    fanout = cfg.training.push_fanout
+    return max(1, min(fanout, engines) if fanout else engines)
 
 
 def replan_policy(cfg: RunConfig) -> ReplanPolicy | None:

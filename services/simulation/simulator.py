@@ -220,7 +220,7 @@ class Simulator:
             tr.attribute(tr.partial + int(done), e.version)
         self.reprefill_tokens += e.reprefill_tokens()
         share = self.sys.push_share if e.version > 0 else 1.0  # an engine's first push is whole
-        e.load_weights(self.now, self.cm.engine_load_s(e.tp, share), self.version)
+        e.load_weights(self.now, self.cm.engine_load_s(e.tp, share, self.sys.push_copies), self.version)
 
     def acceptance(self, tr: Traj, e: Engine) -> float:
         """Per-token acceptance of this turn's drafter: what it can read of the group's same turn."""

@@ -123,6 +123,12 @@ class SystemConfig:
     push is always whole): 1 when training changes every weight; 0 for an emulated trainer, which
     changes none, beside real engines that take deltas (the live `vllm` and `hf` engines receive an
     empty delta and pay the push's fixed cost only)."""
+    push_copies: int = 1
+    """Copies of the weights the trainer's uplink carries at once in a push: a live job's real
+    engines take it down a relay tree whose roots the trainer streams to together
+    (`training.push_fanout` of them, services/trainer/weight_push.py), so the push and each
+    engine's load take that many times one copy's transfer; 1: a pipelined broadcast (the
+    simulated systems' NCCL), and the live emulated engines, which stall one load's time."""
     trainer_on_host: bool = False
     """The trainer runs on the engines' host (a live job's real trainer beside CPU engines): with
     `Calibration.host_sharing`, each engine busy when a step starts lengthens it by that share, and

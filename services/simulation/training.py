@@ -234,7 +234,8 @@ class Training:
                 sim.load_weights(e)
             sim.wake(e)
         share = sim.sys.push_share if sim.version > 1 else 1.0  # the first push is whole
-        sim.push(sim.now + sim.cm.weight_sync_s(cross_node=True, share=share), SYNC_DONE, "async")
+        sync_s = sim.cm.weight_sync_s(cross_node=True, share=share, copies=sim.sys.push_copies)
+        sim.push(sim.now + sync_s, SYNC_DONE, "async")
 
     def on_sync_done(self, what: str) -> None:
         sim = self.sim

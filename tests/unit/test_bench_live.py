@@ -92,6 +92,26 @@ def test_an_emulated_trainer_pushes_real_engines_empty_deltas_and_the_simulator_
     assert cm.weight_sync_s(share=0.0) == cm.calib.sync_fixed_s
 
 
+def test_a_push_to_real_engines_uploads_one_copy_per_root_of_its_relay_tree() -> None:
+    """The trainer streams a push to `push_fanout` engines at once, each forwarding as it receives:
+    its uplink carries that many copies (every engine with fan-out 0), so the push and each load
+    take that many copies' time. Emulated engines stall one load's time however they are pushed."""
+    from services.simulation.live import system_for
+
+    wl = Workload.load("cpu_tools")
+    ns = _ns("--backend", "vllm", "--profile", str(CPU), "--trainer", "torch")
+    real = RunConfig.model_validate(live_config(ns, wl, "cmlfq"))
+    assert sum(real.bucket_engines.values()) == 2 and system_for(real).push_copies == 2
+    one = real.model_copy(update={"training": real.training.model_copy(update={"push_fanout": 1})})
+    every = real.model_copy(update={"training": real.training.model_copy(update={"push_fanout": 0})})
+    assert (system_for(one).push_copies, system_for(every).push_copies) == (1, 2)
+    assert system_for(RunConfig.model_validate(live_config(_ns(), wl, "cmlfq"))).push_copies == 1
+    cm = real.rollout.emulated.costs()
+    fixed = cm.calib.sync_fixed_s
+    assert cm.weight_sync_s(copies=2) - fixed == pytest.approx(2 * (cm.weight_sync_s() - fixed))
+    assert cm.engine_load_s(1, copies=2) - fixed == pytest.approx(2 * (cm.engine_load_s(1) - fixed))
+
+
 def _with(base: RunConfig, tmp_path: Path, **calibration: float) -> RunConfig:
     """`base` on its profile with these calibration constants changed."""
     profile = yaml.safe_load(CPU.read_text())
