@@ -114,10 +114,11 @@ def job_workload(cfg: RunConfig, workload: Workload) -> Workload:
 
 def simulate(cfg: RunConfig, workload: Workload, seed: int, steps: int | None = None) -> dict[str, Any]:
     """One simulated run of the job (its own steps unless `steps`), with `trajectories_per_s` the
-    steady rate as the live job measures it."""
+    steady rate as the live job measures it, and its training steps' and pushes' seconds."""
     steps = steps or cfg.training.steps
-    out, _ = run_system(
+    out, sim = run_system(
         system_for(cfg, steps), job_workload(cfg, workload), cost_model(cfg), job_gpus(cfg), steps, seed
     )
     out["trajectories_per_s"] = steady_rate(out["step_end_s"], cfg.trajectories_per_step, drained=True)
+    out["train_step_s"], out["push_s"] = list(sim.training.durations), list(sim.training.pushes)
     return out

@@ -46,6 +46,9 @@ class Training:
         """When the policy takes the lent GPUs back unless a group completes first."""
         self.last_step_s = 0.0
         self.durations: list[float] = []
+        """Each training step's seconds."""
+        self.pushes: list[float] = []
+        """Each asynchronous push's seconds (the trainer's side, `weight_sync_s`)."""
         self.gen = 0
         self._pending = (0, 0)
 
@@ -235,6 +238,7 @@ class Training:
             sim.wake(e)
         share = sim.sys.push_share if sim.version > 1 else 1.0  # the first push is whole
         sync_s = sim.cm.weight_sync_s(cross_node=True, share=share, copies=sim.sys.push_copies)
+        self.pushes.append(sync_s)
         sim.push(sim.now + sync_s, SYNC_DONE, "async")
 
     def on_sync_done(self, what: str) -> None:

@@ -195,3 +195,9 @@ def test_a_trainer_on_the_engines_host_shares_its_cores(tmp_path: Path) -> None:
     assert sum(steps_beside) > 1.1 * sum(steps_apart)
     assert beside["trajectories_per_s"] < apart["trajectories_per_s"]
     assert run(True, base)[1] == run(False, base)[1]  # a profile without sharing: nothing changes
+    steps = predicted(shared, wl, 1)  # what bench live sets against the trainer's own
+    assert steps["train_step_s"] == run(True)[1] and len(steps["push_s"]) == 2
+    from tools.bench_live import _seconds_line
+
+    line = _seconds_line({"train_step_s": [100.0, 130.0], "push_s": []}, steps)
+    assert line.startswith("steps 115.0 [100.0-130.0] measured, ") and "pushes - measured" in line
