@@ -327,13 +327,21 @@ class Simulator:
             raise RuntimeError(f"{self.sys.name}: simulation stalled at step {self.version}")
         return self._close()
 
+    def busy_engines(self) -> list[Engine]:
+        return [e for e in self.engines.values() if e.n]
+
+    def host_pace(self, neighbours: int) -> float:
+        """How much slower work on the engines' host runs beside `neighbours` other busy
+        processes than alone (`Calibration.host_sharing` each)."""
+        return 1.0 + self.cm.calib.host_sharing * neighbours
+
     def _share_host(self) -> None:
         """Engines of one host slow each other (`Calibration.host_sharing`): each busy engine's
         iterations cost 1 + sharing x the other busy engines (and a trainer stepping on the host,
         `SystemConfig.trainer_on_host`) as much as alone, from now on."""
-        busy = [e for e in self.engines.values() if e.n]
+        busy = self.busy_engines()
         trainer = 1 if self.sys.trainer_on_host and self.training.busy else 0
-        pace = 1.0 + self.cm.calib.host_sharing * (len(busy) - 1 + trainer)
+        pace = self.host_pace(len(busy) - 1 + trainer)
         for e in busy:
             if e.pace != pace:
                 e.set_pace(self.now, pace)
