@@ -202,7 +202,6 @@ class AgentEpisode(Episode):
 
     async def step(self, live: Live, turn: SampledTurn) -> Step | PluginFailure | None:
         session = self.sessions[live.trajectory_id]
-        live.stream = False
         if session.pending is not None:
             self._answer(live, session, turn)
         live.deadline = math.inf

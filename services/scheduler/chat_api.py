@@ -413,7 +413,7 @@ def completion_body(
                 for t, lp in zip(token_texts, logprobs, strict=True)
             ]
         }
-    return _body(f"chatcmpl-{request_id}", "chat.completion", created, model, choice, usage, token_ids)
+    return _body(completion_id(request_id, True), "chat.completion", created, model, choice, usage, token_ids)
 
 
 def chat_chunk(head: dict[str, Any], delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -429,6 +429,11 @@ def text_chunk(head: dict[str, Any], text: str) -> dict[str, Any]:
     """A piece of a streamed text completion's text."""
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
     return {k: head[k] for k in ("id", "object", "created", "model")} | {"choices": [choice]}
+
+
+def completion_id(request_id: str, chat: bool) -> str:
+    """A completion's id: what its body and every chunk of its stream carry."""
+    return f"chatcmpl-{request_id}" if chat else f"cmpl-{request_id}"
 
 
 def streamed_content(body: dict[str, Any]) -> str:
@@ -510,7 +515,9 @@ def text_completion_body(
             "top_logprobs": None,
             "text_offset": offsets,
         }
-    return _body(f"cmpl-{request_id}", "text_completion", created, model, choice, usage, token_ids)
+    return _body(
+        completion_id(request_id, False), "text_completion", created, model, choice, usage, token_ids
+    )
 
 
 def text_completion_chunks(

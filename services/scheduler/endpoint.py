@@ -32,6 +32,7 @@ from services.scheduler.chat_api import (
     ChatRequest,
     chat_chunk,
     completion_chunks,
+    completion_id,
     parse_completion,
     parse_request,
     streamed_content,
@@ -367,15 +368,19 @@ class AgentEndpoint:
             new = pending.shown[len(sent) :]
             if not new or pending.answer.done():
                 continue
-            model = ask.model or self.model
-            if ask.prompt is None:
-                head = {"id": f"chatcmpl-{pending.rid}", "created": pending.created, "model": model}
+            chat = ask.prompt is None
+            head = {
+                "id": completion_id(pending.rid, chat),
+                "object": "text_completion",  # (a chat chunk names its own)
+                "created": pending.created,
+                "model": ask.model or self.model,
+            }
+            if chat:
                 events = [chat_chunk(head, {"content": new})]
                 if stream is None:
                     events.insert(0, chat_chunk(head, {"role": "assistant", "content": ""}))
             else:
-                head = {"id": f"cmpl-{pending.rid}", "object": "text_completion"}
-                events = [text_chunk(head | {"created": pending.created, "model": model}, new)]
+                events = [text_chunk(head, new)]
             if stream is None:
                 stream = await _event_stream(request)
             if not await _send(stream, events):
