@@ -177,6 +177,10 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("trainer", f"{subjects.ALIVE}.scheduler.s", ev.StatsRequest()),
         ("rollout-engine", f"{subjects.ALIVE}.scheduler.s", ev.StatsRequest()),
         ("tool-sandbox", f"{subjects.ALIVE}.trainer.t", ev.StatsRequest()),
+        # a streamed turn's tokens come from rollout engines alone (and a trainer's own engine)
+        ("scheduler", subjects.TURN_PROGRESS, ev.TurnProgress(request_id="r", token_ids=[1])),
+        ("tool-sandbox", subjects.TURN_PROGRESS, ev.TurnProgress(request_id="r", token_ids=[1])),
+        ("planner", subjects.TURN_PROGRESS, ev.TurnProgress(request_id="r", token_ids=[1])),
     ]
     for identity, suffix, msg in forgeries:
         await buses[identity].publish(suffix, msg)
@@ -189,6 +193,7 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("scheduler", subjects.TRAJ_COMPLETED, ev.CompletedTrajectory(trajectory_id="real")),
         ("trainer", subjects.WEIGHTS_UPDATED, ev.WeightsUpdated(version=1)),
         ("rollout-engine", subjects.TURN_RESULT, ev.TurnResult(trajectory_id="real")),
+        ("rollout-engine", subjects.TURN_PROGRESS, ev.TurnProgress(engine_id="rollout-engine")),
         ("trainer", subjects.FACTS_TRAINER, ev.TrainerFacts(step=1)),
         ("scheduler", subjects.FACTS_SCHEDULER, ev.SchedulerFacts(published=1)),
         ("planner", subjects.FACTS_PLANNER, ev.PlannerFacts(plans_total=1)),

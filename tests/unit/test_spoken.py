@@ -55,7 +55,8 @@ def test_a_trainer_may_speak_for_its_own_engine_and_read_its_turns_but_no_other_
     me = Identity("trainer-0", per_worker=True)
     pub, sub = set(publish_allowed(me)), set(subscribe_allowed(me))
     run = "libra.v1.*."
-    for s in (subjects.TURN_RESULT, subjects.ENGINE_LOAD, subjects.HYBRID_STATE, subjects.WORKER_HELLO):
+    spoken = (subjects.TURN_RESULT, subjects.TURN_PROGRESS, subjects.ENGINE_LOAD, subjects.HYBRID_STATE)
+    for s in (*spoken, subjects.WORKER_HELLO):
         assert run + subjects.spoken(s, "trainer", "trainer-0-engine") in pub
         assert run + subjects.spoken(s, "trainer", "trainer-1-engine") not in pub
     assert not any(".rollout-engine." in p for p in pub)
