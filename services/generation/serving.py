@@ -31,7 +31,7 @@ from services.common.logging import get_logger
 from services.common.metrics import engine_metrics
 from services.common.runconfig import EngineJob
 from services.common.tracing import tracer
-from services.generation.backends.base import Backend, EngineClosed, Finished, GenRequest
+from services.generation.backends.base import Backend, EngineClosed, Finished, GenOutput, GenRequest
 from services.generation.config import EngineSettings
 from services.generation.engine import engine_for
 from services.generation.speculator import counters as spec_counters
@@ -114,6 +114,33 @@ def turn_result(
         drafted_tokens=out.drafted,
         accepted_tokens=out.accepted,
     )
+
+
+def error_result(req: ev.TurnRequest, engine_id: str, version: int, code: str, message: str) -> ev.TurnResult:
+    """What the engine answers for a turn it did not generate: a typed error, no tokens."""
+    return ev.TurnResult(
+        request_id=req.request_id,
+        trajectory_id=req.trajectory_id,
+        turn_index=req.turn_index,
+        engine_id=engine_id,
+        policy_version=version,
+        finish_reason="error",
+        context_tokens=req.context_offset + len(req.context_token_ids),
+        error=ev.ErrorInfo(code=code, message=message[:500]),
+    )
+
+
+def count_turn(prom: Any, span: trace.Span, out: GenOutput, version: int) -> None:
+    """A generated turn in the engine's metrics and its span."""
+    span.set_attribute("libra.policy_version", version)
+    span.set_attribute("libra.new_tokens", len(out.token_ids))
+    prom.turns.labels(out.finish_reason or "unknown").inc()
+    prom.tokens.inc(len(out.token_ids))
+    if out.drafted:
+        span.set_attribute("libra.spec.drafted_tokens", out.drafted)
+        span.set_attribute("libra.spec.accepted_tokens", out.accepted)
+        prom.drafted.inc(out.drafted)
+        prom.accepted.inc(out.accepted)
 
 
 class TurnStream:
@@ -205,9 +232,9 @@ class TurnServer(abc.ABC):
         self.served_any = False
         """Whether it took a turn yet (a TP change before that costs nothing)."""
         self.turns_answered = 0
+        """Turns it answered with what it generated (not refusals or errors)."""
         self.load_reports = 0
         """EngineLoad reports published (on a change of routing state, or a heartbeat)."""
-        """Turns it answered with what it generated (not refusals or errors)."""
         self.contexts = HeldContexts(settings.held_context_tokens)
         """Each trajectory's context after its last turn here: the next one comes as a delta."""
 
@@ -352,11 +379,6 @@ class TurnServer(abc.ABC):
             out = done.output
             queue_s = max(0.0, time.monotonic() - received - done.generate_s)
             _span_ago("engine.queue", ctx, queue_s + done.generate_s, queue_s)
-            span.set_attribute("libra.policy_version", done.policy_version)
-            span.set_attribute("libra.new_tokens", len(out.token_ids))
-            if out.drafted:
-                span.set_attribute("libra.spec.drafted_tokens", out.drafted)
-                span.set_attribute("libra.spec.accepted_tokens", out.accepted)
             result = turn_result(req, done, self.worker_id, len(gen.prompt_ids), queue_s)
             result.text = self.backend.decode(out.token_ids)
             if out.finish_reason == "handed_back":  # drained mid-turn: what it made so far
@@ -369,26 +391,13 @@ class TurnServer(abc.ABC):
             await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
             self.answered.append(req.request_id)
             self.turns_answered += 1
-            self.prom.turns.labels(out.finish_reason or "unknown").inc()
-            self.prom.tokens.inc(len(out.token_ids))
-            if out.drafted:
-                self.prom.drafted.inc(out.drafted)
-                self.prom.accepted.inc(out.accepted)
+            count_turn(self.prom, span, out, done.policy_version)
             log.debug("turn_done", tokens=len(out.token_ids), policy_version=done.policy_version)
 
     async def _publish_error(
         self, req: ev.TurnRequest, code: str, message: str, ctx: otel_context.Context | None
     ) -> None:
-        result = ev.TurnResult(
-            request_id=req.request_id,
-            trajectory_id=req.trajectory_id,
-            turn_index=req.turn_index,
-            engine_id=self.worker_id,
-            policy_version=self.engine.version,
-            finish_reason="error",
-            context_tokens=req.context_offset + len(req.context_token_ids),
-            error=ev.ErrorInfo(code=code, message=message[:500]),
-        )
+        result = error_result(req, self.worker_id, self.engine.version, code, message)
         with contextlib.suppress(Exception):
             await self.bus.publish(subjects.TURN_RESULT, result, ctx=ctx)
             self.answered.append(req.request_id)

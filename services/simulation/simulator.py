@@ -21,6 +21,7 @@ from services.policy.placement import pick
 from services.simulation.drafting import DRAFTERS
 from services.simulation.engine import Engine, Request
 from services.simulation.fleet import Members, build_fleet, routing_key
+from services.simulation.host import SharedHost
 from services.simulation.hybrid import HybridWorkers
 from services.simulation.kv_migration import KvMigration
 from services.simulation.ledger import Ledger, book_engine
@@ -125,6 +126,7 @@ class Simulator:
         self.engines, self.by_bucket = fleet.engines, fleet.by_bucket
         self.hybrid = HybridWorkers(self, fleet.hybrid_ids, fleet.hybrid_bucket)
         self.training = Training(self, fleet.lent)
+        self.host = SharedHost(self, self.cm.calib.host_sharing, s.trainer_on_host)
 
     def key(self, bucket: str) -> str:
         """The routing key of a bucket ("all" when the system routes across every engine)."""
@@ -321,31 +323,10 @@ class Simulator:
                 self._on_tick()
             elif kind == MOVED:
                 self.kvm.on_moved(payload)
-            if self.cm.calib.host_sharing:
-                self._share_host()
+            self.host.share()
         if self.version < self.steps:
             raise RuntimeError(f"{self.sys.name}: simulation stalled at step {self.version}")
         return self._close()
-
-    def busy_engines(self) -> list[Engine]:
-        return [e for e in self.engines.values() if e.n]
-
-    def host_pace(self, neighbours: int) -> float:
-        """How much slower work on the engines' host runs beside `neighbours` other busy
-        processes than alone (`Calibration.host_sharing` each)."""
-        return 1.0 + self.cm.calib.host_sharing * neighbours
-
-    def _share_host(self) -> None:
-        """Engines of one host slow each other (`Calibration.host_sharing`): each busy engine's
-        iterations cost 1 + sharing x the other busy engines (and a trainer stepping on the host,
-        `SystemConfig.trainer_on_host`) as much as alone, from now on."""
-        busy = self.busy_engines()
-        trainer = 1 if self.sys.trainer_on_host and self.training.busy else 0
-        pace = self.host_pace(len(busy) - 1 + trainer)
-        for e in busy:
-            if e.pace != pace:
-                e.set_pace(self.now, pace)
-                self.wake(e)
 
     def _close(self) -> dict[str, Any]:
         end = self.now

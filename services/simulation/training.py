@@ -123,7 +123,7 @@ class Training:
         extra = sim.hybrid.step_starts()
         dur = sim.cm.train_step_s(tokens, tokens / max(1, n_traj), gpus + extra, s.train_tp, max_seq)
         if s.trainer_on_host:  # it shares the host's cores with the engines busy as it starts
-            dur *= sim.host_pace(len(sim.busy_engines()))
+            dur *= sim.host.pace(len(sim.host.busy_engines()))
         self.last_step_s = dur
         self.durations.append(dur)
         self.busy = True
