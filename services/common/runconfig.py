@@ -606,7 +606,7 @@ class TrainingConfig(_Strict):
     (`final/adapter`, loadable with peft). Not with fsdp > 1 or hybrid workers yet."""
 
     @model_validator(mode="after")
-    def _check(self) -> TrainingConfig:
+    def _adam_betas_in_range(self) -> TrainingConfig:
         b1, b2 = self.adam_betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"training.adam_betas must be in [0, 1), got {self.adam_betas}")
@@ -1058,6 +1058,35 @@ class LearnJob:
 
 
 _LEARN_JOB = TypeAdapter(LearnJob)
+
+
+@dataclass(frozen=True)
+class PlanJob:
+    """The part of a job's config that the planner's parts read to place engines (registration,
+    role moves, the hybrid pool, publishing), never the whole `RunConfig`; only its re-fit, which
+    simulates the whole job, takes that."""
+
+    rollout: RolloutConfig
+    planner: PlannerConfig
+    bucket_engines: dict[str, int]
+    """Rollout engines per bucket (`RunConfig.bucket_engines`)."""
+    lending_bucket: str
+    """Where lent engines serve (`RunConfig.lending_bucket`)."""
+    lease_ttl_s: float
+    """How long a role's lease lives without renewal (job.lease_ttl_s)."""
+    groups_per_step: int
+    """Groups a training step takes (training.groups_per_step): the hybrid pool's trigger."""
+
+    @classmethod
+    def of(cls, run: RunConfig) -> PlanJob:
+        return cls(
+            run.rollout,
+            run.planner,
+            run.bucket_engines,
+            run.lending_bucket,
+            run.job.lease_ttl_s,
+            run.training.groups_per_step,
+        )
 
 
 FILE_PATHS = (

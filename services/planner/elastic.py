@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from services.common.contracts import ev
 from services.common.membership import HYBRID_ROLE
-from services.common.runconfig import RunConfig
+from services.common.runconfig import PlanJob
 from services.policy.hybrid_pool import HybridPool, HybridWorker, InvalidTransition, PoolPolicy, Role
 
 
@@ -33,11 +33,11 @@ class Move:
 
 
 class LivePool:
-    def __init__(self, cfg: RunConfig):
-        h = cfg.planner.hybrid
-        self.cfg = cfg
+    def __init__(self, job: PlanJob):
+        h = job.planner.hybrid
+        self.job = job
         self.enabled = h.workers > 0
-        self.bucket = h.bucket or cfg.rollout.buckets[-1].name
+        self.bucket = h.bucket or job.rollout.buckets[-1].name
         self.pool = HybridPool(
             [],
             PoolPolicy(
@@ -57,7 +57,7 @@ class LivePool:
 
     def observe_step(self, m: ev.TrainMetrics) -> None:
         if m.step > 0:
-            self.train_waiting = m.groups_ready >= self.cfg.training.groups_per_step
+            self.train_waiting = m.groups_ready >= self.job.groups_per_step
 
     def observe_state(self, now: float, msg: ev.HybridState) -> None:
         """Keeps the policy's state machine where the worker says it is. A report may skip steps
@@ -78,7 +78,7 @@ class LivePool:
             w.released(now)
 
     def demand(self, serving: int) -> float:
-        return self.queued / max(1, serving * self.cfg.rollout.max_batch)
+        return self.queued / max(1, serving * self.job.rollout.max_batch)
 
     def decide(self, now: float, roles: dict[str, tuple[str, str]]) -> list[Move]:
         """`roles`: every engine's (role, bucket) in the current plan. Returns the moves to make."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from services.common.contracts import ev
 from services.common.ownership import Lease
-from services.common.runconfig import RunConfig
+from services.common.runconfig import BucketConfig
 from services.policy.assign import Slot
 
 
@@ -29,7 +29,8 @@ class PlanState:
     """What the re-fit in the next plan simulated (`WhatIf.record`), for its plan record."""
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> PlanState:
+    def of_buckets(cls, buckets: list[BucketConfig]) -> PlanState:
+        """The state before any plan: the job's buckets (rollout.buckets), no engine yet."""
         return cls(
             [
                 ev.BucketSpec(
@@ -38,7 +39,7 @@ class PlanState:
                     max_context_tokens=b.max_context_tokens,
                     max_output_tokens=b.max_output_tokens or 0,
                 )
-                for b in cfg.rollout.buckets
+                for b in buckets
             ]
         )
 

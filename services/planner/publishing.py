@@ -14,7 +14,6 @@ from services.common.logging import get_logger
 from services.common.membership import HYBRID_ROLE, LENT_ROLE, PARKED_ROLE
 from services.common.metrics import planner_metrics
 from services.common.ownership import OwnershipStore
-from services.common.runconfig import RunConfig
 from services.planner.history import PLANNER_ROLE, PlanHistory
 from services.planner.plan_state import PlanState
 from services.policy.assign import ROLE_BY_KIND
@@ -23,14 +22,20 @@ from services.policy.assign import ROLE_BY_KIND
 class PlanPublisher:
     def __init__(
         self,
-        cfg: RunConfig,
+        lease_ttl_s: float,
         bus: Bus,
         store: OwnershipStore,
         history: PlanHistory,
         state: PlanState,
         worker_id: str,
     ):
-        self.cfg, self.bus, self.store, self.history, self.state = cfg, bus, store, history, state
+        self.lease_ttl_s, self.bus, self.store, self.history, self.state = (
+            lease_ttl_s,
+            bus,
+            store,
+            history,
+            state,
+        )
         self.worker_id = worker_id
         self.log = get_logger(component="planner")
         self._one_at_a_time = asyncio.Lock()
@@ -38,7 +43,7 @@ class PlanPublisher:
     async def hold_lease(self) -> bool:
         """Renews the planner's lease, or takes it when free (a new epoch). Without it the planner
         does nothing: another planner may be in charge."""
-        s, ttl = self.state, self.cfg.job.lease_ttl_s
+        s, ttl = self.state, self.lease_ttl_s
         if s.lease is not None and await self.store.renew(s.lease, ttl):
             return True
         if s.lease is not None:
@@ -81,7 +86,7 @@ class PlanPublisher:
         plan = ev.Plan(
             plan_version=s.version + 1,
             reason=s.reason,
-            lease_ttl_s=self.cfg.job.lease_ttl_s,
+            lease_ttl_s=self.lease_ttl_s,
             planner_epoch=s.lease.token,
             predicted_gain=s.gain,
             buckets=s.buckets,

@@ -14,7 +14,7 @@ from services.common.errors import require
 from services.common.logging import get_logger
 from services.common.membership import LENT_ROLE, PARKED_ROLE, SPARE_ROLE, lease_resource
 from services.common.ownership import Lease, OwnershipStore
-from services.common.runconfig import RunConfig
+from services.common.runconfig import PlanJob
 from services.planner.plan_state import PlanState
 from services.policy.assign import ROLE_BY_KIND, SINGLE_ROLES, Slot, StaticAssigner
 
@@ -22,14 +22,14 @@ KINDS = ("rollout-engine", "trainer", "tool-sandbox", "scheduler")
 
 
 class Registration:
-    def __init__(self, cfg: RunConfig, store: OwnershipStore, state: PlanState):
-        self.cfg, self.store, self.state = cfg, store, state
+    def __init__(self, job: PlanJob, store: OwnershipStore, state: PlanState):
+        self.job, self.store, self.state = job, store, state
         self.assigner = StaticAssigner(
-            [b.name for b in cfg.rollout.buckets],
-            cfg.bucket_engines,
+            [b.name for b in job.rollout.buckets],
+            job.bucket_engines,
             # vLLM's TP is fixed when it starts: it serves a bucket of that TP
-            {b.name: b.tensor_parallel for b in cfg.rollout.buckets}
-            if cfg.rollout.backend == "vllm"
+            {b.name: b.tensor_parallel for b in job.rollout.buckets}
+            if job.rollout.backend == "vllm"
             else None,
         )
         self.log = get_logger(component="planner")
@@ -63,7 +63,7 @@ class Registration:
         if slot is None:
             return
         if (
-            self.cfg.planner.relayout
+            self.job.planner.relayout
             and known is not None
             and slot.role == "rollout"
             and known.role in ("rollout", SPARE_ROLE)
@@ -77,7 +77,7 @@ class Registration:
         lease = await self.store.acquire(
             lease_resource(slot.role, slot.worker_id),
             slot.worker_id,
-            self.cfg.job.lease_ttl_s,
+            self.job.lease_ttl_s,
             meta=slot.role,
         )
         if lease is None:
@@ -114,7 +114,7 @@ class Registration:
     def _trainer_engine(self, hello: ev.WorkerHello) -> Slot:
         """The trainer's own engine (planner.lending.trainer_serves): parked, at the lent TP in the
         lending bucket, until the trainer lends it."""
-        lend = self.cfg.planner.lending
+        lend = self.job.planner.lending
         require(lend.trainer_serves, "a trainer's engine, but planner.lending.trainer_serves is off")
         require(
             hello.kind == "trainer" and hello.worker_id.endswith(TRAINER_ENGINE_SUFFIX),
@@ -122,24 +122,24 @@ class Registration:
             f"not {hello.kind} {hello.worker_id!r}",
         )
         return Slot(
-            hello.worker_id, hello.kind, PARKED_ROLE, self.cfg.lending_bucket, "", lend.tensor_parallel
+            hello.worker_id, hello.kind, PARKED_ROLE, self.job.lending_bucket, "", lend.tensor_parallel
         )
 
     def _lendable(self, slot: Slot) -> None:
         """Engines past `rollout.engines` stand for the training GPUs (planner.lending.engines of
         them): parked, at the lent TP, until the trainer lends them (unless the trainer is the
         lent engine itself)."""
-        lend = self.cfg.planner.lending
+        lend = self.job.planner.lending
         if slot.role != "rollout" or lend.engines == 0 or lend.trainer_serves:
             return
         roles = Counter(s.role for s in self.state.slots.values() if s.worker_id != slot.worker_id)
         if (
-            roles["rollout"] >= self.cfg.rollout.engines
+            roles["rollout"] >= self.job.rollout.engines
             and roles[PARKED_ROLE] + roles[LENT_ROLE] < lend.engines
         ):
             slot.role, slot.bucket, slot.tensor_parallel = (
                 PARKED_ROLE,
-                self.cfg.lending_bucket,
+                self.job.lending_bucket,
                 lend.tensor_parallel,
             )
 
@@ -207,7 +207,7 @@ class Registration:
             if slot.role != "standby" or slot.kind != kind:
                 continue
             lease = await self.store.acquire(
-                lease_resource(role, slot.worker_id), slot.worker_id, self.cfg.job.lease_ttl_s, meta=role
+                lease_resource(role, slot.worker_id), slot.worker_id, self.job.lease_ttl_s, meta=role
             )
             if lease is None:
                 return  # the role is still leased (the old holder's lease has not run out)

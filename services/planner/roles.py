@@ -15,7 +15,7 @@ from services.common.contracts import ev
 from services.common.errors import require
 from services.common.logging import get_logger
 from services.common.membership import LENT_ROLE, PARKED_ROLE
-from services.common.runconfig import RunConfig
+from services.common.runconfig import PlanJob
 from services.common.tracing import tracer
 from services.planner.elastic import LivePool
 from services.planner.history import PlanHistory
@@ -31,14 +31,14 @@ rollout, or in the trainer's data-parallel group (the hybrid pool)."""
 class RoleMoves:
     def __init__(
         self,
-        cfg: RunConfig,
+        job: PlanJob,
         bus: Bus,
         state: PlanState,
         publisher: PlanPublisher,
         history: PlanHistory,
         pool: LivePool,
     ):
-        self.cfg, self.bus, self.state, self.publisher = cfg, bus, state, publisher
+        self.job, self.bus, self.state, self.publisher = job, bus, state, publisher
         self.history, self.pool = history, pool
         self.ordered = asyncio.Lock()
         """Orders the role history: a change is recorded before the steps its plan sets off."""
@@ -72,7 +72,7 @@ class RoleMoves:
         s = self.state
         require(s.lease is not None, "this planner does not hold the planner lease")
         require(req.want in ("lend", "reclaim"), f"want must be lend or reclaim, not {req.want!r}")
-        require(self.cfg.planner.lending.engines > 0, "lending is off (planner.lending.engines is 0)")
+        require(self.job.planner.lending.engines > 0, "lending is off (planner.lending.engines is 0)")
         trainer = next((slot for slot in s.slots.values() if slot.role == "train"), None)
         require(
             trainer is not None and trainer.fencing_token == req.fencing_token,
@@ -83,7 +83,7 @@ class RoleMoves:
             (slot for slot in s.slots.values() if slot.role == src), key=lambda slot: slot.worker_id
         )
         if moving:
-            changes = await self.apply([(slot, dst, self.cfg.lending_bucket) for slot in moving], req.want)
+            changes = await self.apply([(slot, dst, self.job.lending_bucket) for slot in moving], req.want)
             require(changes is not None, "the planner lost its lease before publishing the change")
         return ev.LendReply(workers=[slot.worker_id for slot in moving], plan_version=s.version)
 

@@ -26,7 +26,7 @@ from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.ownership import Lease, OwnershipStore
-from services.common.runconfig import RunConfig
+from services.common.runconfig import PlanJob, RunConfig
 from services.planner.config import PlannerSettings
 from services.planner.elastic import LivePool
 from services.planner.history import PlanHistory
@@ -51,13 +51,14 @@ class PlannerService:
         worker_id: str = "planner",
     ):
         self.settings, self.cfg, self.bus, self.store = settings, cfg, bus, store
-        self.state = PlanState.from_config(cfg)
+        job = PlanJob.of(cfg)
+        self.state = PlanState.of_buckets(cfg.rollout.buckets)
         self.history = PlanHistory(bus, store)
-        self.pool = LivePool(cfg)
-        self.publisher = PlanPublisher(cfg, bus, store, self.history, self.state, worker_id)
-        self.registration = Registration(cfg, store, self.state)
-        self.moves = RoleMoves(cfg, bus, self.state, self.publisher, self.history, self.pool)
-        self.refitting = Refitting(cfg, self.state, self.moves)
+        self.pool = LivePool(job)
+        self.publisher = PlanPublisher(job.lease_ttl_s, bus, store, self.history, self.state, worker_id)
+        self.registration = Registration(job, store, self.state)
+        self.moves = RoleMoves(job, bus, self.state, self.publisher, self.history, self.pool)
+        self.refitting = Refitting(cfg, self.state, self.moves)  # simulates the whole job
         self.log = get_logger(component="planner")
 
     @property

@@ -25,7 +25,7 @@ from services.common.membership import (
     SPARE_ROLE,
     Membership,
 )
-from services.common.runconfig import EngineJob, RunConfig
+from services.common.runconfig import EngineJob, LearnJob, RunConfig
 from services.generation.backends import create_backend
 from services.generation.backends.emulated import EmulatedBackend
 from services.generation.config import EngineSettings
@@ -94,7 +94,7 @@ class RolloutEngineService(TurnServer):
             tensor_parallel=self.settings.tensor_parallel,
             preferred_bucket=self.settings.bucket,
         )
-        self.training = TrainingSide(self.run, self.bus, self.worker_id, self._hybrid_token)
+        self.training = TrainingSide(LearnJob.of(self.run), self.bus, self.worker_id, self._hybrid_token)
         await self.training.start()
         self.membership = Membership(self.bus, self.store, hello, on_plan=self._on_plan)
         await self.membership.start()

@@ -22,7 +22,7 @@ from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
 from services.common.logging import get_logger
-from services.common.runconfig import LearnJob, RunConfig
+from services.common.runconfig import LearnJob
 from services.common.tasks import in_daemon_thread
 from services.common.tracing import tracer
 
@@ -31,9 +31,9 @@ READY_EVERY_S = 5.0
 
 
 class TrainingSide:
-    def __init__(self, run: RunConfig, bus: Bus, worker_id: str, in_role: Callable[[], int | None]):
+    def __init__(self, job: LearnJob, bus: Bus, worker_id: str, in_role: Callable[[], int | None]):
         """`in_role()` is the worker's lease token while the plan gives it the hybrid role, else None."""
-        self.cfg, self.bus, self.worker_id, self.in_role = run, bus, worker_id, in_role
+        self.job, self.bus, self.worker_id, self.in_role = job, bus, worker_id, in_role
         self.group: ev.HybridGroup | None = None
         self._group_seen = asyncio.Event()
         self.log = get_logger(component="hybrid")
@@ -108,7 +108,7 @@ class TrainingSide:
         await self.state("drained", token, drain_s)
         start = time.monotonic()
         try:
-            replica = await asyncio.to_thread(replica_for, LearnJob.of(self.cfg))
+            replica = await asyncio.to_thread(replica_for, self.job)
         except Exception as err:  # e.g. an emulated engine of a model that is not here
             await self.state(
                 "failed", token, time.monotonic() - start, detail=f"cannot load the model: {err}"

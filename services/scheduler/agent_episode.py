@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.runconfig import RunConfig
+from services.common.runconfig import TaskConfig
 from services.common.signals import ToolSignal, size_class
 from services.common.tls import TlsFiles
 from services.scheduler.agents import AgentPool, CommandAgents
@@ -85,22 +85,22 @@ class AgentEpisode(Episode):
     def __init__(
         self,
         prompter: Prompter,
-        cfg: RunConfig,
+        task: TaskConfig,
+        model_source: str,
         spawn: Spawn,
         host: str,
         port: int,
         tls: TlsFiles | None = None,
     ):
         super().__init__(prompter)
-        task = cfg.task
-        self.cfg, self.spawn = cfg, spawn
+        self.task, self.spawn = task, spawn
         self.agents: AgentPool | CommandAgents = (
             AgentPool(task.agent, task.plugin_paths, task.env_workers, task.agent_timeout_s)
             if task.agent
             else CommandAgents(task.agent_command or [], task.plugin_paths, task.agent_timeout_s)
         )
         self.endpoint = AgentEndpoint(
-            host, port, cfg.model.source, task.max_context_tokens, len(prompter.tok), tls
+            host, port, model_source, task.max_context_tokens, len(prompter.tok), tls
         )
         self.sessions: dict[str, AgentSession] = {}
         self.observations: dict[str, Observation] = {}
@@ -179,7 +179,7 @@ class AgentEpisode(Episode):
         return ids
 
     def _fits(self, context_tokens: int) -> None:
-        limit = self.cfg.task.max_context_tokens
+        limit = self.task.max_context_tokens
         if context_tokens + 1 > limit:
             raise ApiError(
                 400,
@@ -191,7 +191,7 @@ class AgentEpisode(Episode):
     def _sample_as_asked(self, live: Live, call: Call) -> None:
         """The call's sampling settings for its turn (the job's where it leaves one out), and its
         completion's id."""
-        task, request = self.cfg.task, call.request
+        task, request = self.task, call.request
         call.rid = live.trajectory_id[-12:] + f"-{live.traj.turns + 1}"
         live.stream = request.stream
         live.temperature = request.temperature or task.temperature
@@ -312,7 +312,7 @@ class AgentEpisode(Episode):
     ) -> str:
         """A call that rewrote the conversation: rendered whole, the next sequence's prompt (or
         refused, as `task.edited_history` says)."""
-        if self.cfg.task.edited_history == "refuse":
+        if self.task.edited_history == "refuse":
             raise ApiError(
                 400,
                 "history_edited",

@@ -18,7 +18,7 @@ from services.common.contracts import ev
 from services.common.errors import FencedOut, require
 from services.common.held_context import Held
 from services.common.logging import get_logger
-from services.common.runconfig import RunConfig
+from services.common.runconfig import TaskConfig
 from services.common.tracing import tracer
 from services.policy.dispatch import Dispatcher
 from services.policy.prefix_tree import ToolSignal, map_sandbox_status, size_class
@@ -47,11 +47,74 @@ KNOWN_TOOL_STATUSES = ("ok", "error", "timeout", "killed", "rejected")
 """Tool statuses with their own metric label (anything else a sandbox sends counts as `other`)."""
 
 
+def route_after_observation(
+    inflight: InFlight,
+    dispatch: Dispatcher,
+    log: Any,
+    live: Live,
+    signal: ToolSignal,
+    obs: list[int],
+    rewritten: bool,
+) -> None:
+    """C-MLFQ's decision at a tool return: the trajectory may move to another bucket.
+    `rewritten`: `obs` replaces the context (a conversation an agent rewrote)."""
+    traj = live.traj
+    before = inflight.bucket_of(live)
+    decision = inflight.times.decide(
+        dispatch.tool_return,
+        traj.trajectory_id,
+        signal,
+        traj.output_tokens,
+        (0 if rewritten else traj.context_tokens) + len(obs),
+        time.monotonic(),
+    )
+    if decision.bucket != before:
+        log.info(
+            "trajectory_migrated",
+            trajectory_id=traj.trajectory_id,
+            source=before,
+            target=decision.bucket,
+            reason=decision.reason,
+        )
+        live.span.add_event(
+            "migrated",
+            {"libra.from": before, "libra.to": decision.bucket, "libra.reason": decision.reason},
+        )
+
+
+def new_trajectory(
+    job_task: TaskConfig,
+    ids: tuple[str, str, int, int],
+    task: Task,
+    prompt_ids: list[int],
+    script: list[ScriptedTurn] | None,
+    launch_version: int,
+) -> Trajectory:
+    """Trajectory `ids` = (trajectory id, group id, sample index, group size) of `task`, within
+    the job's turn, token and context limits (`job_task`), starting now."""
+    trajectory_id, group_id, index, size = ids
+    return Trajectory(
+        trajectory_id=trajectory_id,
+        group_id=group_id,
+        sample_index=index,
+        group_size=size,
+        task=task,
+        prompt_ids=prompt_ids,
+        max_turns=len(script) if script else job_task.max_turns,
+        max_new_tokens=job_task.max_new_tokens,
+        max_context_tokens=job_task.max_context_tokens,
+        started_at=time.monotonic(),
+        script=script,
+        launch_version=launch_version,
+        tool_bonus=job_task.tool_bonus,
+    )
+
+
 class TrajectoryDriver:
     def __init__(
         self,
         common_run_id: str,
-        cfg: RunConfig,
+        task: TaskConfig,
         bus: Bus,
         prompter: Prompter,
         dispatch: Dispatcher,
@@ -69,7 +132,7 @@ class TrajectoryDriver:
         """`vocab_size` and `newest_version` (the newest weight version the trainer has made, asked
         with the version a result claims) bound what an engine's turn result may say (`results`);
         `handovers`: finished trajectories stored for the trainer at once (SchedulerSettings)."""
-        self.run_id, self.cfg, self.bus, self.prompter = common_run_id, cfg, bus, prompter
+        self.run_id, self.task, self.bus, self.prompter = common_run_id, task, bus, prompter
         self.results = TurnResults(roster, vocab_size, newest_version)
         self.dispatch, self.inflight, self.episode, self.completion = dispatch, inflight, episode, completion
         self.roster = roster
@@ -95,24 +158,9 @@ class TrajectoryDriver:
         evaluation: bool = False,
     ) -> None:
         """Starts trajectory `ids` = (trajectory id, group id, sample index, group size)."""
-        trajectory_id, group_id, index, size = ids
-        traj = Trajectory(
-            trajectory_id=trajectory_id,
-            group_id=group_id,
-            sample_index=index,
-            group_size=size,
-            task=task,
-            prompt_ids=prompt_ids,
-            max_turns=len(script) if script else self.cfg.task.max_turns,
-            max_new_tokens=self.cfg.task.max_new_tokens,
-            max_context_tokens=self.cfg.task.max_context_tokens,
-            started_at=time.monotonic(),
-            script=script,
-            launch_version=launch_version,
-            tool_bonus=self.cfg.task.tool_bonus,
-            scored_outside=self.completion.scorer is not None,
-            builtin_reward=self.episode.builtin_reward,
-        )
+        traj = new_trajectory(self.task, ids, task, prompt_ids, script, launch_version)
+        traj.scored_outside = self.completion.scorer is not None
+        traj.builtin_reward = self.episode.builtin_reward
         span = tracer().start_span(
             "evaluation" if evaluation else "trajectory",
             attributes={
@@ -267,7 +315,9 @@ class TrajectoryDriver:
         live.transcript.environment(action.text)
         obs = self.episode.reply_ids(live, action.text)
         rewritten = self.episode.reply_rewrites(live)
-        self._route_after_observation(live, self.episode.reply_signal(live, obs), obs, rewritten)
+        route_after_observation(
+            self.inflight, self.dispatch, self.log, live, self.episode.reply_signal(live, obs), obs, rewritten
+        )
         await self._execute(live, traj.on_reply(obs, rewritten))
 
     async def fail(self, live: Live, code: str, message: str) -> None:
@@ -276,7 +326,7 @@ class TrajectoryDriver:
         await self._finish(live, live.traj.fail())
 
     async def _send_tool(self, live: Live, action: CallTool) -> None:
-        allowed = self.cfg.task.tools
+        allowed = self.task.tools
         if allowed is not None and action.request.tool not in allowed:  # never reaches a sandbox
             live.pending_tool = action
             live.sent_at, live.step_span = time.monotonic(), None
@@ -320,36 +370,8 @@ class TrajectoryDriver:
         if isinstance(obs, PluginFailure):
             await self.fail(live, obs.code, obs.message)
             return
-        self._route_after_observation(live, signal, obs)
+        route_after_observation(self.inflight, self.dispatch, self.log, live, signal, obs, False)
         await self._execute(live, live.traj.on_tool_return(status, obs))
-
-    def _route_after_observation(
-        self, live: Live, signal: ToolSignal, obs: list[int], rewritten: bool = False
-    ) -> None:
-        """C-MLFQ's decision at a tool return: the trajectory may move to another bucket.
-        `rewritten`: `obs` replaces the context (a conversation an agent rewrote)."""
-        traj = live.traj
-        before = self.inflight.bucket_of(live)
-        decision = self.inflight.decide(
-            self.dispatch.tool_return,
-            traj.trajectory_id,
-            signal,
-            traj.output_tokens,
-            (0 if rewritten else traj.context_tokens) + len(obs),
-            time.monotonic(),
-        )
-        if decision.bucket != before:
-            self.log.info(
-                "trajectory_migrated",
-                trajectory_id=traj.trajectory_id,
-                source=before,
-                target=decision.bucket,
-                reason=decision.reason,
-            )
-            live.span.add_event(
-                "migrated",
-                {"libra.from": before, "libra.to": decision.bucket, "libra.reason": decision.reason},
-            )
 
     async def abort_groups(self, doomed: set[str], why: Callable[[str], str]) -> None:
         """Ends the in-flight (training) trajectories of these groups as failed `stale`, `why(group)`."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from services.common.runconfig import RunConfig
+from services.common.runconfig import TaskConfig
 from services.common.signals import ToolSignal, size_class
 from services.common.tracing import tracer
 from services.scheduler.agent import observation
@@ -133,9 +133,8 @@ class EnvironmentEpisode(Episode):
 
     builtin_reward = False
 
-    def __init__(self, prompter: Prompter, cfg: RunConfig, spawn: Spawn):
+    def __init__(self, prompter: Prompter, task: TaskConfig, spawn: Spawn):
         super().__init__(prompter)
-        task = cfg.task
         assert task.environment is not None
         self.envs = EnvPool(
             task.environment, task.plugin_paths, task.env_workers, task.env_timeout_s, task.environment_args
@@ -177,9 +176,9 @@ class SyntheticEpisode(Episode):
     """The synthetic task: each group drawn from a simulator workload, its turns scripted, its tool
     returns the workload's token counts for the size class the sandbox reports."""
 
-    def __init__(self, prompter: Prompter, cfg: RunConfig):
+    def __init__(self, prompter: Prompter, task: TaskConfig, time_scale: float):
         super().__init__(prompter)
-        self.synthetic = SyntheticTask(cfg)
+        self.synthetic = SyntheticTask(task, time_scale)
 
     def members(self, ticket: GroupTicket, version: int, size: int) -> list[Member]:
         specs = self.synthetic.group(ticket, version)

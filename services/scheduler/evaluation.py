@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.runconfig import RunConfig, TaskConfig
+from services.common.runconfig import EvalConfig, TaskConfig
 from services.scheduler.task import Task
 
 EVAL_PREFIX = "eval-"
@@ -30,15 +30,14 @@ def is_eval(trajectory_id: str) -> bool:
     return trajectory_id.startswith(EVAL_PREFIX)
 
 
-def eval_tasks(cfg: RunConfig) -> list[Task]:
-    """The held-out prompts: `eval.dataset`, or the task's own generator with `eval.seed` minus
-    every prompt the run trains on; each with an `eval-` prompt id."""
+def eval_tasks(ev: EvalConfig, task: TaskConfig) -> list[Task]:
+    """The held-out prompts: `ev.dataset`, or `task`'s own generator with `ev.seed` minus every
+    prompt the run trains on; each with an `eval-` prompt id."""
     from services.scheduler.feed import task_list
 
-    ev = cfg.eval
-    dataset = ev.dataset if ev.dataset is not None else cfg.task.dataset
+    dataset = ev.dataset if ev.dataset is not None else task.dataset
     if isinstance(dataset, str):
-        trained = {t.question for t in task_list(cfg.task)} if ev.dataset is None else set()
+        trained = {t.question for t in task_list(task)} if ev.dataset is None else set()
         spec = TaskConfig(
             dataset=dataset, num_prompts=min(1_000_000, 4 * ev.prompts + len(trained)), seed=ev.seed
         )
@@ -148,16 +147,17 @@ class Round:
 class Evaluator:
     """Which round is due, and the one running."""
 
-    def __init__(self, cfg: RunConfig, done: set[int] | None = None):
-        self.cfg = cfg
-        self.tasks = eval_tasks(cfg)
-        self.targets = targets(cfg.eval.every, cfg.training.steps)
+    def __init__(self, ev: EvalConfig, task: TaskConfig, steps: int, done: set[int] | None = None):
+        """Evaluates as `ev` says the policy that `task` trains for `steps` steps."""
+        self.ev, self.task = ev, task
+        self.tasks = eval_tasks(ev, task)
+        self.targets = targets(ev.every, steps)
         self.done: set[int] = set(done or ())
         self.running: Round | None = None
 
     @property
     def temperature(self) -> float:
-        return self.cfg.eval.temperature or self.cfg.task.temperature
+        return self.ev.temperature or self.task.temperature
 
     def due(self, trained_version: int) -> int | None:
         """The newest target the trainer has reached that is not evaluated yet (an older one it
@@ -170,7 +170,7 @@ class Evaluator:
         return reached[-1]
 
     def start(self, version: int, nonce: str) -> Round:
-        e = self.cfg.eval
+        e = self.ev
         self.running = Round(
             version, len(self.tasks) * e.samples, nonce, e.samples, tuple(e.ks), e.pass_threshold
         )

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from services.common.runconfig import (
     OWN_DATASETS,
     ReasoningGymDataset,
-    RunConfig,
     TaskConfig,
+    TrainingConfig,
     VerifiersDataset,
 )
 from services.policy.staleness import StalenessBound
@@ -125,11 +125,12 @@ def task_list(task: TaskConfig) -> list[Task]:
     return builtin_tasks(task.dataset, task.num_prompts, task.seed)
 
 
-def build_feed(cfg: RunConfig) -> TaskFeed:
-    """The feed of a run config's task: what the scheduler releases, group by group."""
+def build_feed(task: TaskConfig, training: TrainingConfig) -> TaskFeed:
+    """The feed of a job's task: what the scheduler releases, group by group, as fast as
+    `training`'s steps and staleness bound allow."""
     return TaskFeed(
-        task_list(cfg.task),
-        groups_per_step=cfg.training.groups_per_step,
-        max_staleness=cfg.training.max_staleness,
-        total_steps=cfg.training.steps,
+        task_list(task),
+        groups_per_step=training.groups_per_step,
+        max_staleness=training.max_staleness,
+        total_steps=training.steps,
     )

@@ -13,7 +13,7 @@ from typing import Any
 from services.common.bus import Bus
 from services.common.contracts import ev
 from services.common.logging import get_logger
-from services.common.runconfig import RunConfig
+from services.common.runconfig import TaskConfig
 from services.common.streams import SCHEDULER_FEED
 from services.policy.staleness import StalenessBound
 from services.scheduler.completion import Completion
@@ -31,7 +31,8 @@ from services.scheduler.versions import TrainedVersion
 class Groups:
     def __init__(
         self,
-        cfg: RunConfig,
+        task: TaskConfig,
+        max_staleness: int,
         bus: Bus,
         feed: TaskFeed,
         ledger: Ledger,
@@ -40,7 +41,9 @@ class Groups:
         completion: Completion,
         versions: TrainedVersion,
     ):
-        self.cfg, self.bus, self.feed, self.ledger = cfg, bus, feed, ledger
+        """Launches `task`'s groups; aborts those older than `max_staleness` allows (training.max_staleness)."""
+        self.task, self.max_staleness = task, max_staleness
+        self.bus, self.feed, self.ledger = bus, feed, ledger
         self.episode, self.driver, self.completion, self.versions = episode, driver, completion, versions
         self.log = get_logger(component="scheduler")
         self.aborted = 0
@@ -59,7 +62,7 @@ class Groups:
         (`stale`, never trained), their engine slots free at once, and the feed replaces the group,
         instead of the group running to the end for nothing (the simulator aborts them the same way)."""
         trajs = [lv.traj for lv in inflight.all() if not lv.evaluation]
-        version, bound = self.versions.version, self.cfg.training.max_staleness
+        version, bound = self.versions.version, self.max_staleness
         doomed = doomed_groups(trajs, version, StalenessBound(bound))
         if not doomed:
             return
@@ -129,7 +132,7 @@ class Groups:
 
     def launch(self, ticket: GroupTicket, skip: Collection[str] = ()) -> int:
         """Starts the group's trajectories (but those in `skip`, already with the trainer)."""
-        size = self.cfg.task.group_size
+        size = self.task.group_size
         members = self.episode.members(ticket, self.versions.version, size)
         launched = 0
         for i, member in enumerate(members):
@@ -142,7 +145,7 @@ class Groups:
                 member.prompt_ids,
                 member.script,
                 self.versions.version,
-                self.cfg.task.temperature,
+                self.task.temperature,
             )
         return launched
 

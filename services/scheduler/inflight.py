@@ -8,10 +8,9 @@ import hashlib
 import math
 import time
 import uuid
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from opentelemetry import trace
 
@@ -20,16 +19,14 @@ from services.common.bus import Bus
 from services.common.contracts import ev
 from services.common.held_context import Held
 from services.common.logging import get_logger
-from services.common.runconfig import RunConfig
+from services.common.runconfig import RolloutConfig, TaskConfig
 from services.common.tracing import tracer
 from services.policy.dispatch import Dispatcher
 from services.scheduler.config import SchedulerSettings
+from services.scheduler.decisions import DecisionTimes
 from services.scheduler.tool_calls import ToolCalls
 from services.scheduler.trajectory import CallTool, Generate, Trajectory
 from services.scheduler.transcript import Transcript
-from services.simulation.runner import percentile
-
-T = TypeVar("T")
 
 
 def trajectory_seed(run_seed: int, trajectory_id: str) -> int:
@@ -169,24 +166,54 @@ class Outstanding:
         return self._by_engine.get(engine_id, {})
 
 
+def turn_request(
+    live: Live, action: Generate, bucket: str, priority: int, held: Held | None, offset: int
+) -> ev.TurnRequest:
+    """The request for `live`'s turn at its engine (`live.engine_id`, `live.request_id`, `live.seq`
+    set), its context from `offset` on where the engine holds the rest (`held`); the caller adds
+    the job's sampling defaults (top_p, stop strings, seed) where the trajectory has none."""
+    traj = live.traj
+    return ev.TurnRequest(
+        request_id=live.request_id,
+        trajectory_id=traj.trajectory_id,
+        turn_index=traj.turns,
+        engine_id=live.engine_id,
+        bucket=bucket,
+        context_token_ids=action.context[offset:],
+        context_offset=offset,
+        context_digest=held.digest if held is not None and offset else 0,
+        max_new_tokens=action.max_new_tokens,
+        min_new_tokens=action.min_new_tokens,
+        temperature=live.temperature,
+        min_policy_version=live.min_policy_version,
+        priority=priority,
+        stream=live.stream,
+        group_id=traj.group_id,
+        seq=live.seq,
+        prompt_id=traj.task.prompt_id,
+    )
+
+
 class InFlight:
     def __init__(
         self,
         bus: Bus,
         dispatch: Dispatcher,
         settings: SchedulerSettings,
-        cfg: RunConfig,
+        rollout: RolloutConfig,
+        task: TaskConfig,
         stop_strings: list[str],
         fail: Fail,
         calls: ToolCalls | None = None,
     ):
-        self.bus, self.dispatch, self.settings, self.cfg = bus, dispatch, settings, cfg
+        self.bus, self.dispatch, self.settings = bus, dispatch, settings
+        self.task, self.sampling_seed = task, rollout.sampling_seed
         self.calls = calls if calls is not None else ToolCalls()
         """Tool calls out at the sandbox -> who waits (this scheduler's one registry of them)."""
         self.stop_strings = stop_strings
         self.fail = fail
         self.log = get_logger(component="scheduler")
-        self.bucket_level = {b.name: i for i, b in enumerate(cfg.rollout.buckets)}
+        self.bucket_level = {b.name: i for i, b in enumerate(rollout.buckets)}
         self._live: dict[str, Live] = {}
         self.requests = Outstanding()
         """Engine request id -> the trajectory whose turn it is (absent: answered, lost, given up),
@@ -198,16 +225,10 @@ class InFlight:
         every number an earlier scheduler of the job sent (a standby taking over, a restart). An
         engine's `last_seq` still at the earlier one's would otherwise say that it read this
         one's first turns before it had, and a busy engine's unread turns would count as lost."""
-        self.decision_us: deque[float] = deque(maxlen=20_000)
-        """Latency of the most recent routing decisions (the policy's own work, in microseconds;
-        not the polls of a queue that found nothing to place)."""
-        self.decision_cpu_us: deque[float] = deque(maxlen=20_000)
-        """...and the CPU time this thread spent in each (wall minus what other processes took
-        of the core meanwhile, GC and page faults included)."""
+        self.times = DecisionTimes()
+        """How long its routing decisions take."""
         self.context_tokens = {"sent": 0, "held": 0}
         """Context tokens turn requests carried, and those their engines held already."""
-        self.dispatch_us: deque[float] = deque(maxlen=20_000)
-        """From a routing decision's start to its turn request handed to NATS, in microseconds."""
 
     # the trajectories ---------------------------------------------------------------------------
 
@@ -267,27 +288,6 @@ class InFlight:
             for lv in oldest
         ]
 
-    # routing decisions --------------------------------------------------------------------------
-
-    def decide(self, fn: Callable[..., T], *args: Any, poll: bool = False) -> T:
-        """Runs one routing decision and records how long the policy took; a `poll` (a queue asked
-        for a turn to place) counts only when it found one."""
-        began, began_cpu = time.perf_counter(), time.thread_time()
-        out = fn(*args)
-        if not poll or out is not None:
-            self.decision_us.append((time.perf_counter() - began) * 1e6)
-            self.decision_cpu_us.append((time.thread_time() - began_cpu) * 1e6)
-        return out
-
-    def decision_quantile(self, q: float) -> float:
-        return percentile(list(self.decision_us), q)
-
-    def decision_cpu_quantile(self, q: float) -> float:
-        return percentile(list(self.decision_cpu_us), q)
-
-    def dispatch_quantile(self, q: float) -> float:
-        return percentile(list(self.dispatch_us), q)
-
     # turns --------------------------------------------------------------------------------------
 
     async def send_turn(self, live: Live, action: Generate, avoid: str | None = None) -> None:
@@ -300,7 +300,7 @@ class InFlight:
             return
         need = len(action.context) + action.max_new_tokens  # its KV, were it to use its whole budget
         began = time.perf_counter()
-        engine_id = self.decide(self.dispatch.place, live.trajectory_id, time.monotonic(), avoid, need)
+        engine_id = self.times.decide(self.dispatch.place, live.trajectory_id, time.monotonic(), avoid, need)
         if engine_id is None:
             live.deadline = math.inf  # queued: waits for a slot, however long the tail ahead of it
             if live.queued_at is None:
@@ -317,7 +317,7 @@ class InFlight:
         """Gives the engine's free slots to the turns the policy picks from the queues."""
         while True:
             began = time.perf_counter()
-            traj_id = self.decide(self.dispatch.next_for, engine_id, time.monotonic(), poll=True)
+            traj_id = self.times.decide(self.dispatch.next_for, engine_id, time.monotonic(), poll=True)
             if traj_id is None:
                 return
             live = self._live.get(traj_id)
@@ -405,38 +405,18 @@ class InFlight:
         )
         held = live.held if self.settings.context_deltas else None
         offset = live.sent_offset = held.offset_for(engine_id, action.context) if held is not None else 0
-        req = ev.TurnRequest(
-            request_id=live.request_id,
-            trajectory_id=traj.trajectory_id,
-            turn_index=traj.turns,
-            engine_id=engine_id,
-            bucket=bucket,
-            context_token_ids=action.context[offset:],
-            context_offset=offset,
-            context_digest=held.digest if held is not None and offset else 0,
-            max_new_tokens=action.max_new_tokens,
-            min_new_tokens=action.min_new_tokens,
-            temperature=live.temperature,
-            top_p=live.top_p or self.cfg.task.top_p,
-            min_policy_version=live.min_policy_version,
-            stop=self.stop_strings if live.stop is None else live.stop,
-            priority=self.bucket_level.get(bucket, 0),
-            stream=live.stream,
-            group_id=traj.group_id,
-            seq=live.seq,
-            prompt_id=traj.task.prompt_id,
-            sampling_seed=(
-                trajectory_seed(self.cfg.rollout.sampling_seed, traj.trajectory_id)
-                if live.seed is None
-                else live.seed
-            ),
+        req = turn_request(live, action, bucket, self.bucket_level.get(bucket, 0), held, offset)
+        req.top_p = live.top_p or self.task.top_p
+        req.stop.extend(self.stop_strings if live.stop is None else live.stop)
+        req.sampling_seed = (
+            trajectory_seed(self.sampling_seed, traj.trajectory_id) if live.seed is None else live.seed
         )
         self.context_tokens["sent"] += len(req.context_token_ids)
         self.context_tokens["held"] += offset
         await self.bus.publish(
             f"{subjects.TURN_REQUEST}.{engine_id}", req, ctx=trace.set_span_in_context(live.step_span)
         )
-        self.dispatch_us.append((time.perf_counter() - began) * 1e6)
+        self.times.dispatched(began)
         if first:
             self.log.info("first_turn_sent", engine_id=engine_id, trajectory_id=traj.trajectory_id)
 
@@ -461,7 +441,7 @@ class InFlight:
         live.tool_attempts += 1
         live.call_id = uuid.uuid4().hex
         live.sent_at = time.monotonic()
-        live.deadline = time.monotonic() + self.cfg.task.tool_timeout_s + self.settings.tool_grace_s
+        live.deadline = time.monotonic() + self.task.tool_timeout_s + self.settings.tool_grace_s
         self.calls.expect(live.call_id, live.trajectory_id)
         live.step_span = tracer().start_span(
             "tool.call",
@@ -473,7 +453,7 @@ class InFlight:
             trajectory_id=live.trajectory_id,
             tool=action.request.tool,
             args_json=action.request.args_json,
-            timeout_s=self.cfg.task.tool_timeout_s,
+            timeout_s=self.task.tool_timeout_s,
         )
         await self.bus.publish(subjects.TOOL_CALL, call, ctx=trace.set_span_in_context(live.step_span))
 

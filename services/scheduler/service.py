@@ -69,7 +69,7 @@ class SchedulerService:
         )
         self.leadership = Leadership(self.membership, store, self.log)
         """Whether this scheduler acts for the job or stands by (`stand_by`)."""
-        self.feed = build_feed(cfg)
+        self.feed = build_feed(cfg.task, cfg.training)
         self.dispatch = build_dispatcher(cfg.rollout.buckets, cfg.rollout.policy, cfg.rollout.max_batch)
         self.versions = TrainedVersion(bus, self.log)
         self.metrics = scheduler_metrics()
@@ -90,12 +90,18 @@ class SchedulerService:
         self.facts = FactsOut(bus, subjects.FACTS_SCHEDULER)
         """The ledger's accounting and evaluation rounds, for the job's report."""
         self._facts_read = float("-inf")
-        self.evaluator = Evaluator(cfg) if cfg.eval.every > 0 else None
+        self.evaluator = Evaluator(cfg.eval, cfg.task, cfg.training.steps) if cfg.eval.every > 0 else None
         """Held-out evaluation rounds (`eval`), when configured."""
         self.broken = asyncio.Event()
         """Set when the job's own code fails on every call (`Completion.broken` says why)."""
         self.episode = build_episode(
-            cfg, prompter, bus.spawn, (settings.agent_host, settings.agent_port), common.tls()
+            cfg.task,
+            cfg.model.source,
+            cfg.rollout.emulated.time_scale,
+            prompter,
+            bus.spawn,
+            (settings.agent_host, settings.agent_port),
+            common.tls(),
         )
         self.completion = Completion(
             bus,
@@ -109,12 +115,12 @@ class SchedulerService:
         )
         self.started = False
         self.inflight = InFlight(
-            bus, self.dispatch, settings, cfg, stop_strings, fail=self._fail, calls=calls
+            bus, self.dispatch, settings, cfg.rollout, task, stop_strings, fail=self._fail, calls=calls
         )
         self.roster = Roster(self.inflight, settings)
         self.driver = TrajectoryDriver(
             common.run_id,
-            cfg,
+            task,
             bus,
             prompter,
             self.dispatch,
@@ -130,7 +136,15 @@ class SchedulerService:
             handovers=settings.handovers,
         )
         self.groups = Groups(
-            cfg, bus, self.feed, self.ledger, self.episode, self.driver, self.completion, self.versions
+            task,
+            cfg.training.max_staleness,
+            bus,
+            self.feed,
+            self.ledger,
+            self.episode,
+            self.driver,
+            self.completion,
+            self.versions,
         )
 
     async def _fail(self, live: Live, code: str, message: str) -> None:
@@ -225,12 +239,12 @@ class SchedulerService:
             turn_request_bytes=self.bus.bytes_out[subjects.TURN_REQUEST],
             turn_result_bytes=self.bus.bytes_in[subjects.TURN_RESULT],
             decisions=self.dispatch.decisions,
-            decision_p50_us=inflight.decision_quantile(0.5),
-            decision_p99_us=inflight.decision_quantile(0.99),
-            decision_cpu_p50_us=inflight.decision_cpu_quantile(0.5),
-            decision_cpu_p99_us=inflight.decision_cpu_quantile(0.99),
-            dispatch_p50_us=inflight.dispatch_quantile(0.5),
-            dispatch_p99_us=inflight.dispatch_quantile(0.99),
+            decision_p50_us=inflight.times.decision_quantile(0.5),
+            decision_p99_us=inflight.times.decision_quantile(0.99),
+            decision_cpu_p50_us=inflight.times.decision_cpu_quantile(0.5),
+            decision_cpu_p99_us=inflight.times.decision_cpu_quantile(0.99),
+            dispatch_p50_us=inflight.times.dispatch_quantile(0.5),
+            dispatch_p99_us=inflight.times.dispatch_quantile(0.99),
             cpu_utilisation=self._cpu_utilisation(),
             agent_calls_refused=self.episode.calls_refused(),
             agent_history_rewrites=self.episode.history_rewrites(),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from services.common.runconfig import RunConfig
+from services.common.runconfig import TaskConfig
 from services.common.synthetic import TrajectorySpec, Workload
 from services.scheduler.agent import ToolRequest
 from services.scheduler.feed import GroupTicket
@@ -25,19 +25,20 @@ FILLER = tuple(range(1000, 1064))
 
 
 class SyntheticTask:
-    def __init__(self, cfg: RunConfig):
-        assert cfg.task.workload is not None, "validated by RunConfig"
-        self.cfg = cfg
-        self.workload = Workload.load(cfg.task.workload).with_overrides(
-            max_context=cfg.task.max_context_tokens, group_size=cfg.task.group_size
+    def __init__(self, task: TaskConfig, time_scale: float):
+        """`time_scale`: the emulated engines' (rollout.emulated.time_scale): tool waits scale with it."""
+        assert task.workload is not None, "validated by TaskConfig"
+        self.task = task
+        self.workload = Workload.load(task.workload).with_overrides(
+            max_context=task.max_context_tokens, group_size=task.group_size
         )
-        self.time_scale = cfg.rollout.emulated.time_scale
+        self.time_scale = time_scale
         self.payload_tokens = {k: int(v) for k, v in self.workload.spec["payload_tokens"].items()}
 
     def group(self, ticket: GroupTicket, version: int) -> list[TrajectorySpec]:
         """The group launched at `ticket.index` when the trainer was at `version`: the simulator's
         draw for the same seed and admission index."""
-        return self.workload.group_for(self.cfg.task.seed, ticket.index, version, ticket.task.prompt_id)
+        return self.workload.group_for(self.task.seed, ticket.index, version, ticket.task.prompt_id)
 
     def script(self, spec: TrajectorySpec) -> list[ScriptedTurn]:
         out = []

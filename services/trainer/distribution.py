@@ -15,7 +15,6 @@ from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.membership import SERVING_ROLES, Membership
 from services.common.metrics import trainer_metrics
-from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
 from services.learning.snapshot import Snapshot
 from services.trainer.weight_push import PushResult, WeightPusher
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
 class WeightDistribution:
     def __init__(
         self,
-        run: RunConfig,
+        push_delta: bool,
         bus: Bus,
         membership: Membership,
         learner: Learner,
@@ -35,7 +34,13 @@ class WeightDistribution:
         leading: Callable[[], bool],
         token: Callable[[], int],
     ):
-        self.run, self.bus, self.membership, self.learner, self.pusher = run, bus, membership, learner, pusher
+        self.push_delta, self.bus, self.membership, self.learner, self.pusher = (
+            push_delta,
+            bus,
+            membership,
+            learner,
+            pusher,
+        )
         self.leading, self.token = leading, token
         self.log = get_logger(component="trainer")
         self.snap: Snapshot | None = None
@@ -121,7 +126,7 @@ class WeightDistribution:
             if self.snap is None or self.snap.version != self.version:
                 self.snap = await asyncio.to_thread(self.learner.snapshot)
             snap = self.snap
-            base = self.base if self.run.training.push_delta and self.base is not None else None
+            base = self.base if self.push_delta and self.base is not None else None
             parent, self._push_parent = self._push_parent, None
             with tracer().start_as_current_span("weights.push", context=parent) as span:
                 start = time.perf_counter()

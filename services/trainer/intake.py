@@ -20,7 +20,7 @@ from services.common.contracts import ev
 from services.common.errors import InvalidMessage
 from services.common.logging import get_logger
 from services.common.ownership import OwnershipStore, trained_key
-from services.common.runconfig import RunConfig
+from services.common.runconfig import TrainingConfig
 from services.common.streams import FEED_ACK_WAIT_S, TRAINER_FEED
 from services.common.tracing import extract_context
 from services.learning.data import validate
@@ -47,13 +47,16 @@ class Intake:
     def __init__(
         self,
         run_id: str,
-        run: RunConfig,
+        training: TrainingConfig,
+        group_size: int,
+        drop_zero_advantage: bool,
         settings: TrainerSettings,
         bus: Bus,
         store: OwnershipStore,
         learner: Learner,
     ):
-        self.run_id, self.run, self.settings = run_id, run, settings
+        self.run_id, self.training, self.settings = run_id, training, settings
+        self.group_size, self.drop_zero_advantage = group_size, drop_zero_advantage
         self.bus, self.store, self.learner = bus, store, learner
         self.log = get_logger(component="trainer")
         self.group_complete: Callable[[str, float], None] | None = None
@@ -62,7 +65,7 @@ class Intake:
         self.ack_wait_s = FEED_ACK_WAIT_S
         """The feed's ack wait as provisioned: a dead trainer's deliveries come back this fast;
         the live trainer marks what it holds in progress every third of it."""
-        self.buffer: GroupBuffer[Msg] = GroupBuffer(run.training.max_staleness)
+        self.buffer: GroupBuffer[Msg] = GroupBuffer(training.max_staleness)
         self.decided: OrderedDict[str, None] = OrderedDict()
         self.stepping: list[Pending[Msg]] = []
         """The deliveries of the step being trained."""
@@ -240,9 +243,9 @@ class Intake:
 
     async def filter_uninformative(self) -> None:
         """Drops complete zero-advantage groups within this step's budget (the feed replaces them)."""
-        if not self.run.filters_zero_advantage:
+        if not self.drop_zero_advantage:
             return
-        left = self.run.training.filter_limit - self.filtered_this_step
+        left = self.training.filter_limit - self.filtered_this_step
         for group in self.buffer.filter_uninformative(max(0, left)):
             self.filtered_this_step += 1
             self.counts["filtered"] += len(group)
@@ -257,7 +260,7 @@ class Intake:
 
     async def take(self) -> list[list[Pending[Msg]]]:
         """The next step's groups (none: not enough complete); the too-stale are dropped."""
-        groups, stale = self.buffer.take(self.run.training.groups_per_step, self.version)
+        groups, stale = self.buffer.take(self.training.groups_per_step, self.version)
         await self.drop_stale(stale)
         return groups
 
@@ -296,4 +299,4 @@ class Intake:
             pending = int((await self.psub.consumer_info()).num_pending or 0)
         except Exception:  # NATS away: the buffer alone
             pending = 0
-        return buffered + pending // max(1, self.run.task.group_size)
+        return buffered + pending // max(1, self.group_size)

@@ -19,12 +19,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from services.common import lending, subjects
+from services.common import subjects
 from services.common.bus import Bus
 from services.common.contracts import ev
 from services.common.logging import get_logger
 from services.common.membership import LENT_ROLE, PARKED_ROLE, Membership
-from services.common.runconfig import RunConfig
+from services.common.runconfig import LendingConfig
 from services.common.tracing import tracer
 from services.policy.lend_policy import LendPolicy
 
@@ -32,7 +32,10 @@ from services.policy.lend_policy import LendPolicy
 class Lender:
     def __init__(
         self,
-        run: RunConfig,
+        lend: LendingConfig,
+        switch_s: float,
+        lent_share: float,
+        need: int,
         bus: Bus,
         membership: Membership,
         token: Callable[[], int],
@@ -41,14 +44,14 @@ class Lender:
         timeout_s: float,
     ):
         self.bus, self.membership, self.token, self.step, self.on_lent = bus, membership, token, step, lent
-        self.enabled = run.planner.lending.engines > 0
-        self.switch_s = lending.switch_s(run)
-        self.policy = LendPolicy(
-            self.switch_s, run.planner.lending.policy, lent_share=lending.lent_share(run)
-        )
+        """Lends as `lend` (planner.lending) says; `switch_s` and `lent_share` are the job's
+        (`services.common.lending`), `need` the groups a step takes (training.groups_per_step)."""
+        self.enabled = lend.engines > 0
+        self.switch_s = switch_s
+        self.policy = LendPolicy(switch_s, lend.policy, lent_share=lent_share)
         self._ready: Callable[[], int] | None = None
         """The complete groups this trainer holds (from `watch`)."""
-        self.need = run.training.groups_per_step
+        self.need = need
         self.timeout_s = timeout_s
         self._heard: OrderedDict[str, None] = OrderedDict()
         """Groups the forecast has heard of (a group redelivered after a hand-back counts once)."""

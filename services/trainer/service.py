@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from services.common import control, subjects
+from services.common import control, lending, subjects
 from services.common.bus import Bus
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
@@ -25,7 +25,7 @@ from services.common.logging import get_logger
 from services.common.membership import Membership
 from services.common.metrics import trainer_metrics
 from services.common.ownership import OwnershipStore
-from services.common.runconfig import LearnJob, RunConfig
+from services.common.runconfig import EngineJob, LearnJob, RunConfig, TrainingConfig
 from services.common.tracing import tracer
 from services.learning.data import to_samples
 from services.trainer.batcher import Pending
@@ -42,6 +42,39 @@ from services.trainer.weight_push import WeightPusher
 if TYPE_CHECKING:
     from services.learning.learner import Learner
     from services.learning.step import StepStats
+
+
+def hybrid_unsupported(training: TrainingConfig) -> str:
+    """Why this trainer cannot take hybrid workers ("" where it can)."""
+    if training.backend == "emulated":
+        return "an emulated trainer has no gradients to share"
+    if training.fsdp > 1:
+        return "a sharded (FSDP) trainer does not take hybrid workers yet"
+    if training.lora is not None:
+        return "a LoRA trainer (training.lora) does not take hybrid workers yet"
+    return ""
+
+
+def log_step(log: Any, step: int, version: int, stats: StepStats, filtered: int) -> None:
+    """A trained step, in the trainer's log."""
+    log.info(
+        "train_step",
+        step=step,
+        policy_version=version,
+        loss=round(stats.loss, 6),
+        tokens=stats.tokens,
+        step_s=round(stats.seconds, 3),
+        kl=round(stats.kl, 6),
+        clip_fraction=round(stats.clip_fraction, 4),
+        grad_norm=round(stats.grad_norm, 4),
+        entropy=round(stats.entropy, 4),
+        is_weight_mean=round(stats.is_weight_mean, 4),
+        logprob_mismatch=stats.logprob_mismatch,
+        lr=stats.lr,
+        groups_filtered=filtered,
+        policy_versions=list(stats.policy_versions),
+        data_parallel=stats.data_parallel,
+    )
 
 
 class TrainerService:
@@ -71,24 +104,24 @@ class TrainerService:
         self.last_metrics: ev.TrainMetrics | None = None
         self.done_published = False
         self._last_resync = float("-inf")
-        emulated = run.training.backend == "emulated"
         self.hybrid = HybridHost(
             settings,
             bus,
             store,
             membership,
             lambda: learner.model,
-            unsupported=(
-                "an emulated trainer has no gradients to share"
-                if emulated
-                else "a sharded (FSDP) trainer does not take hybrid workers yet"
-                if run.training.fsdp > 1
-                else "a LoRA trainer (training.lora) does not take hybrid workers yet"
-                if run.training.lora is not None
-                else ""
-            ),
+            unsupported=hybrid_unsupported(run.training),
         )
-        self.intake = Intake(common.run_id, run, settings, bus, store, learner)
+        self.intake = Intake(
+            common.run_id,
+            run.training,
+            run.task.group_size,
+            run.filters_zero_advantage,
+            settings,
+            bus,
+            store,
+            learner,
+        )
         self.lead: Leadership = Leadership(
             bus,
             store,
@@ -99,10 +132,19 @@ class TrainerService:
             model_owned=own_engine.training if own_engine is not None else contextlib.nullcontext,
         )
         self.weights: WeightDistribution = WeightDistribution(
-            run, bus, membership, learner, pusher, lambda: self.lead.leading, lambda: self.lead.token
+            run.training.push_delta,
+            bus,
+            membership,
+            learner,
+            pusher,
+            lambda: self.lead.leading,
+            lambda: self.lead.token,
         )
         self.lender = Lender(
-            run,
+            run.planner.lending,
+            lending.switch_s(run),
+            lending.lent_share(run),
+            run.training.groups_per_step,
             bus,
             membership,
             lambda: self.lead.token,
@@ -273,24 +315,7 @@ class TrainerService:
             span.set_attribute("libra.weight_version", self.version)
             span.set_attribute("libra.data_parallel", stats.data_parallel)
             trace_into_trajectories(span, pendings, self.learner.state.step, self.version)
-            self.log.info(
-                "train_step",
-                step=self.learner.state.step,
-                policy_version=self.version,
-                loss=round(stats.loss, 6),
-                tokens=stats.tokens,
-                step_s=round(stats.seconds, 3),
-                kl=round(stats.kl, 6),
-                clip_fraction=round(stats.clip_fraction, 4),
-                grad_norm=round(stats.grad_norm, 4),
-                entropy=round(stats.entropy, 4),
-                is_weight_mean=round(stats.is_weight_mean, 4),
-                logprob_mismatch=stats.logprob_mismatch,
-                lr=stats.lr,
-                groups_filtered=filtered,
-                policy_versions=list(stats.policy_versions),
-                data_parallel=stats.data_parallel,
-            )
+            log_step(self.log, self.learner.state.step, self.version, stats, filtered)
             # the push streams in the background while the next step trains
             await self.weights.snapshot()
             if not stop.is_set():
@@ -401,7 +426,14 @@ async def serve(
 
     own_engine = None
     if run.planner.lending.trainer_serves:
-        own_engine = TrainerEngine(common, run, learner, store, worker_id)
+        own_engine = TrainerEngine(
+            common,
+            EngineJob.of(run),
+            (run.lending_bucket, run.planner.lending.tensor_parallel),
+            learner,
+            store,
+            worker_id,
+        )
         stack.push_async_callback(own_engine.shutdown)
         await own_engine.start()
     service = TrainerService(common, settings, run, learner, bus, store, membership, pusher, own_engine)

@@ -26,7 +26,7 @@ from services.common.contracts import ev
 from services.common.credentials import trainer_engine_id
 from services.common.membership import LENT_ROLE, Membership
 from services.common.ownership import OwnershipStore
-from services.common.runconfig import EngineJob, RunConfig
+from services.common.runconfig import EngineJob
 from services.generation.backends.hf import HFBackend
 from services.generation.config import EngineSettings
 from services.generation.engine import ContinuousEngine
@@ -38,28 +38,35 @@ if TYPE_CHECKING:
 
 class TrainerEngine(TurnServer):
     def __init__(
-        self, common: CommonSettings, run: RunConfig, learner: Learner, store: OwnershipStore, trainer_id: str
+        self,
+        common: CommonSettings,
+        job: EngineJob,
+        lend: tuple[str, int],
+        learner: Learner,
+        store: OwnershipStore,
+        trainer_id: str,
     ):
         self.learner = learner
-        backend = HFBackend(run.model, run.rollout.torch_threads, model=learner.model)
-        super().__init__(
-            trainer_engine_id(trainer_id), EngineSettings(), EngineJob.of(run), backend, "trainer"
-        )
+        backend = HFBackend(job.model, job.rollout.torch_threads, model=learner.model)
+        super().__init__(trainer_engine_id(trainer_id), EngineSettings(), job, backend, "trainer")
         self.backend: HFBackend = backend
         assert isinstance(self.engine, ContinuousEngine)  # an hf backend is stepped by the batcher
         self.batcher: ContinuousEngine = self.engine
-        self.common, self.run, self.store = common, run, store
+        self.common, self.store = common, store
+        self.lend_bucket, self.lend_tp = lend
+        """Where and at which TP it serves when lent, unless its assignment says where (the job's
+        lending bucket, planner.lending.tensor_parallel)."""
         self.draining = True  # parked until the planner lends it
         self._training = False
 
     @property
     def bucket(self) -> str:
         a = self.membership.assignment
-        return a.bucket if a is not None and a.bucket else self.run.lending_bucket
+        return a.bucket if a is not None and a.bucket else self.lend_bucket
 
     @property
     def tensor_parallel(self) -> int:
-        return self.run.planner.lending.tensor_parallel
+        return self.lend_tp
 
     def holds_lease(self) -> bool:
         return self.membership.holds_lease()

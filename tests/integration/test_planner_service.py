@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from services.common import subjects
+from services.common import lending, subjects
 from services.common.bus import Bus, Envelope, Refused
 from services.common.contracts import ev
 from services.common.facts import read_facts
@@ -582,7 +582,18 @@ async def test_the_trainer_takes_its_gpus_back_one_switch_before_its_batch_is_fo
         await _until("follows", lambda: membership.peers("parked"))
         assert membership.assignment is not None
         token = membership.assignment.fencing_token
-        lender = Lender(cfg, tbus, membership, lambda: token, lambda: 0, lambda: None, timeout_s=5.0)
+        lender = Lender(
+            cfg.planner.lending,
+            lending.switch_s(cfg),
+            lending.lent_share(cfg),
+            cfg.training.groups_per_step,
+            tbus,
+            membership,
+            lambda: token,
+            lambda: 0,
+            lambda: None,
+            timeout_s=5.0,
+        )
         assert 0.1 < lender.switch_s < 1.0, lender.switch_s  # the cost model's switch, time-scaled
         ready = [0]
         watching = asyncio.create_task(lender.watch(lambda: ready[0], every_s=0.01))

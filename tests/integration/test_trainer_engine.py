@@ -16,7 +16,7 @@ from services.common.contracts import ev
 from services.common.localstack import Server
 from services.common.membership import Membership
 from services.common.ownership import OwnershipStore
-from services.common.runconfig import ModelConfig, RunConfig
+from services.common.runconfig import EngineJob, ModelConfig, RunConfig
 from services.learning.learner import Learner
 from services.planner.config import PlannerSettings
 from services.planner.service import PlannerService
@@ -67,7 +67,14 @@ async def test_the_trainer_serves_lent_turns_with_its_own_weights_and_trains_onl
     token = (await trainer.wait_assigned(10)).fencing_token
     learner = await asyncio.to_thread(Learner, cfg, tmp_path / "ckpt")
     common = CommonSettings(nats_url=nats_server.url, redis_url=redis_server.url, run_id=run_id)
-    own = TrainerEngine(common, cfg, learner, store, "trainer-a")
+    own = TrainerEngine(
+        common,
+        EngineJob.of(cfg),
+        (cfg.lending_bucket, cfg.planner.lending.tensor_parallel),
+        learner,
+        store,
+        "trainer-a",
+    )
     sched = await Bus.connect(nats_server.url, run_id, "scheduler", "scheduler")
     results: dict[str, ev.TurnResult] = {}
 

@@ -37,7 +37,16 @@ async def test_the_next_batch_is_grouped_while_a_step_trains(
     store = OwnershipStore.from_url(redis_server.url, run_id)
     bus = await Bus.connect(nats_server.url, run_id, "trainer", "trainer-0")
     scheduler = await Bus.connect(nats_server.url, run_id, "scheduler", "scheduler-0")
-    intake = Intake(run_id, run, TrainerSettings(), bus, store, learner)
+    intake = Intake(
+        run_id,
+        run.training,
+        run.task.group_size,
+        run.filters_zero_advantage,
+        TrainerSettings(),
+        bus,
+        store,
+        learner,
+    )
     model = load_model(tiny_model)
 
     async def publish(t: object) -> None:  # as the scheduler does: once per trajectory

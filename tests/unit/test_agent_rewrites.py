@@ -30,7 +30,9 @@ def episode(tiny_model: ModelConfig, edited_history: str) -> AgentEpisode:
             "task": {"agent": "m:agent", "edited_history": edited_history, "max_context_tokens": 512},
         }
     )
-    return AgentEpisode(Prompter(load_tokenizer(tiny_model)), cfg, lambda _: None, "127.0.0.1", 0)
+    return AgentEpisode(
+        Prompter(load_tokenizer(tiny_model)), cfg.task, cfg.model.source, lambda _: None, "127.0.0.1", 0
+    )
 
 
 def answered(ep: AgentEpisode, completions: bool = False) -> tuple[Live, AgentSession]:

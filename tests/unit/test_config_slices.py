@@ -1,5 +1,8 @@
 """Components take the part of the run config they read (`EngineJob` for the rollout engines'
-library, `LearnJob` for training's), so that what one reads is visible at its signature and a test builds just that part."""
+library, `LearnJob` for training's, `PlanJob` for the planner's parts, a section or a value for the
+rest), so that what one reads is visible at its signature and a test builds just that part. Only a
+service's shell (`service.py`), which parses the job, and the planner's re-fit, which simulates the
+whole job, take the whole `RunConfig`."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.runconfig import EngineJob, LearnJob, RunConfig
+from services.common.runconfig import EngineJob, LearnJob, PlanJob, RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,3 +48,31 @@ def test_the_engine_and_training_libraries_never_take_the_whole_run_config(packa
         if "RunConfig" in p.read_text()
     ]
     assert not named, f"services/{package} takes a {part}, not a RunConfig: {named}"
+
+
+def test_a_plan_job_is_what_the_planner_places_engines_by() -> None:
+    run = RunConfig.model_validate(
+        {
+            "rollout": {"engines": 3, "buckets": [{"name": "s", "max_output_tokens": 512}, {"name": "l"}]},
+            "job": {"lease_ttl_s": 7},
+            "training": {"groups_per_step": 5},
+        }
+    )
+    job = PlanJob.of(run)
+    assert job.rollout is run.rollout and job.planner is run.planner
+    assert (job.bucket_engines, job.lending_bucket) == ({"s": 2, "l": 1}, run.lending_bucket)
+    assert (job.lease_ttl_s, job.groups_per_step) == (7, 5)
+
+
+JOB_READERS = {"planner/refit.py", "planner/refitting.py"}
+"""The planner's re-fit simulates each candidate as the whole job (`services/simulation/whatif.py`)."""
+
+
+@pytest.mark.parametrize("package", ["scheduler", "planner", "trainer", "rollout_engine", "tool_sandbox"])
+def test_below_its_shell_a_service_takes_a_part_of_the_run_config(package: str) -> None:
+    named = [
+        str(p.relative_to(ROOT / "services"))
+        for p in sorted((ROOT / "services" / package).rglob("*.py"))
+        if p.name != "service.py" and "RunConfig" in p.read_text()
+    ]
+    assert not [n for n in named if n not in JOB_READERS], f"services/{package}: whole RunConfig in {named}"

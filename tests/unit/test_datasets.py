@@ -102,9 +102,9 @@ def test_a_missing_or_unknown_file_is_an_error(tmp_path: Path) -> None:
 def test_num_prompts_takes_the_first_rows_only_when_set(tmp_path: Path) -> None:
     path = _jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}", "answer": i} for i in range(10)])
     every = RunConfig.model_validate({"task": {"dataset": {"path": str(path)}}})
-    assert len(build_feed(every).tasks) == 10
+    assert len(build_feed(every.task, every.training).tasks) == 10
     first = RunConfig.model_validate({"task": {"dataset": {"path": str(path)}, "num_prompts": 4}})
-    assert [t.answer for t in build_feed(first).tasks] == [0, 1, 2, 3]
+    assert [t.answer for t in build_feed(first.task, first.training).tasks] == [0, 1, 2, 3]
 
 
 def test_reward_refs_are_checked_by_the_config() -> None:

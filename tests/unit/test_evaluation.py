@@ -21,25 +21,31 @@ def _cfg(**eval_cfg: object) -> RunConfig:
     )
 
 
+def _evaluator(cfg: RunConfig) -> Evaluator:
+    return Evaluator(cfg.eval, cfg.task, cfg.training.steps)
+
+
 def test_built_in_held_out_prompts_exclude_every_training_prompt() -> None:
     cfg = _cfg(prompts=50)
-    held = eval_tasks(cfg)
+    held = eval_tasks(cfg.eval, cfg.task)
     trained = {t.question for t in task_list(cfg.task)}
     assert len(held) == 50 and not {t.question for t in held} & trained
     assert all(is_eval(t.prompt_id) for t in held)
-    assert [t.question for t in eval_tasks(cfg)] == [t.question for t in held]  # the same every time
+    assert [t.question for t in eval_tasks(cfg.eval, cfg.task)] == [
+        t.question for t in held
+    ]  # the same every time
 
 
 def test_a_file_is_read_up_to_the_prompts_asked(tmp_path: Path) -> None:
     f = tmp_path / "held.jsonl"
     f.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": i}) + "\n" for i in range(10)))
-    tasks = eval_tasks(_cfg(prompts=4, dataset={"path": str(f)}))
+    tasks = eval_tasks(_cfg(prompts=4, dataset={"path": str(f)}).eval, _cfg().task)
     assert [t.question for t in tasks] == ["q0", "q1", "q2", "q3"]
 
 
 def test_versions_evaluated_and_when() -> None:
     assert targets(2, 5) == [0, 2, 4, 5] and targets(0, 5) == [] and targets(10, 3) == [0, 3]
-    ev = Evaluator(_cfg(prompts=2))
+    ev = _evaluator(_cfg(prompts=2))
     assert ev.due(0) == 0
     rnd = ev.start(0, "n")
     assert ev.due(3) is None  # one round at a time

@@ -128,9 +128,10 @@ def _live_cfg(**hybrid):
 
 def test_live_pool_never_takes_the_last_serving_engine_and_follows_the_workers_reports():
     from services.common.contracts import ev
+    from services.common.runconfig import PlanJob
     from services.planner.elastic import LivePool
 
-    pool = LivePool(_live_cfg(workers=2))
+    pool = LivePool(PlanJob.of(_live_cfg(workers=2)))
     pool.observe_workload(ev.WorkloadStats(queued_turns_by_bucket={"short": 0}))
     pool.observe_step(ev.TrainMetrics(step=1, groups_ready=2))
     roles = {"e0": ("rollout", "short"), "e1": ("rollout", "short")}
@@ -159,9 +160,10 @@ def test_live_pool_config_errors_are_clear():
 
 def test_live_pool_walks_the_steps_a_report_skips():
     from services.common.contracts import ev
+    from services.common.runconfig import PlanJob
     from services.planner.elastic import LivePool
 
-    pool = LivePool(_live_cfg())
+    pool = LivePool(PlanJob.of(_live_cfg()))
     pool.decide(0.0, {"e0": ("rollout", "short"), "e1": ("rollout", "short")})
     w = pool.pool.workers["e0"]
     w.request_join(1.0)

@@ -33,8 +33,8 @@ def test_remembered_draws_equal_fresh_ones_and_the_memory_is_bounded(monkeypatch
 
 def test_a_group_is_drawn_the_same_way_every_time_and_as_the_simulator_draws_it() -> None:
     cfg = _cfg(group_size=4)
-    task = SyntheticTask(cfg)
-    ticket = build_feed(cfg).take(0)[0]
+    task = SyntheticTask(cfg.task, cfg.rollout.emulated.time_scale)
+    ticket = build_feed(cfg.task, cfg.training).take(0)[0]
     first, again = task.group(ticket, 0), task.group(ticket, 0)
     assert first == again and len(first) == 4
     assert len({s.prompt_tokens for s in first}) == 1, "a group shares its prompt"
@@ -58,8 +58,8 @@ def test_the_live_stack_and_the_simulator_draw_the_same_groups_for_the_same_seed
     from services.simulation.state import SystemConfig
 
     cfg = _cfg(group_size=4, seed=3)
-    live = SyntheticTask(cfg)
-    tickets = build_feed(cfg).take(0)[:3]
+    live = SyntheticTask(cfg.task, cfg.rollout.emulated.time_scale)
+    tickets = build_feed(cfg.task, cfg.training).take(0)[:3]
     system = SystemConfig(
         "s", "async", 8, 2, [BucketPlan("all", 1, 2, float("inf"))], build_router([], "least_loaded")
     )
@@ -70,14 +70,14 @@ def test_the_live_stack_and_the_simulator_draw_the_same_groups_for_the_same_seed
         drawn = live.group(ticket, 0)
         assert [s.turns for s in drawn] == [s.turns for s in simulated]
         assert [s.prompt_tokens for s in drawn] == [s.prompt_tokens for s in simulated]
-    other = SyntheticTask(_cfg(group_size=4, seed=4)).group(tickets[0], 0)
+    other = SyntheticTask(_cfg(group_size=4, seed=4).task, 1.0).group(tickets[0], 0)
     assert [s.turns for s in other] != [s.turns for s in live.group(tickets[0], 0)]
 
 
 def test_a_scripted_trajectory_asks_for_exact_turn_lengths_and_calls_the_drawn_tools() -> None:
     cfg = _cfg(group_size=2, max_new_tokens=4096)
-    task = SyntheticTask(cfg)
-    ticket = build_feed(cfg).take(0)[0]
+    task = SyntheticTask(cfg.task, cfg.rollout.emulated.time_scale)
+    ticket = build_feed(cfg.task, cfg.training).take(0)[0]
     spec = next(s for s in task.group(ticket, 0) if len(s.turns) >= 2)
     script = task.script(spec)
     t = Trajectory(
@@ -110,8 +110,8 @@ def test_a_groups_members_share_one_drawing_of_the_prompt_each_with_its_own_copy
     from services.scheduler.episodes import SyntheticEpisode
 
     cfg = _cfg(group_size=4)
-    episode = SyntheticEpisode(None, cfg)  # type: ignore[arg-type]  # members need no tokenizer
-    ticket = build_feed(cfg).take(0)[0]
+    episode = SyntheticEpisode(None, cfg.task, cfg.rollout.emulated.time_scale)  # type: ignore[arg-type]  # members need no tokenizer
+    ticket = build_feed(cfg.task, cfg.training).take(0)[0]
     specs = episode.synthetic.group(ticket, 0)
     drawn = []
     original = SyntheticTask.prompt_ids

@@ -49,7 +49,7 @@ def _section(model: type[BaseModel]) -> st.SearchStrategy[dict[str, Any]]:
 @given(task=_section(TaskConfig), training=_section(TrainingConfig))
 def test_every_valid_config_generates_its_tasks(task: dict[str, Any], training: dict[str, Any]) -> None:
     cfg = RunConfig.model_validate({"model": {"source": "tiny-random"}, "task": task, "training": training})
-    feed = build_feed(cfg)
+    feed = build_feed(cfg.task, cfg.training)
     assert len(feed.tasks) == cfg.task.num_prompts
     tickets = feed.take(trained_version=cfg.training.steps)
     assert len(tickets) == cfg.training.groups_per_step * cfg.training.steps
@@ -64,4 +64,4 @@ def test_every_valid_config_generates_its_tasks(task: dict[str, Any], training: 
 def test_the_prompt_count_that_crashed_the_scheduler() -> None:
     """num_prompts >= 70 at seed 0 drew an empty range for `a` in `a - b*c` (b*c up to 108)."""
     cfg = RunConfig.model_validate({"task": {"num_prompts": 500, "seed": 0}})
-    assert all(t.answer > 0 for t in build_feed(cfg).tasks)
+    assert all(t.answer > 0 for t in build_feed(cfg.task, cfg.training).tasks)

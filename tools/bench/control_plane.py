@@ -52,7 +52,8 @@ def _inflight(trajectories: int, engines: int) -> tuple[Roster, list[ev.EngineLo
     no task (the report never looks at one)."""
     dispatch = Dispatcher(router=None, default_capacity=64)  # type: ignore[arg-type]  # not routed
     dispatch.set_engines({f"e{i}": "b0" for i in range(engines)})
-    flight = InFlight(None, dispatch, SchedulerSettings(), RunConfig(), [], None)  # type: ignore[arg-type]
+    cfg = RunConfig()
+    flight = InFlight(None, dispatch, SchedulerSettings(), cfg.rollout, cfg.task, [], None)  # type: ignore[arg-type]
     held: dict[str, list[str]] = {f"e{i}": [] for i in range(engines)}
     now = time.monotonic()
     for t in range(trajectories):
@@ -170,7 +171,7 @@ def _launch_us(each_draws: bool) -> float:
             "training": {"backend": "emulated"},
         }
     )
-    episode = SyntheticEpisode(None, cfg)  # type: ignore[arg-type]  # a synthetic group needs no tokenizer
+    episode = SyntheticEpisode(None, cfg.task, cfg.rollout.emulated.time_scale)  # type: ignore[arg-type]  # a synthetic group needs no tokenizer
     task = episode.synthetic
     tickets = [GroupTicket(f"g{i}", Task(f"p{i}", "", 0), i) for i in range(LAUNCH_GROUPS)]
     start = time.perf_counter()
