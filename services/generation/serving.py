@@ -14,9 +14,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -31,7 +33,7 @@ from services.common.logging import get_logger
 from services.common.metrics import engine_metrics
 from services.common.runconfig import EngineJob
 from services.common.tracing import tracer
-from services.generation.backends.base import Backend, EngineClosed, Finished, GenOutput, GenRequest
+from services.generation.backends.base import Backend, Engine, EngineClosed, Finished, GenOutput, GenRequest
 from services.generation.config import EngineSettings
 from services.generation.engine import engine_for
 from services.generation.speculator import counters as spec_counters
@@ -39,6 +41,8 @@ from services.generation.speculator import counters as spec_counters
 ANSWERED_REPORTED = 128
 """Answered requests a load report names (EngineLoad.answered_ids)."""
 MAX_STOPS = 16
+MAX_ALTERNATIVES = 7
+"""Further samples one turn may ask for (an agent's call takes n <= 8)."""
 MAX_STOP_CHARS = 256
 
 
@@ -76,6 +80,14 @@ def validate_turn(
         f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters",
     )
     require(math.isfinite(req.top_p) and 0.0 <= req.top_p <= 1.0, f"top_p must be in 0..1, got {req.top_p}")
+    require(
+        0 <= req.alternatives <= MAX_ALTERNATIVES,
+        f"alternatives must be in 0..{MAX_ALTERNATIVES}, got {req.alternatives}",
+    )
+    require(
+        0 <= req.alternatives_prompt <= len(ctx),
+        f"alternatives_prompt must be in 0..{len(ctx)} (the context), got {req.alternatives_prompt}",
+    )
     budget = min(req.max_new_tokens, backend.max_positions - len(ctx))
     require(req.min_new_tokens >= 0, f"min_new_tokens must be >= 0, got {req.min_new_tokens}")
     return GenRequest(
@@ -114,6 +126,59 @@ def turn_result(
         drafted_tokens=out.drafted,
         accepted_tokens=out.accepted,
     )
+
+
+def alternative_requests(req: ev.TurnRequest, gen: GenRequest, max_positions: int) -> list[GenRequest]:
+    """The turn's further samples (TurnRequest.alternatives): from its prompt (the context's first
+    `alternatives_prompt` tokens), with the budget the turn had before it kept any tokens, each with
+    a seed of its own (the turn's plus its index, where the turn has one), never streamed."""
+    prompt = gen.prompt_ids[: req.alternatives_prompt or len(gen.prompt_ids)]
+    kept = len(gen.prompt_ids) - len(prompt)
+    budget = min(gen.max_new_tokens + kept, max_positions - len(prompt))
+    return [
+        dataclasses.replace(
+            gen,
+            prompt_ids=list(prompt),
+            max_new_tokens=budget,
+            min_new_tokens=min(gen.min_new_tokens + kept, budget),
+            seed=None if gen.seed is None else (gen.seed + i) % (1 << 64),
+            on_tokens=None,
+        )
+        for i in range(1, req.alternatives + 1)
+    ]
+
+
+async def generate(
+    engine: Engine, gen: GenRequest, others: list[GenRequest]
+) -> tuple[Finished, list[Finished]]:
+    """The turn and its alternatives, sampled side by side; if one fails, the rest are given up."""
+    tasks = [asyncio.ensure_future(engine.submit(o)) for o in others]
+    try:
+        done = await engine.submit(gen)
+        return done, list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def add_alternatives(
+    result: ev.TurnResult, others: list[Finished], decode: Callable[[list[int]], str]
+) -> bool:
+    """The alternatives into the turn's result; False if one was handed back unfinished (an engine
+    draining): the turn then goes again whole, its alternatives with it."""
+    if any(o.output.finish_reason == "handed_back" for o in others):
+        return False
+    result.alternatives.extend(
+        ev.Alternative(
+            token_ids=o.output.token_ids,
+            logprobs=o.output.logprobs,
+            token_versions=o.output.token_versions,
+            finish_reason=o.output.finish_reason,
+            text=decode(o.output.token_ids),
+        )
+        for o in others
+    )
+    return True
 
 
 def error_result(req: ev.TurnRequest, engine_id: str, version: int, code: str, message: str) -> ev.TurnResult:
@@ -360,7 +425,10 @@ class TurnServer(abc.ABC):
                     streamed = TurnStream(self.bus, req, self.worker_id, self.settings.stream_interval_s)
                     gen.on_tokens = streamed.add
                 try:
-                    done = await self.engine.submit(gen)
+                    others = (
+                        alternative_requests(req, gen, self.backend.max_positions) if req.alternatives else []
+                    )
+                    done, alternatives = await generate(self.engine, gen, others)
                 finally:
                     if streamed is not None:
                         streamed.close()
@@ -381,10 +449,12 @@ class TurnServer(abc.ABC):
             _span_ago("engine.queue", ctx, queue_s + done.generate_s, queue_s)
             result = turn_result(req, done, self.worker_id, len(gen.prompt_ids), queue_s)
             result.text = self.backend.decode(out.token_ids)
+            draining = f"{self.worker_id} is draining"
             if out.finish_reason == "handed_back":  # drained mid-turn: what it made so far
-                result.error.CopyFrom(
-                    ev.ErrorInfo(code="handed_back", message=f"{self.worker_id} is draining")
-                )
+                result.error.CopyFrom(ev.ErrorInfo(code="handed_back", message=draining))
+            elif not add_alternatives(result, alternatives, self.backend.decode):  # all of it again
+                result = error_result(req, self.worker_id, done.policy_version, "handed_back", draining)
+            if result.HasField("error"):
                 self.contexts.forget(req.trajectory_id)
             else:
                 self.contexts.keep(req.trajectory_id, [*gen.prompt_ids, *out.token_ids])
@@ -392,6 +462,7 @@ class TurnServer(abc.ABC):
             self.answered.append(req.request_id)
             self.turns_answered += 1
             count_turn(self.prom, span, out, done.policy_version)
+            self.prom.tokens.inc(sum(len(a.token_ids) for a in result.alternatives))
             log.debug("turn_done", tokens=len(out.token_ids), policy_version=done.policy_version)
 
     async def _publish_error(
@@ -468,26 +539,28 @@ class TurnServer(abc.ABC):
             with contextlib.suppress(Exception):
                 await self.bus.publish(subjects.ENGINE_LOAD, self.load_report(rate))
                 self.load_reports += 1
-                await self.bus.publish(subjects.METRICS, self.metrics(rate))
+                await self.bus.publish(subjects.METRICS, metric_sample(self, rate))
 
-    def metrics(self, tokens_per_s: float) -> ev.MetricSample:
-        """The load report plus what EngineLoad has no field for, above all whether it is emulated."""
-        values = {
-            "emulated": float(self.backend.emulated),
-            "running": float(self.engine.running),
-            "waiting": float(self.engine.waiting + self.held),
-            "tokens_per_s": tokens_per_s,
-            "tokens_total": float(self.engine.tokens_generated),
-            "weight_version": float(self.engine.version),
-            "rejected": float(self.bus.rejected),
-            "load_reports": float(self.load_reports),
-        }
-        if (c := spec_counters(self.engine)) is not None:
-            values.update(c.values())
-            self.prom.acceptance.set(c.acceptance_rate)
-        if (hit_rate := getattr(self.backend, "prefix_hit_rate", None)) is not None:
-            values["prefix_cache_hit_rate"] = float(hit_rate)  # vllm: prompt tokens found cached
-        return ev.MetricSample(service=self.service, worker_id=self.worker_id, values=values)
+
+def metric_sample(server: TurnServer, tokens_per_s: float) -> ev.MetricSample:
+    """An engine's load report plus what EngineLoad has no field for, above all whether it is emulated."""
+    engine = server.engine
+    values = {
+        "emulated": float(server.backend.emulated),
+        "running": float(engine.running),
+        "waiting": float(engine.waiting + server.held),
+        "tokens_per_s": tokens_per_s,
+        "tokens_total": float(engine.tokens_generated),
+        "weight_version": float(engine.version),
+        "rejected": float(server.bus.rejected),
+        "load_reports": float(server.load_reports),
+    }
+    if (c := spec_counters(engine)) is not None:
+        values.update(c.values())
+        server.prom.acceptance.set(c.acceptance_rate)
+    if (hit_rate := getattr(server.backend, "prefix_hit_rate", None)) is not None:
+        values["prefix_cache_hit_rate"] = float(hit_rate)  # vllm: prompt tokens found cached
+    return ev.MetricSample(service=server.service, worker_id=server.worker_id, values=values)
 
 
 def _span_ago(name: str, ctx: otel_context.Context, began_s_ago: float, duration_s: float) -> None:

@@ -25,15 +25,11 @@ from services.scheduler.chat import TemplateError
 from services.scheduler.chat_api import (
     ApiError,
     ChatRequest,
-    assistant_message,
-    completion_body,
-    parse_tool_calls,
     returned_signal,
     streamable,
-    text_completion_body,
-    tool_names,
-    without_stop,
+    with_choices,
 )
+from services.scheduler.choices import Choice, answer, continued
 from services.scheduler.endpoint import AgentEndpoint, AgentSession, Call, Ended
 from services.scheduler.environment import Step
 from services.scheduler.episodes import Episode, SampledTurn, Spawn
@@ -104,6 +100,11 @@ class AgentEpisode(Episode):
         )
         self.sessions: dict[str, AgentSession] = {}
         self.observations: dict[str, Observation] = {}
+        self.choices: dict[str, list[Choice]] = {}
+        """Each trajectory's last call's choices (one, unless it asked for `n` > 1)."""
+        self.current: dict[str, Choice] = {}
+        """The choice each trajectory goes on from (the first, or the one its agent's next call
+        continued): an alternative is kept instead of the turn (`taken`)."""
         """Each trajectory's next observation."""
         self.rewrites = 0
         """Calls that rewrote their conversation and began a new sequence."""
@@ -198,6 +199,7 @@ class AgentEpisode(Episode):
         live.top_p = request.top_p or task.top_p
         live.stop = list(request.stop or task.stop_strings or [])
         live.seed = request.seed
+        live.alternatives = request.n - 1
         live.traj.turn_budget = min(request.max_tokens or task.max_new_tokens, task.max_new_tokens)
 
     async def step(self, live: Live, turn: SampledTurn) -> Step | PluginFailure | None:
@@ -211,6 +213,10 @@ class AgentEpisode(Episode):
                 if isinstance(event.outcome, PluginFailure):
                     return event.outcome
                 return Step(done=True, reward=event.outcome)
+            choices = self.choices.get(live.trajectory_id)
+            if choices:
+                k = continued(choices, event.request)
+                self._go_on_from(live, session, choices[k or 0])
             try:
                 said = self._continued(live, session, event)
             except ApiError as err:
@@ -230,34 +236,29 @@ class AgentEpisode(Episode):
         call.show(streamable(text, list(live.stop or []), chat_tools))
 
     def _answer(self, live: Live, session: AgentSession, turn: SampledTurn) -> None:
-        assert session.pending is not None
-        request, created, rid = session.pending.request, session.pending.created, session.pending.rid
-        content = without_stop(turn.text, list(live.stop or []))
-        tok = self.prompter.tok
-        model = request.model or self.endpoint.model
-        usage = (live.traj.context_tokens, len(turn.token_ids))
-        texts = [tok.decode([t]) for t in turn.token_ids] if request.logprobs else None
-        logprobs = list(turn.logprobs) if request.logprobs else None
-        session.context = [*live.traj.context, *turn.token_ids]  # the turn joins it after this call
-        ids = (live.traj.context, list(turn.token_ids)) if request.return_token_ids else None
-        if request.prompt is not None:
-            if session.text is not None:
-                session.text += content
-            body = text_completion_body(
-                rid, model, created, content, turn.finish_reason, usage, texts, logprobs, ids
-            )
-        else:
-            content, calls = (
-                parse_tool_calls(content, live.traj.turns + 1, tool_names(request.tools))
-                if request.tools
-                else (content, [])
-            )
-            reply = assistant_message(content, calls)
-            session.history = [*request.messages, reply]
-            body = completion_body(
-                rid, model, created, reply, turn.finish_reason, usage, texts, logprobs, ids
-            )
-        session.answer(200, body)
+        """The call's completion: the turn, and its alternatives where it asked for `n` > 1 (each
+        a choice the agent may go on from, `choices.py`); the session is the first choice's."""
+        call = session.pending
+        assert call is not None
+        model, n = call.request.model or self.endpoint.model, call.request.n
+        choices = [
+            answer(self.prompter, model, live, call, t, session.text) for t in [turn, *turn.alternatives][:n]
+        ]
+        self.choices[live.trajectory_id] = [c for c, _ in choices]
+        self._go_on_from(live, session, choices[0][0])
+        session.answer(200, with_choices([body for _, body in choices]))
+
+    def _go_on_from(self, live: Live, session: AgentSession, choice: Choice) -> None:
+        """The trajectory as if its last call's answer were `choice` (the first, unless the agent
+        went on from another)."""
+        session.context, session.text = choice.context, choice.text
+        if choice.history:
+            session.history = choice.history
+        self.current[live.trajectory_id] = choice
+
+    def taken(self, live: Live) -> SampledTurn | None:
+        choices, current = self.choices.get(live.trajectory_id), self.current.get(live.trajectory_id)
+        return current.turn if choices and current is not None and current is not choices[0] else None
 
     def _continued(self, live: Live, session: AgentSession, call: Call) -> str:
         """What this call adds (as the samples show it), checked and rendered (`observations`);
@@ -279,9 +280,7 @@ class AgentEpisode(Episode):
                 400, "invalid_value", "the last message is the assistant's: nothing to answer", "messages"
             )
         try:
-            ids = self.prompter.chat.continuation_ids(
-                [template_message(m) for m in new], live.traj.ended_with_eos
-            )
+            ids = self.prompter.chat.continuation_ids([template_message(m) for m in new], self._eos(live))
         except TemplateError as err:
             raise ApiError(400, "template_error", str(err), "messages") from None
         self._fits(len(session.context) + len(ids))
@@ -364,7 +363,14 @@ class AgentEpisode(Episode):
     def reply_signal(self, live: Live, observation_ids: list[int]) -> ToolSignal:
         return self.observations.pop(live.trajectory_id).signal
 
+    def _eos(self, live: Live) -> bool:
+        """Whether the answer the call goes on from closed itself with the model's EOS."""
+        current = self.current.get(live.trajectory_id)
+        return current is not None and current.ended_with_eos
+
     def forget(self, live: Live) -> None:
+        self.choices.pop(live.trajectory_id, None)
+        self.current.pop(live.trajectory_id, None)
         session = self.sessions.pop(live.trajectory_id, None)
         self.observations.pop(live.trajectory_id, None)
         if session is not None:

@@ -15,6 +15,9 @@ from services.common.signals import ToolSignal, size_class
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
+MAX_CHOICES = 8
+"""The most choices (`n`) a call may ask for: its turn and the alternatives an engine samples
+beside it (`services/generation/serving.py`, MAX_ALTERNATIVES + 1)."""
 _SUPPORTED = {
     "model",
     "messages",
@@ -76,6 +79,9 @@ class ChatRequest:
     """Server-sent events: the completion as chunks (sent once the turn is done)."""
     include_usage: bool = False
     """With stream: a last chunk with the usage."""
+    n: int = 1
+    """Choices to sample (the turn and n - 1 alternatives); the conversation the agent continues
+    says which one the trajectory keeps."""
 
 
 def _number(
@@ -173,8 +179,9 @@ def _common(body: Any, supported: set[str], max_context_tokens: int) -> dict[str
     options = body.get("stream_options") or {}
     if not (isinstance(options, dict) and set(options) <= {"include_usage"}):
         raise bad("stream_options takes include_usage only", "stream_options")
-    if body.get("n", 1) != 1:
-        raise bad("n must be 1: each trajectory is one sample (the GRPO group is the n)", "n")
+    n = _integer(body, "n", 1, MAX_CHOICES)
+    if n is not None and n > 1 and stream:
+        raise bad("n > 1 is not streamed: ask for the choices without stream", "n", "unsupported_parameter")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not (
@@ -199,6 +206,7 @@ def _common(body: Any, supported: set[str], max_context_tokens: int) -> dict[str
         "model": model if isinstance(model, str) else "",
         "stream": stream,
         "include_usage": bool(options.get("include_usage")) and stream,
+        "n": n or 1,
     }
 
 
@@ -414,6 +422,23 @@ def completion_body(
             ]
         }
     return _body(completion_id(request_id, True), "chat.completion", created, model, choice, usage, token_ids)
+
+
+def with_choices(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One completion of the bodies' choices (an `n` > 1 call: each body one choice, the first's
+    id, prompt and creation), its usage counting every choice's tokens."""
+    body = bodies[0]
+    if len(bodies) == 1:
+        return body
+    out = body | {"choices": [b["choices"][0] | {"index": i} for i, b in enumerate(bodies)]}
+    completion = sum(b["usage"]["completion_tokens"] for b in bodies)
+    prompt = body["usage"]["prompt_tokens"]
+    out["usage"] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    return out
 
 
 def chat_chunk(head: dict[str, Any], delta: dict[str, Any], **extra: Any) -> dict[str, Any]:

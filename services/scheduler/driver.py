@@ -264,6 +264,7 @@ class TrajectoryDriver:
         versions = list(res.token_versions) or [res.policy_version] * len(res.token_ids)
         try:
             await self.results.check(live, res, versions)
+            others = await self.results.alternatives(live, res)
         except ValueError as err:
             await self.roster.invalid_result(live, res.engine_id, str(err))
             return
@@ -287,23 +288,28 @@ class TrajectoryDriver:
         self.turns += 1
         self.metrics.turns.inc()
         self.workload.turn(time.monotonic(), len(token_ids), res.context_tokens, traj_id)
-        eos = res.finish_reason == "stop" and bool(token_ids) and token_ids[-1] == self.prompter.eos_id
-        live.transcript.assistant(text, len(token_ids), versions, res.finish_reason)
-        step = await self.episode.step(live, SampledTurn(token_ids, logprobs, text, res.finish_reason))
+        alternatives = [
+            SampledTurn(ids, lps, alt.text, alt.finish_reason, vs)
+            for (ids, lps, vs), alt in zip(others, res.alternatives, strict=True)
+        ]
+        turn = SampledTurn(token_ids, logprobs, text, res.finish_reason, versions, alternatives)
+        step = await self.episode.step(live, turn)
         if not self.inflight.holds(live):
             return  # aborted meanwhile
+        turn = self.episode.taken(live) or turn  # an agent went on from one of the alternatives
+        live.transcript.assistant(turn.text, len(turn.token_ids), turn.versions, turn.finish_reason)
         if isinstance(step, PluginFailure):
             await self.fail(live, step.code, step.message)
             return
         action = live.traj.on_turn(
-            token_ids,
-            logprobs,
-            text,
-            versions,
-            eos,
+            turn.token_ids,
+            turn.logprobs,
+            turn.text,
+            turn.versions,
+            self.prompter.ended_with_eos(turn.token_ids, turn.finish_reason),
             res.temperature,
             step,
-            cut=res.finish_reason == "length",
+            cut=turn.finish_reason == "length",
         )
         await self._execute(live, action)
 

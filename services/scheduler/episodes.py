@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
@@ -37,6 +37,10 @@ class SampledTurn:
     logprobs: list[float]
     text: str
     finish_reason: str
+    versions: list[int] = field(default_factory=list)
+    """The weight version that sampled each token."""
+    alternatives: list[SampledTurn] = field(default_factory=list)
+    """Further samples of the turn's prompt, where its call asked for them (`n` > 1)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,11 @@ class Episode:
 
     def progress(self, live: Live, token_ids: list[int]) -> None:
         """The turn in flight has sampled `token_ids` so far (a streamed turn: `Live.stream`)."""
+
+    def taken(self, live: Live) -> SampledTurn | None:
+        """After `step`: the sample the trajectory keeps instead of the turn (an agent that went on
+        from one of its call's alternatives); None: the turn itself."""
+        return None
 
     def reply_ids(self, live: Live, text: str) -> list[int]:
         """The tokens of the episode's reply `text` (a `Step.observation`)."""

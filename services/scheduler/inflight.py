@@ -53,6 +53,8 @@ class Live:
     """Its turns report their tokens while they generate (a `task.agent` call with `stream`)."""
     streamed: list[int] = field(default_factory=list)
     """What its turn in flight has reported of its tokens so far (TurnProgress), on this engine."""
+    alternatives: int = 0
+    """Further samples its turn asks for beside it (a `task.agent` call with `n` > 1)."""
     step_span: trace.Span | None = None
     request_id: str = ""
     call_id: str = ""
@@ -188,6 +190,9 @@ def turn_request(
         min_policy_version=live.min_policy_version,
         priority=priority,
         stream=live.stream,
+        alternatives=live.alternatives,
+        # a continued turn's context ends with what it kept; its alternatives start again before it
+        alternatives_prompt=len(action.context) - len(live.partial.token_ids) if live.partial else 0,
         group_id=traj.group_id,
         seq=live.seq,
         prompt_id=traj.task.prompt_id,

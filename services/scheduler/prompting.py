@@ -22,6 +22,11 @@ class Prompter:
         self.examples = shots[: 4 * worked_examples]  # four messages each: question, call, result, answer
         self.eos_id = tokenizer.eos_token_id
 
+    def ended_with_eos(self, token_ids: list[int], finish_reason: str) -> bool:
+        """A turn of `token_ids` that ended `finish_reason` closed itself with the model's EOS (its
+        continuation then does not close it again)."""
+        return finish_reason == "stop" and bool(token_ids) and token_ids[-1] == self.eos_id
+
     def prompt_ids(self, task: Task) -> list[int]:
         messages = (
             list(task.messages)

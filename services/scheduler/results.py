@@ -43,9 +43,39 @@ class TurnResults:
             vocab_size=self.vocab_size,
             max_tokens=budget,
         )
+        await self._made(versions)
+
+    async def _made(self, versions: list[int]) -> None:
+        """ValueError if a version is one the trainer has not made (one beyond its newest known
+        passes: see `check`)."""
         claimed = max(versions, default=0)
         if self.newest_version is not None and claimed > (newest := await self.newest_version(claimed)) + 1:
             raise ValueError(f"policy version {claimed}: the trainer's newest is {newest}")
+
+    async def alternatives(
+        self, live: Live, res: ev.TurnResult
+    ) -> list[tuple[list[int], list[float], list[int]]]:
+        """The further samples of the turn (TurnResult.alternatives) as (token ids, logprobs,
+        versions), checked as the turn is, within the turn's whole budget; ValueError for more
+        than were asked for, or one no engine could have made."""
+        if len(res.alternatives) > live.alternatives:
+            raise ValueError(f"{len(res.alternatives)} alternatives, {live.alternatives} asked for")
+        action, kept = live.pending_action, len(live.partial.token_ids) if live.partial is not None else 0
+        budget = action.max_new_tokens + kept if action is not None else None
+        out = []
+        for alt in res.alternatives:
+            versions = list(alt.token_versions) or [res.policy_version] * len(alt.token_ids)
+            check_turn(
+                list(alt.token_ids),
+                list(alt.logprobs),
+                versions,
+                res.temperature,
+                vocab_size=self.vocab_size,
+                max_tokens=budget,
+            )
+            await self._made(versions)
+            out.append((list(alt.token_ids), list(alt.logprobs), versions))
+        return out
 
     async def continued(self, live: Live, action: Generate, res: ev.TurnResult) -> Generate:
         """The rest of a turn an engine handed back with `res.token_ids` generated: its context

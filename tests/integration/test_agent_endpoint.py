@@ -175,7 +175,7 @@ async def test_bad_calls_get_a_typed_4xx_and_change_nothing(endpoint: AgentEndpo
         await client.chat.completions.create(model="m", messages=USER, presence_penalty=1.0)
     assert (err.value.code, err.value.param) == ("unsupported_parameter", "presence_penalty")
     with pytest.raises(openai.BadRequestError) as err:
-        await client.chat.completions.create(model="m", messages=USER, n=3)
+        await client.chat.completions.create(model="m", messages=USER, n=9)
     assert err.value.param == "n"
     assert session.pending is None and session.events.empty()  # nothing reached the trajectory
 

@@ -209,6 +209,44 @@ async def test_serves_turns_refuses_bad_input_and_keeps_serving(engine: Any) -> 
     assert proc.poll() is None
 
 
+async def test_a_turn_with_alternatives_samples_them_beside_it(engine: Any) -> None:
+    """An agent's call with n = 3: the engine samples two alternatives beside the turn, each with
+    a seed of its own (the same seed again: the same three). A turn continued after a hand-back
+    (its context ends with the 4 tokens it kept) samples its alternatives again from its prompt,
+    with the whole budget; asking for more than an engine takes is refused."""
+    proc, h = engine
+    ask = dict(max_new_tokens=12, min_new_tokens=12, alternatives=2, sampling_seed=5)
+    samples = []
+    for rid in ("alts", "alts-again"):
+        await h.send(turn(rid, **ask))
+        res, _ = await h.result(rid)
+        assert not res.HasField("error") and len(res.alternatives) == 2, res.error
+        for a in res.alternatives:
+            assert len(a.token_ids) == len(a.logprobs) == len(a.token_versions) == 12
+            assert (
+                all(lp <= 0 for lp in a.logprobs) and a.finish_reason == "length" and isinstance(a.text, str)
+            )
+        samples.append([list(res.token_ids), *(list(a.token_ids) for a in res.alternatives)])
+    assert samples[0] == samples[1] and len({tuple(s) for s in samples[0]}) == 3
+    kept = samples[0][0][:4]
+    await h.send(
+        turn("continued", context_token_ids=[*range(100, 140), *kept], max_new_tokens=8, min_new_tokens=8,
+             alternatives=2, alternatives_prompt=40, sampling_seed=5)
+    )  # fmt: skip
+    res, _ = await h.result("continued")
+    assert not res.HasField("error") and len(res.token_ids) == 8
+    assert kept + list(res.token_ids) == samples[0][0]  # it goes on as if never moved
+    assert [list(a.token_ids) for a in res.alternatives] == samples[0][1:]
+    for rid, kw in (
+        ("too-many", {"alternatives": 8}),
+        ("past", {"alternatives": 1, "alternatives_prompt": 41}),
+    ):
+        await h.send(turn(rid, **kw))
+        res, _ = await h.result(rid)
+        assert (res.finish_reason, res.error.code) == ("error", "invalid"), res.error.message
+    assert proc.poll() is None
+
+
 async def test_a_context_delta_is_served_as_its_whole_context_and_an_unknown_one_is_refused(
     engine: Any,
 ) -> None:
@@ -584,8 +622,14 @@ async def test_a_vllm_engine_serves_hands_back_with_tokens_and_dies_with_its_pro
             async with asyncio.timeout(10):  # from vLLM's own scheduler stats, once it has stepped
                 while not (h.loads[-1].backend == "vllm" and h.loads[-1].free_kv_tokens > 0):
                     await asyncio.sleep(0.05)
-            await h.send(turn("again", engine_id=worker, context_token_ids=long_context, max_new_tokens=4))
-            assert not (await h.result("again", timeout=60))[0].HasField("error")
+            await h.send(  # with an alternative (an agent's n = 2) sampled beside it
+                turn("again", engine_id=worker, context_token_ids=long_context, max_new_tokens=4,
+                     min_new_tokens=4, alternatives=1)
+            )  # fmt: skip
+            again, _ = await h.result("again", timeout=60)
+            assert not again.HasField("error") and len(again.alternatives) == 1, again.error
+            alt = again.alternatives[0]
+            assert len(alt.token_ids) == len(alt.logprobs) == len(alt.token_versions) == 4
             async with asyncio.timeout(10):  # its second turn found the first one's blocks cached
                 while not any(m.values.get("prefix_cache_hit_rate", 0) > 0 for m in h.metrics):
                     await asyncio.sleep(0.1)

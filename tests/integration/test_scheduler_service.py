@@ -573,6 +573,62 @@ async def test_an_agents_streamed_call_reads_its_turn_as_the_engine_generates_it
     assert proc.poll() is None
 
 
+CHOOSING_AGENT = """
+import openai
+
+async def agent(sample, base_url, api_key):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": sample["prompt"]}]
+    first = await client.chat.completions.create(model="tiny", messages=messages, n=3)
+    assert [c.index for c in first.choices] == [0, 1, 2], first
+    picked = first.choices[2].message.content  # the last: the one that answers
+    messages += [{"role": "assistant", "content": picked}, {"role": "user", "content": "Sure?"}]
+    await client.chat.completions.create(model="tiny", messages=messages)
+    return 1.0 if "5" in picked else 0.0
+"""
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        {
+            "files": {"choosing_agent.py": CHOOSING_AGENT},
+            "task": {"agent": "choosing_agent:agent", "plugin_paths": ["."]},
+        }
+    ],
+    indirect=True,
+)
+async def test_an_agent_that_asks_n_choices_trains_the_one_it_went_on_from(scheduler: Any) -> None:
+    """A call with n = 3 is one turn with two alternatives sampled beside it; the agent goes on
+    from the third choice, and that one is the turn trained: its tokens, logprobs and versions as
+    sampled, not the first's. An engine that answers more alternatives than asked is not believed."""
+    proc, h, bus = scheduler
+    first, alts = [300, 301], [([310, 311, 312], "No idea."), ([320, 321], ANSWER)]
+    lied: list[str] = []
+
+    def answer(req: ev.TurnRequest) -> ev.TurnResult:
+        if req.turn_index > 0:
+            assert req.alternatives == 0
+            return h.result(req, "Yes.")
+        assert req.alternatives == 2, req
+        res = h.result(req, "Hmm.", token_ids=first, logprobs=[-0.5] * 2)
+        for ids, text in alts:
+            res.alternatives.add(token_ids=ids, logprobs=[-0.25] * len(ids), token_versions=[0] * len(ids), text=text, finish_reason="stop")  # fmt: skip
+        if not lied:  # one answer with an alternative too many: refused, the turn goes again
+            lied.append(req.trajectory_id)
+            res.alternatives.add(token_ids=[330], logprobs=[-1.0], finish_reason="stop")
+        return res
+
+    h.answer = answer
+    done = await h.completed(bus, 4)
+    for t in done:
+        assert not t.HasField("failure") and t.reward > 0.5, t  # it picked the answer
+        turns = [s for s in t.segments if s.generated]
+        assert list(turns[0].token_ids) == [320, 321] and list(turns[0].logprobs) == [-0.25, -0.25]
+    assert len([r for r in h.requests if r.trajectory_id == lied[0] and r.turn_index == 0]) == 2
+    assert proc.poll() is None
+
+
 async def test_turns_of_an_engine_moved_out_of_rollout_wait_for_it_to_hand_them_back(
     scheduler: Any, run_id: str
 ) -> None:

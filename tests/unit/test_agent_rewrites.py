@@ -4,6 +4,7 @@ nothing (refuse); a call that does continue it adds only what is new."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from services.common.runconfig import ModelConfig, RunConfig
 from services.scheduler.agent_episode import AgentEpisode, template_message
 from services.scheduler.chat_api import ApiError, ChatRequest
 from services.scheduler.endpoint import AgentSession, Call
+from services.scheduler.episodes import SampledTurn
 from services.scheduler.inflight import Live
 from services.scheduler.prompting import Prompter
 from services.scheduler.task import Task
@@ -98,3 +100,60 @@ def test_a_rewrite_that_does_not_fit_is_refused(tiny_model: ModelConfig) -> None
     assert (
         err.value.code == "context_length_exceeded" and ep.observations == {} and ep.history_rewrites() == 0
     )
+
+
+def _sampled(ep: AgentEpisode, text: str, closed: bool = False) -> SampledTurn:
+    """A turn of `text` as sampled (closed with the model's EOS: `closed`)."""
+    ids = ep.prompter.tok.encode(text, add_special_tokens=False) + ([ep.prompter.eos_id] if closed else [])
+    return SampledTurn(ids, [-0.5] * len(ids), text, "stop", [0] * len(ids))
+
+
+async def _step(ep: AgentEpisode, live: Live, turn: SampledTurn, n: int, then: list[dict[str, Any]]) -> Any:
+    """The trajectory's first call (`n` choices) answered with `turn`, the agent's next call
+    sending `then`: what the step says, and the first call's completion."""
+    loop = asyncio.get_running_loop()
+    session = ep.sessions[live.trajectory_id] = AgentSession(live.trajectory_id, "key")
+    session.pending = first = Call(ChatRequest(messages=ASKED, n=n), loop.create_future())
+    session.events.put_nowait(Call(ChatRequest(messages=then), loop.create_future()))
+    step = await ep.step(live, turn)
+    return step, first.answer.result()[1]
+
+
+async def test_the_choice_an_agent_goes_on_from_is_the_turn_kept(tiny_model: ModelConfig) -> None:
+    """A call with n = 3 gets the turn and its two alternatives; the agent's next call goes on
+    from the third: that one is the trajectory's turn (its tokens as sampled), and its
+    continuation does not close it again (it closed itself with the model's EOS)."""
+    ep = episode(tiny_model, "segment")
+    live, _ = answered(ep)
+    turn = SampledTurn(
+        **{**vars(_sampled(ep, "A.")), "alternatives": [_sampled(ep, "B."), _sampled(ep, "C.", True)]}
+    )
+    picked = {"role": "assistant", "content": "C."}
+    step, body = await _step(ep, live, turn, 3, [*ASKED, picked, GO_ON])
+    assert [c["message"]["content"] for c in body["choices"]] == ["A.", "B.", "C."]
+    assert body["usage"]["completion_tokens"] == sum(len(t.token_ids) for t in [turn, *turn.alternatives])
+    assert ep.taken(live) is turn.alternatives[1] and not ep.reply_rewrites(live)
+    assert ep.reply_ids(live, step.observation) == ep.prompter.chat.continuation_ids([GO_ON], True)
+
+    # going on from the first keeps the turn; going on from none (an edit) keeps it too
+    for then in ([*ASKED, {"role": "assistant", "content": "A."}, GO_ON], [*ASKED, picked, REPLY, GO_ON][1:]):
+        live, _ = answered(ep)
+        await _step(ep, live, turn, 3, then)
+        assert ep.taken(live) is None
+
+
+async def test_a_turn_that_closed_itself_is_not_closed_again(tiny_model: ModelConfig) -> None:
+    """A turn that ended with the model's EOS: the conversation goes on after it without a second
+    end-of-turn marker (the observation's tokens are the template's continuation of a closed
+    turn); one cut by its stop string is closed by the continuation."""
+    ep = episode(tiny_model, "segment")
+    for closed in (True, False):
+        live, _ = answered(ep)
+        step, _ = await _step(
+            ep,
+            live,
+            _sampled(ep, "Done.", closed),
+            1,
+            [*ASKED, {"role": "assistant", "content": "Done."}, GO_ON],
+        )
+        assert ep.reply_ids(live, step.observation) == ep.prompter.chat.continuation_ids([GO_ON], closed)

@@ -21,6 +21,7 @@ from services.scheduler.chat_api import (
     text_completion_body,
     text_completion_chunks,
     tool_names,
+    with_choices,
     without_stop,
 )
 
@@ -40,7 +41,9 @@ def _refused(body: Any) -> ApiError:
         ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
         ({"stream": "yes"}, "stream", "invalid_value"),
         ({"stream": True, "stream_options": {"chunk_size": 1}}, "stream_options", "invalid_value"),
-        ({"n": 2}, "n", "invalid_value"),
+        ({"n": 9}, "n", "invalid_value"),
+        ({"n": 0}, "n", "invalid_value"),
+        ({"n": 2, "stream": True}, "n", "unsupported_parameter"),
         ({"temperature": 0}, "temperature", "invalid_value"),
         ({"temperature": 3.0}, "temperature", "invalid_value"),
         ({"temperature": "hot"}, "temperature", "invalid_value"),
@@ -147,6 +150,22 @@ def test_a_completion_as_the_openai_client_reads_it() -> None:
     plain = completion_body("t-2", "m", 1, assistant_message("hi", []), "length", (1, 1), None, None, None)
     assert plain["choices"][0]["finish_reason"] == "length" and plain["choices"][0]["logprobs"] is None
     assert "prompt_token_ids" not in plain
+
+
+def test_a_call_with_n_gets_n_choices_and_the_usage_of_all() -> None:
+    assert parse_request({"messages": USER, "n": 3}, 1024).n == 3
+    assert parse_request({"messages": USER}, 1024).n == 1
+    assert parse_completion({"prompt": "hi", "n": 2}, 1024, 100).n == 2
+    bodies = [
+        completion_body("t-1", "m", 1, assistant_message(text, []), finish, (10, k), None, None, None)
+        for text, finish, k in (("a", "stop", 2), ("b", "length", 5), ("c", "stop", 1))
+    ]
+    body = with_choices(bodies)
+    assert body["id"] == bodies[0]["id"] and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in body["choices"]] == ["a", "b", "c"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length", "stop"]
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 8, "total_tokens": 18}
+    assert with_choices(bodies[:1]) is bodies[0]
 
 
 def test_the_stop_string_is_left_out_of_the_content() -> None:

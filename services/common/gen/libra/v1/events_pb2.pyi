@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TurnRequest(_message.Message):
-    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "bucket", "context_token_ids", "max_new_tokens", "temperature", "min_policy_version", "stop", "priority", "min_new_tokens", "top_p", "group_id", "prompt_id", "seq", "sampling_seed", "context_offset", "context_digest", "stream")
+    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "bucket", "context_token_ids", "max_new_tokens", "temperature", "min_policy_version", "stop", "priority", "min_new_tokens", "top_p", "group_id", "prompt_id", "seq", "sampling_seed", "context_offset", "context_digest", "stream", "alternatives", "alternatives_prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class TurnRequest(_message.Message):
     CONTEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     trajectory_id: str
     turn_index: int
@@ -48,7 +50,9 @@ class TurnRequest(_message.Message):
     context_offset: int
     context_digest: int
     stream: bool
-    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., min_policy_version: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., priority: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., seq: _Optional[int] = ..., sampling_seed: _Optional[int] = ..., context_offset: _Optional[int] = ..., context_digest: _Optional[int] = ..., stream: bool = ...) -> None: ...
+    alternatives: int
+    alternatives_prompt: int
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., bucket: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., min_policy_version: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., priority: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., group_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., seq: _Optional[int] = ..., sampling_seed: _Optional[int] = ..., context_offset: _Optional[int] = ..., context_digest: _Optional[int] = ..., stream: bool = ..., alternatives: _Optional[int] = ..., alternatives_prompt: _Optional[int] = ...) -> None: ...
 
 class TurnProgress(_message.Message):
     __slots__ = ("request_id", "trajectory_id", "engine_id", "offset", "token_ids")
@@ -65,7 +69,7 @@ class TurnProgress(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TurnResult(_message.Message):
-    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "token_ids", "logprobs", "policy_version", "finish_reason", "context_tokens", "queue_s", "generate_s", "text", "error", "token_versions", "temperature", "drafted_tokens", "accepted_tokens")
+    __slots__ = ("request_id", "trajectory_id", "turn_index", "engine_id", "token_ids", "logprobs", "policy_version", "finish_reason", "context_tokens", "queue_s", "generate_s", "text", "error", "token_versions", "temperature", "drafted_tokens", "accepted_tokens", "alternatives")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +87,7 @@ class TurnResult(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     trajectory_id: str
     turn_index: int
@@ -100,7 +105,22 @@ class TurnResult(_message.Message):
     temperature: float
     drafted_tokens: int
     accepted_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., context_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., text: _Optional[str] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ..., token_versions: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    alternatives: _containers.RepeatedCompositeFieldContainer[Alternative]
+    def __init__(self, request_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., turn_index: _Optional[int] = ..., engine_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., policy_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., context_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., generate_s: _Optional[float] = ..., text: _Optional[str] = ..., error: _Optional[_Union[ErrorInfo, _Mapping]] = ..., token_versions: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., alternatives: _Optional[_Iterable[_Union[Alternative, _Mapping]]] = ...) -> None: ...
+
+class Alternative(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "token_versions", "finish_reason", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    token_versions: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("call_id", "trajectory_id", "tool", "args_json", "timeout_s")
