@@ -410,6 +410,7 @@ async def build_report(
             {
                 "agent_calls_refused": dict(stats.agent_calls_refused),
                 "agent_history_rewrites": stats.agent_history_rewrites,
+                "agent_alternatives_kept": stats.agent_alternatives_kept,
             }
             if cfg.task.runs_agent
             else {}

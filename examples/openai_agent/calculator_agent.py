@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -51,7 +52,16 @@ def calculator(expression: str) -> str:
 
 
 async def agent(sample: dict[str, Any], base_url: str, api_key: str) -> float:
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key)
+    return await solve(openai.AsyncOpenAI(base_url=base_url, api_key=api_key), sample)
+
+
+async def solve(
+    client: openai.AsyncOpenAI,
+    sample: dict[str, Any],
+    n: int = 1,
+    pick: Callable[[list[str]], str] = lambda texts: texts[0],
+) -> float:
+    """The agent's loop: asks for `n` choices a call and goes on from the one `pick` takes."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         *EXAMPLES,
@@ -59,9 +69,9 @@ async def agent(sample: dict[str, Any], base_url: str, api_key: str) -> float:
     ]
     for _ in range(3):
         out = await client.chat.completions.create(
-            model="policy", messages=messages, max_tokens=40, temperature=0.7, stop=STOP
+            model="policy", messages=messages, max_tokens=40, temperature=0.7, stop=STOP, n=n
         )
-        text = out.choices[0].message.content or ""
+        text = pick([c.message.content or "" for c in out.choices])
         messages.append({"role": "assistant", "content": text})
         if "<answer>" in text:
             numbers = re.findall(r"-?\d+", text.split("<answer>")[-1].replace(",", ""))

@@ -29,7 +29,7 @@ from services.scheduler.chat_api import (
     streamable,
     with_choices,
 )
-from services.scheduler.choices import Choice, answer, continued
+from services.scheduler.choices import Choice, ChoiceBook, answer
 from services.scheduler.endpoint import AgentEndpoint, AgentSession, Call, Ended
 from services.scheduler.environment import Step
 from services.scheduler.episodes import Episode, SampledTurn, Spawn
@@ -100,12 +100,8 @@ class AgentEpisode(Episode):
         )
         self.sessions: dict[str, AgentSession] = {}
         self.observations: dict[str, Observation] = {}
-        self.choices: dict[str, list[Choice]] = {}
-        """Each trajectory's last call's choices (one, unless it asked for `n` > 1)."""
-        self.current: dict[str, Choice] = {}
-        """The choice each trajectory goes on from (the first, or the one its agent's next call
-        continued): an alternative is kept instead of the turn (`taken`)."""
         """Each trajectory's next observation."""
+        self.choices = ChoiceBook()
         self.rewrites = 0
         """Calls that rewrote their conversation and began a new sequence."""
 
@@ -213,10 +209,9 @@ class AgentEpisode(Episode):
                 if isinstance(event.outcome, PluginFailure):
                     return event.outcome
                 return Step(done=True, reward=event.outcome)
-            choices = self.choices.get(live.trajectory_id)
-            if choices:
-                k = continued(choices, event.request)
-                self._go_on_from(live, session, choices[k or 0])
+            picked = self.choices.continued(live.trajectory_id, event.request)
+            if picked is not None:
+                self._go_on_from(live, session, picked)
             try:
                 said = self._continued(live, session, event)
             except ApiError as err:
@@ -244,7 +239,7 @@ class AgentEpisode(Episode):
         choices = [
             answer(self.prompter, model, live, call, t, session.text) for t in [turn, *turn.alternatives][:n]
         ]
-        self.choices[live.trajectory_id] = [c for c, _ in choices]
+        self.choices.offer(live.trajectory_id, [c for c, _ in choices])
         self._go_on_from(live, session, choices[0][0])
         session.answer(200, with_choices([body for _, body in choices]))
 
@@ -254,11 +249,13 @@ class AgentEpisode(Episode):
         session.context, session.text = choice.context, choice.text
         if choice.history:
             session.history = choice.history
-        self.current[live.trajectory_id] = choice
+        self.choices.go_on_from(live.trajectory_id, choice)
 
     def taken(self, live: Live) -> SampledTurn | None:
-        choices, current = self.choices.get(live.trajectory_id), self.current.get(live.trajectory_id)
-        return current.turn if choices and current is not None and current is not choices[0] else None
+        return self.choices.taken(live.trajectory_id)
+
+    def alternatives_kept(self) -> int:
+        return self.choices.kept
 
     def _continued(self, live: Live, session: AgentSession, call: Call) -> str:
         """What this call adds (as the samples show it), checked and rendered (`observations`);
@@ -280,7 +277,9 @@ class AgentEpisode(Episode):
                 400, "invalid_value", "the last message is the assistant's: nothing to answer", "messages"
             )
         try:
-            ids = self.prompter.chat.continuation_ids([template_message(m) for m in new], self._eos(live))
+            ids = self.prompter.chat.continuation_ids(
+                [template_message(m) for m in new], self.choices.ended_with_eos(live.trajectory_id)
+            )
         except TemplateError as err:
             raise ApiError(400, "template_error", str(err), "messages") from None
         self._fits(len(session.context) + len(ids))
@@ -363,14 +362,8 @@ class AgentEpisode(Episode):
     def reply_signal(self, live: Live, observation_ids: list[int]) -> ToolSignal:
         return self.observations.pop(live.trajectory_id).signal
 
-    def _eos(self, live: Live) -> bool:
-        """Whether the answer the call goes on from closed itself with the model's EOS."""
-        current = self.current.get(live.trajectory_id)
-        return current is not None and current.ended_with_eos
-
     def forget(self, live: Live) -> None:
-        self.choices.pop(live.trajectory_id, None)
-        self.current.pop(live.trajectory_id, None)
+        self.choices.forget(live.trajectory_id)
         session = self.sessions.pop(live.trajectory_id, None)
         self.observations.pop(live.trajectory_id, None)
         if session is not None:

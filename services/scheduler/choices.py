@@ -55,6 +55,47 @@ def continued(choices: list[Choice], request: ChatRequest) -> int | None:
     return None
 
 
+class ChoiceBook:
+    """Each trajectory's last call's choices (one, unless it asked for `n` > 1), and the one it
+    goes on from: the first, or the one its agent's next call continued."""
+
+    def __init__(self) -> None:
+        self.choices: dict[str, list[Choice]] = {}
+        self.current: dict[str, Choice] = {}
+        self.kept = 0
+        """Calls with `n` > 1 whose agent went on from an alternative (kept instead of the turn)."""
+
+    def offer(self, trajectory_id: str, choices: list[Choice]) -> None:
+        self.choices[trajectory_id] = choices
+
+    def continued(self, trajectory_id: str, request: ChatRequest) -> Choice | None:
+        """The choice `request` goes on from (the first where it goes on from none); None before
+        the trajectory's first answer."""
+        choices = self.choices.get(trajectory_id)
+        return choices[continued(choices, request) or 0] if choices else None
+
+    def go_on_from(self, trajectory_id: str, choice: Choice) -> None:
+        self.current[trajectory_id] = choice
+
+    def taken(self, trajectory_id: str) -> SampledTurn | None:
+        """The alternative the trajectory went on from, kept instead of its turn (counted); None:
+        the turn."""
+        choices, current = self.choices.get(trajectory_id), self.current.get(trajectory_id)
+        if not choices or current is None or current is choices[0]:
+            return None
+        self.kept += 1
+        return current.turn
+
+    def ended_with_eos(self, trajectory_id: str) -> bool:
+        """Whether the answer the trajectory goes on from closed itself with the model's EOS."""
+        current = self.current.get(trajectory_id)
+        return current is not None and current.ended_with_eos
+
+    def forget(self, trajectory_id: str) -> None:
+        self.choices.pop(trajectory_id, None)
+        self.current.pop(trajectory_id, None)
+
+
 def answer(
     prompter: Prompter, model: str, live: Live, call: Call, turn: SampledTurn, text: str | None
 ) -> tuple[Choice, dict[str, Any]]:

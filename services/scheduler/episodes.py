@@ -131,6 +131,10 @@ class Episode:
         """A `task.agent`'s endpoint calls refused, by error code (no other episode takes calls)."""
         return {}
 
+    def alternatives_kept(self) -> int:
+        """A `task.agent`'s calls with `n` > 1 that went on from an alternative (`taken`)."""
+        return 0
+
     def history_rewrites(self) -> int:
         """A `task.agent`'s calls that rewrote their conversation (each began a new sequence)."""
         return 0

@@ -35,19 +35,19 @@ class TurnResults:
         but the scheduler may hear of the commit after the engine's first tokens at it: one
         version beyond the newest known passes (the trainer checks exactly what it trains on)."""
         budget = live.pending_action.max_new_tokens if live.pending_action is not None else None
-        check_turn(
-            list(res.token_ids),
-            list(res.logprobs),
-            versions,
-            res.temperature,
-            vocab_size=self.vocab_size,
-            max_tokens=budget,
-        )
-        await self._made(versions)
+        await self._sampled(list(res.token_ids), list(res.logprobs), versions, res.temperature, budget)
 
-    async def _made(self, versions: list[int]) -> None:
-        """ValueError if a version is one the trainer has not made (one beyond its newest known
-        passes: see `check`)."""
+    async def _sampled(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        temperature: float,
+        budget: int | None,
+    ) -> None:
+        """ValueError unless these are tokens an engine could have sampled for this job (a version
+        one beyond the trainer's newest known passes: see `check`)."""
+        check_turn(ids, logprobs, versions, temperature, vocab_size=self.vocab_size, max_tokens=budget)
         claimed = max(versions, default=0)
         if self.newest_version is not None and claimed > (newest := await self.newest_version(claimed)) + 1:
             raise ValueError(f"policy version {claimed}: the trainer's newest is {newest}")
@@ -65,15 +65,7 @@ class TurnResults:
         out = []
         for alt in res.alternatives:
             versions = list(alt.token_versions) or [res.policy_version] * len(alt.token_ids)
-            check_turn(
-                list(alt.token_ids),
-                list(alt.logprobs),
-                versions,
-                res.temperature,
-                vocab_size=self.vocab_size,
-                max_tokens=budget,
-            )
-            await self._made(versions)
+            await self._sampled(list(alt.token_ids), list(alt.logprobs), versions, res.temperature, budget)
             out.append((list(alt.token_ids), list(alt.logprobs), versions))
         return out
 

@@ -248,6 +248,7 @@ class SchedulerService:
             cpu_utilisation=self._cpu_utilisation(),
             agent_calls_refused=self.episode.calls_refused(),
             agent_history_rewrites=self.episode.history_rewrites(),
+            agent_alternatives_kept=self.episode.alternatives_kept(),
             messages_received=self.bus.received,
             messages_published=self.bus.published,
             oldest_in_flight=inflight.oldest(20, time.monotonic()),

@@ -626,6 +626,7 @@ async def test_an_agent_that_asks_n_choices_trains_the_one_it_went_on_from(sched
         turns = [s for s in t.segments if s.generated]
         assert list(turns[0].token_ids) == [320, 321] and list(turns[0].logprobs) == [-0.25, -0.25]
     assert len([r for r in h.requests if r.trajectory_id == lied[0] and r.turn_index == 0]) == 2
+    assert (await stats(bus, 4)).agent_alternatives_kept == 4  # counted for the report
     assert proc.poll() is None
 
 

@@ -140,6 +140,7 @@ async def test_the_choice_an_agent_goes_on_from_is_the_turn_kept(tiny_model: Mod
         live, _ = answered(ep)
         await _step(ep, live, turn, 3, then)
         assert ep.taken(live) is None
+    assert ep.alternatives_kept() == 1  # counted for the report
 
 
 async def test_a_turn_that_closed_itself_is_not_closed_again(tiny_model: ModelConfig) -> None:
