@@ -493,15 +493,21 @@ async def test_a_draining_engine_hands_back_every_turn_it_holds_and_takes_no_new
 
         await h.bus.subscribe(subjects.HYBRID_STATE, ev.HybridState, on_state)
         await plan(4, "lent")
-        lent = [f"lent-{i}" for i in range(2)]
-        for rid in lent:
-            await h.send(turn(rid, max_new_tokens=1500, min_new_tokens=1500))
+        lent = [f"lent-{i}" for i in range(2)]  # with an alternative each (an agent's n = 2)
+        await h.send(  # a continued turn: 2 tokens left to it, its alternative starts again (502)
+            turn(lent[1], context_token_ids=[*range(100, 140), *range(200, 700)], max_new_tokens=2,
+                 min_new_tokens=2, alternatives=1, alternatives_prompt=40)
+        )  # fmt: skip
+        await asyncio.sleep(1.0)  # its own 2 tokens are out long before (milliseconds each)
+        await h.send(turn(lent[0], max_new_tokens=1500, min_new_tokens=1500, alternatives=1))
         async with asyncio.timeout(30):
-            while not h.loads or h.loads[-1].running < 2:
+            while not h.loads or h.loads[-1].running < 3:
                 await asyncio.sleep(0.05)
         await plan(5, "parked")  # the trainer takes its GPUs back
         back = [(await h.result(rid, timeout=20))[0] for rid in lent]
-        assert all(r.error.code == "handed_back" and 0 < len(r.token_ids) < 1500 for r in back), back
+        assert all(r.error.code == "handed_back" and not r.alternatives for r in back), back
+        assert 0 < len(back[0].token_ids) < 1500  # the turn's own tokens kept, its alternative dropped
+        assert not back[1].token_ids  # done, but its alternative was not: all of it goes again
         async with asyncio.timeout(10):
             while not any(m.state == "parked" for m in states):
                 await asyncio.sleep(0.05)
