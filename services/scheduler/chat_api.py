@@ -180,8 +180,6 @@ def _common(body: Any, supported: set[str], max_context_tokens: int) -> dict[str
     if not (isinstance(options, dict) and set(options) <= {"include_usage"}):
         raise bad("stream_options takes include_usage only", "stream_options")
     n = _integer(body, "n", 1, MAX_CHOICES)
-    if n is not None and n > 1 and stream:
-        raise bad("n > 1 is not streamed: ask for the choices without stream", "n", "unsupported_parameter")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not (
@@ -441,9 +439,9 @@ def with_choices(bodies: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def chat_chunk(head: dict[str, Any], delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """One chat.completion.chunk of the completion `head` (its id, created and model)."""
-    out: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None} | extra
+def chat_chunk(head: dict[str, Any], delta: dict[str, Any], index: int = 0, **extra: Any) -> dict[str, Any]:
+    """One chat.completion.chunk of choice `index` of the completion `head` (its id, created and model)."""
+    out: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None} | extra
     return {k: head[k] for k in ("id", "created", "model")} | {
         "object": "chat.completion.chunk",
         "choices": [out],
@@ -470,15 +468,23 @@ def streamed_content(body: dict[str, Any]) -> str:
 def completion_chunks(
     body: dict[str, Any], include_usage: bool, sent: str | None = None
 ) -> list[dict[str, Any]]:
-    """A chat.completion as the chat.completion.chunk events a streaming client reads: the role,
-    the content (with its logprobs), the tool calls, the finish reason, and the usage if asked.
-    `sent`: the role and this much of the content went out while the turn generated (the content
-    begins with it); None: nothing did."""
-    choice = body["choices"][0]
-    message = choice["message"]
+    """A chat.completion as the chat.completion.chunk events a streaming client reads: for each
+    choice (`index`) the role, the content (with its logprobs), the tool calls, the finish reason;
+    then the usage if asked. `sent`: the role and this much of the first choice's content went out
+    while the turn generated (the content begins with it); None: nothing did."""
+    chunks: list[dict[str, Any]] = []
+    for choice in body["choices"]:
+        chunks += _choice_chunks(body, choice, sent if choice["index"] == 0 else None)
+    if include_usage:
+        chunks.append(chat_chunk(body, {}) | {"choices": [], "usage": body["usage"]})
+    return chunks
+
+
+def _choice_chunks(body: dict[str, Any], choice: dict[str, Any], sent: str | None) -> list[dict[str, Any]]:
+    message, index = choice["message"], choice["index"]
 
     def chunk(delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        return chat_chunk(body, delta, **extra)
+        return chat_chunk(body, delta, index=index, **extra)
 
     chunks = [] if sent is not None else [chunk({"role": "assistant", "content": ""})]
     rest = (message.get("content") or "")[len(sent or "") :]
@@ -489,12 +495,9 @@ def completion_chunks(
     last = chunk({}, finish_reason=choice["finish_reason"])
     if "token_ids" in choice:
         last["choices"][0]["token_ids"] = choice["token_ids"]
-    if "prompt_token_ids" in body:
+    if "prompt_token_ids" in body and index == 0:
         last["prompt_token_ids"] = body["prompt_token_ids"]
-    chunks.append(last)
-    if include_usage:
-        chunks.append(chat_chunk(body, {}) | {"choices": [], "usage": body["usage"]})
-    return chunks
+    return [*chunks, last]
 
 
 _TIMED_OUT = re.compile(r"timed? ?out|timeout|deadline exceeded", re.I)
@@ -548,17 +551,23 @@ def text_completion_body(
 def text_completion_chunks(
     body: dict[str, Any], include_usage: bool, sent: str | None = None
 ) -> list[dict[str, Any]]:
-    """A text_completion as streamed: the text (after `sent`, what went out while the turn
-    generated) in one chunk, then the finish reason."""
-    choice = body["choices"][0]
+    """A text_completion as streamed: for each choice (`index`) its text (the first's after
+    `sent`, what went out while the turn generated) in one chunk, then its finish reason; then the
+    usage if asked."""
     head = {k: body[k] for k in ("id", "object", "created", "model")}
-    chunks = [
-        head | {"choices": [{**choice, "text": choice["text"][len(sent or "") :], "finish_reason": None}]}
-    ]
-    if "prompt_token_ids" in body:
-        chunks[0]["prompt_token_ids"] = body["prompt_token_ids"]
-    last = {"index": 0, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
-    chunks.append(head | {"choices": [last]})
+    chunks = []
+    for choice in body["choices"]:
+        skip = len(sent or "") if choice["index"] == 0 else 0
+        text = head | {"choices": [{**choice, "text": choice["text"][skip:], "finish_reason": None}]}
+        if "prompt_token_ids" in body and choice["index"] == 0:
+            text["prompt_token_ids"] = body["prompt_token_ids"]
+        last = {
+            "index": choice["index"],
+            "text": "",
+            "logprobs": None,
+            "finish_reason": choice["finish_reason"],
+        }
+        chunks += [text, head | {"choices": [last]}]
     if include_usage:
         chunks.append(head | {"choices": [], "usage": body["usage"]})
     return chunks

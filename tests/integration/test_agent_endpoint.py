@@ -20,7 +20,13 @@ import pytest
 from services.common.pki import Authority
 from services.common.tls import TlsFiles
 from services.scheduler.agents import AgentPool, CommandAgents, check_agent, reward_of
-from services.scheduler.chat_api import ApiError, assistant_message, completion_body, text_completion_body
+from services.scheduler.chat_api import (
+    ApiError,
+    assistant_message,
+    completion_body,
+    text_completion_body,
+    with_choices,
+)
 from services.scheduler.endpoint import MAX_BODY_BYTES, AgentEndpoint, AgentSession, Call, EndpointInsecure
 from services.scheduler.plugins import PluginFailure, PluginLoadError
 
@@ -40,9 +46,13 @@ async def _answer_calls(session: AgentSession, replies: int) -> list[Call]:
             body = text_completion_body(
                 str(i), "m", 0, f"answer {i}", "length", (3, 2), ["a", "b"], [-1.0, -2.0], None
             )
-        else:
-            reply = assistant_message(f"answer {i}", [])
-            body = completion_body(str(i), "m", 0, reply, "stop", (3, 2), None, None, None)
+        else:  # `n` choices: "answer i", then "answer i.1", ...
+            choices = [
+                assistant_message(f"answer {i}" + (f".{k}" if k else ""), []) for k in range(event.request.n)
+            ]
+            body = with_choices(
+                [completion_body(str(i), "m", 0, r, "stop", (3, 2), None, None, None) for r in choices]
+            )
         session.answer(200, body)
     return calls
 
@@ -85,6 +95,22 @@ async def test_a_streamed_call_reads_as_the_whole_completion(endpoint: AgentEndp
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "answer 0"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 5
+
+
+async def test_a_call_with_n_reads_its_choices_plain_and_streamed(endpoint: AgentEndpoint) -> None:
+    session = endpoint.open("traj-n")
+    episode = asyncio.create_task(_answer_calls(session, 2))
+    client = _client(endpoint, session.key)
+    out = await client.chat.completions.create(model="any", messages=USER, n=2)
+    assert [(c.index, c.message.content) for c in out.choices] == [(0, "answer 0"), (1, "answer 0.1")]
+    stream = await client.chat.completions.create(model="any", messages=USER, n=2, stream=True)
+    parts: dict[int, str] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            parts[c.index] = parts.get(c.index, "") + (c.delta.content or "")
+    assert parts == {0: "answer 1", 1: "answer 1.1"}
+    calls = await episode
+    assert [c.request.n for c in calls] == [2, 2]
 
 
 async def test_a_streamed_call_reads_its_turn_as_it_generates(endpoint: AgentEndpoint) -> None:

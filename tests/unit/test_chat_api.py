@@ -43,7 +43,6 @@ def _refused(body: Any) -> ApiError:
         ({"stream": True, "stream_options": {"chunk_size": 1}}, "stream_options", "invalid_value"),
         ({"n": 9}, "n", "invalid_value"),
         ({"n": 0}, "n", "invalid_value"),
-        ({"n": 2, "stream": True}, "n", "unsupported_parameter"),
         ({"temperature": 0}, "temperature", "invalid_value"),
         ({"temperature": 3.0}, "temperature", "invalid_value"),
         ({"temperature": "hot"}, "temperature", "invalid_value"),
@@ -203,6 +202,32 @@ def test_a_streamed_completion_adds_up_to_the_whole_one() -> None:
     logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
     assert [t["logprob"] for lp in logprobs for t in lp["content"]] == [-0.1, -0.2, -0.3]
     assert len(completion_chunks(body, include_usage=False)) == len(chunks) - 1
+
+
+def test_a_streamed_completion_of_n_choices_adds_up_to_each() -> None:
+    """n = 2 streamed: each choice's chunks carry its index and add up to it (the first's after
+    what went out while its turn generated); the usage once, at the end."""
+    bodies = [
+        completion_body("t-1", "m", 1, assistant_message(text, []), "stop", (4, 2), None, None, None)
+        for text in ("Let me add.", "It is 5.")
+    ]
+    body = with_choices(bodies)
+    for sent in (None, "Let me"):
+        chunks = completion_chunks(body, include_usage=True, sent=sent)
+        by_index: dict[int, str] = {}
+        for c in chunks[:-1]:
+            (choice,) = c["choices"]
+            by_index[choice["index"]] = by_index.get(choice["index"], "") + choice["delta"].get("content", "")
+        assert by_index == {0: "Let me add."[len(sent or "") :], 1: "It is 5."}
+        assert chunks[-1]["usage"]["completion_tokens"] == 4 and not chunks[-1]["choices"]
+    texts = [text_completion_body("t-2", "m", 1, t, "stop", (4, 2), None, None, None) for t in ("ab", "cd")]
+    chunks = text_completion_chunks(with_choices(texts), False, "a")
+    assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks] == [
+        (0, "b"),
+        (0, ""),
+        (1, "cd"),
+        (1, ""),
+    ]
 
 
 def test_what_an_agents_next_call_tells_cmlfq() -> None:
