@@ -303,7 +303,8 @@ class InFlight:
             live.request_id = ""
             live.deadline = time.monotonic() + 1.0
             return
-        need = len(action.context) + action.max_new_tokens  # its KV, were it to use its whole budget
+        # its KV, were it and its alternatives (an agent's n > 1) to use their whole budgets
+        need = (len(action.context) + action.max_new_tokens) * (1 + live.alternatives)
         began = time.perf_counter()
         engine_id = self.times.decide(self.dispatch.place, live.trajectory_id, time.monotonic(), avoid, need)
         if engine_id is None:
