@@ -26,7 +26,7 @@ from opentelemetry import trace
 
 from services.common import subjects
 from services.common.bus import Bus, Envelope
-from services.common.contracts import MAX_TEMPERATURE, ev
+from services.common.contracts import MAX_ALTERNATIVES, MAX_TEMPERATURE, ev
 from services.common.errors import LibraError, Unavailable, require
 from services.common.held_context import ContextUnknown, HeldContexts
 from services.common.logging import get_logger
@@ -41,8 +41,6 @@ from services.generation.speculator import counters as spec_counters
 ANSWERED_REPORTED = 128
 """Answered requests a load report names (EngineLoad.answered_ids)."""
 MAX_STOPS = 16
-MAX_ALTERNATIVES = 7
-"""Further samples one turn may ask for (an agent's call takes n <= 8)."""
 MAX_STOP_CHARS = 256
 
 
@@ -425,9 +423,7 @@ class TurnServer(abc.ABC):
                     streamed = TurnStream(self.bus, req, self.worker_id, self.settings.stream_interval_s)
                     gen.on_tokens = streamed.add
                 try:
-                    others = (
-                        alternative_requests(req, gen, self.backend.max_positions) if req.alternatives else []
-                    )
+                    others = alternative_requests(req, gen, self.backend.max_positions)
                     done, alternatives = await generate(self.engine, gen, others)
                 finally:
                     if streamed is not None:

@@ -29,7 +29,7 @@ from services.scheduler.chat_api import (
     streamable,
     with_choices,
 )
-from services.scheduler.choices import Choice, ChoiceBook, answer
+from services.scheduler.choices import Choice, ChoiceBook, answer, repeats
 from services.scheduler.endpoint import AgentEndpoint, AgentSession, Call, Ended
 from services.scheduler.environment import Step
 from services.scheduler.episodes import Episode, SampledTurn, Spawn
@@ -291,15 +291,17 @@ class AgentEpisode(Episode):
         """Where and how the call does not continue the conversation as Libra answered it (the
         field, why), or None when it does."""
         prompt, before = request.prompt, session.history
-        if isinstance(prompt, list):
-            ok = prompt[: len(session.context)] == session.context
-            return None if ok else ("prompt", "the prompt's ids do not begin with this trajectory's context")
-        if isinstance(prompt, str):
-            ok = session.text is not None and prompt.startswith(session.text)
-            return None if ok else ("prompt", "the prompt does not begin with this trajectory's text so far")
         said = "the conversation does not repeat the one this trajectory had"
-        if request.messages[: len(before)] == before:
-            return None if request.tools == session.tools else ("tools", f"{said} (its tools changed)")
+        if repeats(request, session.context, session.text, before):
+            return (
+                None
+                if prompt is not None or request.tools == session.tools
+                else ("tools", f"{said} (its tools changed)")
+            )
+        if isinstance(prompt, list):
+            return "prompt", "the prompt's ids do not begin with this trajectory's context"
+        if isinstance(prompt, str):
+            return "prompt", "the prompt does not begin with this trajectory's text so far"
         at = common_prefix(request.messages, before)
         if at < len(request.messages):
             return f"messages.{at}", f"{said} (message {at} differs)"

@@ -11,13 +11,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.contracts import MAX_ALTERNATIVES
 from services.common.signals import ToolSignal, size_class
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
-MAX_CHOICES = 8
+MAX_CHOICES = MAX_ALTERNATIVES + 1
 """The most choices (`n`) a call may ask for: its turn and the alternatives an engine samples
-beside it (`services/generation/serving.py`, MAX_ALTERNATIVES + 1)."""
+beside it."""
 _SUPPORTED = {
     "model",
     "messages",

@@ -39,20 +39,23 @@ class Choice:
     """Completions with text prompts: the prompt and the completions returned, this one last."""
 
 
+def repeats(
+    request: ChatRequest, context: list[int], text: str | None, history: list[dict[str, Any]]
+) -> bool:
+    """Whether `request` begins with a trajectory as it was answered: a token-id prompt with its
+    `context`, a text prompt with its `text`, a chat call's messages with its `history` (a chat
+    call's tools are checked apart)."""
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        return prompt[: len(context)] == context
+    if isinstance(prompt, str):
+        return text is not None and prompt.startswith(text)
+    return request.messages[: len(history)] == history
+
+
 def continued(choices: list[Choice], request: ChatRequest) -> int | None:
-    """Which choice `request` goes on from (the first that matches, as `AgentEpisode._edit` reads
-    a continuation), or None: it goes on from none of them."""
-    for i, c in enumerate(choices):
-        prompt = request.prompt
-        if isinstance(prompt, list):
-            ok = prompt[: len(c.context)] == c.context
-        elif isinstance(prompt, str):
-            ok = c.text is not None and prompt.startswith(c.text)
-        else:
-            ok = request.messages[: len(c.history)] == c.history
-        if ok:
-            return i
-    return None
+    """Which choice `request` goes on from (the first it repeats), or None: none of them."""
+    return next((i for i, c in enumerate(choices) if repeats(request, c.context, c.text, c.history)), None)
 
 
 class ChoiceBook:
