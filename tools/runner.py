@@ -109,7 +109,7 @@ def check_task(cfg: RunConfig) -> None:
     """Reads the dataset and loads the reward and the environment as the scheduler will, so that a
     bad file, a missing key or a reward that cannot be imported stops the run before anything
     starts."""
-    from services.scheduler.agents import check_agent, check_command
+    from services.scheduler.agents import check_agent, check_command, find_agent
     from services.scheduler.datasets import DatasetError
     from services.scheduler.environment import check_environment
     from services.scheduler.feed import task_list
@@ -129,7 +129,9 @@ def check_task(cfg: RunConfig) -> None:
                     cfg.task.environment, cfg.task.plugin_paths, first, cfg.task.environment_args
                 )
             )
-        if cfg.task.agent:
+        if cfg.task.agent and cfg.task.agent_sandbox:  # its code runs only in the sandbox
+            find_agent(cfg.task.agent, cfg.task.plugin_paths)
+        elif cfg.task.agent:
             asyncio.run(check_agent(cfg.task.agent, cfg.task.plugin_paths))
         if cfg.task.agent_command:
             check_command(cfg.task.agent_command, cfg.task.plugin_paths[0] if cfg.task.plugin_paths else None)

@@ -113,6 +113,8 @@ _GRANTS: dict[str, Grants] = {
         publishes=(
             f"{subjects.TURN_REQUEST}.*",
             subjects.TOOL_CALL,
+            subjects.AGENT_RUN,
+            subjects.AGENT_CANCEL,
             subjects.TRAJ_COMPLETED,
             subjects.TRAJ_SAMPLE,
             subjects.WORKLOAD_STATS,
@@ -123,6 +125,8 @@ _GRANTS: dict[str, Grants] = {
             subjects.TURN_RESULT,
             subjects.TURN_PROGRESS,
             subjects.TOOL_RETURN,
+            subjects.AGENT_ACCEPTED,
+            subjects.AGENT_RETURN,
             subjects.ENGINE_LOAD,
             subjects.WEIGHTS_UPDATED,
             subjects.SCHEDULER_STATS,
@@ -134,7 +138,11 @@ _GRANTS: dict[str, Grants] = {
         speaks=(subjects.TURN_RESULT, subjects.TURN_PROGRESS, subjects.ENGINE_LOAD, subjects.HYBRID_STATE),
         subscribes=(subjects.PLAN, subjects.HYBRID_GROUP),  # and its own turn requests
     ),
-    "tool-sandbox": Grants(publishes=(subjects.TOOL_RETURN,), subscribes=(subjects.PLAN, subjects.TOOL_CALL)),
+    "tool-sandbox": Grants(
+        publishes=(subjects.TOOL_RETURN,),
+        speaks=(subjects.AGENT_ACCEPTED, subjects.AGENT_RETURN),  # about the agent runs it took
+        subscribes=(subjects.PLAN, subjects.TOOL_CALL, subjects.AGENT_RUN, subjects.AGENT_CANCEL),
+    ),
     "trainer": Grants(
         publishes=(
             subjects.WEIGHTS_UPDATED,

@@ -251,6 +251,11 @@ class TaskConfig(_Strict):
     `task.reward` to score it). Runs in `plugin_paths[0]` when set."""
     agent_timeout_s: float = Field(600.0, gt=0.0, le=86400.0)
     """An agent run that has not returned by then fails its trajectory (`agent_timeout`)."""
+    agent_sandbox: bool = False
+    """Run `task.agent` in the tool sandbox's isolation instead of beside the scheduler: one
+    bubblewrap sandbox per trajectory, no network but its own endpoint (reached through the
+    sandbox service), the code read-only, its own limits (`LIBRA_TOOL_SANDBOX_AGENT_*`). For
+    agents whose code you do not trust (docs/tasks.md)."""
     edited_history: Literal["segment", "refuse"] = "segment"
     """An agent's call that does not repeat the conversation Libra answered (it cut, summarised or
     rewrote it): `segment` renders the call's whole conversation afresh and begins a new sequence
@@ -311,6 +316,15 @@ class TaskConfig(_Strict):
                     f"task.agent {self.agent!r} would not know the taskset"
                 )
             self.agent = VERIFIERS_AGENT
+        return self
+
+    @model_validator(mode="after")
+    def _sandbox_runs_an_agent(self) -> TaskConfig:
+        if self.agent_sandbox and not self.agent:
+            raise ValueError(
+                "task.agent_sandbox runs task.agent (a module:function) in the tool sandbox"
+                + (": task.agent_command does not run there yet" if self.agent_command else "")
+            )
         return self
 
     @model_validator(mode="after")

@@ -7,6 +7,10 @@ TURN_RESULT = "turn.result"  # .<kind>.<worker_id> (spoken, below)
 TURN_PROGRESS = "turn.progress"  # .<kind>.<worker_id>: a streamed turn's tokens so far (spoken)
 TOOL_CALL = "tool.call"
 TOOL_RETURN = "tool.return"
+AGENT_RUN = "agent.run"  # the scheduler asks the tool sandboxes to run a sandboxed agent
+AGENT_ACCEPTED = "agent.accepted"  # .<kind>.<worker_id>: the sandbox that took the run (spoken)
+AGENT_CANCEL = "agent.cancel"  # the scheduler stops a run (every sandbox hears it)
+AGENT_RETURN = "agent.return"  # .<kind>.<worker_id>: how a sandboxed agent run ended (spoken)
 TRAJ_COMPLETED = "traj.completed"
 TRAJ_SAMPLE = "traj.sample"  # a completed trajectory's text, for the job's samples
 GROUP_OUTCOME = "group.outcome"
@@ -31,7 +35,17 @@ FACTS_SCHEDULER = f"{FACTS}.scheduler"
 FACTS_PLANNER = f"{FACTS}.planner"
 
 
-SPOKEN = (WORKER_HELLO, HYBRID_STATE, ENGINE_LOAD, TURN_RESULT, TURN_PROGRESS, METRICS, ERRORS)
+SPOKEN = (
+    WORKER_HELLO,
+    HYBRID_STATE,
+    ENGINE_LOAD,
+    TURN_RESULT,
+    TURN_PROGRESS,
+    METRICS,
+    ERRORS,
+    AGENT_ACCEPTED,
+    AGENT_RETURN,
+)
 """Where a worker speaks for itself: it publishes on `<subject>.<kind>.<worker_id>`, a subject only
 its own NATS user may publish to (services/common/credentials.py), and a receiver takes the sender
 from the subject, refusing a message whose body claims another (services/common/bus.py)."""

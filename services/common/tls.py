@@ -9,12 +9,23 @@ where a server asks for one (mutual TLS). Unset, everything stays plaintext, as 
 
 from __future__ import annotations
 
+import ipaddress
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is this machine's loopback: what no other machine reaches."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

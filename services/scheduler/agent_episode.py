@@ -36,6 +36,7 @@ from services.scheduler.episodes import Episode, SampledTurn, Spawn
 from services.scheduler.inflight import Live
 from services.scheduler.plugins import PluginFailure
 from services.scheduler.prompting import Prompter
+from services.scheduler.sandboxed_agents import SandboxedAgents
 
 
 def template_message(msg: dict[str, Any]) -> dict[str, Any]:
@@ -87,10 +88,12 @@ class AgentEpisode(Episode):
         host: str,
         port: int,
         tls: TlsFiles | None = None,
+        sandboxed: SandboxedAgents | None = None,
     ):
+        """`sandboxed`: the tool sandboxes run the agent (`task.agent_sandbox`)."""
         super().__init__(prompter)
         self.task, self.spawn = task, spawn
-        self.agents: AgentPool | CommandAgents = (
+        self.agents: AgentPool | CommandAgents | SandboxedAgents = sandboxed or (
             AgentPool(task.agent, task.plugin_paths, task.env_workers, task.agent_timeout_s)
             if task.agent
             else CommandAgents(task.agent_command or [], task.plugin_paths, task.agent_timeout_s)

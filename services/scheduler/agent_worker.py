@@ -10,6 +10,10 @@ Requests are JSON lines on stdin: `{"op": "run", "id": TRAJECTORY, "sample": {..
 function's thread runs on, its answer dropped). Each run is answered by one JSON line on this
 process's own copy of stdout, `{"id": TRAJECTORY, "ok": reward}`, `{"id": ..., "invalid": why}` or
 `{"id": ..., "error": "Type: message"}`; whatever the agent prints goes to stderr.
+
+In the tool sandbox (`task.agent_sandbox`), `sandboxed` runs the agent once instead: the sandbox
+has no network but its loopback, so a relay listens there and carries each connection to the Unix
+socket the sandbox service bridges to the endpoint; the agent's `base_url` is the relay's.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import asyncio
 import inspect
 import json
 import os
+import selectors
+import socket
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -72,6 +79,75 @@ async def serve(agent: Callable[..., Any], out: TextIO) -> None:
             runs.pop(key).cancel()
     for task in runs.values():
         task.cancel()
+
+
+RELAY_HOST = "127.0.0.1"
+
+
+def _carry(a: socket.socket, b: socket.socket) -> None:
+    """Bytes both ways between two connected sockets until both sides have finished sending."""
+    with a, b, selectors.DefaultSelector() as sel:
+        sel.register(a, selectors.EVENT_READ, b)
+        sel.register(b, selectors.EVENT_READ, a)
+        sending = 2
+        while sending:
+            for key, _ in sel.select():
+                src, dst = key.fileobj, key.data
+                assert isinstance(src, socket.socket)
+                try:
+                    data = src.recv(1 << 16)
+                    if data:
+                        dst.sendall(data)
+                        continue
+                    dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    return
+                sel.unregister(src)
+                sending -= 1
+
+
+def relay(socket_path: str) -> int:
+    """A loopback port whose connections go on to `socket_path` (a Unix socket); its port."""
+    server = socket.create_server((RELAY_HOST, 0))
+
+    def serve() -> None:
+        while True:
+            conn, _ = server.accept()
+            up = socket.socket(socket.AF_UNIX)
+            try:
+                up.connect(socket_path)
+            except OSError:
+                conn.close()
+                up.close()
+                continue
+            threading.Thread(target=_carry, args=(conn, up), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return int(server.getsockname()[1])
+
+
+def sandboxed(spec: dict[str, Any]) -> int:
+    """One run in the tool sandbox: `spec` is `{"ref": MODULE:FUNCTION, "socket": PATH, "paths":
+    [PLUGIN_PATH, ...]}`, the run (`{"id", "sample", "api_key"}`) is stdin, and the answer (as
+    `serve`'s, or `{"crashed": why}` when the agent cannot be loaded) the last line on stdout."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    sys.path[1:1] = [str(p) for p in spec.get("paths", [])]
+    req = json.loads(sys.stdin.read())
+    try:
+        agent = resolve(str(spec["ref"]))
+    except BaseException as e:  # the user's module may raise anything on import
+        answer: dict[str, Any] = {
+            "id": req["id"],
+            "crashed": f"task.agent cannot be loaded: {type(e).__name__}: {e}",
+        }
+    else:
+        base_url = f"http://{RELAY_HOST}:{relay(str(spec['socket']))}/v1"
+        answer = asyncio.run(run_one(agent, {**req, "base_url": base_url}))
+    out.write(json.dumps(answer) + "\n")
+    out.flush()
+    return 0
 
 
 def main(argv: list[str]) -> int:

@@ -96,16 +96,7 @@ class AgentProcess:
         except (ConnectionError, BrokenPipeError) as e:
             self.runs.pop(trajectory_id, None)
             return PluginFailure("agent_crashed", f"the agent process died: {e}")
-        if "cancelled" in answer:
-            return PluginFailure("agent_cancelled", str(answer["cancelled"]))
-        if "crashed" in answer:
-            return PluginFailure("agent_crashed", str(answer["crashed"]))
-        if "error" in answer:
-            return PluginFailure("agent_error", str(answer["error"])[:500])
-        if "invalid" in answer:
-            return PluginFailure("agent_invalid", f"returned {str(answer['invalid'])[:500]}")
-        value = answer.get("ok")
-        return None if value is None else float(value)
+        return outcome_of(answer)
 
     def _send(self, obj: dict[str, Any]) -> None:
         assert self.proc is not None and self.proc.stdin is not None
@@ -137,6 +128,19 @@ async def check_agent(ref: str, plugin_paths: list[str]) -> None:
         await process.start()
     finally:
         await process.kill()
+
+
+def find_agent(ref: str, plugin_paths: list[str]) -> None:
+    """That a sandboxed agent's module is there, without running any of it outside the sandbox
+    (its top-level package is looked up, not imported); PluginLoadError if it is not."""
+    import importlib.machinery
+
+    top = ref.partition(":")[0].split(".")[0]
+    search = [os.path.abspath(p) for p in plugin_paths] + sys.path
+    if importlib.machinery.PathFinder.find_spec(top, search) is None:
+        raise PluginLoadError(
+            f"task.agent {ref!r}: no module {top!r} in task.plugin_paths {plugin_paths} or the installed packages"
+        )
 
 
 class AgentPool:
@@ -244,6 +248,22 @@ def _kill(proc: asyncio.subprocess.Process) -> None:
     """The command and whatever it started (its own session)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def outcome_of(answer: dict[str, Any]) -> AgentOutcome:
+    """A run's outcome from its agent process's answer (services/scheduler/agent_worker.py)."""
+    if "cancelled" in answer:
+        return PluginFailure("agent_cancelled", str(answer["cancelled"]))
+    if "crashed" in answer:
+        return PluginFailure("agent_crashed", str(answer["crashed"])[:500])
+    if "error" in answer:
+        return PluginFailure("agent_error", str(answer["error"])[:500])
+    if "invalid" in answer:
+        return PluginFailure("agent_invalid", f"returned {str(answer['invalid'])[:500]}")
+    score = to_score(answer.get("ok")) if answer.get("ok") is not None else None
+    if isinstance(score, str):  # an answer that is not the worker's own
+        return PluginFailure("agent_invalid", f"its answer {score}")
+    return score
 
 
 def reward_of(stdout: str) -> AgentOutcome:

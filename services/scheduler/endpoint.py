@@ -8,7 +8,6 @@ serves HTTPS with the scheduler's certificate, and will not start without one (`
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import secrets
 import shutil
@@ -25,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from services.common.logging import get_logger
-from services.common.tls import TlsFiles
+from services.common.tls import TlsFiles, is_loopback
 from services.scheduler.agents import AgentOutcome
 from services.scheduler.chat_api import (
     ApiError,
@@ -51,15 +50,6 @@ ENDED_KEYS_KEPT = 100_000
 
 class EndpointInsecure(ValueError):
     """The endpoint would carry trajectories' keys in the clear beyond this host."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True)

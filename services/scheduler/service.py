@@ -102,6 +102,7 @@ class SchedulerService:
             bus.spawn,
             (settings.agent_host, settings.agent_port),
             common.tls(),
+            bus,
         )
         self.completion = Completion(
             bus,

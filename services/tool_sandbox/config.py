@@ -21,6 +21,16 @@ def _default_python() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
 
+def _agent_python() -> str:
+    """An interpreter of this service's own Python version (so that its packages load) that the
+    sandbox uid can run: the system's, else the service's own."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for directory in ("/usr/bin", "/usr/local/bin"):
+        if os.path.exists(candidate := f"{directory}/{version}"):
+            return candidate
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
 class SandboxSettings(BaseSettings):
     """Every limit a sandboxed call runs under; see docs/sandbox.md for what enforces each one."""
 
@@ -105,13 +115,43 @@ class SandboxSettings(BaseSettings):
     )  # fmt: skip
     """Commands the shell tool may run (resolved to /usr/bin or /bin inside the sandbox)."""
 
+    agent_python: str = Field(default_factory=_agent_python)
+    """Interpreter of sandboxed agents (`task.agent_sandbox`), of this service's Python version;
+    the service's own packages and Libra's code are mounted read-only beside it."""
+
+    agent_memory_bytes: int = 4 << 30
+    """RLIMIT_AS of a sandboxed agent's processes (an agent framework's imports take more than a tool's)."""
+
+    agent_max_processes: int = 256
+    """RLIMIT_NPROC of a sandboxed agent: its processes plus threads (its client's pools, the relay's)."""
+
+    agent_max_open_files: int = 1024
+    """RLIMIT_NOFILE of a sandboxed agent's processes."""
+
+    agent_cpu_time_s: int = 3600
+    """RLIMIT_CPU of a sandboxed agent's processes (also capped at the run's timeout, rounded up)."""
+
+    max_agents: int = 64
+    """Sandboxed agent runs at once (each mostly waits on the model); further runs wait for one to end."""
+
     @model_validator(mode="after")
     def _check(self) -> SandboxSettings:
         if self.size_class_medium_bytes > self.size_class_large_bytes:
             raise ValueError("size_class_medium_bytes must not exceed size_class_large_bytes")
         if self.default_timeout_s > self.max_timeout_s:
             raise ValueError("default_timeout_s must not exceed max_timeout_s")
-        for name in ("cpu_time_s", "memory_bytes", "max_processes", "max_file_bytes", "max_open_files"):
+        for name in (
+            "cpu_time_s",
+            "memory_bytes",
+            "max_processes",
+            "max_file_bytes",
+            "max_open_files",
+            "agent_memory_bytes",
+            "agent_max_processes",
+            "agent_max_open_files",
+            "agent_cpu_time_s",
+            "max_agents",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_concurrency < 1 or self.pool_size < 0 or self.max_queue < 0:

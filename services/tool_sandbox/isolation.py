@@ -68,7 +68,8 @@ if _kind == "exec":
         os.unlink("{SCRATCH}/.stdin")
         os.dup2(_fd, 0)
         os.close(_fd)
-    _st = os.waitpid(os.posix_spawn(_req["argv"][0], _req["argv"], {{"PATH": os.environ["PATH"]}}), 0)[1]
+    _env = {{"PATH": os.environ["PATH"], **_req.get("env", {{}})}}
+    _st = os.waitpid(os.posix_spawn(_req["argv"][0], _req["argv"], _env), 0)[1]
     _code = os.waitstatus_to_exitcode(_st)
     sys.exit(128 - _code if _code < 0 else _code)
 sys.argv = ["-c"]
@@ -133,8 +134,9 @@ def _root_layout() -> list[str]:
     return args
 
 
-def bwrap_argv(settings: SandboxSettings, bwrap: str) -> list[str]:
-    """The full command line of one sandbox; every isolation property is visible here."""
+def bwrap_argv(settings: SandboxSettings, bwrap: str, binds: list[str] | None = None) -> list[str]:
+    """The full command line of one sandbox; every isolation property is visible here. `binds`:
+    more bubblewrap mounts (a sandboxed agent's code and packages, read-only, and its endpoint)."""
     python = os.path.realpath(settings.python_executable)
     argv = [
         bwrap,
@@ -155,6 +157,7 @@ def bwrap_argv(settings: SandboxSettings, bwrap: str) -> list[str]:
         prefix = str(Path(python).parent.parent)
         argv += ["--ro-bind", prefix, prefix]
     argv += [
+        *(binds or []),
         "--ro-bind-try",
         "/etc/ld.so.cache",
         "/etc/ld.so.cache",

@@ -13,11 +13,13 @@ from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.config import CommonSettings, load_settings
 from services.common.contracts import ev
+from services.common.errors import InvalidMessage
 from services.common.logging import get_logger
 from services.common.membership import Membership
 from services.common.metrics import sandbox_metrics
 from services.common.runconfig import RunConfig
 from services.common.tracing import tracer
+from services.tool_sandbox.agents import AgentJob, AgentSandboxes, EndpointBridge
 from services.tool_sandbox.config import SandboxSettings
 from services.tool_sandbox.executor import SandboxExecutor, ToolOutcome
 from services.tool_sandbox.outcome import Status
@@ -46,13 +48,18 @@ def to_proto(call: ev.ToolCall, out: ToolOutcome) -> ev.ToolReturn:
 
 
 class ToolSandboxService:
-    def __init__(self, bus: Bus, executor: SandboxExecutor):
+    def __init__(self, bus: Bus, executor: SandboxExecutor, agents: AgentSandboxes | None = None):
+        """`agents`: the job's sandboxed agent (`task.agent_sandbox`), run on request."""
         self.bus = bus
         self.executor = executor
+        self.agents = agents
         self.log = get_logger(component="tool_sandbox")
 
     async def start(self) -> None:
         await self.bus.subscribe(subjects.TOOL_CALL, ev.ToolCall, self._on_call, queue=QUEUE_GROUP)
+        if self.agents is not None:
+            await self.bus.subscribe(subjects.AGENT_RUN, ev.AgentRun, self._on_agent_run, queue=QUEUE_GROUP)
+            await self.bus.subscribe(subjects.AGENT_CANCEL, ev.AgentCancel, self._on_agent_cancel)
         m = sandbox_metrics()
         for tool in sorted(self.executor.tool_names):  # every series exists from the start, at 0
             m.seconds.labels(tool)
@@ -93,6 +100,44 @@ class ToolSandboxService:
             await self.bus.publish(
                 subjects.TOOL_RETURN, to_proto(call, out), ctx=trace.set_span_in_context(span)
             )
+
+    async def _on_agent_run(self, run: ev.AgentRun, env: Envelope) -> None:
+        """Takes the run and says so, or says why not (nothing started); its end goes out on
+        `agent.return`. Asked again for a run it already has, it says again that it has it."""
+        assert self.agents is not None
+        ack = ev.AgentRunAccepted(trajectory_id=run.trajectory_id, worker_id=self.bus.worker_id)
+        if not self.agents.holds(run.trajectory_id):
+            try:
+                bridge = self.agents.accept(run)
+            except InvalidMessage as e:
+                ack.refused = f"{e.code}: {e}"
+                await self.bus.report_error(env.subject, e.code, str(e))
+            else:
+                self.bus.spawn(self._run_agent(run, bridge, env))
+        await self.bus.publish(subjects.AGENT_ACCEPTED, ack)
+
+    async def _run_agent(self, run: ev.AgentRun, bridge: EndpointBridge, env: Envelope) -> None:
+        assert self.agents is not None
+        with tracer().start_as_current_span(
+            "agent.sandboxed", context=env.context, attributes={"libra.trajectory_id": run.trajectory_id}
+        ) as span:
+            ret = await self.agents.run(run, bridge)
+            ret.worker_id = self.bus.worker_id
+            span.set_attribute("libra.agent_failure", ret.failure)
+            self.log.info(
+                "agent_returned",
+                trajectory_id=run.trajectory_id,
+                failure=ret.failure or None,
+                wall_s=round(ret.wall_s, 3),
+                cpu_s=round(ret.cpu_s, 3),
+                message=ret.message[:200] or None,
+            )
+            await self.bus.publish(subjects.AGENT_RETURN, ret, ctx=trace.set_span_in_context(span))
+
+    async def _on_agent_cancel(self, cancel: ev.AgentCancel, env: Envelope) -> None:
+        assert self.agents is not None
+        if cancel.sandbox_id in ("", self.bus.worker_id):
+            self.agents.cancel(cancel.trajectory_id)
 
     async def _report_metrics(self) -> None:
         while True:
@@ -138,6 +183,12 @@ async def serve(
     store = common.ownership_store()
     stack.push_async_callback(store.close)
     await Membership(bus, store, ev.WorkerHello(worker_id=common.worker_id, kind="tool-sandbox")).start()
-    await ToolSandboxService(bus, executor).start()
+    agents = None
+    if run.task.agent_sandbox and run.task.agent:
+        ca_file = tls.ca_file if (tls := common.tls()) is not None else None
+        agents = AgentSandboxes(settings, AgentJob(run.task.agent, run.task.plugin_paths), ca_file)
+        await agents.start()
+        stack.push_async_callback(agents.close)
+    await ToolSandboxService(bus, executor, agents).start()
     get_logger().info("tool_sandbox_ready", tools=sorted(executor.tool_schemas()))
     await stop.wait()

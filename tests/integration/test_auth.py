@@ -181,6 +181,11 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("scheduler", subjects.TURN_PROGRESS, ev.TurnProgress(request_id="r", token_ids=[1])),
         ("tool-sandbox", subjects.TURN_PROGRESS, ev.TurnProgress(request_id="r", token_ids=[1])),
         ("planner", subjects.TURN_PROGRESS, ev.TurnProgress(request_id="r", token_ids=[1])),
+        # only the scheduler asks for sandboxed agent runs, and only a sandbox says how they went
+        ("rollout-engine", subjects.AGENT_RUN, ev.AgentRun(trajectory_id="forged")),
+        ("trainer", subjects.AGENT_CANCEL, ev.AgentCancel(trajectory_id="forged")),
+        ("scheduler", subjects.AGENT_RETURN, ev.AgentReturn(trajectory_id="forged", answer_json='{"ok": 1}')),
+        ("rollout-engine", subjects.AGENT_ACCEPTED, ev.AgentRunAccepted(trajectory_id="forged")),
     ]
     for identity, suffix, msg in forgeries:
         await buses[identity].publish(suffix, msg)
@@ -200,6 +205,8 @@ async def test_each_identity_publishes_only_what_it_owns(
         ("trainer", subjects.LEND_REQUEST, ev.LendRequest(want="lend")),
         ("scheduler", subjects.TRAJ_SAMPLE, ev.TrajectorySample(trajectory_id="real")),
         ("planner", f"{subjects.ALIVE}.scheduler.s", ev.StatsRequest()),
+        ("scheduler", subjects.AGENT_RUN, ev.AgentRun(trajectory_id="real")),
+        ("tool-sandbox", subjects.AGENT_RETURN, ev.AgentReturn(trajectory_id="real")),
     ]
     for identity, suffix, msg in owned:
         await buses[identity].publish(suffix, msg)

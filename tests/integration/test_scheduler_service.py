@@ -630,6 +630,65 @@ async def test_an_agent_that_asks_n_choices_trains_the_one_it_went_on_from(sched
     assert proc.poll() is None
 
 
+SANDBOXED_AGENT = """
+import socket
+import openai
+
+async def agent(sample, base_url, api_key):
+    assert socket.gethostname() == "sandbox", socket.gethostname()  # in the tool sandbox
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": sample["prompt"]}]
+    first = await client.chat.completions.create(model="tiny", messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+    messages += [{"role": "user", "content": "Result: 5"}]
+    second = await client.chat.completions.create(model="tiny", messages=messages)
+    return 1.0 if "<answer>5</answer>" in second.choices[0].message.content else 0.0
+"""
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        {
+            "files": {"sandboxed_agent.py": SANDBOXED_AGENT},
+            "task": {"agent": "sandboxed_agent:agent", "plugin_paths": ["."], "agent_sandbox": True},
+        }
+    ],
+    indirect=True,
+)
+async def test_a_sandboxed_agent_drives_its_trajectories_from_the_tool_sandbox(
+    scheduler: Any, nats_server: Server, run_id: str, tmp_path: Path
+) -> None:
+    """`task.agent_sandbox`: the scheduler asks the tool sandbox (a real one, started after the
+    scheduler: the runs wait for it) to run each trajectory's agent; the agent, in bubblewrap,
+    calls the scheduler's endpoint through the sandbox's bridge, and its turns train as sampled."""
+    from services.tool_sandbox.agents import AgentJob, AgentSandboxes
+    from services.tool_sandbox.config import SandboxSettings
+    from services.tool_sandbox.executor import SandboxExecutor
+    from services.tool_sandbox.service import ToolSandboxService
+
+    proc, h, bus = scheduler
+    await asyncio.sleep(1.0)  # the scheduler asks before any sandbox is there
+    sandbox_bus = await Bus.connect(nats_server.url, run_id, "tool-sandbox", "tool-sandbox-0")
+    executor = SandboxExecutor(SandboxSettings())
+    agents = AgentSandboxes(SandboxSettings(), AgentJob("sandboxed_agent:agent", [str(tmp_path)]), None)
+    try:
+        await executor.start()
+        await agents.start()
+        await ToolSandboxService(sandbox_bus, executor, agents).start()
+        done = await h.completed(bus, 4, timeout=120)
+        for t in done:
+            assert not t.HasField("failure") and t.reward == pytest.approx(1.0 + t.overlong_penalty), t
+            turns = [s for s in t.segments if s.generated]
+            assert [list(s.token_ids) for s in turns] == [[200, 201, 202, 203]] * 2
+        assert {r.trajectory_id for r in h.requests} == {t.trajectory_id for t in done}
+        assert proc.poll() is None
+    finally:
+        await agents.close()
+        await sandbox_bus.close()
+        await executor.close()
+
+
 async def test_turns_of_an_engine_moved_out_of_rollout_wait_for_it_to_hand_them_back(
     scheduler: Any, run_id: str
 ) -> None:

@@ -166,6 +166,58 @@ class ToolReturn(_message.Message):
     error: str
     def __init__(self, call_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ..., tool: _Optional[str] = ..., status: _Optional[str] = ..., payload: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., size_class: _Optional[str] = ..., wall_s: _Optional[float] = ..., cpu_s: _Optional[float] = ..., peak_rss_bytes: _Optional[int] = ..., truncated: bool = ..., exit_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
+class AgentRun(_message.Message):
+    __slots__ = ("trajectory_id", "sample_json", "api_key", "base_url", "timeout_s")
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_JSON_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    trajectory_id: str
+    sample_json: str
+    api_key: str
+    base_url: str
+    timeout_s: float
+    def __init__(self, trajectory_id: _Optional[str] = ..., sample_json: _Optional[str] = ..., api_key: _Optional[str] = ..., base_url: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class AgentRunAccepted(_message.Message):
+    __slots__ = ("trajectory_id", "worker_id", "refused")
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    trajectory_id: str
+    worker_id: str
+    refused: str
+    def __init__(self, trajectory_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class AgentCancel(_message.Message):
+    __slots__ = ("trajectory_id", "sandbox_id")
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    trajectory_id: str
+    sandbox_id: str
+    def __init__(self, trajectory_id: _Optional[str] = ..., sandbox_id: _Optional[str] = ...) -> None: ...
+
+class AgentReturn(_message.Message):
+    __slots__ = ("trajectory_id", "answer_json", "failure", "message", "wall_s", "cpu_s", "peak_rss_bytes", "worker_id")
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_JSON_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    CPU_S_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    trajectory_id: str
+    answer_json: str
+    failure: str
+    message: str
+    wall_s: float
+    cpu_s: float
+    peak_rss_bytes: int
+    worker_id: str
+    def __init__(self, trajectory_id: _Optional[str] = ..., answer_json: _Optional[str] = ..., failure: _Optional[str] = ..., message: _Optional[str] = ..., wall_s: _Optional[float] = ..., cpu_s: _Optional[float] = ..., peak_rss_bytes: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
 class Segment(_message.Message):
     __slots__ = ("token_ids", "logprobs", "generated", "policy_version", "temperature", "starts_sequence")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
