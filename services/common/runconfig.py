@@ -252,7 +252,7 @@ class TaskConfig(_Strict):
     agent_timeout_s: float = Field(600.0, gt=0.0, le=86400.0)
     """An agent run that has not returned by then fails its trajectory (`agent_timeout`)."""
     agent_sandbox: bool = False
-    """Run `task.agent` in the tool sandbox's isolation instead of beside the scheduler: one
+    """Run `task.agent` (or `agent_command`) in the tool sandbox's isolation instead of beside the scheduler: one
     bubblewrap sandbox per trajectory, no network but its own endpoint (reached through the
     sandbox service), the code read-only, its own limits (`LIBRA_TOOL_SANDBOX_AGENT_*`). For
     agents whose code you do not trust (docs/tasks.md)."""
@@ -320,10 +320,9 @@ class TaskConfig(_Strict):
 
     @model_validator(mode="after")
     def _sandbox_runs_an_agent(self) -> TaskConfig:
-        if self.agent_sandbox and not self.agent:
+        if self.agent_sandbox and not self.runs_agent:
             raise ValueError(
-                "task.agent_sandbox runs task.agent (a module:function) in the tool sandbox"
-                + (": task.agent_command does not run there yet" if self.agent_command else "")
+                "task.agent_sandbox runs task.agent or task.agent_command in the tool sandbox: set one"
             )
         return self
 

@@ -127,27 +127,71 @@ def relay(socket_path: str) -> int:
 
 
 def sandboxed(spec: dict[str, Any]) -> int:
-    """One run in the tool sandbox: `spec` is `{"ref": MODULE:FUNCTION, "socket": PATH, "paths":
-    [PLUGIN_PATH, ...]}`, the run (`{"id", "sample", "api_key"}`) is stdin, and the answer (as
-    `serve`'s, or `{"crashed": why}` when the agent cannot be loaded) the last line on stdout."""
+    """One run in the tool sandbox: `spec` is `{"ref": MODULE:FUNCTION}` or `{"command": [...]}`,
+    with `"socket": PATH, "paths": [PLUGIN_PATH, ...], "sites": [...]`; the run (`{"id", "sample",
+    "api_key"}`) is stdin, and the answer the last line on stdout: `serve`'s for a function (or
+    `{"crashed": why}` when it cannot be loaded), `{"command": {"code", "stdout", "stderr"}}` for a
+    command (services/scheduler/agents.py: command_outcome reads it)."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    sys.path[1:1] = [str(p) for p in spec.get("paths", [])]
+    paths = [str(p) for p in spec.get("paths", [])]
+    sys.path[1:1] = paths
     req = json.loads(sys.stdin.read())
-    try:
-        agent = resolve(str(spec["ref"]))
-    except BaseException as e:  # the user's module may raise anything on import
-        answer: dict[str, Any] = {
-            "id": req["id"],
-            "crashed": f"task.agent cannot be loaded: {type(e).__name__}: {e}",
-        }
+    base_url = f"http://{RELAY_HOST}:{relay(str(spec['socket']))}/v1"
+    answer: dict[str, Any]
+    if spec.get("command"):
+        answer = {"id": req["id"], **_command(spec["command"], req, base_url, paths, spec.get("sites", []))}
     else:
-        base_url = f"http://{RELAY_HOST}:{relay(str(spec['socket']))}/v1"
-        answer = asyncio.run(run_one(agent, {**req, "base_url": base_url}))
+        try:
+            agent = resolve(str(spec["ref"]))
+        except BaseException as e:  # the user's module may raise anything on import
+            answer = {"id": req["id"], "crashed": f"task.agent cannot be loaded: {type(e).__name__}: {e}"}
+        else:
+            answer = asyncio.run(run_one(agent, {**req, "base_url": base_url}))
     out.write(json.dumps(answer) + "\n")
     out.flush()
     return 0
+
+
+COMMAND_STDOUT_KEPT = 64 * 1024
+"""The end of a sandboxed command's output that goes back (its reward is its last line)."""
+
+
+def _command(
+    command: list[str], req: dict[str, Any], base_url: str, paths: list[str], sites: list[str]
+) -> dict[str, Any]:
+    """Runs a `task.agent_command` as CommandAgents does beside the scheduler (its environment
+    names the endpoint, the key and the row; the row is on stdin too; it runs in the first plugin
+    path), with the sandbox's packages on PYTHONPATH for a Python program."""
+    import subprocess
+
+    row = json.dumps(req.get("sample", {}))
+    env = {k: os.environ[k] for k in ("PATH", "HOME", "TMPDIR", "LANG") if k in os.environ}
+    env |= {
+        "OPENAI_BASE_URL": base_url,
+        "OPENAI_API_KEY": str(req["api_key"]),
+        "LIBRA_TRAJECTORY_ID": str(req["id"]),
+        "LIBRA_SAMPLE": row,
+        "PYTHONPATH": os.pathsep.join([*paths, *sites]),
+    }
+    cwd = paths[0] if paths else None
+    program = command[0]
+    if cwd and not os.path.isabs(program) and os.path.exists(os.path.join(cwd, program)):
+        program = os.path.join(cwd, program)  # a program of the job's own, as found beside the scheduler
+    try:
+        done = subprocess.run(
+            [program, *command[1:]], input=row.encode() + b"\n", capture_output=True, cwd=cwd, env=env
+        )
+    except OSError as e:
+        return {"crashed": f"the agent command could not start: {e}"}
+    return {
+        "command": {
+            "code": done.returncode,
+            "stdout": done.stdout[-COMMAND_STDOUT_KEPT:].decode(errors="replace"),
+            "stderr": done.stderr[-4096:].decode(errors="replace"),
+        }
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -227,12 +227,9 @@ class CommandAgents:
             )
         finally:
             self.procs.pop(trajectory_id, None)
-        code = proc.returncode or 0
-        if code != 0:
-            tail = err.decode(errors="replace").strip()[-400:]
-            why = f"killed by signal {-code}" if code < 0 else f"exited {code}"
-            return PluginFailure("agent_error", f"the agent command {why}: {tail}")
-        return reward_of(out.decode(errors="replace"))
+        return command_outcome(
+            proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
+        )
 
     def cancel(self, trajectory_id: str) -> None:
         proc = self.procs.pop(trajectory_id, None)
@@ -260,10 +257,23 @@ def outcome_of(answer: dict[str, Any]) -> AgentOutcome:
         return PluginFailure("agent_error", str(answer["error"])[:500])
     if "invalid" in answer:
         return PluginFailure("agent_invalid", f"returned {str(answer['invalid'])[:500]}")
+    if isinstance(command := answer.get("command"), dict):  # a command run in the tool sandbox
+        code = command.get("code")
+        if not isinstance(code, int):
+            return PluginFailure("agent_crashed", "the sandboxed command's answer has no exit code")
+        return command_outcome(code, str(command.get("stdout", "")), str(command.get("stderr", "")))
     score = to_score(answer.get("ok")) if answer.get("ok") is not None else None
     if isinstance(score, str):  # an answer that is not the worker's own
         return PluginFailure("agent_invalid", f"its answer {score}")
     return score
+
+
+def command_outcome(code: int, stdout: str, stderr: str) -> AgentOutcome:
+    """A command agent's outcome from how it exited and what it printed."""
+    if code != 0:
+        why = f"killed by signal {-code}" if code < 0 else f"exited {code}"
+        return PluginFailure("agent_error", f"the agent command {why}: {stderr.strip()[-400:]}")
+    return reward_of(stdout)
 
 
 def reward_of(stdout: str) -> AgentOutcome:

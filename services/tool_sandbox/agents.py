@@ -88,8 +88,11 @@ def site_dirs() -> list[str]:
 class AgentJob:
     """The job's agent, from its config: the sandbox runs this and nothing a request names."""
 
-    ref: str
+    ref: str | None
+    """`task.agent` (module:function), or None for a command."""
     plugin_paths: list[str] = field(default_factory=list)
+    command: list[str] | None = None
+    """`task.agent_command`."""
 
     @property
     def paths(self) -> list[str]:
@@ -110,7 +113,8 @@ class AgentJob:
 
     def argv(self, python: str) -> list[str]:
         inside = list(self.mounts())
-        spec: dict[str, Any] = {"ref": self.ref, "socket": f"{ENDPOINT_DIR}/{SOCKET}", "code": CODE_DIR}
+        spec: dict[str, Any] = {"ref": self.ref, "command": self.command, "code": CODE_DIR}
+        spec["socket"] = f"{ENDPOINT_DIR}/{SOCKET}"
         spec |= {
             "sites": [p for p in inside if p.startswith(f"{CODE_DIR}/site/")],
             "paths": [p for p in inside if p.startswith(f"{CODE_DIR}/task/")],
@@ -233,7 +237,7 @@ class AgentSandboxes:
         if self.credentials:  # the sandbox runs as another uid: it reads a copy of the job's code
             self.snapshot = Path(tempfile.mkdtemp(prefix="libra-agent-task-"))
             paths = await asyncio.to_thread(readable_copies, self.job.paths, self.snapshot)
-            self.job = AgentJob(self.job.ref, paths)
+            self.job = AgentJob(self.job.ref, paths, self.job.command)
 
     def holds(self, trajectory_id: str) -> bool:
         """Whether the trajectory's run is here (taken, not yet ended)."""

@@ -184,9 +184,10 @@ async def serve(
     stack.push_async_callback(store.close)
     await Membership(bus, store, ev.WorkerHello(worker_id=common.worker_id, kind="tool-sandbox")).start()
     agents = None
-    if run.task.agent_sandbox and run.task.agent:
+    if run.task.agent_sandbox:
         ca_file = tls.ca_file if (tls := common.tls()) is not None else None
-        agents = AgentSandboxes(settings, AgentJob(run.task.agent, run.task.plugin_paths), ca_file)
+        job = AgentJob(run.task.agent, run.task.plugin_paths, run.task.agent_command)
+        agents = AgentSandboxes(settings, job, ca_file)
         await agents.start()
         stack.push_async_callback(agents.close)
     await ToolSandboxService(bus, executor, agents).start()

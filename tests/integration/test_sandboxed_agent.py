@@ -64,6 +64,18 @@ def broken(sample, base_url, api_key):
     return "five"
 """
 
+COMMAND = """
+import json, os, sys
+from openai import OpenAI
+
+row = json.loads(sys.stdin.read())
+assert row == json.loads(os.environ["LIBRA_SAMPLE"])
+client = OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY, as any OpenAI program reads them
+client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["q"] + " " + os.getcwd()}])
+print("thinking")
+print(0.25)
+"""
+
 
 @dataclass
 class Endpoint:
@@ -124,6 +136,7 @@ async def rig(
     task = tmp_path / "task"
     task.mkdir()
     (task / "agent.py").write_text(AGENT.format(port=listener.getsockname()[1], secret=str(secret)))
+    (task / "command_agent.py").write_text(COMMAND)
     endpoint = Endpoint()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", endpoint.chat)
@@ -140,7 +153,9 @@ async def rig(
     )
     executor = SandboxExecutor(SandboxSettings())
     await executor.start()
-    sandboxes = AgentSandboxes(SandboxSettings(), AgentJob(f"agent:{request.param}", [str(task)]), None)
+    command = request.param.get("command") if isinstance(request.param, dict) else None
+    job = AgentJob(None if command else f"agent:{request.param}", [str(task)], command)
+    sandboxes = AgentSandboxes(SandboxSettings(), job, None)
     await sandboxes.start()
     await ToolSandboxService(sandbox_bus, executor, sandboxes).start()
     agents = SandboxedAgents(scheduler_bus, timeout_s=60)
@@ -219,6 +234,32 @@ async def test_bad_runs_are_typed_failures_and_the_sandbox_keeps_serving(rig: Ri
     assert isinstance(missing, PluginFailure) and missing.code == "agent_crashed"
     assert "cannot be loaded" in missing.message and "no_such_module" in missing.message
     assert not rig.endpoint.calls
+
+
+PYTHON = Path(SandboxSettings().agent_python)
+
+
+@pytest.mark.skipif(not str(PYTHON).startswith("/usr/"), reason="no interpreter of this version under /usr")
+@pytest.mark.parametrize("rig", [{"command": [PYTHON.name, "command_agent.py"]}], indirect=True)
+async def test_an_agent_command_runs_in_the_sandbox_as_it_would_beside_the_scheduler(rig: Rig) -> None:
+    """`task.agent_command` in the sandbox: the program reads the endpoint and key from the
+    environment, the row from stdin, runs in the (read-only) plugin path, and its last line is
+    the reward; a command that fails is `agent_error` with its exit code."""
+    assert await rig.agents.run("t", {"q": "hello"}, rig.endpoint.base_url, "key-c") == 0.25
+    ((key, body),) = rig.endpoint.calls
+    assert key == "key-c" and body["messages"][0]["content"] == "hello /opt/libra/task/0"
+    rig.sandboxes.job = AgentJob(
+        None, rig.sandboxes.job.plugin_paths, [PYTHON.name, "-c", "raise SystemExit(3)"]
+    )
+    failed = await rig.agents.run("t2", {}, rig.endpoint.base_url, "k")
+    assert isinstance(failed, PluginFailure) and failed.code == "agent_error" and "exited 3" in failed.message
+    rig.sandboxes.job = AgentJob(None, [], ["no-such-program"])
+    missing = await rig.agents.run("t3", {}, rig.endpoint.base_url, "k")
+    assert (
+        isinstance(missing, PluginFailure)
+        and missing.code == "agent_crashed"
+        and "could not start" in missing.message
+    )
 
 
 async def test_with_no_sandbox_a_run_fails_once_its_patience_is_out(

@@ -51,6 +51,15 @@ def test_the_scheduler_believes_a_return_only_as_far_as_it_is_well_formed() -> N
     ]:
         out = returned(ev.AgentReturn(answer_json=answer))
         assert isinstance(out, PluginFailure) and out.code == code, (answer, out)
+    command = '{{"command": {{"code": {}, "stdout": "thinking\\n{}\\n", "stderr": "oops"}}}}'
+    assert returned(ev.AgentReturn(answer_json=command.format(0, 0.75))) == 0.75  # its last line
+    assert returned(ev.AgentReturn(answer_json=command.format(0, "null"))) is None
+    failed = returned(ev.AgentReturn(answer_json=command.format(3, 1)))
+    assert (
+        isinstance(failed, PluginFailure)
+        and failed.code == "agent_error"
+        and "exited 3: oops" in failed.message
+    )
     odd = returned(ev.AgentReturn(failure="rm -rf", message="x"))
     assert isinstance(odd, PluginFailure) and odd.code == "agent_crashed"  # no kinds of its own
 
@@ -77,8 +86,7 @@ def test_the_bridge_takes_loopback_and_https_endpoints() -> None:
 
 
 def test_agent_sandbox_needs_an_agent_function() -> None:
-    with pytest.raises(ValueError, match="agent_sandbox runs task.agent"):
+    with pytest.raises(ValueError, match="agent_sandbox runs task.agent or task.agent_command"):
         RunConfig.model_validate({"task": {"agent_sandbox": True}})
-    with pytest.raises(ValueError, match="agent_command does not run there yet"):
-        RunConfig.model_validate({"task": {"agent_command": ["./agent"], "agent_sandbox": True}})
-    assert RunConfig.model_validate({"task": {"agent": "my:agent", "agent_sandbox": True}}).task.agent_sandbox
+    for agent in ({"agent": "my:agent"}, {"agent_command": ["./agent"]}):
+        assert RunConfig.model_validate({"task": {**agent, "agent_sandbox": True}}).task.agent_sandbox
