@@ -28,16 +28,29 @@ def kv_fits(free_kv_tokens: int, need_tokens: int) -> bool:
     return free_kv_tokens < 0 or need_tokens <= free_kv_tokens
 
 
-def kv_view(engine_id: str, running: int, capacity: int, free_kv_tokens: int, need_tokens: int) -> EngineView:
-    """The engine as the router sees it for this turn: full when the turn's KV does not fit, so
-    the router picks another engine or queues the turn."""
-    return EngineView(engine_id, running if kv_fits(free_kv_tokens, need_tokens) else capacity, capacity)
+def seqs_fit(running: int, capacity: int, seqs: int) -> bool:
+    """Whether a turn of `seqs` sequences (itself and an agent call's `n - 1` alternatives) has
+    that many of an engine's slots free, or the engine runs nothing (the one way a call with `n`
+    above an engine's batch ever runs)."""
+    return seqs <= 1 or running == 0 or capacity - running >= seqs
 
 
-def takes_waiting(free_kv_tokens: int, need_tokens: int, running: int) -> bool:
-    """Whether an engine with a free slot takes a waiting turn: if its KV fits, or if the engine
-    runs nothing (the one way a turn larger than any free cache ever runs)."""
-    return running == 0 or kv_fits(free_kv_tokens, need_tokens)
+def kv_view(
+    engine_id: str, running: int, capacity: int, free_kv_tokens: int, need_tokens: int, seqs: int = 1
+) -> EngineView:
+    """The engine as the router sees it for this turn: full when the turn's KV, or its sequences,
+    do not fit, so the router picks another engine or queues the turn."""
+    fits = kv_fits(free_kv_tokens, need_tokens) and seqs_fit(running, capacity, seqs)
+    return EngineView(engine_id, running if fits else capacity, capacity)
+
+
+def takes_waiting(
+    free_kv_tokens: int, need_tokens: int, running: int, seqs: int = 1, capacity: int = 0
+) -> bool:
+    """Whether an engine with a free slot takes a waiting turn: if its KV and its sequences (of the
+    engine's `capacity`) fit, or if the engine runs nothing (the one way a turn larger than any
+    free cache ever runs)."""
+    return running == 0 or (kv_fits(free_kv_tokens, need_tokens) and seqs_fit(running, capacity, seqs))
 
 
 @dataclass
@@ -52,8 +65,8 @@ class EngineSlot:
     free_kv: int = -1
     """KV-cache tokens free: the engine's last report, less what was sent it since (-1: unknown)."""
 
-    def take(self, need_tokens: int) -> None:
-        self.in_flight += 1
+    def take(self, need_tokens: int, seqs: int = 1) -> None:
+        self.in_flight += seqs
         if self.free_kv >= 0:
             self.free_kv = max(0, self.free_kv - need_tokens)
 
@@ -84,6 +97,9 @@ class Dispatcher:
         has one owner, the router (`bucket_of`)."""
         self.need: dict[str, int] = {}
         """Queued trajectory -> the KV tokens its next turn needs."""
+        self.seqs: dict[str, int] = {}
+        """Queued trajectory -> the engine slots its next turn takes, where more than one (an
+        agent's call with `n` > 1 runs `n` sequences)."""
         self.avoiding: dict[str, str] = {}
         """Queued trajectory -> the engine whose answer to its turn was refused (`place`'s
         `avoid`): that engine's free slots pass it over while another engine of its bucket serves."""
@@ -140,15 +156,16 @@ class Dispatcher:
             self._indexed(slot)
         slot.free_kv = free_kv_tokens
 
-    def release(self, engine_id: str) -> None:
-        """A turn on the engine ended (answered, failed, lost or timed out)."""
+    def release(self, engine_id: str, seqs: int = 1) -> None:
+        """A turn on the engine ended (answered, failed, lost or timed out): the `seqs` slots it
+        took free."""
         slot = self.engines.get(engine_id)
         if slot is not None and slot.in_flight > 0:
-            slot.in_flight -= 1
+            slot.in_flight = max(0, slot.in_flight - seqs)
             self._indexed(slot)
 
-    def _take(self, slot: EngineSlot, need_tokens: int) -> None:
-        slot.take(need_tokens)
+    def _take(self, slot: EngineSlot, need_tokens: int, seqs: int = 1) -> None:
+        slot.take(need_tokens, seqs)
         self._indexed(slot)
 
     # trajectories --------------------------------------------------------------------------------
@@ -163,27 +180,32 @@ class Dispatcher:
         except KeyError:
             return None
 
-    def place(self, traj_id: str, now: float, avoid: str | None = None, need_tokens: int = 0) -> str | None:
-        """An engine for the trajectory's next turn (its slot taken), or None: the turn waits in
-        its bucket's queue until `next_for` hands it a slot. `avoid` (an engine whose answer to
-        this turn was refused) is left out while any other engine could take it; an engine whose
-        free KV does not hold `need_tokens` counts as full."""
+    def place(
+        self, traj_id: str, now: float, avoid: str | None = None, need_tokens: int = 0, seqs: int = 1
+    ) -> str | None:
+        """An engine for the trajectory's next turn (its `seqs` slots taken), or None: the turn
+        waits in its bucket's queue until `next_for` hands it a slot. `avoid` (an engine whose
+        answer to this turn was refused) is left out while any other engine could take it; an
+        engine whose free KV does not hold `need_tokens`, or that has fewer than `seqs` slots free
+        while it runs anything, counts as full."""
         if traj_id in self.queued:
             return None
         self.decisions += 1
         bucket = self.router.bucket_of(traj_id)
-        engine_id = self._pick(traj_id, bucket, avoid, need_tokens)
+        engine_id = self._pick(traj_id, bucket, avoid, need_tokens, seqs)
         if engine_id is None:
             self.router.enqueue(traj_id, now)
             self.queued[traj_id] = bucket
             self.need[traj_id] = need_tokens
+            if seqs > 1:
+                self.seqs[traj_id] = seqs
             if avoid is not None:
                 self.avoiding[traj_id] = avoid
             return None
-        self._take(self.engines[engine_id], need_tokens)
+        self._take(self.engines[engine_id], need_tokens, seqs)
         return engine_id
 
-    def _pick(self, traj_id: str, bucket: str, avoid: str | None, need_tokens: int) -> str | None:
+    def _pick(self, traj_id: str, bucket: str, avoid: str | None, need_tokens: int, seqs: int) -> str | None:
         """The policy's engine among the bucket's (all engines where it has none), leaving out
         `avoid` while any other engine could serve (the bucket's, else any). A policy that places
         by load is shown two engines found through the indexes (`services.policy.placement`),
@@ -196,7 +218,7 @@ class Dispatcher:
 
         def view(wid: str) -> EngineView:
             e = self.engines[wid]
-            return kv_view(wid, e.in_flight, e.capacity, e.free_kv, need_tokens)
+            return kv_view(wid, e.in_flight, e.capacity, e.free_kv, need_tokens, seqs)
 
         if not self.router.least_loaded:
             views = [
@@ -207,7 +229,11 @@ class Dispatcher:
             return self.router.pick_engine(bucket, views, traj_id) if views else None
         picks = pick(
             members,
-            lambda wid: wid != skip and kv_fits(self.engines[wid].free_kv, need_tokens),
+            lambda wid: (
+                wid != skip
+                and kv_fits(self.engines[wid].free_kv, need_tokens)
+                and seqs_fit(self.engines[wid].in_flight, self.engines[wid].capacity, seqs)
+            ),
             self.router.holder(traj_id),
             lambda wid: (
                 wid != skip and wid in self.engines and (not own or self.engines[wid].bucket == bucket)
@@ -247,14 +273,15 @@ class Dispatcher:
                 self.router.enqueue(waiting, now)
         self.avoiding.pop(traj_id, None)
         self.decisions += 1
-        need = self.need.get(traj_id, 0)
-        if not takes_waiting(slot.free_kv, need, slot.in_flight):
-            self.router.enqueue(traj_id, now)  # back in its queue: this engine's KV is full
+        need, seqs = self.need.get(traj_id, 0), self.seqs.get(traj_id, 1)
+        if not takes_waiting(slot.free_kv, need, slot.in_flight, seqs, slot.capacity):
+            self.router.enqueue(traj_id, now)  # back in its queue: this engine's KV or slots are full
             return None
         if self.queued.pop(traj_id) != slot.bucket:  # stolen by an idle bucket (the router moved it)
             self.migrations += 1
         self.need.pop(traj_id, None)
-        self._take(slot, need)
+        self.seqs.pop(traj_id, None)
+        self._take(slot, need, seqs)
         return traj_id
 
     def tool_return(
@@ -272,6 +299,7 @@ class Dispatcher:
         """Forgets the trajectory; a completed one teaches the policy its history."""
         self.queued.pop(traj_id, None)
         self.need.pop(traj_id, None)
+        self.seqs.pop(traj_id, None)
         self.avoiding.pop(traj_id, None)
         if failed:
             self.router.drop(traj_id)

@@ -55,6 +55,8 @@ class Live:
     """What its turn in flight has reported of its tokens so far (TurnProgress), on this engine."""
     alternatives: int = 0
     """Further samples its turn asks for beside it (a `task.agent` call with `n` > 1)."""
+    slots: int = 1
+    """The engine slots its turn in flight took (itself and its alternatives)."""
     step_span: trace.Span | None = None
     request_id: str = ""
     call_id: str = ""
@@ -304,9 +306,12 @@ class InFlight:
             live.deadline = time.monotonic() + 1.0
             return
         # its KV, were it and its alternatives (an agent's n > 1) to use their whole budgets
-        need = (len(action.context) + action.max_new_tokens) * (1 + live.alternatives)
+        live.slots = 1 + live.alternatives  # it runs that many sequences on its engine
+        need = (len(action.context) + action.max_new_tokens) * live.slots
         began = time.perf_counter()
-        engine_id = self.times.decide(self.dispatch.place, live.trajectory_id, time.monotonic(), avoid, need)
+        engine_id = self.times.decide(
+            self.dispatch.place, live.trajectory_id, time.monotonic(), avoid, need, live.slots
+        )
         if engine_id is None:
             live.deadline = math.inf  # queued: waits for a slot, however long the tail ahead of it
             if live.queued_at is None:
@@ -328,7 +333,7 @@ class InFlight:
                 return
             live = self._live.get(traj_id)
             if live is None or live.pending_action is None:
-                self.dispatch.release(engine_id)
+                self.dispatch.release(engine_id, live.slots if live is not None else 1)
                 continue
             await self._dispatch(live, engine_id, began)
 
@@ -385,7 +390,7 @@ class InFlight:
     def forget_turn(self, live: Live) -> None:
         """The turn in flight is over (answered, lost or timed out): its engine slot frees."""
         if self.requests.pop(live.request_id, None) is not None:
-            self.dispatch.release(live.engine_id)
+            self.dispatch.release(live.engine_id, live.slots)
 
     async def _dispatch(self, live: Live, engine_id: str, began: float) -> None:
         """Sends the turn to `engine_id`, placed by a decision that began at `began`

@@ -35,6 +35,28 @@ def test_turns_beyond_an_engines_capacity_wait_and_take_the_slot_that_frees() ->
     assert d.engines["e-short"].in_flight == 1 and d.migrations == 0
 
 
+@pytest.mark.parametrize("policy", ["cmlfq", "least_loaded"])
+def test_a_turn_with_alternatives_takes_a_slot_for_each_sequence(policy: str) -> None:
+    """An agent's call with n = 3 runs three sequences on its engine: it takes three slots, waits
+    while fewer are free (unless the engine runs nothing), and frees all three."""
+    d = build_dispatcher(TWO, policy, 4)
+    d.set_engines({"e1": "short", "e2": "short"})
+    for t in ("a", "b", "c", "big"):
+        d.admit(t, "p", 0.0)
+    assert d.place("a", 0.0, seqs=3) == "e1"
+    assert d.engines["e1"].in_flight == 3
+    assert d.place("b", 0.0, seqs=3) == "e2"  # e1 has one slot left: not enough
+    assert d.place("c", 0.0, seqs=2) is None and d.seqs == {"c": 2}  # 1 + 1 free: it waits
+    assert d.next_for("e1", 1.0) is None and "c" in d.queued  # one free slot is not two
+    d.release("e1", 3)
+    assert d.next_for("e1", 1.0) == "c" and d.engines["e1"].in_flight == 2 and not d.seqs
+    d.release("e2", 3)
+    assert d.place("big", 1.0, seqs=8) == "e2"  # more than a batch: only where nothing runs
+    assert d.engines["e2"].in_flight == 8 and d.engines["e2"].free < 0
+    d.release("e2", 8)
+    assert d.engines["e2"].in_flight == 0
+
+
 def test_a_tool_return_past_the_bucket_budget_moves_the_trajectory_to_the_long_bucket() -> None:
     d = _two_buckets(capacity=4)
     d.admit("a", "p", 0.0)

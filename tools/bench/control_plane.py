@@ -95,13 +95,15 @@ class ScanningDispatcher(Dispatcher):
     policy. The baseline of this benchmark, and the reference the indexed placement is tested
     against."""
 
-    def _pick(self, traj_id: str, bucket: str, avoid: str | None, need_tokens: int) -> str | None:
+    def _pick(
+        self, traj_id: str, bucket: str, avoid: str | None, need_tokens: int, seqs: int = 1
+    ) -> str | None:
         members = [e for e in self.engines.values() if e.bucket == bucket] or list(self.engines.values())
         if avoid is not None and any(e.engine_id != avoid for e in self.engines.values()):
             members = [e for e in members if e.engine_id != avoid] or [
                 e for e in self.engines.values() if e.engine_id != avoid
             ]
-        views = [kv_view(e.engine_id, e.in_flight, e.capacity, e.free_kv, need_tokens) for e in members]
+        views = [kv_view(e.engine_id, e.in_flight, e.capacity, e.free_kv, need_tokens, seqs) for e in members]
         return self.router.pick_engine(bucket, views, traj_id) if views else None
 
 
