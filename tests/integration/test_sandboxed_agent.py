@@ -104,14 +104,11 @@ class Endpoint:
 
 
 @pytest.fixture(scope="module")
-def creds(tmp_path_factory: pytest.TempPathFactory) -> StackCredentials:
-    return generate(tmp_path_factory.mktemp("stack") / "secrets")
-
-
-@pytest.fixture(scope="module")
-def secure_nats(creds: StackCredentials, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, StackCredentials]]:
+    """nats-server with a stack's users, each allowed what its role needs."""
+    creds = generate(tmp_path_factory.mktemp("stack") / "secrets")
     with secured_nats(creds, tmp_path_factory) as srv:
-        yield srv
+        yield srv, creds
 
 
 @dataclass
@@ -125,7 +122,7 @@ class Rig:
 
 @pytest.fixture
 async def rig(
-    request: pytest.FixtureRequest, secure_nats: Server, creds: StackCredentials, tmp_path: Path, run_id: str
+    request: pytest.FixtureRequest, stack: tuple[Server, StackCredentials], tmp_path: Path, run_id: str
 ) -> AsyncIterator[Rig]:
     """The scheduler's side (SandboxedAgents, as the scheduler) and a tool-sandbox service running
     `agent.py:<param>`, each on its own identity; an endpoint; a port open on this host's loopback
@@ -145,6 +142,7 @@ async def rig(
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     endpoint.base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    secure_nats, creds = stack
     sandbox_bus = await Bus.connect(
         secure_nats.url, run_id, "tool-sandbox", "tool-sandbox-0", creds.nats_auth("tool-sandbox")
     )
@@ -263,9 +261,10 @@ async def test_an_agent_command_runs_in_the_sandbox_as_it_would_beside_the_sched
 
 
 async def test_with_no_sandbox_a_run_fails_once_its_patience_is_out(
-    secure_nats: Server, creds: StackCredentials, run_id: str, monkeypatch: pytest.MonkeyPatch
+    stack: tuple[Server, StackCredentials], run_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sandboxed_agents, "ACCEPT_PATIENCE_S", 1.0)
+    secure_nats, creds = stack
     bus = await Bus.connect(secure_nats.url, run_id, "scheduler", "scheduler-0", creds.nats_auth("scheduler"))
     agents = SandboxedAgents(bus, timeout_s=60)
     try:
