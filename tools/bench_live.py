@@ -47,6 +47,7 @@ from services.common.synthetic import Workload
 from services.simulation.live import job_gpus, simulate
 from services.simulation.runner import percentile, steady_rate
 from tools import host_cpu
+from tools.engine_iterations import STALL
 from tools.layout import choose_layout, summary
 from tools.runner import run_job
 from tools.sim.stats import mean_ci
@@ -608,6 +609,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stalls(spread: dict[str, Any] | None) -> str:
+    """The beside iterations' spread in a few words: a shift of the median, or a tail of stalls."""
+    if not spread:
+        return ""
+    return (
+        f" (median {spread['median']}x, mean {spread['mean']}x; {spread['stalled']:.0%} of them stalled "
+        f"past {STALL:g}x the median, {spread['stalled_time']:.0%} of their time)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     ns = p.parse_args(argv)
@@ -785,6 +796,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['iterations']['decode_batch_mean']}; alone "
                 f"{r['iterations']['host']['alone']['live_over_priced']}x, beside another engine "
                 f"{r['iterations']['host']['beside_another']['live_over_priced']}x"
+                + _stalls(r["iterations"]["host"]["beside_another"].get("spread"))
                 + (
                     f"; predicted with the host sharing fitted live "
                     f"({r['iterations']['host']['host_sharing_fitted']:.2f}) "

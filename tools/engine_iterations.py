@@ -66,6 +66,31 @@ def _sums(its: list[Iteration], cm: CostModel) -> dict[str, Any]:
     }
 
 
+STALL = 2.0
+"""An iteration stalled when it took more than this times the median of its group (both against
+their prices)."""
+
+
+def spread(its: list[Iteration], cm: CostModel) -> dict[str, Any] | None:
+    """How a group's iterations spread around their prices (each iteration's time over its price):
+    the median, the mean, the 99th percentile, and the iterations that stalled (past `STALL` x the
+    median) with their share of the group's time. A uniform slowdown moves the median; stalls move
+    the mean and leave the median where it was. None without a timed iteration."""
+    timed = [(it.dt or 0.0, priced(it, cm)) for it in its if it.dt is not None and it.dt > 0]
+    if not timed:
+        return None
+    ratios = sorted(live / price for live, price in timed)
+    median = statistics.median(ratios)
+    stalled = [live for live, price in timed if live / price > STALL * median]
+    return {
+        "median": round(median, 4),
+        "mean": round(statistics.mean(ratios), 4),
+        "p99": round(ratios[min(len(ratios) - 1, int(0.99 * len(ratios)))], 4),
+        "stalled": round(len(stalled) / len(timed), 4),
+        "stalled_time": round(sum(stalled) / sum(live for live, _ in timed), 4),
+    }
+
+
 def compare(its: list[Iteration], cm: CostModel) -> dict[str, Any]:
     """Live iteration time against the cost model's price of the same iterations: all of them,
     decode-only and mixed (prompts prefilled with the decodes) apart, and decode-only by batch size.
@@ -162,9 +187,10 @@ def beside(engines: dict[str, list[Iteration]], cm: CostModel, start: float, end
     those that ran beside one (the cost model prices an engine alone, times 1 + host_sharing per
     other engine mid-iteration), and the host sharing fitted to them."""
     its = with_others(engines, start, end)
+    alone, beside_ = [it for it, k in its if k < ALONE], [it for it, k in its if k > BESIDE]
     return {
-        "alone": _sums([it for it, k in its if k < ALONE], cm),
-        "beside_another": _sums([it for it, k in its if k > BESIDE], cm),
+        "alone": _sums(alone, cm) | {"spread": spread(alone, cm)},
+        "beside_another": _sums(beside_, cm) | {"spread": spread(beside_, cm)},
         "host_sharing_fitted": host_sharing(its, cm),
         "host_sharing_profile": cm.calib.host_sharing,
     }

@@ -17,6 +17,7 @@ from tools.engine_iterations import (
     compare,
     host_sharing,
     priced,
+    spread,
     stale_profile,
     window,
     with_others,
@@ -150,3 +151,20 @@ def test_a_profile_of_another_host_or_day_is_called_stale() -> None:
         assert (warning is not None) == stale, (slower, warning)
         if stale:
             assert f"{slower:.2f}x" in warning and "libra calibrate" in warning
+
+
+def test_a_tail_of_stalls_is_told_apart_from_a_uniform_slowdown() -> None:
+    """Ninety iterations at their price and ten stalled at 10x: the median stays at 1x while the
+    mean and the stalls' share of the time say where the time went; a uniform 1.5x moves the
+    median and stalls nothing."""
+    cm = load_profile(PROFILE)
+    base = [_it(float(i), 8, 400.0, None) for i in range(100)]
+    price = [priced(it, cm) for it in base]
+    stalls = [_it(float(i), 8, 400.0, p * (10.0 if i % 10 == 0 else 1.0)) for i, p in enumerate(price)]
+    tail = spread(stalls, cm)
+    assert tail is not None
+    assert tail["median"] == 1.0 and tail["mean"] == 1.9 and tail["stalled"] == 0.1
+    assert tail["stalled_time"] == round(100 / 190, 4) and tail["p99"] == 10.0
+    shift = spread([_it(float(i), 8, 400.0, p * 1.5) for i, p in enumerate(price)], cm)
+    assert shift is not None and shift["median"] == 1.5 and shift["stalled"] == 0.0
+    assert spread(base, cm) is None  # nothing timed back to back
