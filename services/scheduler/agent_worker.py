@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from services.scheduler.plugin_worker import die_with_parent, resolve, to_score, where
+from services.scheduler.plugin_worker import answers_out, die_with_parent, resolve, to_score, where
 
 
 async def run_one(agent: Callable[..., Any], req: dict[str, Any]) -> dict[str, Any]:
@@ -132,9 +132,7 @@ def sandboxed(spec: dict[str, Any]) -> int:
     "api_key"}`) is stdin, and the answer the last line on stdout: `serve`'s for a function (or
     `{"crashed": why}` when it cannot be loaded), `{"command": {"code", "stdout", "stderr"}}` for a
     command (services/scheduler/agents.py: command_outcome reads it)."""
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    out = answers_out()
     paths = [str(p) for p in spec.get("paths", [])]
     sys.path[1:1] = paths
     req = json.loads(sys.stdin.read())
@@ -166,15 +164,12 @@ def _command(
     path), with the sandbox's packages on PYTHONPATH for a Python program."""
     import subprocess
 
+    from services.scheduler.agents import command_env
+
     row = json.dumps(req.get("sample", {}))
     env = {k: os.environ[k] for k in ("PATH", "HOME", "TMPDIR", "LANG") if k in os.environ}
-    env |= {
-        "OPENAI_BASE_URL": base_url,
-        "OPENAI_API_KEY": str(req["api_key"]),
-        "LIBRA_TRAJECTORY_ID": str(req["id"]),
-        "LIBRA_SAMPLE": row,
-        "PYTHONPATH": os.pathsep.join([*paths, *sites]),
-    }
+    env |= command_env(base_url, str(req["api_key"]), str(req["id"]), row)
+    env["PYTHONPATH"] = os.pathsep.join([*paths, *sites])
     cwd = paths[0] if paths else None
     program = command[0]
     if cwd and not os.path.isabs(program) and os.path.exists(os.path.join(cwd, program)):
@@ -196,9 +191,7 @@ def _command(
 
 def main(argv: list[str]) -> int:
     die_with_parent()
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    out = answers_out()
     ref, paths = argv[0], argv[1:]
     sys.path[:0] = [os.path.abspath(p) for p in paths]
     try:

@@ -198,12 +198,7 @@ class CommandAgents:
     ) -> AgentOutcome:
         row = json.dumps(sample, default=str)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}
-        env |= self.env | {
-            "OPENAI_BASE_URL": base_url,
-            "OPENAI_API_KEY": api_key,
-            "LIBRA_TRAJECTORY_ID": trajectory_id,
-            "LIBRA_SAMPLE": row,
-        }
+        env |= self.env | command_env(base_url, api_key, trajectory_id, row)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.command,
@@ -266,6 +261,17 @@ def outcome_of(answer: dict[str, Any]) -> AgentOutcome:
     if isinstance(score, str):  # an answer that is not the worker's own
         return PluginFailure("agent_invalid", f"its answer {score}")
     return score
+
+
+def command_env(base_url: str, api_key: str, trajectory_id: str, row: str) -> dict[str, str]:
+    """What a command agent's environment says of its run, beside the scheduler or in the
+    sandbox: the endpoint and key as OpenAI clients read them, the trajectory, the row (JSON)."""
+    return {
+        "OPENAI_BASE_URL": base_url,
+        "OPENAI_API_KEY": api_key,
+        "LIBRA_TRAJECTORY_ID": trajectory_id,
+        "LIBRA_SAMPLE": row,
+    }
 
 
 def command_outcome(code: int, stdout: str, stderr: str) -> AgentOutcome:

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 
 def to_score(value: Any) -> float | str:
@@ -138,11 +138,18 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def main(argv: list[str]) -> int:
-    die_with_parent()
+def answers_out() -> TextIO:
+    """This process's own copy of stdout, for its answers; whatever the user's code prints (its
+    stdout too) goes to stderr from now on, so that it cannot corrupt them."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    return out
+
+
+def main(argv: list[str]) -> int:
+    die_with_parent()
+    out = answers_out()
 
     def answer(obj: dict[str, Any]) -> None:
         out.write(json.dumps(obj) + "\n")

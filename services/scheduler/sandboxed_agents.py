@@ -22,7 +22,6 @@ from typing import Any
 from services.common import subjects
 from services.common.bus import Bus, Envelope
 from services.common.contracts import ev
-from services.common.logging import get_logger
 from services.scheduler.agents import AgentOutcome, outcome_of
 from services.scheduler.plugins import PluginFailure
 
@@ -52,7 +51,6 @@ class SandboxedAgents:
     def __init__(self, bus: Bus, timeout_s: float):
         self.bus, self.timeout_s = bus, timeout_s
         self.runs: dict[str, _Run] = {}
-        self.log = get_logger(component="sandboxed_agents")
 
     async def start(self, env: dict[str, str] | None = None) -> None:
         """`env` is not used: the agent speaks plain HTTP to its sandbox's relay, and the

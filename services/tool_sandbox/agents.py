@@ -12,7 +12,6 @@ another's socket, key or files.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -174,8 +173,7 @@ class EndpointBridge:
             self.server.close()
         for task in list(self.carrying):
             task.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*self.carrying, return_exceptions=True)
+        await asyncio.gather(*self.carrying, return_exceptions=True)
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
